@@ -1,0 +1,94 @@
+"""Engine configuration and every GMLX_* environment variable, read in one place.
+
+This module must not import mlx: the BLAS loader reads it before mlx is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "models" / "builtin"
+BUILTIN_TARGET_DIR = BUILTIN_DIR / "target"
+BUILTIN_DRAFT_DIR = BUILTIN_DIR / "draft"
+BUILTIN_MTP_DIR = BUILTIN_DIR / "mtp"
+
+# name -> what it does; the README's table is generated from the same words.
+ENV_VARS = {
+    "GMLX_MTP_PREEMPT": "1 (default) preempts a lone speculating stream when others wait; 0 makes them wait",
+    "GMLX_MTP_RESUME": "1 (default) re-arms a gated batch once it drains within the cap; 0 latches the gate",
+    "GMLX_MTP_WIDTH_CAP": "overrides every model's speculative_width_cap (0 = uncapped, N = speculate while <= N rows)",
+    "GMLX_RESUME_MIN_BUDGET": "rows with fewer tokens left than this do not trigger a resume (default 32)",
+    "GMLX_BLAS_LIB": "path of the BLAS shared library to load before mlx ('none' skips loading one)",
+    "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls to sgemv on Linux; 0 turns it off",
+    "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
+}
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: must be >= 0")
+    return value
+
+
+def is_preempt_enabled() -> bool:
+    return _env_flag("GMLX_MTP_PREEMPT", True)
+
+
+def is_resume_enabled() -> bool:
+    return _env_flag("GMLX_MTP_RESUME", True)
+
+
+def width_cap_override() -> int | None:
+    """GMLX_MTP_WIDTH_CAP, re-read by the loops every round."""
+    return _env_int("GMLX_MTP_WIDTH_CAP")
+
+
+def resume_min_budget() -> int:
+    value = _env_int("GMLX_RESUME_MIN_BUDGET")
+    return 32 if value is None else value
+
+
+def blas_lib_override() -> str | None:
+    raw = os.environ.get("GMLX_BLAS_LIB")
+    return raw.strip() if raw and raw.strip() else None
+
+
+def is_interposer_enabled() -> bool:
+    return _env_flag("GMLX_SGEMV_INTERPOSER", True)
+
+
+def log_level() -> str:
+    return os.environ.get("GMLX_LOG_LEVEL", "INFO").upper()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_path: str | None = None  # None = the built-in model
+    drafter: str = "none"  # none | mtp | draft[:PATH] | ngram
+    speculative_width_cap: int | None = None  # None = drafter default, 0 = uncapped, N
+    num_draft_tokens: int | None = None  # None = the drafter's default depth
+    max_num_rows: int = 64  # decode rows in flight; more requests queue
+    prefill_chunk_tokens: int = 256  # tokens of one prompt prefilled per step
+    prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
+    max_context_tokens: int | None = None  # None = the model's max_position_embeddings
