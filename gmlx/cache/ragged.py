@@ -1,0 +1,154 @@
+"""The ragged batch KV cache: each row keeps its own length, so rollbacks are per row.
+
+Rows are left-aligned at position 0 and end at their own length. A write of T tokens lands
+at each row's own end; attention masks every key past a row's end. Trimming a row is a
+length change, so a verify round rolls each row back by its own rejected count.
+(mlx-lm's BatchKVCache shares one write index across the batch: not enough for that.)
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_STEP_TOKENS = 256  # buffer growth granularity
+
+
+class RaggedKVCache:
+    def __init__(self, num_rows: int = 1):
+        self.keys: mx.array | None = None  # (B, H, S, Dk)
+        self.values: mx.array | None = None  # (B, H, S, Dv)
+        self.lengths: list[int] = [0] * num_rows
+        self._offset: mx.array | None = None
+
+    # --- the contract mlx-lm's attention layers call ---------------------------------
+
+    @property
+    def offset(self) -> mx.array:
+        # Per-row RoPE offsets; the array form is what mlx's rope takes for ragged rows.
+        if self._offset is None:
+            self._offset = mx.array(self.lengths, dtype=mx.int32)
+        return self._offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        num_rows, _, num_new, _ = keys.shape  # (B, H, T, D)
+        assert num_rows == len(self.lengths), (num_rows, len(self.lengths))
+        end = max(self.lengths) + num_new
+        self._reserve(end, keys, values)
+        if self.is_uniform:
+            start = self.lengths[0]
+            self.keys[..., start : start + num_new, :] = keys
+            self.values[..., start : start + num_new, :] = values
+        else:
+            positions = self.offset[:, None] + mx.arange(num_new)[None, :]  # (B, T)
+            index = positions[:, None, :, None]  # (B, 1, T, 1)
+            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        self.lengths = [n + num_new for n in self.lengths]
+        self._offset = None
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, num_new: int, return_array: bool = False, window_size=None):
+        assert window_size is None, "sliding-window attention is not supported"
+        if self.is_uniform and not return_array:
+            return None if num_new == 1 else "causal"
+        num_keys = max(self.lengths) + num_new
+        query_pos = self.offset[:, None] + mx.arange(num_new)[None, :]  # (B, T)
+        key_pos = mx.arange(num_keys)  # (S,)
+        return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # (B, 1, T, S)
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, num_tokens: int) -> int:
+        """Trim every row by the same count (mlx-lm's contract)."""
+        num_tokens = min(num_tokens, min(self.lengths))
+        self.trim_rows([num_tokens] * len(self.lengths))
+        return num_tokens
+
+    def size(self) -> int:
+        return max(self.lengths, default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # --- ragged operations ----------------------------------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def is_uniform(self) -> bool:
+        return all(n == self.lengths[0] for n in self.lengths)
+
+    def trim_rows(self, num_tokens_by_row: list[int]) -> None:
+        assert len(num_tokens_by_row) == len(self.lengths)
+        assert all(0 <= t <= n for t, n in zip(num_tokens_by_row, self.lengths))
+        self.lengths = [n - t for n, t in zip(self.lengths, num_tokens_by_row)]
+        self._offset = None
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only `rows`, in that order; drops buffer columns no row needs."""
+        self.lengths = [self.lengths[i] for i in rows]
+        self._offset = None
+        if self.keys is None:
+            return
+        if not rows:
+            self.keys = self.values = None
+            return
+        index = mx.array(rows, dtype=mx.int32)
+        num_keys = max(max(self.lengths), 1)
+        self.keys = self.keys[index, :, :num_keys, :]
+        self.values = self.values[index, :, :num_keys, :]
+
+    @classmethod
+    def concat(cls, caches: list[RaggedKVCache]) -> RaggedKVCache:
+        """One cache holding the rows of `caches`, in order."""
+        merged = cls(0)
+        merged.lengths = [n for c in caches for n in c.lengths]
+        filled = [c for c in caches if c.keys is not None]
+        if not filled:
+            return merged
+        width = max(c.keys.shape[2] for c in filled)
+        proto = filled[0]
+        merged.keys = mx.concatenate([_pad_to(c, "keys", width, proto) for c in caches], axis=0)
+        merged.values = mx.concatenate([_pad_to(c, "values", width, proto) for c in caches], axis=0)
+        return merged
+
+    def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        num_rows, num_heads, _, k_dim = keys.shape
+        capacity = ((end + _STEP_TOKENS - 1) // _STEP_TOKENS) * _STEP_TOKENS
+        new_k = mx.zeros((num_rows, num_heads, capacity, k_dim), keys.dtype)
+        new_v = mx.zeros((num_rows, num_heads, capacity, values.shape[3]), values.dtype)
+        if self.keys is not None:
+            used = self.keys.shape[2]
+            new_k[..., :used, :] = self.keys
+            new_v[..., :used, :] = self.values
+        self.keys, self.values = new_k, new_v
+
+
+def _pad_to(cache: RaggedKVCache, name: str, width: int, proto: RaggedKVCache) -> mx.array:
+    array = getattr(cache, name)
+    if array is None:  # rows with no tokens yet
+        ref = getattr(proto, name)
+        return mx.zeros((cache.num_rows, ref.shape[1], width, ref.shape[3]), ref.dtype)
+    if array.shape[2] == width:
+        return array
+    pad = mx.zeros((*array.shape[:2], width - array.shape[2], array.shape[3]), array.dtype)
+    return mx.concatenate([array, pad], axis=2)
+
+
+def make_ragged_cache(num_layers: int, num_rows: int = 1) -> list[RaggedKVCache]:
+    return [RaggedKVCache(num_rows) for _ in range(num_layers)]
+
+
+def concat_layer_caches(per_request: list[list[RaggedKVCache]]) -> list[RaggedKVCache]:
+    """Merge several requests' per-layer caches into one batch, layer by layer."""
+    return [RaggedKVCache.concat(list(layer)) for layer in zip(*per_request)]

@@ -1,0 +1,157 @@
+"""Engine-side request state: sampling parameters, status, and the per-step output message."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens below min_p * p(top token); 0 = off
+    seed: int | None = None  # None = the engine draws one
+    stop: tuple[str, ...] = ()  # stop strings, matched on text outside the engine core
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+class RequestStatus(enum.IntEnum):
+    # Ordered so that "finished" is one comparison.
+    WAITING = 0  # in the injection queue, not yet prefilled
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_CANCELLED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One request's new tokens from one engine step; stats ride on the last one."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stats: dict | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens already in the KV cache
+    num_cached_prompt: int = 0  # prompt tokens reused from the prompt cache
+    is_preempted: bool = False  # preempted requests are not offered back to the prompt cache
+    arrival_time_s: float = field(default_factory=time.perf_counter)
+    first_token_time_s: float | None = None
+    finish_time_s: float | None = None
+    num_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # [j] = drafts accepted at depth j
+    num_rounds_by_loop: dict = field(default_factory=dict)  # "scalar"|"batch"|"gated"|"capture"|"plain" -> rounds
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        return self.params.max_tokens - self.num_generated
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def make_stats(self) -> dict:
+        end_s = self.finish_time_s or time.perf_counter()
+        ttft_s = None if self.first_token_time_s is None else self.first_token_time_s - self.arrival_time_s
+        decode_s = None if self.first_token_time_s is None else end_s - self.first_token_time_s
+        decode_tok_per_s = (self.num_generated - 1) / decode_s if decode_s and self.num_generated > 1 else 0.0
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated,
+            "cached_prompt_tokens": self.num_cached_prompt,
+            "ttft_s": ttft_s,
+            "decode_tok_per_s": decode_tok_per_s,
+            "num_rounds": self.num_rounds,
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else None,
+            "accepted_by_position": list(self.accepted_by_position),
+            "tokens_per_round": self.num_generated / self.num_rounds if self.num_rounds else None,
+            "rounds_by_loop": dict(self.num_rounds_by_loop),
+            "is_preempted": self.is_preempted,
+            "seed": self.seed,
+        }

@@ -1,0 +1,99 @@
+"""Seeded per-position sampling.
+
+Each sampled token is argmax(filtered logits / temperature + gumbel), where the Gumbel noise
+is a hash of (request seed, absolute position, vocabulary index) and nothing else. So a
+seeded request draws the same tokens in any batch, loop or transition, and a drafter that
+samples with the same noise (coupled drafting) proposes exactly the token the target will
+sample whenever their filtered distributions agree on the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: mx.array) -> mx.array:
+    """murmur3's 32-bit finalizer: a bijective avalanche on uint32 lanes."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x85EBCA6B, dtype=mx.uint32)
+    x = x ^ (x >> 13)
+    x = x * mx.array(0xC2B2AE35, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: mx.array, positions: mx.array, vocab_size: int) -> mx.array:
+    """Noise (N, V) for N (seed, position) pairs; seeds are uint64 split into two lanes."""
+    seed_lo = (seeds & 0xFFFFFFFF).astype(mx.uint32)
+    seed_hi = (seeds >> 32).astype(mx.uint32)
+    golden = mx.array(_GOLDEN, dtype=mx.uint32)
+    key = _mix32(_mix32(seed_lo + golden) ^ seed_hi)
+    key = _mix32(key ^ (positions.astype(mx.uint32) * mx.array(0x27D4EB2F, dtype=mx.uint32)))
+    vocab = mx.arange(vocab_size, dtype=mx.uint32) * golden
+    bits = _mix32(key[:, None] + vocab[None, :])  # (N, V)
+    uniform = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -mx.log(-mx.log(uniform))
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters as device arrays, built once per batch layout."""
+
+    temperature: mx.array  # (B,) float32; 0 = greedy
+    top_p: mx.array  # (B,)
+    top_k: mx.array  # (B,) int32; 0 = off
+    min_p: mx.array  # (B,)
+    seeds: mx.array  # (B,) uint64
+    is_all_greedy: bool
+    needs_sort: bool  # some row filters by top-p or top-k
+
+    @classmethod
+    def make(cls, params_list, seeds: list[int]) -> SamplingRows:
+        temps = [p.temperature for p in params_list]
+        return cls(
+            temperature=mx.array(temps, dtype=mx.float32),
+            top_p=mx.array([p.top_p for p in params_list], dtype=mx.float32),
+            top_k=mx.array([p.top_k for p in params_list], dtype=mx.int32),
+            min_p=mx.array([p.min_p for p in params_list], dtype=mx.float32),
+            seeds=mx.array(seeds, dtype=mx.uint64),
+            is_all_greedy=all(t == 0.0 for t in temps),
+            needs_sort=any(p.temperature > 0 and (p.top_p < 1.0 or p.top_k > 0) for p in params_list),
+        )
+
+
+def sample(logits: mx.array, rows: SamplingRows, positions: mx.array) -> mx.array:
+    """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions."""
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if rows.is_all_greedy:
+        return greedy
+    batch, num_pos, vocab = logits.shape
+    temperature = mx.maximum(rows.temperature, 1e-6)[:, None, None]
+    scaled = _filter(logits.astype(mx.float32) / temperature, rows)  # (B, T, V)
+    seeds = mx.broadcast_to(rows.seeds[:, None], (batch, num_pos)).reshape(-1)
+    noise = gumbel_noise(seeds, positions.reshape(-1), vocab).reshape(batch, num_pos, vocab)
+    sampled = mx.argmax(scaled + noise, axis=-1).astype(mx.int32)
+    return mx.where(rows.temperature[:, None] == 0.0, greedy, sampled)
+
+
+def _filter(scaled: mx.array, rows: SamplingRows) -> mx.array:
+    """Mask tokens outside top-k, top-p and min-p with -inf (scaled: (B, T, V))."""
+    neg_inf = mx.array(-float("inf"), dtype=scaled.dtype)
+    log_probs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    min_p = rows.min_p[:, None, None]
+    top_log_prob = mx.max(log_probs, axis=-1, keepdims=True)
+    keep = (min_p <= 0) | (log_probs >= top_log_prob + mx.log(mx.maximum(min_p, 1e-30)))
+    if rows.needs_sort:
+        order = mx.argsort(-log_probs, axis=-1)  # descending
+        sorted_lp = mx.take_along_axis(log_probs, order, axis=-1)
+        rank = mx.arange(scaled.shape[-1])[None, None, :]
+        top_k = rows.top_k[:, None, None]
+        keep_sorted = (top_k <= 0) | (rank < top_k)
+        # Keep a token while the mass before it is below top_p, so the top token always stays.
+        mass_before = mx.cumsum(mx.exp(sorted_lp), axis=-1) - mx.exp(sorted_lp)
+        keep_sorted = keep_sorted & (mass_before < rows.top_p[:, None, None])
+        inverse = mx.argsort(order, axis=-1)
+        keep = keep & mx.take_along_axis(keep_sorted, inverse, axis=-1)
+    return mx.where(keep, scaled, neg_inf)

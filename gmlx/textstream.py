@@ -1,0 +1,65 @@
+"""Incremental detokenization with stop strings, kept off the decode loop."""
+
+from __future__ import annotations
+
+_INCOMPLETE = "\ufffd"  # what a tokenizer yields for a cut UTF-8 sequence
+
+
+class TextStream:
+    """Turns a request's growing token list into text deltas and detects stop strings.
+
+    Text that could still become the start of a stop string is held back until it can't,
+    so the client never sees part of a stop string. The stop string itself is not emitted.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._token_ids: list[int] = []
+        self._num_emitted_chars = 0
+        self.is_stopped = False
+
+    def add(self, token_ids) -> str:
+        """Append tokens; returns the new text that is safe to show."""
+        assert not self.is_stopped, "add() after a stop string matched"
+        self._token_ids.extend(token_ids)
+        text = self._tokenizer.decode(self._token_ids)
+        if text.endswith(_INCOMPLETE):
+            text = text[: len(text.rstrip(_INCOMPLETE))]
+        stop_at = self._find_stop(text)
+        if stop_at is not None:
+            self.is_stopped = True
+            end = stop_at
+        else:
+            end = len(text) - self._held_back(text)
+        end = max(end, self._num_emitted_chars)
+        delta = text[self._num_emitted_chars : end]
+        self._num_emitted_chars = end
+        return delta
+
+    def flush(self) -> str:
+        """The held-back tail, once the request ended without a stop string."""
+        if self.is_stopped:
+            return ""
+        text = self._tokenizer.decode(self._token_ids)
+        delta = text[self._num_emitted_chars :]
+        self._num_emitted_chars = len(text)
+        return delta
+
+    def _find_stop(self, text: str) -> int | None:
+        if not self._stop:
+            return None
+        # Only text that is new since the last emit, plus room for a match to straddle it.
+        start = max(0, self._num_emitted_chars - max(len(s) for s in self._stop))
+        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
