@@ -1,0 +1,29 @@
+"""The drafter protocol: how the loops ask for drafts and tell a drafter what was kept."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+
+
+class Drafter(Protocol):
+    kind: str
+    num_draft_tokens: int  # default draft depth k
+    default_width_cap: int  # speculate while at most this many rows decode (0 = uncapped)
+    needs_hidden: bool  # wants the target's hidden state at each row's last verified position
+
+    def reset(self) -> None:
+        """Forget every row (gate, preempt). Must do no MLX work."""
+
+    def add_rows(self, batch, rows: list[int], hidden: mx.array | None) -> None:
+        """Rows `rows` of `batch` (appended last) join; hidden (len(rows), D) produced their pending token."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
+
+    def propose(self, batch, num_tokens: int) -> mx.array:
+        """Drafts (B, num_tokens) for the positions after each row's pending token."""
+
+    def on_verified(self, batch, num_accepted: list[int], hidden: mx.array | None) -> None:
+        """After a verify round; hidden (B, k+1, D) is the verify forward's, before trimming."""

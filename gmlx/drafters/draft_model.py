@@ -1,0 +1,76 @@
+"""A separate small draft model with its own ragged KV, kept one token behind the target."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
+from gmlx.models.loader import load_model
+from gmlx.sampling import sample
+
+_PREFILL_CHUNK_TOKENS = 512
+
+
+class DraftModelDrafter:
+    kind = "draft"
+    default_width_cap = 4
+    needs_hidden = False
+
+    def __init__(self, path, target, num_draft_tokens: int | None = None):
+        self.draft = load_model(path)
+        if self.draft.vocab_size != target.vocab_size or _vocab(self.draft) != _vocab(target):
+            raise ValueError(
+                f"drafter draft:{path}: its vocabulary ({self.draft.vocab_size} tokens) does not "
+                f"match the target's ({target.vocab_size} tokens)"
+            )
+        self.num_draft_tokens = num_draft_tokens or 3
+        self.caches = None  # per draft layer; row i mirrors batch row i
+
+    def reset(self) -> None:
+        self.caches = None
+
+    def add_rows(self, batch, rows, hidden) -> None:
+        num_before = 0 if self.caches is None else self.caches[0].num_rows
+        assert rows == list(range(num_before, num_before + len(rows))), "rows join at the end"
+        new = [self._prefill(batch.requests[i].all_token_ids[: batch.lengths[i] - 1]) for i in rows]
+        parts = new if self.caches is None else [self.caches, *new]
+        self.caches = concat_layer_caches(parts)
+
+    def keep_rows(self, rows) -> None:
+        if self.caches is not None:
+            for cache in self.caches:
+                cache.select_rows(rows)
+
+    def propose(self, batch, num_tokens: int) -> mx.array:
+        # Roll each row back to one token behind the target, then feed [last KV token, pending]:
+        # a uniform two-token input whatever each row accepted last round.
+        lengths = batch.lengths
+        self._trim_to([n - 1 for n in lengths])
+        last = [r.all_token_ids[n - 1] for r, n in zip(batch.requests, lengths)]
+        tokens = mx.concatenate([mx.array(last, dtype=mx.int32)[:, None], batch.pending[:, None]], axis=1)
+        positions = batch.positions(num_tokens, first_offset=1)
+        drafts = []
+        for j in range(num_tokens):
+            logits = self.draft.head(self.draft.body(tokens, self.caches)[:, -1:, :])  # (B, 1, V)
+            tokens = sample(logits, batch.sampling, positions[:, j : j + 1])
+            drafts.append(tokens)
+        return mx.concatenate(drafts, axis=1)
+
+    def on_verified(self, batch, num_accepted, hidden) -> None:
+        pass
+
+    def _trim_to(self, lengths: list[int]) -> None:
+        for cache in self.caches:
+            cache.trim_rows([have - want for have, want in zip(cache.lengths, lengths)])
+
+    def _prefill(self, tokens: list[int]):
+        caches = make_ragged_cache(self.draft.num_layers)
+        for start in range(0, len(tokens), _PREFILL_CHUNK_TOKENS):
+            chunk = mx.array(tokens[start : start + _PREFILL_CHUNK_TOKENS], dtype=mx.int32)[None]
+            self.draft.body(chunk, caches)
+            mx.eval([c.keys for c in caches])
+        return caches
+
+
+def _vocab(model) -> dict:
+    return model.tokenizer.get_vocab() if hasattr(model.tokenizer, "get_vocab") else {}

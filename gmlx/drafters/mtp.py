@@ -1,0 +1,58 @@
+"""The MTP drafter: a head fed by the target's hidden state at each row's last verified position."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from gmlx.sampling import sample
+
+
+class MTPDrafter:
+    kind = "mtp"
+    default_width_cap = 4
+    needs_hidden = True
+
+    def __init__(self, path, target, num_draft_tokens: int | None = None):
+        from gmlx.models.mtp_head import load_mtp_head
+
+        self.head = load_mtp_head(path)
+        if self.head.args.hidden_size != target.hidden_size or self.head.args.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"drafter mtp:{path}: head is for hidden {self.head.args.hidden_size} / vocab "
+                f"{self.head.args.vocab_size}, target has {target.hidden_size} / {target.vocab_size}"
+            )
+        self.target = target
+        self.num_draft_tokens = num_draft_tokens or 3
+        self.hidden: mx.array | None = None  # (B, 1, D): each row's hidden behind its pending token
+
+    def reset(self) -> None:
+        self.hidden = None
+
+    def add_rows(self, batch, rows, hidden) -> None:
+        assert hidden is not None and hidden.shape[0] == len(rows)
+        num_before = 0 if self.hidden is None else self.hidden.shape[0]
+        assert rows == list(range(num_before, num_before + len(rows))), "rows join at the end"
+        new = hidden[:, None, :]
+        self.hidden = new if self.hidden is None else mx.concatenate([self.hidden, new])
+
+    def keep_rows(self, rows) -> None:
+        if self.hidden is not None:
+            self.hidden = self.hidden[mx.array(rows, dtype=mx.int32)] if rows else None
+
+    def propose(self, batch, num_tokens: int) -> mx.array:
+        assert self.hidden is not None and self.hidden.shape[0] == batch.num_rows
+        embed = self.target.body.embed_tokens
+        hidden, token = self.hidden, batch.pending[:, None]  # (B, 1, D), (B, 1)
+        positions = batch.positions(num_tokens, first_offset=1)  # draft j sits at KV length + j
+        drafts = []
+        for j in range(num_tokens):
+            hidden = self.head(hidden, token, embed)
+            logits = self.target.head(hidden)  # (B, 1, V)
+            token = sample(logits, batch.sampling, positions[:, j : j + 1])
+            drafts.append(token)
+        return mx.concatenate(drafts, axis=1)
+
+    def on_verified(self, batch, num_accepted, hidden) -> None:
+        rows = mx.arange(hidden.shape[0])
+        accepted = mx.array(num_accepted, dtype=mx.int32)
+        self.hidden = hidden[rows, accepted][:, None, :]

@@ -1,0 +1,294 @@
+"""The socket-free engine core: add a request, abort one, step -> each request's new tokens.
+
+One step is one decode round of the running generation, preceded by the injection drain
+when the generation has an admission boundary. The loop a round runs in:
+  scalar  - one request speculating alone (no admission boundary: waiters preempt it)
+  batch   - speculating rows within the width cap
+  gated   - plain decode over the cap, next forward dispatched ahead (no drafter work)
+  settle  - reads the dispatched-ahead lookahead without a successor (before a capture)
+  capture - one-position verify with the hidden state kept; the drafter cold-starts from it
+  plain   - no drafter loaded
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+import uuid
+
+import mlx.core as mx
+
+from gmlx import config
+from gmlx.cache.ragged import concat_layer_caches
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.models.loader import LoadedModel, load_model
+from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
+from gmlx.spec import admission
+from gmlx.spec.batch import DecodeBatch
+from gmlx.spec.speculative import capture_round, plain_round, speculative_round
+
+logger = logging.getLogger(__name__)
+
+_STAT_KEYS = (
+    "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
+    "num_batch_rounds", "num_gated_rounds", "num_plain_rounds", "num_settle_rounds",
+    "num_capture_rounds", "num_preempts", "num_resumes", "num_gates", "num_drafted", "num_accepted",
+)
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, prompt_cache=None):
+        self.target = target
+        self.drafter = drafter
+        self.config = engine_config
+        self.prompt_cache = prompt_cache
+        self.max_context_tokens = engine_config.max_context_tokens or target.max_context_tokens
+        self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, prompt_cache)
+        self.batch: DecodeBatch | None = None
+        self.requests: dict[str, Request] = {}
+        self.counters = dict.fromkeys(_STAT_KEYS, 0)
+        self.events: collections.deque = collections.deque(maxlen=4096)
+        self._outputs: list[RequestOutput] = []
+
+    @classmethod
+    def load(cls, engine_config: EngineConfig) -> Engine:
+        target = load_model(engine_config.model_path)
+        drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
+        prompt_cache = None
+        if engine_config.prompt_cache_bytes > 0:
+            from gmlx.cache.prompt_cache import PromptCache
+
+            prompt_cache = PromptCache(engine_config.prompt_cache_bytes)
+        return cls(target, drafter, engine_config, prompt_cache)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def model_path(self) -> str:
+        return self.target.path
+
+    # --- the public API ---------------------------------------------------------------
+
+    def add_request(self, token_ids, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; ValueError naming the bad field."""
+        params.validate()
+        token_ids = list(token_ids) if token_ids is not None else []
+        if not token_ids:
+            raise ValueError("token_ids: the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.target.vocab_size for t in token_ids):
+            raise ValueError(f"token_ids: every id must be an integer in [0, {self.target.vocab_size})")
+        if len(token_ids) >= self.max_context_tokens:
+            raise ValueError(
+                f"token_ids: prompt of {len(token_ids)} tokens does not fit the context "
+                f"of {self.max_context_tokens} tokens"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = Request(request_id, token_ids, params, seed)
+        self.requests[request_id] = request
+        self.queue.push(request)
+        self.counters["num_requests"] += 1
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return
+        if self.queue.remove(request_id) is None and self.batch is not None:
+            rows = [i for i, r in enumerate(self.batch.requests) if r.request_id != request_id]
+            self._keep_rows(rows)
+        self._finish(request, RequestStatus.FINISHED_CANCELLED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue) or self.batch is not None or bool(self._outputs)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one round; returns each request's new tokens (and final outputs)."""
+        if self.batch is not None and self.batch.is_scalar and self.queue:
+            if config.is_preempt_enabled():
+                self._preempt()
+        if self.batch is None or not self.batch.is_scalar:
+            self._admit()
+        if self.batch is not None:
+            self._run_round()
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def stats(self) -> dict:
+        stats = dict(self.counters)
+        stats["num_active"] = 0 if self.batch is None else self.batch.num_rows
+        stats["num_queued"] = len(self.queue)
+        stats["width_cap"] = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
+        stats["acceptance_rate"] = (
+            self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
+        )
+        stats["events"] = list(self.events)[-64:]
+        if self.prompt_cache is not None:
+            stats.update(self.prompt_cache.stats())
+        return stats
+
+    # --- admission and transitions ------------------------------------------------------
+
+    def _admit(self) -> None:
+        num_rows = 0 if self.batch is None else self.batch.num_rows
+        prefilled = self.queue.drain(self.config.max_num_rows - num_rows)
+        joining = []
+        for item in prefilled:
+            request = item.request
+            request.status = RequestStatus.DECODING
+            request.first_token_time_s = time.perf_counter()
+            if self._deliver(request, [item.first_token]):
+                joining.append(item)
+        if not joining:
+            return
+        merged = concat_layer_caches([p.caches for p in joining])
+        pending = mx.array([p.first_token for p in joining], dtype=mx.int32)
+        requests = [p.request for p in joining]
+        if self.batch is None:
+            self.batch = DecodeBatch(requests, merged, pending)
+            new_rows = list(range(len(requests)))
+            # A lone request with nobody waiting speculates in the scalar loop.
+            self.batch.is_scalar = self.drafter is not None and len(requests) == 1 and not self.queue
+            self.batch.is_armed = self.drafter is not None
+            if self.batch.is_armed:
+                self.drafter.reset()
+        else:
+            first = self.batch.num_rows
+            self.batch.append_rows(requests, merged, pending)
+            new_rows = list(range(first, first + len(requests)))
+        self._event("admit", num_new=len(requests))
+        cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        if self.batch.is_armed and not admission.is_within_cap(cap, self.batch.num_rows):
+            self._gate()
+        elif self.batch.is_armed:
+            hidden = mx.stack([p.hidden for p in joining])
+            self.drafter.add_rows(self.batch, new_rows, hidden if self.drafter.needs_hidden else None)
+
+    def _preempt(self) -> None:
+        # The scalar round's verified tokens went out at the end of that round; what is left
+        # is its bonus, pending and delivered, with every other token in the KV.
+        batch = self.batch
+        assert batch.is_settled
+        batch.is_scalar = False
+        batch.is_armed = False
+        self.drafter.reset()
+        for request in batch.requests:
+            request.is_preempted = True
+        self.counters["num_preempts"] += 1
+        self._event("preempt", num_waiting=len(self.queue))
+
+    def _gate(self) -> None:
+        self.batch.is_armed = False
+        self.batch.was_gated = True
+        self.drafter.reset()
+        self.counters["num_gates"] += 1
+        self._event("gate")
+
+    # --- rounds ------------------------------------------------------------------------
+
+    def _run_round(self) -> None:
+        batch = self.batch
+        cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        if self.drafter is None:
+            loop, tokens = "plain", plain_round(self.target, batch, dispatch_next=True)
+        elif not admission.is_within_cap(cap, batch.num_rows):
+            if batch.is_armed:
+                self._gate()
+            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=True)
+        elif batch.is_armed:
+            loop = "scalar" if batch.is_scalar else "batch"
+            result = speculative_round(self.target, batch, self.drafter, self.drafter.num_draft_tokens)
+            tokens = result.tokens_by_row
+            self._count_verify(result)
+        elif batch.was_gated and not admission.can_resume(batch.requests):
+            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=True)
+        elif not batch.is_settled:
+            loop, tokens = "settle", plain_round(self.target, batch, dispatch_next=False)
+        else:
+            loop, (tokens, hidden) = "capture", capture_round(self.target, batch)
+            self.drafter.reset()
+            self.drafter.add_rows(batch, list(range(batch.num_rows)), hidden if self.drafter.needs_hidden else None)
+            batch.is_armed = True
+            if batch.was_gated:
+                self.counters["num_resumes"] += 1
+                self._event("resume")
+            self._event("capture")
+        self.counters["num_rounds"] += 1
+        self.counters[f"num_{loop}_rounds"] += 1
+        if loop in ("scalar", "batch"):
+            self.counters["num_spec_rounds"] += 1
+        keep = []
+        for i, (request, row_tokens) in enumerate(zip(batch.requests, tokens)):
+            request.num_rounds += 1
+            request.num_rounds_by_loop[loop] = request.num_rounds_by_loop.get(loop, 0) + 1
+            if self._deliver(request, row_tokens):
+                keep.append(i)
+        self._keep_rows(keep)
+
+    def _count_verify(self, result) -> None:
+        self.counters["num_drafted"] += result.num_drafted * len(result.num_accepted)
+        self.counters["num_accepted"] += sum(result.num_accepted)
+        for request, accepted in zip(self.batch.requests, result.num_accepted):
+            request.num_drafted += result.num_drafted
+            request.num_accepted += accepted
+            by_pos = request.accepted_by_position
+            by_pos.extend([0] * (result.num_drafted - len(by_pos)))
+            for j in range(accepted):
+                by_pos[j] += 1
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        if not rows:
+            self.batch = None
+            return
+        self.batch.keep_rows(rows)
+        if self.batch.is_armed:
+            self.drafter.keep_rows(rows)
+
+    # --- delivery ----------------------------------------------------------------------
+
+    def _deliver(self, request: Request, tokens: list[int]) -> bool:
+        """Append tokens in order, stopping at EOS or the budget; False once it finished."""
+        budget = min(request.params.max_tokens, self.max_context_tokens - request.num_prompt_tokens)
+        new, status = [], None
+        for token in tokens:
+            if token in self.target.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                break
+            new.append(token)
+            if request.num_generated + len(new) >= budget:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        request.output_token_ids.extend(new)
+        if status is None:
+            if new:
+                self._outputs.append(RequestOutput(request.request_id, tuple(new)))
+            return True
+        self._finish(request, status, new)
+        return False
+
+    def _finish(self, request: Request, status: RequestStatus, new: list[int] = ()) -> None:
+        request.status = status
+        request.finish_time_s = time.perf_counter()
+        self.counters["num_finished"] += 1
+        del self.requests[request.request_id]
+        if self.prompt_cache is not None and not request.is_preempted and status != RequestStatus.FINISHED_CANCELLED:
+            self._offer_back(request)
+        output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), request.error)
+        self._outputs.append(output)
+
+    def _offer_back(self, request: Request) -> None:
+        pass  # the prompt cache is wired in by the transitions work
+
+    def _event(self, kind: str, **fields) -> None:
+        event = {"kind": kind, "round": self.counters["num_rounds"], "time_s": time.perf_counter(),
+                 "width": 0 if self.batch is None else self.batch.num_rows, **fields}
+        self.events.append(event)
+        logger.debug("event %s", event)
