@@ -97,14 +97,20 @@ class Engine:
         self.counters["num_requests"] += 1
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, status=RequestStatus.FINISHED_CANCELLED,
+                      is_queued: bool = True) -> RequestOutput | None:
+        """Finish a request now. Its final output goes into the next step's outputs, or,
+        with is_queued=False, only to the caller (who ended it, e.g. on a stop string)."""
         request = self.requests.get(request_id)
         if request is None or request.status.is_finished:
-            return
+            return None
         if self.queue.remove(request_id) is None and self.batch is not None:
             rows = [i for i, r in enumerate(self.batch.requests) if r.request_id != request_id]
             self._keep_rows(rows)
-        self._finish(request, RequestStatus.FINISHED_CANCELLED)
+        output = self._finish(request, status)
+        if not is_queued:
+            self._outputs.remove(output)
+        return output
 
     def has_unfinished(self) -> bool:
         return bool(self.queue) or self.batch is not None or bool(self._outputs)
@@ -147,6 +153,8 @@ class Engine:
             request.first_token_time_s = time.perf_counter()
             if self._deliver(request, [item.first_token]):
                 joining.append(item)
+            else:
+                self._retire(request, item.caches, 0)
         if not joining:
             return
         merged = concat_layer_caches([p.caches for p in joining])
@@ -231,6 +239,8 @@ class Engine:
             request.num_rounds_by_loop[loop] = request.num_rounds_by_loop.get(loop, 0) + 1
             if self._deliver(request, row_tokens):
                 keep.append(i)
+            else:
+                self._retire(request, batch.caches, i)
         self._keep_rows(keep)
 
     def _count_verify(self, result) -> None:
@@ -274,18 +284,19 @@ class Engine:
         self._finish(request, status, new)
         return False
 
-    def _finish(self, request: Request, status: RequestStatus, new: list[int] = ()) -> None:
+    def _finish(self, request: Request, status: RequestStatus, new: list[int] = ()) -> RequestOutput:
         request.status = status
         request.finish_time_s = time.perf_counter()
         self.counters["num_finished"] += 1
         del self.requests[request.request_id]
-        if self.prompt_cache is not None and not request.is_preempted and status != RequestStatus.FINISHED_CANCELLED:
-            self._offer_back(request)
         output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), request.error)
         self._outputs.append(output)
+        return output
 
-    def _offer_back(self, request: Request) -> None:
-        pass  # the prompt cache is wired in by the transitions work
+    def _retire(self, request: Request, caches, row: int) -> None:
+        # A preempted request dropped its retirement context: its prefix is not offered back.
+        if self.prompt_cache is not None and not request.is_preempted:
+            self.prompt_cache.offer(request.all_token_ids, caches, row)
 
     def _event(self, kind: str, **fields) -> None:
         event = {"kind": kind, "round": self.counters["num_rounds"], "time_s": time.perf_counter(),

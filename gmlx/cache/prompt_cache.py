@@ -1,0 +1,97 @@
+"""Retired prefixes: finished requests offer their KV back so a shared prefix skips prefill.
+
+Entries are whole token sequences with one KV row per layer, under a byte budget with LRU
+eviction. A lookup returns the longest stored prefix of a prompt, capped at one token
+short of the prompt, since the prefill must still produce the last position's logits.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from gmlx.cache.ragged import RaggedKVCache
+
+
+@dataclass(frozen=True)
+class _Entry:
+    token_ids: tuple[int, ...]
+    keys: tuple[mx.array, ...]  # per layer (1, H, n, D)
+    values: tuple[mx.array, ...]
+    nbytes: int
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
+        self.num_bytes = 0
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_hit_tokens = 0
+
+    def fetch(self, prompt: list[int]) -> tuple[list[RaggedKVCache] | None, int]:
+        """Caches holding the longest stored prefix of `prompt`, and its length."""
+        best, best_len = None, 0
+        for entry in self._entries.values():
+            n = _common_prefix(entry.token_ids, prompt, limit=len(prompt) - 1)
+            if n > best_len:
+                best, best_len = entry, n
+        if best is None:
+            self.num_misses += 1
+            return None, 0
+        self._entries.move_to_end(best.token_ids)
+        self.num_hits += 1
+        self.num_hit_tokens += best_len
+        caches = []
+        for keys, values in zip(best.keys, best.values):
+            cache = RaggedKVCache(1)
+            cache.keys, cache.values = keys[:, :, :best_len, :], values[:, :, :best_len, :]
+            cache.lengths = [best_len]
+            caches.append(cache)
+        return caches, best_len
+
+    def offer(self, token_ids: list[int], caches: list[RaggedKVCache], row: int) -> None:
+        """Store row `row` of `caches`, whose first len(token_ids) positions hold token_ids."""
+        num_tokens = min(len(token_ids), caches[0].lengths[row])
+        if num_tokens <= 1:
+            return
+        key = tuple(token_ids[:num_tokens])
+        # Copies, so an entry neither pins the batch buffer nor sees later writes to it.
+        keys = tuple(mx.contiguous(c.keys[row : row + 1, :, :num_tokens, :]) for c in caches)
+        values = tuple(mx.contiguous(c.values[row : row + 1, :, :num_tokens, :]) for c in caches)
+        mx.eval(keys, values)
+        nbytes = sum(a.nbytes for a in keys + values)
+        if nbytes > self.max_bytes:
+            return
+        # An entry that is a prefix of the new one is redundant.
+        for old in [k for k in self._entries if key[: len(k)] == k]:
+            self._drop(old)
+        if key in self._entries:
+            return
+        self._entries[key] = _Entry(key, keys, values, nbytes)
+        self.num_bytes += nbytes
+        while self.num_bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def stats(self) -> dict:
+        return {
+            "prompt_cache_entries": len(self._entries),
+            "prompt_cache_bytes": self.num_bytes,
+            "prompt_cache_hits": self.num_hits,
+            "prompt_cache_misses": self.num_misses,
+            "prompt_cache_hit_tokens": self.num_hit_tokens,
+        }
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.num_bytes -= self._entries.pop(key).nbytes
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
