@@ -1,0 +1,125 @@
+"""The `gmlx` command: generate, serve, doctor, bench."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+import gmlx  # noqa: F401  (loads the fast BLAS before anything imports mlx)
+from gmlx import config
+
+logger = logging.getLogger(__name__)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=config.log_level(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@click.group()
+def main() -> None:
+    """gmlx: speculative decoding and continuous batching together, on MLX."""
+    _setup_logging()
+
+
+def _check_cap(ctx, param, value):
+    if value is not None and value < 0:
+        raise click.BadParameter(f"must be >= 0, got {value}")
+    return value
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--model", default=None, help="mlx-lm model folder (default: the built-in model)")
+@click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--speculative-width-cap", type=int, default=None, callback=_check_cap)
+@click.option("--server", default=None, help="send to a running gmlx server at this address")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
+def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+             speculative_width_cap, server, as_json) -> None:
+    """Generate a completion for PROMPT, streaming text to stdout."""
+    from gmlx.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop))
+    try:
+        params.validate()
+        if not prompt:
+            raise ValueError("prompt: must be a non-empty string")
+    except ValueError as exc:
+        _fail(exc)
+    if server is not None:
+        from workers.cli_serve import generate_via_server
+
+        generate_via_server(server, prompt, params, as_json=as_json)
+        return
+    from gmlx.config import EngineConfig
+    from gmlx.engine import Engine
+    from gmlx.generate import stream_generate
+
+    try:
+        engine = Engine.load(EngineConfig(model_path=model, drafter=drafter,
+                                          speculative_width_cap=speculative_width_cap))
+        chunks = stream_generate(engine, prompt, params)
+        token_ids, text, last = [], [], None
+        for chunk in chunks:
+            token_ids += chunk.token_ids
+            text.append(chunk.text)
+            if not as_json:
+                click.echo(chunk.text, nl=False)
+            last = chunk
+    except ValueError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps({
+            "model": engine.model_path, "token_ids": token_ids, "text": "".join(text),
+            "finish_reason": last.finish_reason, "stats": last.stats,
+        }))
+    else:
+        click.echo("")
+        stats = last.stats
+        click.echo(
+            f"[{last.finish_reason}] {stats['generated_tokens']} tokens, "
+            f"ttft {stats['ttft_s']:.3f}s, {stats['decode_tok_per_s']:.1f} tok/s"
+            + (f", acceptance {stats['acceptance_rate']:.2f}" if stats.get("acceptance_rate") is not None else ""),
+            err=True,
+        )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def doctor(as_json) -> None:
+    """Report the BLAS in use, the sgemv interposer and the MLX device."""
+    from gmlx.platform.blas import describe_blas, format_blas_report
+
+    report = describe_blas()
+    click.echo(json.dumps(report, indent=2) if as_json else format_blas_report(report))
+
+
+def _fail(exc: Exception) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(2)
+
+
+def _register_optional_commands() -> None:
+    try:
+        from workers.cli_serve import serve
+    except ImportError as exc:  # the serving package is part of the install; say what broke
+        logger.debug("serve command unavailable: %s", exc)
+        return
+    main.add_command(serve)
+
+
+_register_optional_commands()

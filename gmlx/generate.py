@@ -1,0 +1,50 @@
+"""Library mode: stream one request through an in-process engine, with text and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from gmlx.request import RequestStatus, SamplingParams
+from gmlx.textstream import TextStream
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    token_ids: list[int]  # the new tokens of this chunk, in order
+    text: str  # the new text of this chunk
+    finish_reason: str | None = None  # None until the last chunk
+    stats: dict | None = None  # on the last chunk
+
+
+def stream_generate(engine, prompt: str | None = None, params: SamplingParams | None = None,
+                    token_ids: list[int] | None = None) -> Iterator[Chunk]:
+    """Run one request to completion on `engine`, yielding chunks as rounds produce tokens.
+
+    Other requests already in the engine keep decoding alongside this one.
+    """
+    params = params or SamplingParams()
+    if token_ids is None:
+        if not prompt:
+            raise ValueError("prompt: must be a non-empty string")
+        token_ids = engine.tokenizer.encode(prompt)
+    request_id = engine.add_request(token_ids, params)
+    text = TextStream(engine.tokenizer, params.stop)
+    try:
+        while True:
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                delta = text.add(output.new_token_ids)
+                if text.is_stopped:
+                    final = engine.abort_request(request_id, RequestStatus.FINISHED_STOPPED, is_queued=False)
+                    stats = final.stats if final is not None else output.stats
+                    yield Chunk(list(output.new_token_ids), delta, "stop", stats)
+                    return
+                if output.finish_reason is not None:
+                    yield Chunk(list(output.new_token_ids), delta + text.flush(), output.finish_reason, output.stats)
+                    return
+                yield Chunk(list(output.new_token_ids), delta)
+    finally:
+        engine.abort_request(request_id)  # a no-op once finished; cancels if the caller left early
+
