@@ -1,0 +1,151 @@
+"""Randomized schedules: arrivals, budgets, caps, cancels and switches, checked against solo plain decoding.
+
+Shared by the test suite and scripts/fuzz_schedules.py (which runs thousands).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass, field
+
+from gmlx.config import EngineConfig
+from gmlx.engine import Engine
+from gmlx.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class Arrival:
+    round_index: int
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    cancel_after_rounds: int | None  # cancel this many rounds after arrival, None = never
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    width_cap: int
+    is_preempt_on: bool
+    is_resume_on: bool
+    resume_min_budget: int
+    arrivals: tuple[Arrival, ...]
+
+
+@dataclass
+class ScheduleResult:
+    counters: dict
+    tokens: dict = field(default_factory=dict)  # arrival index -> emitted tokens
+    finish: dict = field(default_factory=dict)  # arrival index -> finish reason
+
+
+def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_requests: int = 6,
+                  caps=(0, 1, 2, 4), temperatures=(0.0, 0.8)) -> Schedule:
+    rng = random.Random(seed)
+    arrivals, round_index = [], 0
+    for _ in range(rng.randint(1, max_requests)):
+        round_index += rng.choice((0, 0, 1, 2, 3, 5, 8, 13))
+        if rng.random() < 0.5 and prompt_pool:
+            base = rng.choice(prompt_pool)
+            prompt = base[: rng.randint(1, len(base))]
+        else:
+            prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 24))]
+        temperature = rng.choice(temperatures)
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 40), temperature=temperature,
+            top_p=rng.choice((1.0, 0.9)) if temperature else 1.0,
+            top_k=rng.choice((0, 0, 20)) if temperature else 0,
+            seed=rng.randrange(2**31),
+        )
+        cancel = rng.randint(0, 10) if rng.random() < 0.1 else None
+        arrivals.append(Arrival(round_index, tuple(prompt), params, cancel))
+    return Schedule(seed, rng.choice(caps), rng.random() < 0.8, rng.random() < 0.8,
+                    rng.choice((0, 2, 4, 32)), tuple(arrivals))
+
+
+@contextlib.contextmanager
+def switches(schedule: Schedule):
+    values = {
+        "GMLX_MTP_WIDTH_CAP": str(schedule.width_cap),
+        "GMLX_MTP_PREEMPT": "1" if schedule.is_preempt_on else "0",
+        "GMLX_MTP_RESUME": "1" if schedule.is_resume_on else "0",
+        "GMLX_RESUME_MIN_BUDGET": str(schedule.resume_min_budget),
+    }
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_schedule(engine: Engine, schedule: Schedule, max_rounds: int = 2000) -> ScheduleResult:
+    result = ScheduleResult(counters={})
+    before = dict(engine.counters)
+    ids: dict[str, int] = {}
+    cancel_at: dict[int, list[str]] = {}
+    pending = list(enumerate(schedule.arrivals))
+    with switches(schedule):
+        for round_index in range(max_rounds):
+            while pending and pending[0][1].round_index <= round_index:
+                index, arrival = pending.pop(0)
+                request_id = engine.add_request(list(arrival.token_ids), arrival.params)
+                ids[request_id] = index
+                result.tokens[index] = []
+                if arrival.cancel_after_rounds is not None:
+                    cancel_at.setdefault(round_index + arrival.cancel_after_rounds, []).append(request_id)
+            for request_id in cancel_at.pop(round_index, []):
+                engine.abort_request(request_id)
+            for output in engine.step():
+                index = ids[output.request_id]
+                result.tokens[index].extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    assert index not in result.finish, f"request {index} finished twice"
+                    result.finish[index] = output.finish_reason
+            if not pending and not engine.has_unfinished():
+                break
+        else:
+            raise AssertionError(f"schedule {schedule.seed} did not finish in {max_rounds} rounds")
+    result.counters = {k: engine.counters[k] - before.get(k, 0) for k in engine.counters}
+    return result
+
+
+class SoloReference:
+    """Solo plain decoding of one request, memoized: the ground truth every stream must equal."""
+
+    def __init__(self, target):
+        self.engine = Engine(target, None, EngineConfig(prompt_cache_bytes=0))
+        self._memo: dict = {}
+
+    def tokens(self, token_ids, params: SamplingParams) -> tuple[list[int], str]:
+        key = (tuple(token_ids), params)
+        if key not in self._memo:
+            request_id = self.engine.add_request(list(token_ids), params)
+            out, reason = [], None
+            while reason is None:
+                for output in self.engine.step():
+                    assert output.request_id == request_id
+                    out.extend(output.new_token_ids)
+                    reason = output.finish_reason
+            self._memo[key] = (out, reason)
+        return self._memo[key]
+
+
+def check_schedule(engine: Engine, reference: SoloReference, schedule: Schedule) -> ScheduleResult:
+    """Run `schedule` and assert every stream equals its solo plain decoding."""
+    result = run_schedule(engine, schedule)
+    for index, arrival in enumerate(schedule.arrivals):
+        expected, expected_reason = reference.tokens(arrival.token_ids, arrival.params)
+        got = result.tokens[index]
+        reason = result.finish[index]
+        where = f"schedule {schedule.seed}, request {index} ({reason})"
+        if reason == "cancelled":
+            assert got == expected[: len(got)], f"{where}: {got} is not a prefix of {expected}"
+        else:
+            assert (got, reason) == (expected, expected_reason), f"{where}: {got} != {expected}"
+    return result
