@@ -92,3 +92,4 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256  # tokens of one prompt prefilled per step
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
+    is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)

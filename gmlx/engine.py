@@ -161,7 +161,7 @@ class Engine:
         pending = mx.array([p.first_token for p in joining], dtype=mx.int32)
         requests = [p.request for p in joining]
         if self.batch is None:
-            self.batch = DecodeBatch(requests, merged, pending)
+            self.batch = DecodeBatch(requests, merged, pending, self.config.is_batch_draft_coupled)
             new_rows = list(range(len(requests)))
             # A lone request with nobody waiting speculates in the scalar loop.
             self.batch.is_scalar = self.drafter is not None and len(requests) == 1 and not self.queue
@@ -174,7 +174,7 @@ class Engine:
             new_rows = list(range(first, first + len(requests)))
         self._event("admit", num_new=len(requests))
         cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
-        if self.batch.is_armed and not admission.is_within_cap(cap, self.batch.num_rows):
+        if self.drafter is not None and not admission.is_within_cap(cap, self.batch.num_rows):
             self._gate()
         elif self.batch.is_armed:
             hidden = mx.stack([p.hidden for p in joining])
@@ -194,11 +194,13 @@ class Engine:
         self._event("preempt", num_waiting=len(self.queue))
 
     def _gate(self) -> None:
-        self.batch.is_armed = False
+        """Over the cap: plain decoding from here; with resume off the gate latches."""
         self.batch.was_gated = True
-        self.drafter.reset()
-        self.counters["num_gates"] += 1
-        self._event("gate")
+        if self.batch.is_armed:
+            self.batch.is_armed = False
+            self.drafter.reset()
+            self.counters["num_gates"] += 1
+            self._event("gate")
 
     # --- rounds ------------------------------------------------------------------------
 
@@ -208,8 +210,7 @@ class Engine:
         if self.drafter is None:
             loop, tokens = "plain", plain_round(self.target, batch, dispatch_next=True)
         elif not admission.is_within_cap(cap, batch.num_rows):
-            if batch.is_armed:
-                self._gate()
+            self._gate()
             loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=True)
         elif batch.is_armed:
             loop = "scalar" if batch.is_scalar else "batch"

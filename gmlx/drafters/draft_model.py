@@ -52,7 +52,7 @@ class DraftModelDrafter:
         drafts = []
         for j in range(num_tokens):
             logits = self.draft.head(self.draft.body(tokens, self.caches)[:, -1:, :])  # (B, 1, V)
-            tokens = sample(logits, batch.sampling, positions[:, j : j + 1])
+            tokens = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
             drafts.append(tokens)
         return mx.concatenate(drafts, axis=1)
 

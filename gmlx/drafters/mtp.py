@@ -48,7 +48,7 @@ class MTPDrafter:
         for j in range(num_tokens):
             hidden = self.head(hidden, token, embed)
             logits = self.target.head(hidden)  # (B, 1, V)
-            token = sample(logits, batch.sampling, positions[:, j : j + 1])
+            token = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
             drafts.append(token)
         return mx.concatenate(drafts, axis=1)
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import mlx.core as mx
 
 from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches
-from gmlx.request import Request
+from gmlx.request import Request, SamplingParams
 from gmlx.sampling import SamplingRows
+
+_GREEDY = SamplingParams()
 
 
 class DecodeBatch:
-    def __init__(self, requests: list[Request], caches: list[RaggedKVCache], pending: mx.array):
+    def __init__(self, requests: list[Request], caches: list[RaggedKVCache], pending: mx.array,
+                 is_draft_coupled: bool = True):
         assert caches[0].num_rows == len(requests) == pending.shape[0]
         self.requests = requests
         self.caches = caches  # one per target layer
@@ -25,7 +28,8 @@ class DecodeBatch:
         self.is_scalar = False  # the single-request loop: no injection boundary
         self.is_armed = False  # the drafter holds valid state for every row
         self.was_gated = False  # gated at least once since the batch formed (resume latch)
-        self.sampling = SamplingRows.make([r.params for r in requests], [r.seed for r in requests])
+        self.is_draft_coupled = is_draft_coupled  # batch-loop drafts sample with the row's own noise
+        self._refresh_sampling()
 
     @property
     def num_rows(self) -> int:
@@ -63,7 +67,12 @@ class DecodeBatch:
         self.pending = mx.concatenate([self.pending, pending])
         self._refresh_sampling()
 
+    @property
+    def draft_sampling(self) -> SamplingRows:
+        """How drafters sample: coupled to each row's noise, or greedy (the spec's batch loop)."""
+        return self.sampling if self.is_scalar or self.is_draft_coupled else self._greedy_sampling
+
     def _refresh_sampling(self) -> None:
-        self.sampling = SamplingRows.make(
-            [r.params for r in self.requests], [r.seed for r in self.requests]
-        )
+        seeds = [r.seed for r in self.requests]
+        self.sampling = SamplingRows.make([r.params for r in self.requests], seeds)
+        self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
