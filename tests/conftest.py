@@ -1,0 +1,70 @@
+import gmlx  # noqa: F401  (the fast BLAS must load before mlx)
+
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from gmlx.config import BUILTIN_TARGET_DIR
+from gmlx.models.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/schedules.py
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A small random-weight mlx-lm model folder with the built-in tokenizer."""
+    from mlx_lm.utils import get_model_classes
+
+    vocab_size = json.loads((BUILTIN_TARGET_DIR / "config.json").read_text())["vocab_size"]
+    config = dict(model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                  vocab_size=vocab_size, max_position_embeddings=512, rope_theta=10000.0,
+                  tie_word_embeddings=False, head_dim=16)
+    config.update(overrides)
+    model_class, args_class = get_model_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        if (BUILTIN_TARGET_DIR / name).exists():
+            shutil.copy(BUILTIN_TARGET_DIR / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def builtin_target():
+    return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_random_model_dir(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_llama_dir):
+    return load_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def code_prompts(builtin_target) -> list[list[int]]:
+    """Token prompts cut from real source text, of varied lengths."""
+    import email.message as source_module
+
+    text = Path(source_module.__file__).read_text()
+    tokens = builtin_target.tokenizer.encode(text)
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(24):
+        start = rng.randrange(0, len(tokens) - 200)
+        prompts.append(tokens[start : start + rng.randint(3, 120)])
+    return prompts

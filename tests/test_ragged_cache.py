@@ -1,0 +1,56 @@
+"""The ragged batch KV cache against per-row solo decoding, under random trims, merges and filters."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches, make_ragged_cache
+
+
+def solo_logits(target, tokens):
+    cache = make_prompt_cache(target.model)
+    return target.model(mx.array([tokens]), cache=cache)[0]  # (T, V)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ragged_ops_match_solo(seed, tiny_target):
+    rng = random.Random(seed)
+    vocab = tiny_target.vocab_size
+    num_rows = rng.randint(2, 5)
+    seqs = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(num_rows)]
+    per_row = []
+    for seq in seqs:
+        caches = make_ragged_cache(tiny_target.num_layers)
+        tiny_target.model(mx.array([seq]), cache=caches)
+        per_row.append(caches)
+    caches = concat_layer_caches(per_row)
+    for _ in range(6):
+        # Write T tokens to every row, check each row's logits, then trim each row its own amount.
+        num_new = rng.randint(1, 4)
+        new = [[rng.randrange(vocab) for _ in range(num_new)] for _ in seqs]
+        logits = tiny_target.model(mx.array(new), cache=caches)
+        for row, seq in enumerate(seqs):
+            expected = solo_logits(tiny_target, seq + new[row])[-num_new:]
+            assert mx.allclose(logits[row], expected, atol=1e-4).item()
+        trims = [rng.randint(0, num_new) for _ in seqs]
+        for cache in caches:
+            cache.trim_rows(trims)
+        seqs = [seq + row_new[: num_new - t] for seq, row_new, t in zip(seqs, new, trims)]
+        if len(seqs) > 1 and rng.random() < 0.3:
+            keep = sorted(rng.sample(range(len(seqs)), rng.randint(1, len(seqs))))
+            for cache in caches:
+                cache.select_rows(keep)
+            seqs = [seqs[i] for i in keep]
+        assert caches[0].lengths == [len(s) for s in seqs]
+
+
+def test_uniform_rows_use_the_cheap_masks():
+    cache = RaggedKVCache(3)
+    assert cache.make_mask(1) is None
+    assert cache.make_mask(4) == "causal"
+    cache.lengths = [3, 1, 2]
+    mask = cache.make_mask(2)
+    assert mask.shape == (3, 1, 2, 5)
+    assert mask[1, 0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]

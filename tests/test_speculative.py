@@ -1,0 +1,114 @@
+"""The two loops with every drafter: output equals plain decoding, width caps, gated rounds."""
+
+import pytest
+
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.request import SamplingParams
+from schedules import SoloReference, check_schedule, make_schedule
+
+DRAFTERS = ("mtp", "draft", "ngram")
+NUM_CHUNKS, SCHEDULES_PER_CHUNK = 7, 10  # 210 schedules in all
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_target):
+    return SoloReference(builtin_target)
+
+
+@pytest.fixture(scope="module")
+def engines(builtin_target):
+    return {kind: Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig())
+            for kind in DRAFTERS}
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_alone_equals_plain(kind, temperature, engines, reference, code_prompts):
+    engine = engines[kind]
+    for i, prompt in enumerate(code_prompts[:6]):
+        params = SamplingParams(max_tokens=32, temperature=temperature, seed=i)
+        request_id = engine.add_request(prompt, params)
+        got, reason = [], None
+        while reason is None:
+            for output in engine.step():
+                got.extend(output.new_token_ids)
+                reason = output.finish_reason
+                stats = output.stats
+        assert (got, reason) == reference.tokens(prompt, params)
+        assert stats["rounds_by_loop"].get("scalar", 0) > 0
+        assert stats["num_drafted"] > 0
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("chunk", range(NUM_CHUNKS))
+def test_random_schedules_equal_plain(kind, chunk, engines, reference, code_prompts, monkeypatch):
+    totals = {}
+    for i in range(SCHEDULES_PER_CHUNK):
+        seed = 1000 * DRAFTERS.index(kind) + chunk * SCHEDULES_PER_CHUNK + i
+        schedule = make_schedule(seed, engines[kind].target.vocab_size, code_prompts, max_requests=8)
+        result = check_schedule(engines[kind], reference, schedule)
+        for key, value in result.counters.items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["num_spec_rounds"] > 0
+
+
+class PoisonedAfterGate:
+    """Wraps a real drafter; once the engine gates (reset), any further call raises."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.kind, self.needs_hidden = inner.kind, inner.needs_hidden
+        self.num_draft_tokens, self.default_width_cap = inner.num_draft_tokens, inner.default_width_cap
+        self.is_poisoned = False
+
+    def reset(self):
+        self.is_poisoned = True  # reset does no MLX work; everything after it must not happen
+
+    def _forward(name):
+        def call(self, *args):
+            if self.is_poisoned:
+                raise AssertionError(f"drafter.{name} called while gated")
+            return getattr(self.inner, name)(*args)
+        return call
+
+    add_rows, keep_rows = _forward("add_rows"), _forward("keep_rows")
+    propose, on_verified = _forward("propose"), _forward("on_verified")
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_gated_rounds_do_no_drafter_work(kind, builtin_target, reference, code_prompts, monkeypatch):
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
+    monkeypatch.setenv("GMLX_MTP_RESUME", "0")  # the gate latches: every later round is gated
+    drafter = PoisonedAfterGate(make_drafter(kind, builtin_target))
+    # A big prefill budget admits all three waiters in one drain, straight over the cap.
+    engine = Engine(builtin_target, drafter, EngineConfig(prefill_chunk_tokens=4096))
+    params = SamplingParams(max_tokens=24)
+    first = engine.add_request(code_prompts[0], params)
+    got = {first: []}
+    for _ in range(3):  # the first request speculates alone
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    for prompt in code_prompts[1:4]:
+        got[engine.add_request(prompt, params)] = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    assert drafter.is_poisoned and engine.counters["num_gated_rounds"] > 5
+    assert engine.counters["num_preempts"] == 1
+    for prompt, tokens in zip(code_prompts[:4], got.values()):
+        assert tokens == reference.tokens(prompt, params)[0]
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path, builtin_target):
+    from conftest import make_random_model_dir
+
+    other = make_random_model_dir(tmp_path / "other", vocab_size=builtin_target.vocab_size + 7)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_drafter(f"draft:{other}", builtin_target)
+
+
+def test_unknown_drafter_is_named(builtin_target):
+    with pytest.raises(ValueError, match="medusa"):
+        make_drafter("medusa", builtin_target)

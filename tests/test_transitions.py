@@ -1,0 +1,124 @@
+"""Preempt, gate, resume and the prompt cache: continuity under random schedules."""
+
+import pytest
+
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.request import SamplingParams
+from schedules import SoloReference, check_schedule, make_schedule
+
+DRAFTERS = ("mtp", "draft", "ngram")
+NUM_CHUNKS, SCHEDULES_PER_CHUNK = 6, 30  # 3 drafters x 6 x 30 = 540 schedules
+TRANSITIONS = ("num_preempts", "num_resumes", "num_capture_rounds", "num_gated_rounds", "num_gates")
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_target):
+    return SoloReference(builtin_target)
+
+
+@pytest.fixture(scope="module")
+def engines(builtin_target):
+    return {kind: Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig(prefill_chunk_tokens=64))
+            for kind in DRAFTERS}
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("chunk", range(NUM_CHUNKS))
+def test_every_transition_keeps_streams_continuous(kind, chunk, engines, reference, code_prompts):
+    totals = dict.fromkeys(TRANSITIONS, 0)
+    for i in range(SCHEDULES_PER_CHUNK):
+        seed = 50_000 + 1000 * DRAFTERS.index(kind) + chunk * SCHEDULES_PER_CHUNK + i
+        schedule = make_schedule(seed, engines[kind].target.vocab_size, code_prompts, max_requests=6,
+                                 caps=(1, 2, 3))
+        result = check_schedule(engines[kind], reference, schedule)
+        for key in TRANSITIONS:
+            totals[key] += result.counters[key]
+    assert all(totals[k] > 0 for k in TRANSITIONS), totals
+
+
+def first_token_round(engine, request_id, arrive_after_rounds, first_id, first_prompt, prompt, params):
+    """Run A alone for a few rounds, add B; return (rounds until B's first token, rounds left for A)."""
+    a_done_at = b_first_at = None
+    for step in range(10_000):
+        if step == arrive_after_rounds:
+            engine.add_request(prompt, params, request_id=request_id)
+        for output in engine.step():
+            if output.request_id == request_id and b_first_at is None and output.new_token_ids:
+                b_first_at = step
+            if output.request_id == first_id and output.finish_reason:
+                a_done_at = step
+        if not engine.has_unfinished():
+            break
+    return b_first_at - arrive_after_rounds, a_done_at
+
+
+@pytest.mark.parametrize("is_preempt_on", [True, False])
+def test_a_waiter_preempts_the_scalar_stream(is_preempt_on, builtin_target, reference, code_prompts, monkeypatch):
+    monkeypatch.setenv("GMLX_MTP_PREEMPT", "1" if is_preempt_on else "0")
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig())
+    a_params, b_params = SamplingParams(max_tokens=60), SamplingParams(max_tokens=10, temperature=0.8, seed=5)
+    engine.add_request(code_prompts[0], a_params, request_id="A")
+    b_wait, a_done = first_token_round(engine, "B", 4, "A", code_prompts[0], code_prompts[1], b_params)
+    if is_preempt_on:
+        assert b_wait <= 1 and engine.counters["num_preempts"] == 1
+    else:
+        assert b_wait > a_done - 4 and engine.counters["num_preempts"] == 0
+
+
+def test_resume_rearms_a_drained_batch(builtin_target, reference, code_prompts, monkeypatch):
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
+    monkeypatch.setenv("GMLX_RESUME_MIN_BUDGET", "8")
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_chunk_tokens=4096))
+    budgets = [60, 50, 5]  # the short one leaves; the batch drops back within the cap
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(code_prompts, budgets)]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    kinds = [e["kind"] for e in engine.stats()["events"]]
+    assert engine.counters["num_resumes"] == 1 and engine.counters["num_settle_rounds"] == 1
+    assert kinds.index("resume") > kinds.index("admit")
+    for prompt, n, request_id in zip(code_prompts, budgets, ids):
+        assert got[request_id] == reference.tokens(prompt, SamplingParams(max_tokens=n))[0]
+
+
+def test_resume_off_latches_the_gate(builtin_target, code_prompts, monkeypatch):
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
+    monkeypatch.setenv("GMLX_MTP_RESUME", "0")
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_chunk_tokens=4096))
+    for prompt, n in zip(code_prompts, [60, 50, 5]):
+        engine.add_request(prompt, SamplingParams(max_tokens=n))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.counters["num_resumes"] == 0 and engine.counters["num_capture_rounds"] == 0
+    assert engine.counters["num_spec_rounds"] == 0
+
+
+def test_repeated_prompt_skips_prefill_and_preempted_is_not_offered(builtin_target, reference, code_prompts):
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig())
+    prompt = code_prompts[5] * 3
+    params = SamplingParams(max_tokens=8)
+    outs = []
+    for _ in range(2):
+        engine.add_request(prompt, params)
+        tokens, stats = [], None
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens.extend(output.new_token_ids)
+                stats = output.stats or stats
+        outs.append((tokens, stats))
+    assert outs[0][1]["cached_prompt_tokens"] == 0
+    assert outs[1][1]["cached_prompt_tokens"] == len(prompt) - 1
+    assert outs[0][0] == outs[1][0] == reference.tokens(prompt, params)[0]
+
+    entries = engine.prompt_cache.stats()["prompt_cache_entries"]
+    engine.add_request(code_prompts[6], SamplingParams(max_tokens=30), request_id="scalar")
+    engine.step()
+    engine.add_request(code_prompts[7], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.counters["num_preempts"] == 1
+    # Only the waiter retired; the preempted request dropped its retirement context.
+    assert engine.prompt_cache.stats()["prompt_cache_entries"] == entries + 1
