@@ -303,4 +303,4 @@ class Engine:
         event = {"kind": kind, "round": self.counters["num_rounds"], "time_s": time.perf_counter(),
                  "width": 0 if self.batch is None else self.batch.num_rows, **fields}
         self.events.append(event)
-        logger.debug("event %s", event)
+        logger.log(logging.DEBUG if kind == "admit" else logging.INFO, "transition %s", event)

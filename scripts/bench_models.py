@@ -103,3 +103,38 @@ def forward_ms(target, num_rows: int = 1, context_tokens: int = 256, repeats: in
         for c in caches:
             c.trim(1)
     return 1e3 * float(np.median(times))
+
+
+def heldout_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]]:
+    """Prompts cut from stdlib files the built-in model never trained on (train_builtin's rule)."""
+    import sysconfig
+    import zlib
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py")
+                   if "site-packages" not in p.parts and zlib.crc32(p.relative_to(stdlib).as_posix().encode()) % 1000 < 30)
+    prompts = []
+    for path in files:
+        tokens = tokenizer.encode(path.read_text(errors="replace"))
+        for start in range(0, len(tokens) - num_tokens, 4 * num_tokens):
+            prompts.append(tokens[start : start + num_tokens])
+            if len(prompts) == num_prompts:
+                return prompts
+    assert prompts, "no held-out files found"
+    return (prompts * num_prompts)[:num_prompts]
+
+
+def decode_tok_per_s(engine, prompts, params) -> tuple[float, dict]:
+    """Aggregate decode tokens/s of `prompts` run together, from after the first step."""
+    import time
+
+    for p in prompts:
+        engine.add_request(p, params)
+    engine.step()
+    before = dict(engine.counters)
+    start, count = time.perf_counter(), 0
+    while engine.has_unfinished():
+        count += sum(len(o.new_token_ids) for o in engine.step())
+    elapsed = time.perf_counter() - start
+    delta = {k: engine.counters[k] - before[k] for k in engine.counters}
+    return count / elapsed, delta

@@ -1,0 +1,167 @@
+"""Speculative decoding under batching: lift, the scalar loop against mlx-lm, widths, gated cost.
+
+All figures are ratios measured side by side in one run (runs alternate, repeat, median).
+
+    python scripts/bench_spec.py                      # built-in and inert-grown targets
+    python scripts/bench_spec.py --models builtin --repeats 2 --tokens 64
+
+Sections:
+  lift     decode tok/s at width 1, each drafter against plain, with acceptance
+  mlx_lm   gmlx's scalar loop vs mlx_lm speculative_generate_step, same draft model and k
+  widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
+  gated    a gated round (drafter loaded, over the cap) against a plain engine, width 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import gmlx  # noqa: F401,E402
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import speculative_generate_step  # noqa: E402
+
+from bench_models import decode_tok_per_s, forward_ms, grow_inert, heldout_prompts  # noqa: E402
+from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_MTP_DIR, EngineConfig  # noqa: E402
+from gmlx.drafters import make_drafter  # noqa: E402
+from gmlx.engine import Engine  # noqa: E402
+from gmlx.models.loader import load_model  # noqa: E402
+from gmlx.request import SamplingParams  # noqa: E402
+
+DRAFTERS = ("mtp", "draft", "ngram")
+
+
+def engine_for(target, drafter_spec):
+    drafter = make_drafter(drafter_spec, target) if drafter_spec != "none" else None
+    return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0))
+
+
+def median_ratio(pairs):
+    return statistics.median(a / b for a, b in pairs)
+
+
+def bench_lift(target, drafter_specs, prompts, params, repeats):
+    rows = []
+    engines = {"none": engine_for(target, "none")} | {d: engine_for(target, d) for d in drafter_specs}
+    for prompt in prompts[:repeats]:
+        plain, _ = decode_tok_per_s(engines["none"], [prompt], params)
+        for d in drafter_specs:
+            spec, delta = decode_tok_per_s(engines[d], [prompt], params)
+            rows.append((d, spec, plain, delta["num_accepted"] / max(delta["num_drafted"], 1),
+                         (delta["num_accepted"] + delta["num_spec_rounds"]) / max(delta["num_spec_rounds"], 1)))
+    out = []
+    for d in drafter_specs:
+        mine = [r for r in rows if r[0] == d]
+        out.append(dict(drafter=d, lift=median_ratio([(r[1], r[2]) for r in mine]),
+                        spec_tok_s=statistics.median(r[1] for r in mine),
+                        plain_tok_s=statistics.median(r[2] for r in mine),
+                        acceptance=statistics.median(r[3] for r in mine),
+                        tokens_per_round=statistics.median(r[4] for r in mine)))
+    return out
+
+
+def bench_vs_mlx_lm(target, prompts, params, repeats, num_draft):
+    draft = load_model(BUILTIN_DRAFT_DIR)
+    drafter = make_drafter(f"draft:{BUILTIN_DRAFT_DIR}", target, num_draft_tokens=num_draft)
+    engine = Engine(target, drafter, EngineConfig(prompt_cache_bytes=0))
+    pairs, accs = [], []
+    for prompt in prompts[:repeats]:
+        ours, delta = decode_tok_per_s(engine, [prompt], params)
+        steps = speculative_generate_step(mx.array(prompt), target.model, draft.model,
+                                          num_draft_tokens=num_draft, max_tokens=params.max_tokens)
+        next(steps)
+        start, count = time.perf_counter(), 0
+        for _ in steps:
+            count += 1
+        theirs = count / (time.perf_counter() - start)
+        pairs.append((ours, theirs))
+        accs.append(delta["num_accepted"] / max(delta["num_drafted"], 1))
+    return dict(num_draft=num_draft, ratio=median_ratio(pairs), gmlx_tok_s=statistics.median(p[0] for p in pairs),
+                mlx_lm_tok_s=statistics.median(p[1] for p in pairs), acceptance=statistics.median(accs))
+
+
+def bench_widths(target, drafter_spec, prompts, params, widths):
+    os.environ["GMLX_MTP_WIDTH_CAP"] = "0"  # uncapped: measure speculation at every width
+    plain_engine, spec_engine = engine_for(target, "none"), engine_for(target, drafter_spec)
+    out = []
+    for width in widths:
+        batch = prompts[:width]
+        spec, delta = decode_tok_per_s(spec_engine, batch, params)
+        plain, _ = decode_tok_per_s(plain_engine, batch, params)
+        out.append(dict(width=width, spec_tok_s=spec, plain_tok_s=plain, ratio=spec / plain,
+                        acceptance=delta["num_accepted"] / max(delta["num_drafted"], 1)))
+    del os.environ["GMLX_MTP_WIDTH_CAP"]
+    knee = max((r["width"] for r in out if r["ratio"] >= 1.0), default=0)
+    return out, knee
+
+
+def bench_gated(target, drafter_spec, prompts, params, repeats, width=4):
+    os.environ["GMLX_MTP_WIDTH_CAP"] = "1"  # every round at this width is gated
+    plain_engine, gated_engine = engine_for(target, "none"), engine_for(target, drafter_spec)
+    pairs = []
+    for _ in range(repeats):
+        gated, delta = decode_tok_per_s(gated_engine, prompts[:width], params)
+        plain, _ = decode_tok_per_s(plain_engine, prompts[:width], params)
+        assert delta["num_spec_rounds"] == 0 and delta["num_gated_rounds"] > 0
+        pairs.append((plain, gated))  # cost ratio = time per gated round / time per plain round
+    del os.environ["GMLX_MTP_WIDTH_CAP"]
+    return dict(width=width, drafter=drafter_spec, cost_ratio=median_ratio(pairs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="builtin,inert")
+    parser.add_argument("--sections", default="lift,mlx_lm,widths,gated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--widths", default="1,2,4,8,12,16")
+    parser.add_argument("--inert-dir", default=str(Path(tempfile.gettempdir()) / "gmlx-bench-inert"))
+    parser.add_argument("--inert-intermediate", type=int, default=8192)
+    parser.add_argument("--inert-extra-layers", type=int, default=12)
+    args = parser.parse_args()
+    params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=1)
+    sections = args.sections.split(",")
+    report = {}
+    for name in args.models.split(","):
+        folder = None
+        if name == "inert":
+            folder = grow_inert(Path(args.inert_dir), args.inert_intermediate, args.inert_extra_layers)
+        target = load_model(folder)
+        label = f"{name} ({forward_ms(target):.1f} ms/forward)"
+        prompts = heldout_prompts(target.tokenizer, 16, 64)
+        # The built-in draft model and MTP head are trained for the built-in target; the
+        # inert-grown target computes the same function, so they are honest drafters for it.
+        specs = [f"{d}:{_weights_for(d)}" if name == "inert" and d != "ngram" else d for d in DRAFTERS]
+        result = {}
+        if "lift" in sections:
+            result["lift"] = bench_lift(target, specs, prompts, params, args.repeats)
+        if "mlx_lm" in sections:
+            result["mlx_lm"] = [bench_vs_mlx_lm(target, prompts, params, args.repeats, k) for k in (2, 3)]
+        if "widths" in sections:
+            best = max(result.get("lift", [{"drafter": specs[0], "lift": 0}]), key=lambda r: r["lift"])["drafter"]
+            widths = [int(w) for w in args.widths.split(",")]
+            rows, knee = bench_widths(target, best, prompts, params, widths)
+            result["widths"] = dict(drafter=best, rows=rows, knee=knee)
+        if "gated" in sections:
+            result["gated"] = bench_gated(target, specs[0], prompts, params, args.repeats)
+        report[label] = result
+        print(f"## {label}", flush=True)
+        print(json.dumps(result, indent=1), flush=True)
+    print(json.dumps(report))
+
+
+def _weights_for(kind: str) -> str:
+    return str(BUILTIN_MTP_DIR if kind == "mtp" else BUILTIN_DRAFT_DIR)
+
+
+if __name__ == "__main__":
+    main()
