@@ -1,0 +1,600 @@
+/*
+ * gmlx one-row sgemm interposer.
+ *
+ * MLX's CPU backend sends every float32 matmul to cblas_sgemm, decode's one-row
+ * products (x @ W.T, x of shape (1, K)) included. OpenBLAS packs the weight matrix
+ * for those calls and so reads it at well under the rate of a matrix-vector kernel.
+ * This library defines cblas_sgemm; loaded RTLD_GLOBAL before OpenBLAS and before
+ * mlx, it receives every call. One-row calls (M == 1 or N == 1, any layout) run the
+ * streaming kernels below; everything else goes to the real sgemm unchanged.
+ *
+ * Why not simply call cblas_sgemv: its dot products sum in another order, so its
+ * results differ from sgemm's in the last bits (measured on OpenBLAS 0.3.21).
+ * OpenBLAS's sgemm computes each output as a chain of fused multiply-adds over k,
+ * restarted at every K block, and adds each block's sum into C with one more fma:
+ *   c = beta * c  (c = 0 when beta == 0; untouched when beta == 1)
+ *   for each K block: acc = 0; for k in block: acc = fma(w, v, acc); c = fma(alpha, acc, c)
+ * The K blocks are GEMM_Q long until fewer than 2 * GEMM_Q remain; the rest is cut
+ * in two halves, rounded up to GEMM_UNROLL_M by the single-thread driver and not
+ * rounded by the threaded one, which runs when M * N * K exceeds a build constant.
+ * The kernels reproduce that order exactly, so routed results are bit-identical.
+ * The block constants depend on the BLAS build and the CPU, so gmlx_interposer_init
+ * measures them against the real sgemm and then self-checks every layout; if
+ * anything disagrees, routing stays off and every call passes through.
+ *
+ * Build: cc -O2 -fPIC -shared -ffp-contract=off sgemv_interposer.c -ldl -lm -lpthread
+ * (-ffp-contract=off matters: a compiler-fused multiply-add would change results).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <link.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+enum { ROW_MAJOR = 101, COL_MAJOR = 102 };
+enum { NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113, CONJ_NO_TRANS = 114 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+typedef int (*get_threads_fn)(void);
+typedef void (*set_threads_fn)(int);
+
+static sgemm_fn real_sgemm;           /* the loaded BLAS's own cblas_sgemm */
+static get_threads_fn blas_get_threads; /* openblas_get_num_threads */
+static set_threads_fn blas_set_threads; /* openblas_set_num_threads */
+static atomic_long num_routed, num_passed;
+static atomic_int is_routing;         /* 1 once calibrated and switched on */
+static int init_status = -2;          /* see gmlx_interposer_init */
+
+/* The real sgemm's K blocking, measured by calibrate(). */
+static struct {
+    long q;             /* GEMM_Q: the K block length */
+    long unroll;        /* the single-thread driver rounds the half split up to this */
+    double threshold;   /* M*N*K above which the threaded driver runs */
+    int calib_threads;  /* BLAS threads when calibrated: 1 means the threaded rule is unknown */
+    int alpha_mode;     /* 1: c = fma(alpha, acc, c); 0: c + alpha*acc; -1: route alpha == 1 only */
+} blk;
+
+/* One routed product: out[j*ldo] (j < n) = alpha * sum_k w(j, k) v[k*incv] + beta * out,
+ * with w(j, k) = w[j*sj + k*sk]; sk == 1 (rows contiguous) or sj == 1 (columns contiguous). */
+typedef struct {
+    long n, k;
+    const float *v;
+    long incv;
+    const float *w;
+    long sj, sk;
+    float *out;
+    long ldo;
+    float alpha, beta;
+    int is_threaded;    /* reproduce the threaded driver's K split */
+    int num_threads;    /* the BLAS's thread count, which ours follows */
+} OneRow;
+
+/* Row-major layouts (after mapping col-major calls) whose routing passed the self-check,
+ * indexed [N == 1][op(A) transposed][op(B) transposed]. */
+static unsigned char is_layout_ok[2][2][2];
+
+/* Length of the next K block when `left` values of k remain (OpenBLAS level3 drivers). */
+static long next_block(long left, int is_threaded)
+{
+    if (left >= 2 * blk.q) return blk.q;
+    if (left <= blk.q) return left;
+    if (is_threaded) return (left + 1) / 2;
+    return (left / 2 + blk.unroll - 1) / blk.unroll * blk.unroll;
+}
+
+static inline float start_value(const OneRow *p, long j)
+{
+    if (p->beta == 0.0f) return 0.0f;  /* C is not read */
+    float c = p->out[j * p->ldo];
+    return p->beta == 1.0f ? c : p->beta * c;
+}
+
+static inline float add_block(float c, float acc, float alpha)
+{
+    return blk.alpha_mode == 0 ? c + alpha * acc : fmaf(alpha, acc, c);
+}
+
+/* Rows [j0, j1) one at a time: any strides; the reference for the vector kernels. */
+static void rows_scalar(const OneRow *p, long j0, long j1)
+{
+    for (long j = j0; j < j1; j++) {
+        const float *w = p->w + j * p->sj;
+        float c = start_value(p, j);
+        for (long k0 = 0, len; k0 < p->k; k0 += len) {
+            len = next_block(p->k - k0, p->is_threaded);
+            float acc = 0.0f;
+            for (long k = k0; k < k0 + len; k++)
+                acc = fmaf(w[k * p->sk], p->v[k * p->incv], acc);
+            c = add_block(c, acc, p->alpha);
+        }
+        p->out[j * p->ldo] = c;
+    }
+}
+
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 static inline __m256 add_block8(__m256 c, __m256 acc, float alpha)
+{
+    __m256 a = _mm256_set1_ps(alpha);
+    return blk.alpha_mode == 0 ? _mm256_add_ps(c, _mm256_mul_ps(a, acc))
+                               : _mm256_fmadd_ps(a, acc, c);
+}
+
+/* 8 rows x 8 k of contiguous rows, transposed in registers: c_i holds w(j..j+7, k+i). */
+#define TRANSPOSE_8X8(w, sj, k, c0, c1, c2, c3, c4, c5, c6, c7)                                  \
+    do {                                                                                      \
+        __m256 r0 = _mm256_loadu_ps((w) + (k)), r1 = _mm256_loadu_ps((w) + (sj) + (k));         \
+        __m256 r2 = _mm256_loadu_ps((w) + 2 * (sj) + (k)), r3 = _mm256_loadu_ps((w) + 3 * (sj) + (k)); \
+        __m256 r4 = _mm256_loadu_ps((w) + 4 * (sj) + (k)), r5 = _mm256_loadu_ps((w) + 5 * (sj) + (k)); \
+        __m256 r6 = _mm256_loadu_ps((w) + 6 * (sj) + (k)), r7 = _mm256_loadu_ps((w) + 7 * (sj) + (k)); \
+        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);               \
+        __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);               \
+        __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);               \
+        __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);               \
+        __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);      \
+        __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);      \
+        __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);      \
+        __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);      \
+        c0 = _mm256_permute2f128_ps(s0, s4, 0x20), c4 = _mm256_permute2f128_ps(s0, s4, 0x31);  \
+        c1 = _mm256_permute2f128_ps(s1, s5, 0x20), c5 = _mm256_permute2f128_ps(s1, s5, 0x31);  \
+        c2 = _mm256_permute2f128_ps(s2, s6, 0x20), c6 = _mm256_permute2f128_ps(s2, s6, 0x31);  \
+        c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);  \
+    } while (0)
+
+/* acc = fma(w(rows, k + i), v[k + i], acc) for i = 0..7, in k order. */
+#define CHAIN_8(acc, c0, c1, c2, c3, c4, c5, c6, c7, v, inc)                                  \
+    do {                                                                                      \
+        acc = _mm256_fmadd_ps(c0, _mm256_broadcast_ss(v), acc);                               \
+        acc = _mm256_fmadd_ps(c1, _mm256_broadcast_ss((v) + (inc)), acc);                     \
+        acc = _mm256_fmadd_ps(c2, _mm256_broadcast_ss((v) + 2 * (inc)), acc);                 \
+        acc = _mm256_fmadd_ps(c3, _mm256_broadcast_ss((v) + 3 * (inc)), acc);                 \
+        acc = _mm256_fmadd_ps(c4, _mm256_broadcast_ss((v) + 4 * (inc)), acc);                 \
+        acc = _mm256_fmadd_ps(c5, _mm256_broadcast_ss((v) + 5 * (inc)), acc);                 \
+        acc = _mm256_fmadd_ps(c6, _mm256_broadcast_ss((v) + 6 * (inc)), acc);                 \
+        acc = _mm256_fmadd_ps(c7, _mm256_broadcast_ss((v) + 7 * (inc)), acc);                 \
+    } while (0)
+
+/* Contiguous rows (sk == 1, x @ W.T): lane r of the tile accumulates row j+r in k
+ * order. One 8-row tile at a time: its fma chain caps the kernel near 2 floats per
+ * cycle, above DRAM rates; more rows in flight measured slower (more streams). */
+AVX2 static long rows_avx2_dot(const OneRow *p, long j0, long j1)
+{
+    const long sj = p->sj, inc = p->incv;
+    long j = j0;
+    for (; j + 8 <= j1; j += 8) {
+        const float *w = p->w + j * sj;
+        float cbuf[8];
+        for (int r = 0; r < 8; r++) cbuf[r] = start_value(p, j + r);
+        __m256 c = _mm256_loadu_ps(cbuf);
+        for (long k0 = 0, len; k0 < p->k; k0 += len) {
+            len = next_block(p->k - k0, p->is_threaded);
+            const long end = k0 + len;
+            __m256 acc = _mm256_setzero_ps();
+            long k = k0;
+            for (; k + 8 <= end; k += 8) {
+                __m256 x0, x1, x2, x3, x4, x5, x6, x7;
+                TRANSPOSE_8X8(w, sj, k, x0, x1, x2, x3, x4, x5, x6, x7);
+                CHAIN_8(acc, x0, x1, x2, x3, x4, x5, x6, x7, p->v + k * inc, inc);
+            }
+            for (; k < end; k++) {
+                __m256 col = _mm256_set_ps(w[7 * sj + k], w[6 * sj + k], w[5 * sj + k], w[4 * sj + k],
+                                           w[3 * sj + k], w[2 * sj + k], w[sj + k], w[k]);
+                acc = _mm256_fmadd_ps(col, _mm256_broadcast_ss(p->v + k * inc), acc);
+            }
+            c = add_block8(c, acc, p->alpha);
+        }
+        _mm256_storeu_ps(cbuf, c);
+        for (int r = 0; r < 8; r++) p->out[(j + r) * p->ldo] = cbuf[r];
+    }
+    return j;
+}
+
+/* Contiguous columns (sj == 1, x @ W): each k adds one fma to every output of a chunk
+ * of columns, four k per pass over the chunk's accumulators (kept in L1/L2), so W is
+ * read row after row, in long contiguous runs. */
+#define CHUNK 4096
+AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
+{
+    float acc[CHUNK] __attribute__((aligned(32)));  /* 32 KB of stack in all */
+    float c[CHUNK] __attribute__((aligned(32)));
+    const long sk = p->sk, inc = p->incv;
+    long j = j0;
+    for (; j + 8 <= j1; j += CHUNK) {
+        const long m = (j1 - j < CHUNK ? j1 - j : CHUNK) & ~7L;
+        for (long i = 0; i < m; i++) c[i] = start_value(p, j + i);
+        for (long k0 = 0, len; k0 < p->k; k0 += len) {
+            len = next_block(p->k - k0, p->is_threaded);
+            const long end = k0 + len;
+            memset(acc, 0, sizeof(float) * m);
+            long k = k0;
+            for (; k + 4 <= end; k += 4) {
+                const float *w = p->w + k * sk + j;
+                const __m256 b0 = _mm256_broadcast_ss(p->v + k * inc);
+                const __m256 b1 = _mm256_broadcast_ss(p->v + (k + 1) * inc);
+                const __m256 b2 = _mm256_broadcast_ss(p->v + (k + 2) * inc);
+                const __m256 b3 = _mm256_broadcast_ss(p->v + (k + 3) * inc);
+                for (long i = 0; i < m; i += 8) {
+                    __m256 a = _mm256_load_ps(acc + i);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, a);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, a);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, a);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, a);
+                    _mm256_store_ps(acc + i, a);
+                }
+            }
+            for (; k < end; k++) {
+                const float *w = p->w + k * sk + j;
+                const __m256 b = _mm256_broadcast_ss(p->v + k * inc);
+                for (long i = 0; i < m; i += 8)
+                    _mm256_store_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b, _mm256_load_ps(acc + i)));
+            }
+            for (long i = 0; i < m; i += 8)
+                _mm256_store_ps(c + i, add_block8(_mm256_load_ps(c + i), _mm256_load_ps(acc + i), p->alpha));
+        }
+        for (long i = 0; i < m; i++) p->out[(j + i) * p->ldo] = c[i];
+        if (m < CHUNK) return j + m;
+    }
+    return j;
+}
+
+static int has_avx2(void)
+{
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return known;
+}
+#endif
+
+static void run_rows(const OneRow *p, long j0, long j1)
+{
+#if defined(__x86_64__)
+    if (has_avx2()) {
+        if (p->sk == 1 && p->sj != 1) j0 = rows_avx2_dot(p, j0, j1);
+        else if (p->sj == 1 && p->sk != 1) j0 = rows_avx2_axpy(p, j0, j1);
+    }
+#endif
+    rows_scalar(p, j0, j1);
+}
+
+/* Split the rows across threads when the product is big enough to pay for it. */
+#define MAX_THREADS 16
+typedef struct { const OneRow *p; long j0, j1; } Span;
+
+static void *run_span(void *arg)
+{
+    Span *s = arg;
+    run_rows(s->p, s->j0, s->j1);
+    return NULL;
+}
+
+static void run_threads(const OneRow *p)
+{
+    int num_threads = p->num_threads;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads < 2 || (double)p->n * p->k < (1 << 20) || p->n < 16 * num_threads) {
+        run_rows(p, 0, p->n);
+        return;
+    }
+    pthread_t tids[MAX_THREADS];
+    Span spans[MAX_THREADS];
+    long per = (p->n + num_threads - 1) / num_threads;
+    per = (per + 7) / 8 * 8;  /* whole 8-row tiles per thread */
+    int started = 0;
+    for (int t = 1; t < num_threads; t++) {
+        spans[t] = (Span){p, t * per < p->n ? t * per : p->n, (t + 1) * per < p->n ? (t + 1) * per : p->n};
+        if (spans[t].j0 >= spans[t].j1) break;
+        if (pthread_create(&tids[t], NULL, run_span, &spans[t]) != 0) break;
+        started = t;
+    }
+    run_rows(p, 0, per < p->n ? per : p->n);
+    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+    for (int t = started + 1; t < num_threads; t++)  /* threads that did not start */
+        if (t * per < p->n) run_rows(p, t * per, (t + 1) * per < p->n ? (t + 1) * per : p->n);
+}
+
+/* Map a one-row cblas_sgemm call onto OneRow; 0 when the call is not routed. */
+static int make_onerow(OneRow *p, int order, int trans_a, int trans_b, int M, int N, int K,
+                       float alpha, const float *A, int lda, const float *B, int ldb,
+                       float beta, float *C, int ldc)
+{
+    if (order == COL_MAJOR) {  /* C' = op(B)' op(A)' in row-major: swap the operands */
+        int t = trans_a; trans_a = trans_b; trans_b = t;
+        t = M; M = N; N = t;
+        const float *x = A; A = B; B = x;
+        t = lda; lda = ldb; ldb = t;
+    } else if (order != ROW_MAJOR) {
+        return 0;
+    }
+    int is_ta = trans_a == TRANS || trans_a == CONJ_TRANS;
+    int is_tb = trans_b == TRANS || trans_b == CONJ_TRANS;
+    if (!is_ta && trans_a != NO_TRANS && trans_a != CONJ_NO_TRANS) return 0;
+    if (!is_tb && trans_b != NO_TRANS && trans_b != CONJ_NO_TRANS) return 0;
+    /* Empty products, K == 0 (C = beta*C) and alpha == 0 keep the BLAS's own path;
+     * so do bad leading dimensions, which the BLAS reports through xerbla. */
+    if (M <= 0 || N <= 0 || K <= 0 || (M != 1 && N != 1) || alpha == 0.0f) return 0;
+    if (lda < (is_ta ? M : K) || ldb < (is_tb ? K : N) || ldc < N) return 0;
+    if (alpha != 1.0f && blk.alpha_mode < 0) return 0;
+    if (!is_layout_ok[M != 1][is_ta][is_tb]) return 0;
+    int num_threads = blas_get_threads();
+    if (num_threads > 1 && blk.calib_threads == 1) return 0;
+    if (M == 1) {  /* one row of C: v = row of op(A), w(j, k) = op(B)[k][j] */
+        *p = (OneRow){.n = N, .v = A, .incv = is_ta ? lda : 1, .w = B,
+                      .sj = is_tb ? ldb : 1, .sk = is_tb ? 1 : ldb, .out = C, .ldo = 1};
+    } else {       /* one column of C: v = column of op(B), w(j, k) = op(A)[j][k] */
+        *p = (OneRow){.n = M, .v = B, .incv = is_tb ? 1 : ldb, .w = A,
+                      .sj = is_ta ? 1 : lda, .sk = is_ta ? lda : 1, .out = C, .ldo = ldc};
+    }
+    p->k = K;
+    p->alpha = alpha;
+    p->beta = beta;
+    p->is_threaded = num_threads > 1 && (double)M * N * K > blk.threshold;
+    p->num_threads = num_threads;
+    return 1;
+}
+
+void cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                 float, float *, int);
+
+/* The loaded BLAS's sgemm when init was not called (e.g. LD_PRELOAD): the first
+ * other loaded object that defines cblas_sgemm. */
+static int find_other_sgemm(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    Dl_info self;
+    if (!info->dlpi_name || !info->dlpi_name[0]) return 0;
+    if (!dladdr((void *)find_other_sgemm, &self) || strcmp(self.dli_fname, info->dlpi_name) == 0)
+        return 0;
+    void *h = dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return 0;
+    void *f = dlsym(h, "cblas_sgemm");
+    dlclose(h);
+    if (!f || f == (void *)cblas_sgemm) return 0;
+    *(void **)data = f;
+    return 1;
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                 const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+{
+    OneRow p;
+    if (atomic_load_explicit(&is_routing, memory_order_relaxed) &&
+        make_onerow(&p, order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+        run_threads(&p);
+        atomic_fetch_add_explicit(&num_routed, 1, memory_order_relaxed);
+        return;
+    }
+    if (!real_sgemm) {
+        void *f = NULL;
+        dl_iterate_phdr(find_other_sgemm, &f);
+        real_sgemm = (sgemm_fn)f;
+        if (!real_sgemm) abort();  /* no BLAS at all: nothing sane to compute with */
+    }
+    atomic_fetch_add_explicit(&num_passed, 1, memory_order_relaxed);
+    real_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+/* ---- calibration: measure the real sgemm's K blocking, then self-check ---- */
+
+/* Deterministic values in [-1, 1), exact in float. */
+static void fill(float *x, long n, unsigned seed)
+{
+    unsigned s = seed * 2654435761u + 12345u;
+    for (long i = 0; i < n; i++) {
+        s = s * 1664525u + 1013904223u;
+        x[i] = (float)(s >> 8) / 8388608.0f - 1.0f;
+    }
+}
+
+/* 1 when the routed kernel and the real sgemm agree bit for bit on one call; the
+ * operands get `pad` extra elements per leading dimension. */
+static int agrees(int order, int ta, int tb, int M, int N, int K, float alpha, float beta, int pad)
+{
+    int is_row = order == ROW_MAJOR, is_ta = ta == TRANS, is_tb = tb == TRANS;
+    /* stored shapes: rows x cols of A, B, C as laid out in memory */
+    long a_outer = is_row ? (is_ta ? K : M) : (is_ta ? M : K);
+    long a_inner = is_row ? (is_ta ? M : K) : (is_ta ? K : M);
+    long b_outer = is_row ? (is_tb ? N : K) : (is_tb ? K : N);
+    long b_inner = is_row ? (is_tb ? K : N) : (is_tb ? N : K);
+    long c_outer = is_row ? M : N, c_inner = is_row ? N : M;
+    int lda = a_inner + pad, ldb = b_inner + pad, ldc = c_inner + pad;
+    long na = a_outer * lda, nb = b_outer * ldb, nc = c_outer * ldc;
+    float *buf = malloc(sizeof(float) * (na + nb + 2 * nc));
+    if (!buf) return 0;
+    float *a = buf, *b = a + na, *c1 = b + nb, *c2 = c1 + nc;
+    fill(a, na, M * 7 + K);
+    fill(b, nb, N * 13 + K);
+    fill(c1, nc, 99);
+    if (beta == 0.0f) for (long i = 0; i < nc; i++) c1[i] = NAN;  /* must not be read */
+    memcpy(c2, c1, sizeof(float) * nc);
+    real_sgemm(order, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c1, ldc);
+    OneRow p;
+    int ok = make_onerow(&p, order, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c2, ldc);
+    if (ok) {
+        run_threads(&p);
+        ok = memcmp(c1, c2, sizeof(float) * nc) == 0;
+    }
+    free(buf);
+    return ok;
+}
+
+/* The common decode call, x @ W.T with W of shape (n, k). */
+static int agrees_nt(int n, int k)
+{
+    return agrees(ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, 1.0f, 0.0f, 0);
+}
+
+static int calibrate_single(void)
+{
+    blk.q = 1L << 30, blk.unroll = 1, blk.threshold = INFINITY, blk.alpha_mode = 1;
+    if (!agrees_nt(16, 64)) return 0;  /* not a plain fma chain: nothing to reproduce */
+    long k = 128;
+    while (k <= 16384 && agrees_nt(16, k)) k *= 2;
+    if (k > 16384) return 0;
+    long lo = k / 2, hi = k;  /* one block up to lo, split at hi */
+    while (hi - lo > 1) {
+        long mid = (lo + hi) / 2;
+        if (agrees_nt(16, mid)) lo = mid; else hi = mid;
+    }
+    blk.q = lo;
+    for (blk.unroll = 1; blk.unroll <= 64; blk.unroll *= 2) {
+        int ok = agrees_nt(16, 2 * blk.q + blk.q / 2 + 3);
+        for (long kk = blk.q + 1; ok && kk < 2 * blk.q; kk += 1 + blk.q / 64) ok = agrees_nt(16, kk);
+        if (ok) return 1;
+    }
+    return 0;
+}
+
+/* Which K split the threaded driver uses, and from which M*N*K on. */
+static int calibrate_threaded(void)
+{
+    long k = blk.q + 1;  /* a K whose split differs between the two drivers */
+    while (k < 2 * blk.q && (k + 1) / 2 == (k / 2 + blk.unroll - 1) / blk.unroll * blk.unroll) k++;
+    if (k >= 2 * blk.q) return 0;
+    blk.threshold = 0.0;  /* assume threaded, find the smallest n where that holds */
+    const long n_default = 262144 / k + 1;  /* OpenBLAS's default: 65536 * 4 */
+    if (agrees_nt(n_default, k) && !agrees_nt(n_default - 1, k)) {
+        blk.threshold = 262144.0;
+        return 1;
+    }
+    long n = 16;  /* enough outputs that a wrong split cannot agree by chance */
+    while (n * k <= (1L << 23) && !agrees_nt(n, k)) n *= 2;
+    if (n * k > (1L << 23)) {
+        blk.threshold = INFINITY;  /* never threaded */
+        return agrees_nt(n / 2, k);
+    }
+    if (n == 16) return 0;  /* threaded already at the smallest probe: not OpenBLAS's rule */
+    long lo = n / 2, hi = n;
+    while (hi - lo > 1) {
+        long mid = (lo + hi) / 2;
+        if (agrees_nt(mid, k)) hi = mid; else lo = mid;
+    }
+    /* The threshold lies in [(hi-1)*k, hi*k); OpenBLAS uses a multiple of 65536. */
+    double t = ceil((double)(hi - 1) * k / 65536.0) * 65536.0;
+    if (t >= (double)hi * k) return 0;
+    blk.threshold = t;
+    return 1;
+}
+
+/* Every layout, both drivers, odd sizes and padded leading dimensions; a layout
+ * that disagrees anywhere is not routed. */
+static int self_check(void)
+{
+    const int orders[] = {ROW_MAJOR, COL_MAJOR}, trans[] = {NO_TRANS, TRANS};
+    const long q = blk.q;
+    const int ks[] = {7, (int)q + 1, (int)(2 * q + 3)};
+    /* rows enough for the threaded driver (and ours) with a K of two uneven halves */
+    const int n_big = isinf(blk.threshold) ? 64 : (int)(blk.threshold / (2 * q - 1)) + 9;
+    const float alphas[] = {1.0f, 0.75f}, betas[] = {0.0f, 1.0f, -0.5f};
+    memset(is_layout_ok, 1, sizeof(is_layout_ok));
+    for (int o = 0; o < 2; o++)
+        for (int a = 0; a < 2; a++)
+            for (int b = 0; b < 2; b++)
+                for (int one_col = 0; one_col < 2; one_col++) {
+                    /* the row-major layout this call maps onto */
+                    int is_col = orders[o] == COL_MAJOR, rn1 = is_col ? !one_col : one_col;
+                    unsigned char *ok = &is_layout_ok[rn1][is_col ? b : a][is_col ? a : b];
+                    for (int ki = 0; ki < 3 && *ok; ki++)
+                        for (int s = 0; s < 3 && *ok; s++) {
+                            int n = (int[]){1, 5, 19}[s], k = ks[ki];
+                            float alpha = blk.alpha_mode < 0 ? 1.0f : alphas[s % 2];
+                            float beta = betas[(s + ki) % 3];
+                            *ok = agrees(orders[o], trans[a], trans[b], one_col ? n : 1,
+                                         one_col ? 1 : n, k, alpha, beta, (s + o) % 3);
+                        }
+                    if (is_col) continue;  /* the big ones once per row-major layout */
+                    if (*ok) *ok = agrees(ROW_MAJOR, trans[a], trans[b], one_col ? n_big : 1,
+                                          one_col ? 1 : n_big, 2 * q - 1, 1.0f, 0.0f, 1);
+                    if (*ok) *ok = agrees(ROW_MAJOR, trans[a], trans[b], one_col ? 48 : 1,
+                                          one_col ? 1 : 48, 20 * q + q + 1, 1.0f, 1.0f, 0);
+                }
+    int num_ok = 0;
+    for (int i = 0; i < 8; i++) num_ok += ((unsigned char *)is_layout_ok)[i];
+    return num_ok > 0;
+}
+
+static int calibrate(void)
+{
+    int threads = blas_get_threads();
+    blk.calib_threads = threads;
+    memset(is_layout_ok, 1, sizeof(is_layout_ok));  /* until self_check decides */
+    blas_set_threads(1);
+    int ok = calibrate_single();
+    if (ok) {  /* general alpha: fused add, else plain add, else only alpha == 1 */
+        blk.alpha_mode = 1;
+        if (!agrees(ROW_MAJOR, NO_TRANS, TRANS, 1, 9, 100, 0.75f, 1.0f, 0)) {
+            blk.alpha_mode = 0;
+            if (!agrees(ROW_MAJOR, NO_TRANS, TRANS, 1, 9, 100, 0.75f, 1.0f, 0)) blk.alpha_mode = -1;
+        }
+    }
+    blas_set_threads(threads);
+    if (ok && threads > 1) ok = calibrate_threaded();
+    return ok && self_check();
+}
+
+/* ---- the Python-facing API ---- */
+
+/* Bind the real sgemm of the BLAS at `blas_path` (already loaded or loadable) and
+ * calibrate. Returns 0: routing on; 1: every call passes through (the BLAS is not
+ * OpenBLAS, or its order could not be reproduced); 2: passes through, as this CPU
+ * has no vector kernel here (the scalar one would be slower than sgemm); -1: no
+ * cblas_sgemm there. */
+int gmlx_interposer_init(const char *blas_path)
+{
+    void *h = dlopen(blas_path, RTLD_NOW | RTLD_GLOBAL);
+    sgemm_fn f = h ? (sgemm_fn)dlsym(h, "cblas_sgemm") : NULL;
+    if (!f || f == cblas_sgemm) return init_status = -1;
+    real_sgemm = f;
+    blas_get_threads = (get_threads_fn)dlsym(h, "openblas_get_num_threads");
+    blas_set_threads = (set_threads_fn)dlsym(h, "openblas_set_num_threads");
+    atomic_store(&is_routing, 0);
+#if defined(__x86_64__)
+    if (!has_avx2()) return init_status = 2;
+#else
+    return init_status = 2;
+#endif
+    if (!blas_get_threads || !blas_set_threads || !calibrate()) return init_status = 1;
+    atomic_store(&is_routing, 1);
+    return init_status = 0;
+}
+
+/* Turn routing off (0) or back on (1, only after a successful init); returns the state. */
+int gmlx_interposer_set_routing(int on)
+{
+    atomic_store(&is_routing, on && init_status == 0);
+    return atomic_load(&is_routing);
+}
+
+int gmlx_interposer_is_routing(void) { return atomic_load(&is_routing); }
+
+void gmlx_interposer_counts(long *routed, long *passed)
+{
+    *routed = atomic_load(&num_routed);
+    *passed = atomic_load(&num_passed);
+}
+
+/* Bit i set when row-major layout i = 4*(N == 1) + 2*transA + transB is routed. */
+int gmlx_interposer_layouts(void)
+{
+    int mask = 0;
+    for (int i = 0; i < 8; i++) mask |= ((unsigned char *)is_layout_ok)[i] << i;
+    return mask;
+}
+
+/* The measured blocking: GEMM_Q, the unroll, the threaded threshold (-1: never), the
+ * alpha mode and the BLAS threads at calibration. */
+void gmlx_interposer_blocking(long *q, long *unroll, double *threshold, int *alpha_mode, int *threads)
+{
+    *q = blk.q;
+    *unroll = blk.unroll;
+    *threshold = isinf(blk.threshold) ? -1.0 : blk.threshold;
+    *alpha_mode = blk.alpha_mode;
+    *threads = blk.calib_threads;
+}
