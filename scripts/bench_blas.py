@@ -1,0 +1,204 @@
+"""Decode speed with and without gmlx's one-row sgemm interposer, side by side.
+
+The BLAS and the interposer load when gmlx is imported, so every measurement runs in
+its own subprocess (GMLX_SGEMV_INTERPOSER=1 or 0), alternating on/off across reps.
+Decoding is mlx_lm's plain `generate_step` loop, greedy, width 1: no gmlx engine code.
+
+    python scripts/bench_blas.py                         # the built-in model
+    python scripts/bench_blas.py --model PATH            # any mlx-lm model folder
+    python scripts/bench_blas.py --random-params 120M    # random-weight float32 qwen3, ~120M params
+    python scripts/bench_blas.py --random-params 120M --tokens 48 --reps 3
+
+Prints a markdown table and one JSON line: tokens/s with the interposer on and off and
+their ratio, whether both produced the same tokens, and the weight bytes read per second
+while decoding (weight bytes per token x tokens/s) as a fraction of this machine's DRAM
+read rate, measured here as the best of a numpy sum and an OpenBLAS sgemv over 1 GiB.
+The CPU may be shared: compare the ratios, which are measured in the same run.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+DEFAULT_MODEL = "builtin"
+
+
+def parse_count(text: str) -> int:
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1:].upper(), 1)
+    return int(float(text[:-1] if scale != 1 else text) * scale)
+
+
+def make_random_qwen3(num_params: int):
+    """A float32 qwen3 of about num_params parameters, from ModelArgs (no download)."""
+    import mlx.core as mx
+    from mlx_lm.models import qwen3
+
+    hidden, inter, heads, kv_heads, head_dim, vocab = 1024, 3072, 16, 8, 64, 8192
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter
+    num_layers = max(1, round((num_params - vocab * hidden) / per_layer))
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=hidden, num_hidden_layers=num_layers,
+                           intermediate_size=inter, num_attention_heads=heads, rms_norm_eps=1e-6,
+                           vocab_size=vocab, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                           head_dim=head_dim, tie_word_embeddings=True, rope_theta=1e6)
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    prompt = mx.random.randint(0, vocab, (32,))
+    return model, prompt, f"random qwen3, {num_layers} layers, hidden {hidden}, float32"
+
+
+def load_folder(path: str):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from gmlx.config import BUILTIN_TARGET_DIR
+
+    folder = str(BUILTIN_TARGET_DIR) if path == DEFAULT_MODEL else path
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise SystemExit(f"no model at {folder} (the built-in model may not be trained yet; "
+                         "try --random-params 120M)")
+    model, tokenizer = load(folder)
+    prompt = mx.array(tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n    "))
+    return model, prompt, folder
+
+
+def weight_bytes_per_token(model) -> tuple[int, int]:
+    """(all parameter bytes, bytes one decode step reads): an untied input embedding
+    contributes one row, not the table."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    total = sum(v.nbytes for v in params.values())
+    untied = [k for k in params if k.endswith("embed_tokens.weight")] if any(
+        k.startswith("lm_head") for k in params) else []
+    return total, total - sum(params[k].nbytes for k in untied)
+
+
+def child_decode(args) -> dict:
+    import gmlx  # noqa: F401  (loads the BLAS and, unless switched off, the interposer)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.generate import generate_step
+
+    from gmlx.platform.blas import describe_blas, routing_counts
+
+    if args.random_params:
+        model, prompt, name = make_random_qwen3(parse_count(args.random_params))
+    else:
+        model, prompt, name = load_folder(args.model)
+    mx.eval(model.parameters())
+    num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    total_bytes, read_bytes = weight_bytes_per_token(model)
+    tokens, stamps = [], []
+    routed_before = None
+    for i, (token, _) in enumerate(generate_step(prompt, model, max_tokens=args.warmup + args.tokens)):
+        tokens.append(int(token))
+        stamps.append(time.perf_counter())
+        if i == args.warmup:
+            routed_before = routing_counts()[0]
+    num_timed = len(stamps) - 1 - args.warmup
+    tokens_per_s = num_timed / (stamps[-1] - stamps[args.warmup])
+    d = describe_blas(measure=False)
+    return {"model": name, "num_params": num_params, "param_bytes": total_bytes,
+            "read_bytes_per_token": read_bytes, "tokens_per_s": tokens_per_s, "tokens": tokens,
+            "is_interposer_active": d["is_interposer_active"], "blas": d["library"],
+            "routed_per_token": (routing_counts()[0] - routed_before) / num_timed}
+
+
+def child_dram() -> dict:
+    import gmlx  # noqa: F401
+    import ctypes
+
+    import numpy as np
+
+    from gmlx.platform.blas import describe_blas
+
+    def best_s(fn, num_reps=5):
+        fn()
+        times = []
+        for _ in range(num_reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    side = 1 << 14  # a 16384 x 16384 float32 matrix: 1 GiB
+    a = np.ones(side * side, dtype=np.float32)
+    out = {"numpy_sum_gbs": a.nbytes / best_s(a.sum) / 1e9, "sgemv_gbs": None}
+    library = describe_blas(measure=False)["library"]
+    if library:
+        sgemv = ctypes.CDLL(library).cblas_sgemv
+        sgemv.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                               ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        x, y = np.ones(side, dtype=np.float32), np.zeros(side, dtype=np.float32)
+        run = lambda: sgemv(101, 111, side, side, 1.0, a.ctypes.data, side, x.ctypes.data, 1, 0.0,  # noqa: E731
+                            y.ctypes.data, 1)
+        out["sgemv_gbs"] = a.nbytes / best_s(run) / 1e9
+    out["dram_gbs"] = max(v for v in out.values() if v)
+    return out
+
+
+def run_child(argv: list[str], **env) -> dict:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {argv} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="mlx-lm model folder (default: built-in)")
+    parser.add_argument("--random-params", help="random float32 qwen3 of this size instead, e.g. 120M")
+    parser.add_argument("--tokens", type=int, default=48, help="decode steps timed per run")
+    parser.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
+    parser.add_argument("--reps", type=int, default=3, help="runs per mode, alternating on/off")
+    parser.add_argument("--child", choices=["decode", "dram"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child_decode(args) if args.child == "decode" else child_dram()))
+        return
+
+    child_argv = ["--child", "decode", "--model", args.model, "--tokens", str(args.tokens),
+                  "--warmup", str(args.warmup)] + (["--random-params", args.random_params] if args.random_params else [])
+    runs = {"on": [], "off": []}
+    for rep in range(args.reps):
+        for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+            runs[mode].append(run_child(child_argv, GMLX_SGEMV_INTERPOSER="1" if mode == "on" else "0"))
+    dram = run_child(["--child", "dram"])
+    report(args, runs, dram)
+
+
+def report(args, runs: dict, dram: dict) -> None:
+    first = runs["on"][0]
+    assert first["is_interposer_active"] and not runs["off"][0]["is_interposer_active"]
+    median = {m: statistics.median(r["tokens_per_s"] for r in runs[m]) for m in runs}
+    weight_gbs = {m: first["read_bytes_per_token"] * median[m] / 1e9 for m in runs}
+    is_same = all(r["tokens"] == first["tokens"] for m in runs for r in runs[m])
+    print(f"model: {first['model']} ({first['num_params'] / 1e6:.1f}M params, {first['param_bytes'] / 1e6:.0f} MB; "
+          f"{first['read_bytes_per_token'] / 1e6:.0f} MB read per token); BLAS: {first['blas']}")
+    print(f"decode width 1, mlx_lm generate_step, {args.tokens} tokens after {args.warmup} warm-up, "
+          f"median of {args.reps} runs per mode, alternating\n")
+    print("| interposer | tokens/s | ms/token | weight read GB/s | of DRAM read rate |")
+    print("|---|---|---|---|---|")
+    for m in ("on", "off"):
+        print(f"| {m} | {median[m]:.2f} | {1e3 / median[m]:.1f} | {weight_gbs[m]:.1f} | "
+              f"{weight_gbs[m] / dram['dram_gbs']:.2f} |")
+    sgemv = f"{dram['sgemv_gbs']:.1f}" if dram["sgemv_gbs"] else "n/a"
+    print(f"\nspeedup on/off: {median['on'] / median['off']:.2f}x; greedy tokens identical across all runs: "
+          f"{'yes' if is_same else 'NO'}; one-row calls routed per token: {first['routed_per_token']:.0f}")
+    print(f"DRAM read rate: {dram['dram_gbs']:.1f} GB/s (numpy sum of 1 GiB {dram['numpy_sum_gbs']:.1f}, "
+          f"OpenBLAS sgemv over 1 GiB {sgemv})")
+    print(json.dumps({
+        "model": first["model"], "num_params": first["num_params"], "read_bytes_per_token": first["read_bytes_per_token"],
+        "tokens_per_s": {m: [round(r["tokens_per_s"], 3) for r in runs[m]] for m in runs},
+        "median_tokens_per_s": median, "speedup": median["on"] / median["off"], "weight_read_gbs": weight_gbs,
+        "dram": dram, "fraction_of_dram": {m: weight_gbs[m] / dram["dram_gbs"] for m in runs},
+        "tokens_identical": is_same, "routed_per_token": first["routed_per_token"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+import gmlx  # noqa: F401  (the fast BLAS and the interposer must load before mlx)
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gmlx.platform import blas
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS loader is Linux-only")
+
+ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
+SGEMM_ARGTYPES = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def sgemms():
+    """(interposed cblas_sgemm, the BLAS's own cblas_sgemm) as ctypes functions."""
+    d = blas.describe_blas(measure=False)
+    if d["library"] is None:
+        pytest.skip("no OpenBLAS on this machine (apt-get install libopenblas0-pthread)")
+    if not d["interposer_built"]:
+        pytest.skip("interposer not built (no C compiler at install)")
+    assert d["is_interposer_active"], f"interposer built but not routing: {d['interposer_status']} {d['notes']}"
+    routed = ctypes.CDLL(str(blas.INTERPOSER_PATH)).cblas_sgemm
+    real = ctypes.CDLL(d["library"]).cblas_sgemm  # dlsym on the BLAS's handle: its own symbol
+    for fn in (routed, real):
+        fn.argtypes, fn.restype = SGEMM_ARGTYPES, None
+    return routed, real
+
+
+def bits(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.uint32)  # NaN-safe, sign-of-zero-exact
+
+
+def make_operands(rng, order, ta, tb, m, n, k, pad):
+    """A, B, C as stored for cblas_sgemm, each with `pad` extra elements per leading dimension."""
+    is_row = order == ROW_MAJOR
+    a_shape = (k, m) if (ta == TRANS) == is_row else (m, k)  # (outer, inner) in memory
+    b_shape = (n, k) if (tb == TRANS) == is_row else (k, n)
+    c_shape = (m, n) if is_row else (n, m)
+    a, b, c = (rng.standard_normal((s[0], s[1] + pad), dtype=np.float32) for s in (a_shape, b_shape, c_shape))
+    return a, b, c
+
+
+def call(fn, order, ta, tb, m, n, k, alpha, a, b, beta, c):
+    fn(order, ta, tb, m, n, k, alpha, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta,
+       c.ctypes.data, c.shape[1])
+
+
+one_row_shapes = st.one_of(
+    st.tuples(st.just(1), st.integers(1, 300), st.integers(1, 1100)),  # M == 1
+    st.tuples(st.integers(1, 300), st.just(1), st.integers(1, 1100)),  # N == 1
+    st.tuples(st.just(1), st.integers(300, 1300), st.integers(300, 700)),  # threaded sgemm driver
+    st.tuples(st.integers(2, 8), st.integers(1, 64), st.integers(1, 400)),  # 2-8 rows: passed through
+)
+
+
+@SETTINGS
+@given(shape=one_row_shapes, order=st.sampled_from([ROW_MAJOR, COL_MAJOR]),
+       ta=st.sampled_from([NO_TRANS, TRANS]), tb=st.sampled_from([NO_TRANS, TRANS]), pad=st.integers(0, 5),
+       alpha=st.sampled_from([1.0, 0.5, -1.75]), beta=st.sampled_from([0.0, 1.0, -0.3]), seed=st.integers(0, 2**16))
+def test_direct_sgemm_calls_are_bit_identical(sgemms, shape, order, ta, tb, pad, alpha, beta, seed):
+    routed_fn, real_fn = sgemms
+    m, n, k = shape
+    a, b, c = make_operands(np.random.default_rng(seed), order, ta, tb, m, n, k, pad)
+    if beta == 0.0:
+        c[:] = np.nan  # beta == 0: C must not be read
+    c_real, c_routed = c.copy(), c.copy()
+    num_routed = blas.routing_counts()[0]
+    call(real_fn, order, ta, tb, m, n, k, alpha, a, b, beta, c_real)
+    call(routed_fn, order, ta, tb, m, n, k, alpha, a, b, beta, c_routed)
+    assert np.array_equal(bits(c_real), bits(c_routed))
+    if m == 1 or n == 1:  # every one-row layout passed the self-check here
+        assert blas.routing_counts()[0] == num_routed + 1
+
+
+def products(rng, rows: int, k: int, n: int, layout: str):
+    """mlx operands for a (rows, k) @ (k, n) product laid out as `layout` says."""
+    x = mx.array(rng.standard_normal((rows, k), dtype=np.float32))
+    if layout == "x@W.T":  # a Linear layer
+        return x, mx.array(rng.standard_normal((n, k), dtype=np.float32)).T
+    if layout == "x@W":
+        return x, mx.array(rng.standard_normal((k, n), dtype=np.float32))
+    if layout == "sliced":  # leading dimensions larger than the row: W[:, :k] of a wider W
+        wide = mx.array(rng.standard_normal((n, k + 7), dtype=np.float32))
+        return x, wide[:, :k].T
+    if layout == "strided rows":  # every other row of W
+        tall = mx.array(rng.standard_normal((2 * n, k), dtype=np.float32))
+        return x, tall[::2].T
+    if layout == "xT":  # x itself a transposed view
+        return mx.array(rng.standard_normal((k, rows), dtype=np.float32)).T, mx.array(
+            rng.standard_normal((k, n), dtype=np.float32))
+    assert layout == "matrix@vector"  # N == 1
+    return mx.array(rng.standard_normal((n, k), dtype=np.float32)), x[:1].T
+
+
+def run_both(fn):
+    blas.set_routing(False)
+    try:
+        plain = np.array(fn())
+    finally:
+        blas.set_routing(True)
+    num_routed = blas.routing_counts()[0]
+    routed = np.array(fn())
+    return plain, routed, blas.routing_counts()[0] - num_routed
+
+
+@SETTINGS
+@given(rows=st.integers(1, 8), k=st.integers(1, 700), n=st.integers(1, 300), seed=st.integers(0, 2**16),
+       layout=st.sampled_from(["x@W.T", "x@W", "sliced", "strided rows", "xT", "matrix@vector"]))
+def test_mlx_products_are_bit_identical(sgemms, rows, k, n, layout, seed):
+    a, b = products(np.random.default_rng(seed), rows, k, n, layout)
+    mx.eval(a, b)
+    plain, routed, num_routed = run_both(lambda: mx.eval(out := a @ b) or out)
+    assert np.array_equal(bits(plain), bits(routed))
+    if a.shape[0] == 1 or b.shape[1] == 1:
+        assert num_routed >= 1, "a one-row mlx product did not reach the interposer"
+
+
+def test_decode_shaped_products_route_and_match(sgemms):
+    rng = np.random.default_rng(0)
+    # attention over a cache: (B, H, 1, D) @ (B, H, D, L), then (B, H, 1, L) @ (B, H, L, D)
+    q = mx.array(rng.standard_normal((2, 4, 1, 64), dtype=np.float32))
+    keys = mx.array(rng.standard_normal((2, 4, 333, 64), dtype=np.float32))
+    values = mx.array(rng.standard_normal((2, 4, 333, 64), dtype=np.float32))
+    w = mx.array(rng.standard_normal((1536, 1024), dtype=np.float32))  # big enough for two threads
+    x = mx.array(rng.standard_normal((1, 1, 1024), dtype=np.float32))
+    mx.eval(q, keys, values, w, x)
+    for fn in (lambda: (q @ keys.swapaxes(-1, -2)) @ values, lambda: x @ w.T):
+        plain, routed, num_routed = run_both(lambda: mx.eval(out := fn()) or out)
+        assert np.array_equal(bits(plain), bits(routed))
+        assert num_routed >= 1
+
+
+def test_counters_move(sgemms):
+    x, w = mx.ones((1, 96)), mx.ones((80, 96))
+    x4 = mx.ones((4, 96))
+    mx.eval(x, w, x4)
+    routed0, passed0 = blas.routing_counts()
+    mx.eval(x @ w.T)
+    routed1, passed1 = blas.routing_counts()
+    mx.eval(x4 @ w.T)
+    routed2, passed2 = blas.routing_counts()
+    assert (routed1 - routed0, passed1 - passed0) == (1, 0)
+    assert (routed2 - routed1, passed2 - passed1) == (0, 1)
+
+
+def test_describe_blas(sgemms):
+    d = blas.describe_blas()
+    assert os.path.exists(d["library"]) and d["source"] in ("search", "find_library", "GMLX_BLAS_LIB")
+    assert d["openblas_version"].count(".") == 2 and d["num_threads"] >= 1
+    assert d["is_interposer_active"] and d["is_routing_effective"] and not d["is_mlx_imported_first"]
+    assert "x@W.T" in d["routed_layouts"] and d["blocking"]["gemm_q"] > 0
+    assert 0 < d["matmul_1024_ms"] < 350, "1024^2 matmul as slow as the reference BLAS"
+    assert d["one_row_4096_plain_ms"] > 0 and d["num_routed"] > 0
+    report = blas.format_blas_report(d)
+    assert d["library"] in report and "interposer: active" in report
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env}, check=True)
+
+
+PRODUCT = """
+import hashlib, json, numpy as np
+{first}
+import mlx.core as mx
+from gmlx.platform.blas import describe_blas
+rng = np.random.default_rng(7)
+x = mx.array(rng.standard_normal((1, 777), dtype=np.float32))
+w = mx.array(rng.standard_normal((1500, 777), dtype=np.float32))
+y = np.array(x @ w.T)
+d = describe_blas(measure=False)
+print(json.dumps({{"bits": hashlib.sha256(y.tobytes()).hexdigest(),
+                  "active": d["is_interposer_active"], "library": d["library"],
+                  "mlx_first": d["is_mlx_imported_first"], "routed": d["num_routed"]}}))
+"""
+
+
+def test_interposer_off_matches_in_another_process(sgemms):
+    on = json.loads(run_python(PRODUCT.format(first="import gmlx")).stdout)
+    off = json.loads(run_python(PRODUCT.format(first="import gmlx"), GMLX_SGEMV_INTERPOSER="0").stdout)
+    assert on["active"] and on["routed"] >= 1
+    assert not off["active"] and off["routed"] == 0 and off["library"] == on["library"]
+    assert on["bits"] == off["bits"]
+
+
+def test_mlx_imported_first_warns_and_no_blas_is_not_fatal(sgemms):
+    late = run_python(PRODUCT.format(first="import mlx.core, gmlx"))
+    assert json.loads(late.stdout)["mlx_first"] and "imported before gmlx" in late.stderr
+    none = json.loads(run_python(PRODUCT.format(first="import gmlx"), GMLX_BLAS_LIB="none").stdout)
+    assert none["library"] is None and not none["active"]
