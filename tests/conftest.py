@@ -20,7 +20,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
     """A small random-weight mlx-lm model folder with the built-in tokenizer."""
-    from mlx_lm.utils import get_model_classes
+    import importlib
 
     vocab_size = json.loads((BUILTIN_TARGET_DIR / "config.json").read_text())["vocab_size"]
     config = dict(model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -28,9 +28,9 @@ def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0
                   vocab_size=vocab_size, max_position_embeddings=512, rope_theta=10000.0,
                   tie_word_embeddings=False, head_dim=16)
     config.update(overrides)
-    model_class, args_class = get_model_classes(config)
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))
@@ -53,6 +53,25 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tiny_llama_dir):
     return load_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized_target(tiny_llama_dir, tmp_path_factory):
+    """The tiny llama quantized to 4 bits the way mlx-lm stores quantized folders."""
+    import mlx.nn as nn
+    import mlx_lm
+
+    folder = tmp_path_factory.mktemp("tiny_llama_q4")
+    model, _ = mlx_lm.load(str(tiny_llama_dir))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        if (tiny_llama_dir / name).exists():
+            shutil.copy(tiny_llama_dir / name, folder / name)
+    return load_model(folder)
 
 
 @pytest.fixture(scope="session")

@@ -37,9 +37,9 @@ def run_alone(engine, token_ids, params):
     return out, reason
 
 
-@pytest.mark.parametrize("which", ["builtin", "tiny_llama"])
-def test_greedy_equals_mlx_lm_generate(which, builtin_target, tiny_target, code_prompts):
-    target = builtin_target if which == "builtin" else tiny_target
+@pytest.mark.parametrize("which", ["builtin_target", "tiny_target", "tiny_quantized_target"])
+def test_greedy_equals_mlx_lm_generate(which, request, code_prompts):
+    target = request.getfixturevalue(which)
     engine = Engine(target, None, EngineConfig(prompt_cache_bytes=0))
     for token_ids in code_prompts[:20]:
         chunks = list(stream_generate(engine, params=SamplingParams(max_tokens=24), token_ids=token_ids))
@@ -92,10 +92,10 @@ def test_staggered_batch_equals_alone(temperature, builtin_target, code_prompts)
 def test_bad_input_names_the_field_and_others_keep_going(token_ids, params, field, builtin_target, code_prompts):
     engine = Engine(builtin_target, None, EngineConfig(prompt_cache_bytes=0))
     good = engine.add_request(code_prompts[0], SamplingParams(max_tokens=12))
-    engine.step()
+    out = [t for o in engine.step() for t in o.new_token_ids]
     with pytest.raises(ValueError, match=field):
         engine.add_request(token_ids, params)
-    out, reason = [], None
+    reason = None
     while reason is None:
         for output in engine.step():
             assert output.request_id == good
