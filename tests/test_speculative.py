@@ -55,21 +55,24 @@ def test_random_schedules_equal_plain(kind, chunk, engines, reference, code_prom
 
 
 class PoisonedAfterGate:
-    """Wraps a real drafter; once the engine gates (reset), any further call raises."""
+    """Wraps a real drafter; once it is reset after holding rows (preempt or gate), any call raises."""
 
     def __init__(self, inner):
         self.inner = inner
         self.kind, self.needs_hidden = inner.kind, inner.needs_hidden
         self.num_draft_tokens, self.default_width_cap = inner.num_draft_tokens, inner.default_width_cap
-        self.is_poisoned = False
+        self.has_rows = self.is_poisoned = False
 
     def reset(self):
-        self.is_poisoned = True  # reset does no MLX work; everything after it must not happen
+        # reset does no MLX work; after the first one that drops rows nothing may follow.
+        self.is_poisoned = self.has_rows
+        self.inner.reset()
 
     def _forward(name):
         def call(self, *args):
             if self.is_poisoned:
                 raise AssertionError(f"drafter.{name} called while gated")
+            self.has_rows = True
             return getattr(self.inner, name)(*args)
         return call
 
