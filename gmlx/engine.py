@@ -21,6 +21,7 @@ import uuid
 import mlx.core as mx
 
 from gmlx import config
+from gmlx.cache.prompt_cache import PromptCache
 from gmlx.cache.ragged import concat_layer_caches
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
@@ -40,13 +41,13 @@ _STAT_KEYS = (
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, prompt_cache=None):
+    def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig):
         self.target = target
         self.drafter = drafter
         self.config = engine_config
-        self.prompt_cache = prompt_cache
+        self.prompt_cache = PromptCache(engine_config.prompt_cache_bytes) if engine_config.prompt_cache_bytes else None
         self.max_context_tokens = engine_config.max_context_tokens or target.max_context_tokens
-        self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, prompt_cache)
+        self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, self.prompt_cache)
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
@@ -57,12 +58,7 @@ class Engine:
     def load(cls, engine_config: EngineConfig) -> Engine:
         target = load_model(engine_config.model_path)
         drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
-        prompt_cache = None
-        if engine_config.prompt_cache_bytes > 0:
-            from gmlx.cache.prompt_cache import PromptCache
-
-            prompt_cache = PromptCache(engine_config.prompt_cache_bytes)
-        return cls(target, drafter, engine_config, prompt_cache)
+        return cls(target, drafter, engine_config)
 
     @property
     def tokenizer(self):
