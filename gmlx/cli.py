@@ -113,13 +113,13 @@ def _fail(exc: Exception) -> None:
     sys.exit(2)
 
 
-def _register_optional_commands() -> None:
-    try:
-        from workers.cli_serve import serve
-    except ImportError as exc:  # the serving package is part of the install; say what broke
-        logger.debug("serve command unavailable: %s", exc)
-        return
-    main.add_command(serve)
+# The serving and benchmark commands live with their packages.
+from gmlx.bench.cli import bench  # noqa: E402
+from workers.cli_serve import serve  # noqa: E402
+
+main.add_command(serve)
+main.add_command(bench)
 
 
-_register_optional_commands()
+if __name__ == "__main__":
+    main()

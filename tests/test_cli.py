@@ -1,0 +1,40 @@
+"""The gmlx command as a user runs it: a real subprocess."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gmlx.config import BUILTIN_TARGET_DIR
+
+
+def run_gmlx(*args, timeout_s=120):
+    return subprocess.run([sys.executable, "-m", "gmlx.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+@pytest.mark.parametrize("drafter", ["none", "mtp"])
+def test_generate_json_prints_one_object_last(drafter):
+    done = run_gmlx("generate", "def main(", "--max-tokens", "12", "--drafter", drafter, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["model"] == str(BUILTIN_TARGET_DIR)
+    assert 0 < len(result["token_ids"]) <= 12
+    assert result["finish_reason"] in ("stop", "length")
+    for key in ("prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_per_s", "num_rounds",
+                "num_drafted", "num_accepted"):
+        assert key in result["stats"]
+
+
+@pytest.mark.parametrize("args, name", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "2"], "top_p"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+    (["--drafter", "medusa"], "medusa"),
+])
+def test_bad_options_exit_nonzero_naming_the_option(args, name):
+    done = run_gmlx("generate", "x", *args)
+    assert done.returncode != 0
+    assert name in done.stderr
