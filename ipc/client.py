@@ -1,0 +1,264 @@
+"""Sync and asyncio clients for a gmlx server (docs/protocol.md, "Client link").
+
+One DEALER socket per client carries every request: replies are routed to their stream by
+the client's `ref` until ACCEPTED names the request id, then by the request id. Several
+streams of one client may be iterated interleaved. Breaking out of a stream cancels its
+request on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from ipc import messages as m
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """The server rejected or failed a request; `field` names the bad field when one is to blame."""
+
+    def __init__(self, message: str, field: str | None = None, request_id: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.request_id = request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    token_ids: list[int]  # this chunk's new tokens, in order
+    text: str  # this chunk's new text
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
+    stats: dict | None = None  # on the last chunk
+    request_id: str = ""
+    seq: int = 0
+    emitted_at_ns: int | None = None  # server CLOCK_MONOTONIC when the worker sent the round
+    received_at_ns: int = 0  # this process's CLOCK_MONOTONIC when the chunk arrived
+
+
+@dataclass(eq=False)
+class _Stream:
+    ref: str
+    request_id: str | None = None
+    inbox: deque = field(default_factory=deque)
+    queue: asyncio.Queue | None = None  # the async client's inbox
+
+
+class _Router:
+    """Sends replies to the stream they belong to; drops those of abandoned requests."""
+
+    def __init__(self):
+        self._prefix = f"{os.getpid():x}-{id(self):x}-"
+        self._refs = itertools.count()
+        self._by_ref: dict[str, _Stream] = {}
+        self._by_request_id: dict[str, _Stream] = {}
+
+    def open(self, is_async: bool = False) -> _Stream:
+        stream = _Stream(f"{self._prefix}{next(self._refs)}", queue=asyncio.Queue() if is_async else None)
+        self._by_ref[stream.ref] = stream
+        return stream
+
+    def close(self, stream: _Stream) -> None:
+        self._by_ref.pop(stream.ref, None)
+        if stream.request_id is not None:
+            self._by_request_id.pop(stream.request_id, None)
+
+    def route(self, frames: list[bytes]) -> tuple[_Stream | None, object]:
+        try:
+            msg = m.decode_json(frames)
+        except m.WireError as e:
+            logger.warning("dropping an undecodable reply: %s", e)
+            return None, None
+        if isinstance(msg, m.Accepted):
+            stream = self._by_ref.get(msg.ref)
+            if stream is not None:
+                stream.request_id = msg.request_id
+                self._by_request_id[msg.request_id] = stream
+        elif isinstance(msg, m.Chunk):
+            stream = self._by_request_id.get(msg.request_id)
+            msg = _to_chunk(msg)
+        elif isinstance(msg, m.Error) and msg.request_id is not None:
+            stream = self._by_request_id.get(msg.request_id) or self._by_ref.get(msg.ref)
+        else:
+            stream = self._by_ref.get(getattr(msg, "ref", None))
+        return stream, msg
+
+
+def _to_chunk(msg: m.Chunk) -> Chunk:
+    return Chunk(msg.token_ids, msg.text, msg.finish_reason, msg.stats, msg.request_id, msg.seq,
+                 msg.emitted_at_ns, time.monotonic_ns())
+
+
+def _generate_message(ref: str, prompt, token_ids, max_tokens, temperature, top_p, top_k, min_p, seed,
+                      stop) -> list[bytes]:
+    if isinstance(stop, str):
+        stop = [stop]
+    return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=None if token_ids is None else list(token_ids),
+                                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    min_p=min_p, seed=seed, stop=None if stop is None else list(stop)))
+
+
+def _check(msg, stream: _Stream, expected_seq: int):
+    """Raise for an ERROR or a lost chunk; otherwise return the message."""
+    if isinstance(msg, m.Error):
+        raise RequestError(msg.message, msg.field, msg.request_id or stream.request_id)
+    if isinstance(msg, Chunk) and msg.seq != expected_seq:
+        raise RequestError(f"chunk {expected_seq} of {stream.request_id} was lost (got {msg.seq})")
+    return msg
+
+
+def _make_socket(ctx, address: str):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)  # replies are never dropped: the server sends each once
+    sock.connect(address)
+    return sock
+
+
+class Client:
+    """A blocking client. Not thread-safe: use one per thread."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._sock = _make_socket(zmq.Context.instance(), address)
+        self._router = _Router()
+
+    def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop=None, min_p: float = 0.0):
+        """Yield Chunk objects as the server decodes; raises RequestError if it rejects the request."""
+        stream = self._router.open()
+        is_done = False
+        try:
+            self._sock.send_multipart(_generate_message(stream.ref, prompt, token_ids, max_tokens, temperature,
+                                                        top_p, top_k, min_p, seed, stop))
+            _check(self._next(stream), stream, 0)
+            seq = 0
+            while not is_done:
+                try:
+                    chunk = _check(self._next(stream), stream, seq)
+                except RequestError:
+                    is_done = True
+                    raise
+                seq += 1
+                is_done = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not is_done and stream.request_id is not None and not self._sock.closed:
+                self._sock.send_multipart(m.encode_json(m.Cancel(request_id=stream.request_id)))
+            self._router.close(stream)
+
+    def stats(self) -> dict:
+        """The engine counters, summed over the server's workers."""
+        stream = self._router.open()
+        try:
+            self._sock.send_multipart(m.encode_json(m.StatsRequest(ref=stream.ref)))
+            return _check(self._next(stream), stream, 0).stats
+        finally:
+            self._router.close(stream)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _next(self, stream: _Stream):
+        deadline_s = time.monotonic() + self.timeout_s
+        while not stream.inbox:
+            timeout_ms = int((deadline_s - time.monotonic()) * 1000)
+            if timeout_ms <= 0 or not self._sock.poll(timeout_ms, zmq.POLLIN):
+                raise TimeoutError(f"no reply from {self.address} within {self.timeout_s} s")
+            while True:  # everything that has arrived, whichever stream it is for
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                target, msg = self._router.route(frames)
+                if target is not None:
+                    target.inbox.append(msg)
+        return stream.inbox.popleft()
+
+
+class AsyncClient:
+    """The asyncio twin of Client: `async for chunk in client.generate(...)`."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._sock = _make_socket(zmq.asyncio.Context.instance(), address)
+        self._router = _Router()
+        self._reader: asyncio.Task | None = None
+
+    async def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       stop=None, min_p: float = 0.0):
+        stream = self._open()
+        is_done = False
+        try:
+            await self._sock.send_multipart(_generate_message(stream.ref, prompt, token_ids, max_tokens,
+                                                              temperature, top_p, top_k, min_p, seed, stop))
+            _check(await self._next(stream), stream, 0)
+            seq = 0
+            while not is_done:
+                try:
+                    chunk = _check(await self._next(stream), stream, seq)
+                except RequestError:
+                    is_done = True
+                    raise
+                seq += 1
+                is_done = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not is_done and stream.request_id is not None and not self._sock.closed:
+                await self._sock.send_multipart(m.encode_json(m.Cancel(request_id=stream.request_id)))
+            self._router.close(stream)
+
+    async def stats(self) -> dict:
+        stream = self._open()
+        try:
+            await self._sock.send_multipart(m.encode_json(m.StatsRequest(ref=stream.ref)))
+            return _check(await self._next(stream), stream, 0).stats
+        finally:
+            self._router.close(stream)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+
+    def _open(self) -> _Stream:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+        return self._router.open(is_async=True)
+
+    async def _read_forever(self) -> None:
+        while True:
+            target, msg = self._router.route(await self._sock.recv_multipart())
+            if target is not None:
+                target.queue.put_nowait(msg)
+
+    async def _next(self, stream: _Stream):
+        try:
+            return await asyncio.wait_for(stream.queue.get(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no reply from {self.address} within {self.timeout_s} s") from None

@@ -1,0 +1,301 @@
+"""Wire messages: one frozen msgspec Struct per message type, each with a one-byte tag.
+
+Every message travels as two ZeroMQ frames, ``[tag, body]``. Bodies on the client link
+(client <-> front-end) are JSON, so a client needs nothing but pyzmq and a JSON library;
+bodies on the worker link (front-end <-> worker) are msgpack. No pickle anywhere.
+docs/protocol.md is the reference for every field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import msgspec
+
+MAX_MESSAGE_BYTES = 1 << 20  # largest client message body answered with an ERROR
+MAX_FRAME_BYTES = 64 << 20  # ZMQ_MAXMSGSIZE: a peer sending more is disconnected
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    TAG: ClassVar[bytes] = b""
+
+
+# --- client link (JSON) -----------------------------------------------------------------
+
+
+class Generate(Message, frozen=True):
+    """Client -> front-end: start a request. Exactly one of prompt / token_ids."""
+
+    TAG: ClassVar[bytes] = b"G"
+    ref: str  # the client's key for this request, echoed in ACCEPTED and ERROR
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+class Cancel(Message, frozen=True):
+    """Client -> front-end: end a request early."""
+
+    TAG: ClassVar[bytes] = b"C"
+    request_id: str
+
+
+class StatsRequest(Message, frozen=True):
+    TAG: ClassVar[bytes] = b"S"
+    ref: str
+
+
+class Accepted(Message, frozen=True):
+    """Front-end -> client: the request passed validation and has an id."""
+
+    TAG: ClassVar[bytes] = b"A"
+    ref: str
+    request_id: str
+    prompt_tokens: int
+    model: str
+
+
+class Chunk(Message, frozen=True):
+    """Front-end -> client: one round's new tokens of one request."""
+
+    TAG: ClassVar[bytes] = b"K"
+    request_id: str
+    seq: int  # 0, 1, 2, ... per request: a gap means a lost chunk
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+    emitted_at_ns: int | None = None  # server host CLOCK_MONOTONIC when the worker sent the round
+
+
+class Error(Message, frozen=True):
+    """Front-end -> client: a rejected request (ref set) or a failed one (request_id set)."""
+
+    TAG: ClassVar[bytes] = b"E"
+    message: str
+    ref: str | None = None
+    request_id: str | None = None
+    field: str | None = None  # the offending request field, when one is to blame
+
+
+class StatsReply(Message, frozen=True):
+    TAG: ClassVar[bytes] = b"T"
+    ref: str
+    stats: dict
+
+
+# --- worker link (msgpack) --------------------------------------------------------------
+
+
+class Hello(Message, frozen=True):
+    """Worker -> front-end (DEALER), once the engine is loaded."""
+
+    TAG: ClassVar[bytes] = b"h"
+    pid: int
+    model_path: str
+    max_context_tokens: int
+    vocab_size: int
+    drafter: str
+
+
+class Welcome(Message, frozen=True):
+    """Front-end -> worker: its id, where to connect its PUB socket, and the bus."""
+
+    TAG: ClassVar[bytes] = b"w"
+    worker_id: int
+    pub_address: str
+    bus_name: str
+    heartbeat_interval_s: float
+
+
+class Ready(Message, frozen=True):
+    """Worker -> front-end (PUB), repeated until START: proves the PUB path is up."""
+
+    TAG: ClassVar[bytes] = b"r"
+    worker_id: int
+
+
+class Start(Message, frozen=True):
+    TAG: ClassVar[bytes] = b"s"
+
+
+class Inject(Message, frozen=True):
+    """Front-end -> worker: a request's payload waits in bus slot `slot`."""
+
+    TAG: ClassVar[bytes] = b"i"
+    request_id: str
+    slot: int
+    generation: int
+
+
+class Abort(Message, frozen=True):
+    """Front-end -> worker: end a request now (client cancel, stop string, lost client)."""
+
+    TAG: ClassVar[bytes] = b"c"
+    request_id: str
+    is_stop: bool = False  # a stop string matched: finish as "stop", not "cancelled"
+
+
+class Taken(Message, frozen=True):
+    """Worker -> front-end (DEALER): these slots were copied out and may be reused."""
+
+    TAG: ClassVar[bytes] = b"t"
+    worker_id: int
+    slots: list[int]
+
+
+class StatsQuery(Message, frozen=True):
+    TAG: ClassVar[bytes] = b"q"
+    query_id: int
+
+
+class StatsAnswer(Message, frozen=True):
+    TAG: ClassVar[bytes] = b"a"
+    worker_id: int
+    query_id: int
+    stats: dict
+
+
+class RowOutput(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    seq: int  # per request, from 0
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: dict | None = None
+    error: str | None = None
+
+
+class Round(Message, frozen=True):
+    """Worker -> front-end (PUB): every row's new tokens from one engine step."""
+
+    TAG: ClassVar[bytes] = b"o"
+    worker_id: int
+    round_index: int
+    emitted_at_ns: int
+    outputs: list[RowOutput]
+
+
+class Heartbeat(Message, frozen=True):
+    TAG: ClassVar[bytes] = b"b"
+    worker_id: int
+    num_unfinished: int
+
+
+class Ping(Message, frozen=True):
+    """Front-end -> worker: the front-end is alive (workers exit when these stop)."""
+
+    TAG: ClassVar[bytes] = b"p"
+
+
+class Shutdown(Message, frozen=True):
+    TAG: ClassVar[bytes] = b"x"
+
+
+class Dead(Message, frozen=True):
+    """Worker -> front-end (PUB and DEALER): a fatal error; the worker exits."""
+
+    TAG: ClassVar[bytes] = b"d"
+    worker_id: int
+    message: str
+
+
+CLIENT_TO_SERVER = (Generate, Cancel, StatsRequest)
+SERVER_TO_CLIENT = (Accepted, Chunk, Error, StatsReply)
+WORKER_LINK = (Hello, Welcome, Ready, Start, Inject, Abort, Taken, StatsQuery, StatsAnswer,
+               Round, Heartbeat, Ping, Shutdown, Dead)
+
+_ALL = {cls.TAG: cls for cls in CLIENT_TO_SERVER + SERVER_TO_CLIENT + WORKER_LINK}
+assert len(_ALL) == len(set(CLIENT_TO_SERVER + SERVER_TO_CLIENT + WORKER_LINK)), "tags must be unique"
+assert all(len(tag) == 1 for tag in _ALL)
+
+
+
+def _enc_hook(obj):
+    # Engine stats may hold numpy scalars; everything on the wire is plain data.
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_json_encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+_msgpack_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_json_decoders = {cls.TAG: msgspec.json.Decoder(cls) for cls in CLIENT_TO_SERVER + SERVER_TO_CLIENT}
+_msgpack_decoders = {cls.TAG: msgspec.msgpack.Decoder(cls) for cls in WORKER_LINK}
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; `field` names the culprit when there is one."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def encode_json(msg: Message) -> list[bytes]:
+    return [msg.TAG, _json_encoder.encode(msg)]
+
+
+def encode_msgpack(msg: Message) -> list[bytes]:
+    return [msg.TAG, _msgpack_encoder.encode(msg)]
+
+
+def decode_json(frames: list[bytes]) -> Message:
+    """Decode a client-link message; raises WireError naming the bad field."""
+    return _decode(frames, _json_decoders, "JSON")
+
+
+def decode_msgpack(frames: list[bytes]) -> Message:
+    return _decode(frames, _msgpack_decoders, "msgpack")
+
+
+def _decode(frames: list[bytes], decoders: dict, codec: str) -> Message:
+    if len(frames) != 2:
+        raise WireError(f"expected 2 frames [tag, body], got {len(frames)}")
+    tag, body = frames
+    decoder = decoders.get(bytes(tag))
+    if decoder is None:
+        raise WireError(f"unknown message type {bytes(tag)[:8]!r}", field="type")
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message body is {len(body)} bytes, over the limit of {MAX_MESSAGE_BYTES}")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise WireError(str(e), field=field_of(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise WireError(f"body is not valid {codec}: {e}") from None
+
+
+def peek_ref(body: bytes) -> str | None:
+    """Best-effort `ref` of a JSON body that failed validation, so its ERROR can carry it."""
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    ref = obj.get("ref") if isinstance(obj, dict) else None
+    return ref if isinstance(ref, str) else None
+
+
+_FIELD_PATTERNS = (re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)"), re.compile(r"field `([^`]+)`"))
+
+
+def field_of(message: str) -> str | None:
+    """The field a msgspec or SamplingParams error message is about, if it names one."""
+    for pattern in _FIELD_PATTERNS:
+        match = pattern.search(message)
+        if match:
+            return match.group(1)
+    first = re.match(r"[A-Za-z_]+", message)  # "max_tokens must be > 0", "token_ids: ..."
+    return first.group(0) if first and first.group(0) in _REQUEST_FIELDS else None
+
+
+_REQUEST_FIELDS = frozenset(Generate.__struct_fields__)
