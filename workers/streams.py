@@ -1,0 +1,119 @@
+"""One client request as the front-end tracks it: routing, sequence checks, detokenization.
+
+The worker sends token ids only; text is made here, off the decode loop, with
+gmlx.textstream (which imports nothing from mlx). Stop strings are matched here too: on a
+hit the stream ends at the token that completed the match, the worker is told to cancel,
+and the final chunk (finish_reason "stop") goes out when the worker's last output arrives
+with the request's stats.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from gmlx.textstream import TextStream
+from ipc import messages as m
+from ipc.bus import BusPayload
+
+
+class Phase(enum.IntEnum):
+    PENDING = 0  # validated and accepted; waiting for a ready worker and a bus slot
+    INJECTED = 1  # descriptor sent to a worker; tokens streaming
+    STOPPING = 2  # a stop string matched; cancel sent, waiting for the worker's final output
+    FINISHED = 3
+
+    @property
+    def is_finished(self) -> bool:
+        return self == Phase.FINISHED
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one worker row means for the client and the worker."""
+
+    messages: list[m.Message] = field(default_factory=list)
+    is_cancel_needed: bool = False
+
+
+@dataclass(eq=False)
+class ClientRequest:
+    request_id: str
+    ref: str
+    client_id: bytes  # the client's ZeroMQ routing id
+    payload: BusPayload
+    text_stream: TextStream
+    model: str
+    has_stop: bool
+    phase: Phase = Phase.PENDING
+    worker_id: int | None = None
+    next_row_seq: int = 0  # the sequence number the worker's next row must carry
+    next_chunk_seq: int = 0
+    num_delivered: int = 0  # tokens sent to the client
+    stop_reason: str | None = None  # "stop" once a stop string matched; None: the worker's reason
+    accepted_s: float = field(default_factory=time.monotonic)
+
+    def on_row(self, row: m.RowOutput, emitted_at_ns: int) -> Outcome:
+        out = Outcome()
+        if row.seq != self.next_row_seq:
+            out.is_cancel_needed = row.finish_reason is None
+            out.messages.append(self.fail(f"token stream gap: expected seq {self.next_row_seq}, got {row.seq}"))
+            return out
+        self.next_row_seq += 1
+        if self.phase == Phase.STOPPING:
+            # Tokens decoded after the stop string matched are dropped; only the stats matter.
+            if row.finish_reason is not None:
+                reason = self.stop_reason or row.finish_reason
+                out.messages.append(self._chunk([], "", emitted_at_ns, reason, row.stats))
+            return out
+        if row.finish_reason == "error":
+            out.messages.append(self.fail(row.error or "the engine failed the request"))
+            return out
+        token_ids, text = self._take_tokens(row.token_ids)
+        if self.text_stream.is_stopped:
+            if row.finish_reason is None:
+                self.phase, self.stop_reason = Phase.STOPPING, "stop"
+                out.is_cancel_needed = True
+                out.messages.append(self._chunk(token_ids, text, emitted_at_ns))
+            else:
+                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, "stop", row.stats))
+            return out
+        if row.finish_reason is not None:
+            text += self.text_stream.flush()
+        out.messages.append(self._chunk(token_ids, text, emitted_at_ns, row.finish_reason, row.stats))
+        return out
+
+    def cancelled(self) -> m.Chunk:
+        """The final chunk of a request the client cancelled before a worker saw it."""
+        return self._chunk([], "", None, "cancelled", {"prompt_tokens": len(self.payload.token_ids),
+                                                         "generated_tokens": 0})
+
+    def fail(self, message: str, field_name: str | None = None) -> m.Error:
+        self.phase = Phase.FINISHED
+        return m.Error(message=message, ref=self.ref, request_id=self.request_id,
+                       field=field_name or m.field_of(message))
+
+    def _take_tokens(self, token_ids: list[int]) -> tuple[list[int], str]:
+        if not self.has_stop:
+            return token_ids, self.text_stream.add(token_ids)
+        # One token at a time, so the stream ends exactly at the token completing the match.
+        kept, deltas = [], []
+        for token in token_ids:
+            kept.append(token)
+            deltas.append(self.text_stream.add([token]))
+            if self.text_stream.is_stopped:
+                break
+        return kept, "".join(deltas)
+
+    def _chunk(self, token_ids, text, emitted_at_ns, finish_reason=None, stats=None) -> m.Chunk:
+        self.num_delivered += len(token_ids)
+        if finish_reason is not None:
+            self.phase = Phase.FINISHED
+            stats = dict(stats or {})
+            stats["generated_tokens"] = self.num_delivered  # tokens past a stop string were dropped
+            stats["model"] = self.model
+        chunk = m.Chunk(request_id=self.request_id, seq=self.next_chunk_seq, token_ids=list(token_ids),
+                        text=text, finish_reason=finish_reason, stats=stats, emitted_at_ns=emitted_at_ns)
+        self.next_chunk_seq += 1
+        return chunk

@@ -1,0 +1,53 @@
+"""The front-end's tokenizer: transformers' AutoTokenizer from the model folder, no mlx.
+
+Detokenization runs once per row per round, re-decoding the request's whole token list
+(gmlx.textstream), so its per-call cost is the front-end's main cost. transformers' decode
+spends ~10x longer in Python than the Rust decode under it; where it provably adds nothing
+(a tokenizers backend, no clean-up pass) we call the backend directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+logger = logging.getLogger(__name__)
+
+_NUM_SELF_CHECKS = 64
+
+
+class FastDecoder:
+    """`decode(ids)` equal to `tokenizer.decode(ids)`, without transformers' overhead."""
+
+    def __init__(self, tokenizer, backend):
+        self._tokenizer = tokenizer
+        self._backend = backend
+
+    def decode(self, token_ids) -> str:
+        return self._backend.decode(list(token_ids), skip_special_tokens=False)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def load_tokenizer(model_path: str):
+    """(tokenizer for encode, decoder for TextStream) of an mlx-lm model folder."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return tokenizer, make_decoder(tokenizer)
+
+
+def make_decoder(tokenizer):
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer  # a slow tokenizer, or one with a Python clean-up pass: keep it
+    decoder = FastDecoder(tokenizer, backend)
+    rng = random.Random(0)
+    vocab_size = len(tokenizer)
+    for _ in range(_NUM_SELF_CHECKS):  # belt and braces: both decodes must agree
+        ids = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 48))]
+        if decoder.decode(ids) != tokenizer.decode(ids):
+            logger.info("the fast decode differs from transformers' here; using transformers'")
+            return tokenizer
+    return decoder
