@@ -65,6 +65,10 @@ class Engine:
         return self.target.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
     def model_path(self) -> str:
         return self.target.path
 
