@@ -1,0 +1,123 @@
+"""The in-process engine as a benchmark target.
+
+The engine is single-threaded, so one loop drives both sides: between steps it admits the
+requests whose arrival time has come (or, closed loop, refills the free slots), then runs
+one step and time-stamps the tokens it returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from gmlx.bench.metrics import StreamRecord, counter_delta
+from gmlx.bench.targets import TargetSpec, patched_env
+from gmlx.bench.workload import RequestSpec, Workload
+
+logger = logging.getLogger(__name__)
+
+
+class EngineTarget:
+    def __init__(self, spec: TargetSpec):
+        self.spec = spec
+        self.engine = None
+
+    def start(self) -> None:
+        from gmlx.config import EngineConfig
+        from gmlx.engine import Engine
+
+        self.engine = Engine.load(EngineConfig(model_path=self.spec.model, drafter=self.spec.drafter,
+                                               num_draft_tokens=self.spec.num_draft_tokens))
+
+    def stop(self) -> None:
+        self.engine = None
+
+    def describe(self) -> dict:
+        return {**self.spec.describe(), "model_path": self.engine.model_path if self.engine else None}
+
+    def run(self, workload: Workload, progress, timeout_s: float) -> dict:
+        """Run the workload; returns records, counter delta and transition events."""
+        from gmlx.request import SamplingParams
+
+        engine = self.engine
+        specs = sorted(workload.requests, key=lambda s: (s.arrival_s or 0.0, s.index))
+        prompts = {s.index: engine.tokenizer.encode(s.prompt) for s in specs}
+        records: list[StreamRecord] = []
+        by_request_id: dict[str, StreamRecord] = {}
+        before = engine.stats()
+        start_s = time.perf_counter()
+
+        def now_s() -> float:
+            return time.perf_counter() - start_s
+
+        def add(spec: RequestSpec, arrival_s: float) -> None:
+            record = StreamRecord(spec.index, spec.group, spec.max_tokens, arrival_s,
+                                  prompt_tokens=len(prompts[spec.index]))
+            records.append(record)
+            params = SamplingParams(max_tokens=spec.max_tokens, temperature=workload.temperature,
+                                    seed=spec.index)
+            try:
+                by_request_id[engine.add_request(prompts[spec.index], params)] = record
+            except ValueError as exc:
+                record.finish(now_s(), "error", str(exc))
+                progress.update(done=1)
+
+        next_i = 0
+        with patched_env(self.spec.gmlx_env()):
+            while True:
+                if now_s() > timeout_s:
+                    self._abort(by_request_id, now_s())
+                    break
+                if workload.is_open_loop:
+                    while next_i < len(specs) and specs[next_i].arrival_s <= now_s():
+                        add(specs[next_i], specs[next_i].arrival_s)
+                        next_i += 1
+                else:
+                    while next_i < len(specs) and len(by_request_id) < workload.concurrency:
+                        add(specs[next_i], now_s())
+                        next_i += 1
+                if not engine.has_unfinished():
+                    if next_i >= len(specs):
+                        break
+                    time.sleep(max(0.0, min(specs[next_i].arrival_s - now_s(), 0.05)))
+                    continue
+                outputs = engine.step()
+                self._record(outputs, by_request_id, now_s(), progress)
+        after = engine.stats()
+        return {"records": records, "counters": counter_delta(before, after),
+                "events": self._events(start_s), "server_stats": _strip_events(after)}
+
+    @staticmethod
+    def _record(outputs, by_request_id: dict, time_s: float, progress) -> None:
+        num_tokens = num_done = 0
+        for out in outputs:
+            record = by_request_id.get(out.request_id)
+            if record is None:
+                continue
+            record.add_chunk(time_s, len(out.new_token_ids))
+            num_tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                record.finish(time_s, out.finish_reason, out.error)
+                record.stats = out.stats
+                del by_request_id[out.request_id]
+                num_done += 1
+        progress.update(done=num_done, in_flight=len(by_request_id), tokens=num_tokens)
+
+    def _abort(self, by_request_id: dict, time_s: float) -> None:
+        for request_id, record in list(by_request_id.items()):
+            self.engine.abort_request(request_id)
+            record.finish(time_s, "cancelled", "timeout")
+        by_request_id.clear()
+        while self.engine.has_unfinished():  # collect the aborted requests' final outputs
+            self.engine.step()
+
+    def _events(self, start_s: float) -> list[dict]:
+        events = getattr(self.engine, "events", None)
+        if events is None:
+            events = self.engine.stats().get("events", [])
+        return [{**e, "time_s": round(e["time_s"] - start_s, 6)} for e in events
+                if e.get("kind") != "admit" and e.get("time_s", 0.0) >= start_s]
+
+
+def _strip_events(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k != "events"}

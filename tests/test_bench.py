@@ -1,0 +1,106 @@
+"""The load generator, run for real against the in-process engine with a tiny load."""
+
+import json
+import random
+
+import pytest
+
+from gmlx.bench import WorkloadOptions, parse_target, run_benchmark
+from gmlx.bench.metrics import StreamRecord, percentile, summarize
+from gmlx.bench.workload import Lengths, heldout_files, poisson_arrivals
+
+TINY = dict(prompt_tokens="uniform:8,24", max_tokens="8", seed=3)
+
+
+def run_engine(options: WorkloadOptions, *targets: str) -> dict:
+    results = run_benchmark(options, [parse_target(t) for t in targets], is_warmup=False, is_progress=False,
+                            timeout_s=120.0)
+    return json.loads(json.dumps(results))  # the document must be plain JSON
+
+
+def test_closed_loop_against_engine_reports_every_metric():
+    results = run_engine(WorkloadOptions(kind="closed", num_requests=4, concurrency=2, **TINY), "engine:drafter=mtp")
+    (run,) = results["runs"]
+    s = run["summary"]
+    assert s["num_requests"] == s["num_completed"] == 4 and s["num_errors"] == 0
+    for key in ("ttft_s", "itl_s", "stream_tok_per_s", "e2e_s"):
+        for q in ("p50", "p95", "p99"):
+            assert s[key][q] is not None and s[key][q] > 0, (key, q)
+        assert s[key]["p50"] <= s[key]["p95"] <= s[key]["p99"]
+    assert 0 < s["num_output_tokens"] <= 4 * 8
+    assert s["aggregate_tok_per_s"] == pytest.approx(s["num_output_tokens"] / s["duration_s"])
+    # Every stream's tokens, as timed by the load generator, match what the engine says it generated.
+    for stream in run["streams"]:
+        assert sum(stream["chunk_tokens"]) == stream["stats"]["generated_tokens"]
+        assert stream["chunk_times_s"] == sorted(stream["chunk_times_s"])
+        assert stream["chunk_times_s"][0] >= stream["arrival_s"]
+    assert s["num_drafted"] > 0 and 0.0 <= s["acceptance_rate"] <= 1.0
+    assert s["num_drafted"] == run["counters"]["num_drafted"]
+    assert {"num_preempts", "num_resumes", "num_capture_rounds", "num_gated_rounds"} <= set(s["transitions"])
+    (row,) = results["table"]
+    assert row["vs_baseline"]["aggregate_tok_per_s"] == pytest.approx(1.0)
+    assert results["machine"]["logical_cores"] >= 1
+
+
+def test_scripted_arrivals_preempt_the_lone_stream_only_when_preempt_is_on():
+    options = WorkloadOptions(kind="scripted", num_requests=3, long_max_tokens=160, arrival_delay_s=0.05,
+                              arrival_interval_s=0.02, **TINY)
+    results = run_engine(options, "engine:drafter=mtp,label=on", "engine:drafter=mtp,preempt=0,label=off")
+    on, off = (next(r for r in results["runs"] if r["target"] == name) for name in ("on", "off"))
+    assert on["counters"]["num_preempts"] >= 1
+    assert any(e["kind"] == "preempt" for e in on["events"])
+    assert off["counters"]["num_preempts"] == 0
+    assert [s["group"] for s in on["streams"]] == ["long", "arrival", "arrival"]
+    assert on["streams"][0]["stats"]["is_preempted"] and not off["streams"][0]["stats"]["is_preempted"]
+    # Without preempt the arrivals wait for the lone stream to finish.
+    long_finish_s = off["streams"][0]["finish_s"]
+    assert all(s["chunk_times_s"][0] >= long_finish_s - 1e-6 for s in off["streams"][1:])
+    assert on["summary"]["groups"]["arrival"]["ttft_s"]["p95"] is not None
+
+
+def test_metrics_on_hand_made_records():
+    a = StreamRecord(0, "main", 8, arrival_s=0.0)
+    for t, n in ((0.5, 1), (0.7, 2), (1.0, 3)):
+        a.add_chunk(t, n)
+    a.finish(1.0, "length")
+    b = StreamRecord(1, "main", 8, arrival_s=0.2)
+    b.finish(0.3, "error", "boom")
+    s = summarize([a, b])
+    assert s["ttft_s"]["p50"] == pytest.approx(0.5)
+    assert a.token_gaps_s() == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.1])
+    assert a.decode_tok_per_s == pytest.approx(5 / 0.5)
+    assert s["num_output_tokens"] == 6 and s["num_errors"] == 1 and s["num_completed"] == 1
+    assert s["aggregate_tok_per_s"] == pytest.approx(6 / 1.0)
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5) and percentile([], 50) is None
+
+
+def test_lengths_targets_and_arrivals_validate_and_sample():
+    rng = random.Random(0)
+    assert Lengths.parse("12").sample(rng) == 12
+    assert all(3 <= Lengths.parse("uniform:3,5").sample(rng) <= 5 for _ in range(50))
+    assert all(1 <= Lengths.parse("lognormal:40,1,100").sample(rng) <= 100 for _ in range(200))
+    for bad in ("uniform:5,3", "gauss:1", "fixed:0", "lognormal:1"):
+        with pytest.raises(ValueError):
+            Lengths.parse(bad)
+    times = poisson_arrivals(2000, 4.0, random.Random(1))
+    assert times == sorted(times) and 2000 / times[-1] == pytest.approx(4.0, rel=0.1)
+    spec = parse_target("server:drafter=mtp,preempt=0,width_cap=2", {"drafter": "none", "resume": True})
+    assert (spec.drafter, spec.preempt, spec.resume, spec.width_cap) == ("mtp", False, True, 2)
+    assert spec.gmlx_env() == {"GMLX_MTP_PREEMPT": "0", "GMLX_MTP_RESUME": "1", "GMLX_MTP_WIDTH_CAP": "2"}
+    for bad in ("vllm", "server:bogus=1", "mlx-lm:drafter=mtp", "server:address=tcp://10.0.0.1:5555",
+                "engine:preempt=yes"):
+        with pytest.raises(ValueError):
+            parse_target(bad)
+    assert heldout_files(), "the held-out prompt files must exist"
+
+
+def test_plots_are_written_from_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gmlx.bench.plots import make_plots
+
+    results = run_engine(WorkloadOptions(kind="closed", num_requests=2, concurrency=1, **TINY),
+                         "engine:drafter=none")
+    results["table"] += [dict(results["table"][0], level=2)]  # a second level: the sweep plot
+    written, skipped = make_plots(results, tmp_path)
+    assert skipped is None and len(written) == 2
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
