@@ -13,7 +13,7 @@ _PREFILL_CHUNK_TOKENS = 512
 
 class DraftModelDrafter:
     kind = "draft"
-    default_width_cap = 4
+    default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = False
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):

@@ -7,7 +7,7 @@ import mlx.core as mx
 
 class NgramDrafter:
     kind = "ngram"
-    default_width_cap = 4
+    default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = False
 
     def __init__(self, num_draft_tokens: int | None = None, max_ngram: int = 3):
