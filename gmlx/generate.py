@@ -35,11 +35,12 @@ def stream_generate(engine, prompt: str | None = None, params: SamplingParams | 
             for output in engine.step():
                 if output.request_id != request_id:
                     continue
-                delta = text.add(output.new_token_ids)
+                kept, delta = text.add_until_stop(output.new_token_ids)
                 if text.is_stopped:
                     final = engine.abort_request(request_id, RequestStatus.FINISHED_STOPPED, is_queued=False)
-                    stats = final.stats if final is not None else output.stats
-                    yield Chunk(list(output.new_token_ids), delta, "stop", stats)
+                    stats = dict(final.stats if final is not None else output.stats)
+                    stats["generated_tokens"] -= len(output.new_token_ids) - len(kept)  # dropped past the stop
+                    yield Chunk(kept, delta, "stop", stats)
                     return
                 if output.finish_reason is not None:
                     yield Chunk(list(output.new_token_ids), delta + text.flush(), output.finish_reason, output.stats)

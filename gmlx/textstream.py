@@ -37,6 +37,18 @@ class TextStream:
         self._num_emitted_chars = end
         return delta
 
+    def add_until_stop(self, token_ids) -> tuple[list[int], str]:
+        """Like add(), but keeps only the tokens up to the one that completes a stop string."""
+        if not self._stop:
+            return list(token_ids), self.add(token_ids)
+        kept, deltas = [], []
+        for token in token_ids:  # one at a time, so the stream ends exactly at the match
+            kept.append(token)
+            deltas.append(self.add([token]))
+            if self.is_stopped:
+                break
+        return kept, "".join(deltas)
+
     def flush(self) -> str:
         """The held-back tail, once the request ended without a stop string."""
         if self.is_stopped:

@@ -95,16 +95,7 @@ class ClientRequest:
                        field=field_name or m.field_of(message))
 
     def _take_tokens(self, token_ids: list[int]) -> tuple[list[int], str]:
-        if not self.has_stop:
-            return token_ids, self.text_stream.add(token_ids)
-        # One token at a time, so the stream ends exactly at the token completing the match.
-        kept, deltas = [], []
-        for token in token_ids:
-            kept.append(token)
-            deltas.append(self.text_stream.add([token]))
-            if self.text_stream.is_stopped:
-                break
-        return kept, "".join(deltas)
+        return self.text_stream.add_until_stop(token_ids)
 
     def _chunk(self, token_ids, text, emitted_at_ns, finish_reason=None, stats=None) -> m.Chunk:
         self.num_delivered += len(token_ids)
