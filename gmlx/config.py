@@ -5,6 +5,7 @@ This module must not import mlx: the BLAS loader reads it before mlx is imported
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,21 @@ ENV_VARS = {
     "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls to the interposer's bandwidth-bound kernel (bit-identical to sgemm) on Linux; 0 turns it off",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
 }
+
+
+@contextlib.contextmanager
+def env_overrides(values: dict[str, str]):
+    """Set GMLX_* knobs for the duration of a block (A/B runs of an in-process engine)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -5,12 +5,10 @@ Shared by the test suite and scripts/fuzz_schedules.py (which runs thousands).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 from dataclasses import dataclass, field
 
-from gmlx.config import EngineConfig
+from gmlx.config import EngineConfig, env_overrides
 from gmlx.engine import Engine
 from gmlx.request import SamplingParams
 
@@ -64,7 +62,6 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
                     rng.choice((0, 2, 4, 32)), tuple(arrivals))
 
 
-@contextlib.contextmanager
 def switches(schedule: Schedule):
     values = {
         "GMLX_MTP_WIDTH_CAP": str(schedule.width_cap),
@@ -72,16 +69,7 @@ def switches(schedule: Schedule):
         "GMLX_MTP_RESUME": "1" if schedule.is_resume_on else "0",
         "GMLX_RESUME_MIN_BUDGET": str(schedule.resume_min_budget),
     }
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return env_overrides(values)
 
 
 def run_schedule(engine: Engine, schedule: Schedule, max_rounds: int = 2000) -> ScheduleResult:

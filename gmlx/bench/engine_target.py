@@ -11,8 +11,9 @@ import logging
 import time
 
 from gmlx.bench.metrics import StreamRecord, counter_delta
-from gmlx.bench.targets import TargetSpec, patched_env
+from gmlx.bench.targets import TargetSpec
 from gmlx.bench.workload import RequestSpec, Workload
+from gmlx.config import env_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class EngineTarget:
                 progress.update(done=1)
 
         next_i = 0
-        with patched_env(self.spec.gmlx_env()):
+        with env_overrides(self.spec.gmlx_env()):
             while True:
                 if now_s() > timeout_s:
                     self._abort(by_request_id, now_s())

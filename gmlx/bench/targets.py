@@ -12,8 +12,6 @@ blas (mlx-lm: same|bundled), label. For example
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import asdict, dataclass, replace
 
 TARGET_KINDS = ("engine", "server", "mlx-lm")
@@ -109,21 +107,6 @@ def _check(text: str, spec: TargetSpec) -> None:
         raise ValueError(f"target {text!r}: address applies to server targets only")
     if spec.address is not None and not spec.address.startswith(("tcp://127.", "tcp://localhost", "ipc://")):
         raise ValueError(f"target {text!r}: only loopback addresses are allowed")
-
-
-@contextlib.contextmanager
-def patched_env(values: dict[str, str]):
-    """Set environment variables for the duration of a block (the in-process engine's knobs)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def make_target(spec: TargetSpec, workdir):
