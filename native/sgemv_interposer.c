@@ -1,12 +1,14 @@
 /*
- * gmlx one-row sgemm interposer.
+ * gmlx few-row sgemm interposer.
  *
  * MLX's CPU backend sends every float32 matmul to cblas_sgemm, decode's one-row
- * products (x @ W.T, x of shape (1, K)) included. OpenBLAS packs the weight matrix
- * for those calls and so reads it at well under the rate of a matrix-vector kernel.
- * This library defines cblas_sgemm; loaded RTLD_GLOBAL before OpenBLAS and before
- * mlx, it receives every call. One-row calls (M == 1 or N == 1, any layout) run the
- * streaming kernels below; everything else goes to the real sgemm unchanged.
+ * products (x @ W.T, x of shape (1, K)) and a speculative verify's few-row ones
+ * included. OpenBLAS packs the weight matrix for those calls and so reads it at well
+ * under the rate of a matrix-vector kernel. This library defines cblas_sgemm; loaded
+ * RTLD_GLOBAL before OpenBLAS and before mlx, it receives every call. One-row calls
+ * (M == 1 or N == 1, any layout) and x @ W.T calls of 2-8 rows run the streaming
+ * kernels below, which read W once for all rows; everything else goes to the real
+ * sgemm unchanged.
  *
  * Why not simply call cblas_sgemv: its dot products sum in another order, so its
  * results differ from sgemm's in the last bits (measured on OpenBLAS 0.3.21).
@@ -17,15 +19,18 @@
  * The K blocks are GEMM_Q long until fewer than 2 * GEMM_Q remain; the rest is cut
  * in two halves, rounded up to GEMM_UNROLL_M by the single-thread driver and not
  * rounded by the threaded one, which runs when M * N * K exceeds a build constant.
+ * Its 4-column micro-kernel (our rows 0-3 of a 4-8 row product under the single-thread
+ * driver) sums each block in two chains instead, even and odd k (see PAIRS below).
  * The kernels reproduce that order exactly, so routed results are bit-identical.
- * The block constants depend on the BLAS build and the CPU, so gmlx_interposer_init
- * measures them against the real sgemm and then self-checks every layout; if
- * anything disagrees, routing stays off and every call passes through.
+ * The block constants and each row's order depend on the BLAS build and the CPU, so
+ * gmlx_interposer_init measures them against the real sgemm and then self-checks
+ * every layout; if anything disagrees, that case passes through.
  *
  * Build: cc -O2 -fPIC -shared -ffp-contract=off sgemv_interposer.c -ldl -lm -lpthread
  * (-ffp-contract=off matters: a compiler-fused multiply-add would change results).
  */
 #define _GNU_SOURCE
+#include <assert.h>
 #include <dlfcn.h>
 #include <link.h>
 #include <math.h>
@@ -61,20 +66,41 @@ static struct {
     int alpha_mode;     /* 1: c = fma(alpha, acc, c); 0: c + alpha*acc; -1: route alpha == 1 only */
 } blk;
 
-/* One routed product: out[j*ldo] (j < n) = alpha * sum_k w(j, k) v[k*incv] + beta * out,
- * with w(j, k) = w[j*sj + k*sk]; sk == 1 (rows contiguous) or sj == 1 (columns contiguous). */
+/* How sgemm sums one output over one K block. CHAIN: a single fma chain in k order.
+ * PAIRS: two chains, even and odd k, over the block's whole groups of 8 k, the rest run
+ * into the even chain, the two added at the end (OpenBLAS's 4-column micro-kernel: our
+ * rows 0-3 of a 4-7 row product, in the columns its full-width tiles cover). */
+enum { CHAIN = 0, PAIRS = 1, NUM_ORDERS = 2 };
+#define MAX_ROWS 8
+
+/* One routed product of num_rows rows: for r < num_rows and j < n,
+ *   out[r*ldo_row + j*ldo] = alpha * sum_k w(j, k) v[r*incv_row + k*incv] + beta * out,
+ * with w(j, k) = w[j*sj + k*sk]; sk == 1 (rows contiguous) or sj == 1 (columns contiguous).
+ * Several rows share each pass over w, so the weights are read once for all of them.
+ * Row r sums in order tile_orders[r] for j < n rounded down to 8, tail_orders[r] after. */
 typedef struct {
     long n, k;
+    int num_rows;
     const float *v;
-    long incv;
+    long incv, incv_row;
     const float *w;
     long sj, sk;
     float *out;
-    long ldo;
+    long ldo, ldo_row;
     float alpha, beta;
     int is_threaded;    /* reproduce the threaded driver's K split */
     int num_threads;    /* the BLAS's thread count, which ours follows */
+    const unsigned char *tile_orders, *tail_orders;
 } OneRow;
+
+static const unsigned char all_chain[MAX_ROWS];
+
+/* Per driver (0: single-thread, 1: threaded) and row count 2..MAX_ROWS: whether x @ W.T
+ * products of that many rows are routed, and each row's orders, from calibrate_rows. */
+static struct {
+    unsigned char is_ok[2][MAX_ROWS + 1][2];  /* [driver][rows][op(A) transposed] */
+    unsigned char orders[2][MAX_ROWS + 1][2][MAX_ROWS];  /* [driver][rows][tile, tail][row] */
+} multi;
 
 /* Row-major layouts (after mapping col-major calls) whose routing passed the self-check,
  * indexed [N == 1][op(A) transposed][op(B) transposed]. */
@@ -89,10 +115,10 @@ static long next_block(long left, int is_threaded)
     return (left / 2 + blk.unroll - 1) / blk.unroll * blk.unroll;
 }
 
-static inline float start_value(const OneRow *p, long j)
+static inline float start_value(const OneRow *p, int r, long j)
 {
     if (p->beta == 0.0f) return 0.0f;  /* C is not read */
-    float c = p->out[j * p->ldo];
+    float c = p->out[r * p->ldo_row + j * p->ldo];
     return p->beta == 1.0f ? c : p->beta * c;
 }
 
@@ -101,21 +127,34 @@ static inline float add_block(float c, float acc, float alpha)
     return blk.alpha_mode == 0 ? c + alpha * acc : fmaf(alpha, acc, c);
 }
 
-/* Rows [j0, j1) one at a time: any strides; the reference for the vector kernels. */
+/* One K block of one output in the given order. */
+static float block_sum(const OneRow *p, const float *w, const float *v, long k0, long len, int order)
+{
+    float even = 0.0f, odd = 0.0f;
+    long k = k0;
+    if (order == PAIRS)
+        for (const long end8 = k0 + len / 8 * 8; k < end8; k += 2) {
+            even = fmaf(w[k * p->sk], v[k * p->incv], even);
+            odd = fmaf(w[(k + 1) * p->sk], v[(k + 1) * p->incv], odd);
+        }
+    for (; k < k0 + len; k++) even = fmaf(w[k * p->sk], v[k * p->incv], even);
+    return order == PAIRS ? even + odd : even;
+}
+
+/* Outputs [j0, j1) one at a time: any strides; the reference for the vector kernels. */
 static void rows_scalar(const OneRow *p, long j0, long j1)
 {
-    for (long j = j0; j < j1; j++) {
-        const float *w = p->w + j * p->sj;
-        float c = start_value(p, j);
-        for (long k0 = 0, len; k0 < p->k; k0 += len) {
-            len = next_block(p->k - k0, p->is_threaded);
-            float acc = 0.0f;
-            for (long k = k0; k < k0 + len; k++)
-                acc = fmaf(w[k * p->sk], p->v[k * p->incv], acc);
-            c = add_block(c, acc, p->alpha);
+    for (int r = 0; r < p->num_rows; r++)
+        for (long j = j0; j < j1; j++) {
+            const int order = j < (p->n & ~7L) ? p->tile_orders[r] : p->tail_orders[r];
+            float c = start_value(p, r, j);
+            for (long k0 = 0, len; k0 < p->k; k0 += len) {
+                len = next_block(p->k - k0, p->is_threaded);
+                c = add_block(c, block_sum(p, p->w + j * p->sj, p->v + r * p->incv_row, k0, len, order),
+                              p->alpha);
+            }
+            p->out[r * p->ldo_row + j * p->ldo] = c;
         }
-        p->out[j * p->ldo] = c;
-    }
 }
 
 #if defined(__x86_64__)
@@ -149,52 +188,93 @@ AVX2 static inline __m256 add_block8(__m256 c, __m256 acc, float alpha)
         c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);  \
     } while (0)
 
-/* acc = fma(w(rows, k + i), v[k + i], acc) for i = 0..7, in k order. */
-#define CHAIN_8(acc, c0, c1, c2, c3, c4, c5, c6, c7, v, inc)                                  \
+/* acc[r] = fma(col, v_r[kk], acc[r]) for every row r: rows [0, num_pairs) sum in PAIRS
+ * order (odd kk into their odd chain), the rest in one chain. Rows inner: the rows'
+ * chains interleave, so the scheduler never fills with one row's dependent fmas. */
+#define ROWS_STEP(col, kk, is_odd)                                                            \
     do {                                                                                      \
-        acc = _mm256_fmadd_ps(c0, _mm256_broadcast_ss(v), acc);                               \
-        acc = _mm256_fmadd_ps(c1, _mm256_broadcast_ss((v) + (inc)), acc);                     \
-        acc = _mm256_fmadd_ps(c2, _mm256_broadcast_ss((v) + 2 * (inc)), acc);                 \
-        acc = _mm256_fmadd_ps(c3, _mm256_broadcast_ss((v) + 3 * (inc)), acc);                 \
-        acc = _mm256_fmadd_ps(c4, _mm256_broadcast_ss((v) + 4 * (inc)), acc);                 \
-        acc = _mm256_fmadd_ps(c5, _mm256_broadcast_ss((v) + 5 * (inc)), acc);                 \
-        acc = _mm256_fmadd_ps(c6, _mm256_broadcast_ss((v) + 6 * (inc)), acc);                 \
-        acc = _mm256_fmadd_ps(c7, _mm256_broadcast_ss((v) + 7 * (inc)), acc);                 \
+        _Pragma("GCC unroll 8") for (int r = 0; r < num_rows; r++) {                          \
+            const __m256 b = _mm256_broadcast_ss(p->v + r * p->incv_row + (kk) * inc);          \
+            if ((is_odd) && r < num_pairs) odd[r] = _mm256_fmadd_ps(col, b, odd[r]);          \
+            else even[r] = _mm256_fmadd_ps(col, b, even[r]);                                  \
+        }                                                                                     \
     } while (0)
 
-/* Contiguous rows (sk == 1, x @ W.T): lane r of the tile accumulates row j+r in k
- * order. One 8-row tile at a time: its fma chain caps the kernel near 2 floats per
- * cycle, above DRAM rates; more rows in flight measured slower (more streams). */
-AVX2 static long rows_avx2_dot(const OneRow *p, long j0, long j1)
+/* Contiguous rows (sk == 1, x @ W.T): one 8-row tile of W at a time, transposed in
+ * registers 8 k at a time; lane i of row r's accumulator sums output (r, j+i), so each
+ * 8x8 block of W is loaded once for all rows. Whole tiles only: the rest is scalar.
+ * One row's fma chain alone runs near 2 floats per cycle, above DRAM rates; more W
+ * tiles in flight measured slower (more streams). */
+AVX2 static inline __attribute__((always_inline)) long dot_tiles(const OneRow *p, long j0, long j1,
+                                                                  const int num_rows, const int num_pairs)
 {
     const long sj = p->sj, inc = p->incv;
     long j = j0;
     for (; j + 8 <= j1; j += 8) {
         const float *w = p->w + j * sj;
-        float cbuf[8];
-        for (int r = 0; r < 8; r++) cbuf[r] = start_value(p, j + r);
-        __m256 c = _mm256_loadu_ps(cbuf);
+        __m256 c[MAX_ROWS], even[MAX_ROWS], odd[MAX_ROWS];
+        for (int r = 0; r < num_rows; r++) {
+            float cbuf[8];
+            for (int i = 0; i < 8; i++) cbuf[i] = start_value(p, r, j + i);
+            c[r] = _mm256_loadu_ps(cbuf);
+        }
         for (long k0 = 0, len; k0 < p->k; k0 += len) {
             len = next_block(p->k - k0, p->is_threaded);
             const long end = k0 + len;
-            __m256 acc = _mm256_setzero_ps();
+            for (int r = 0; r < num_rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
             long k = k0;
             for (; k + 8 <= end; k += 8) {
                 __m256 x0, x1, x2, x3, x4, x5, x6, x7;
                 TRANSPOSE_8X8(w, sj, k, x0, x1, x2, x3, x4, x5, x6, x7);
-                CHAIN_8(acc, x0, x1, x2, x3, x4, x5, x6, x7, p->v + k * inc, inc);
+                ROWS_STEP(x0, k, 0); ROWS_STEP(x1, k + 1, 1);
+                ROWS_STEP(x2, k + 2, 0); ROWS_STEP(x3, k + 3, 1);
+                ROWS_STEP(x4, k + 4, 0); ROWS_STEP(x5, k + 5, 1);
+                ROWS_STEP(x6, k + 6, 0); ROWS_STEP(x7, k + 7, 1);
             }
-            for (; k < end; k++) {
+            for (; k < end; k++) {  /* the block's last len % 8 k: the even chain in both orders */
                 __m256 col = _mm256_set_ps(w[7 * sj + k], w[6 * sj + k], w[5 * sj + k], w[4 * sj + k],
                                            w[3 * sj + k], w[2 * sj + k], w[sj + k], w[k]);
-                acc = _mm256_fmadd_ps(col, _mm256_broadcast_ss(p->v + k * inc), acc);
+                ROWS_STEP(col, k, 0);
             }
-            c = add_block8(c, acc, p->alpha);
+            for (int r = 0; r < num_rows; r++)
+                c[r] = add_block8(c[r], r < num_pairs ? _mm256_add_ps(even[r], odd[r]) : even[r], p->alpha);
         }
-        _mm256_storeu_ps(cbuf, c);
-        for (int r = 0; r < 8; r++) p->out[(j + r) * p->ldo] = cbuf[r];
+        for (int r = 0; r < num_rows; r++) {
+            float cbuf[8];
+            _mm256_storeu_ps(cbuf, c[r]);
+            for (int i = 0; i < 8; i++) p->out[r * p->ldo_row + (j + i) * p->ldo] = cbuf[i];
+        }
     }
     return j;
+}
+
+/* dot_tiles with the row count and pair rows constant, so each instance keeps its
+ * accumulators in registers (a runtime row count measured ~1.5x slower). */
+#define DOT(m, pairs) \
+    AVX2 static long dot_##m##_##pairs(const OneRow *p, long j0, long j1) { return dot_tiles(p, j0, j1, m, pairs); }
+DOT(1, 0) DOT(2, 0) DOT(3, 0) DOT(4, 0) DOT(5, 0) DOT(6, 0) DOT(7, 0) DOT(8, 0)
+DOT(4, 4) DOT(5, 4) DOT(6, 4) DOT(7, 4) DOT(8, 4) DOT(8, 8)
+typedef long (*dot_fn)(const OneRow *, long, long);
+static const dot_fn dot_by_rows[MAX_ROWS + 1][3] = {  /* [rows][pair rows / 4] */
+    {NULL}, {dot_1_0}, {dot_2_0}, {dot_3_0}, {dot_4_0, dot_4_4}, {dot_5_0, dot_5_4},
+    {dot_6_0, dot_6_4}, {dot_7_0, dot_7_4}, {dot_8_0, dot_8_4, dot_8_8}};
+
+/* The number of leading PAIRS rows when the orders are PAIRS for a prefix of 0, 4 or 8
+ * rows and CHAIN after it, as OpenBLAS's 4-column tiles give; -1 for any other pattern. */
+static int num_pair_rows(const unsigned char *orders, int num_rows)
+{
+    int n = 0;
+    while (n < num_rows && orders[n] == PAIRS) n++;
+    for (int r = n; r < num_rows; r++)
+        if (orders[r] != CHAIN) return -1;
+    return n % 4 == 0 && dot_by_rows[num_rows][n / 4] ? n : -1;
+}
+
+static long rows_avx2_dot(const OneRow *p, long j0, long j1)
+{
+    const int num_pairs = num_pair_rows(p->tile_orders, p->num_rows);
+    if (num_pairs < 0) return j0;  /* an order the vector kernels lack: all scalar */
+    return dot_by_rows[p->num_rows][num_pairs / 4](p, j0, j1);
 }
 
 /* Contiguous columns (sj == 1, x @ W): each k adds one fma to every output of a chunk
@@ -209,7 +289,7 @@ AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
     long j = j0;
     for (; j + 8 <= j1; j += CHUNK) {
         const long m = (j1 - j < CHUNK ? j1 - j : CHUNK) & ~7L;
-        for (long i = 0; i < m; i++) c[i] = start_value(p, j + i);
+        for (long i = 0; i < m; i++) c[i] = start_value(p, 0, j + i);
         for (long k0 = 0, len; k0 < p->k; k0 += len) {
             len = next_block(p->k - k0, p->is_threaded);
             const long end = k0 + len;
@@ -258,7 +338,7 @@ static void run_rows(const OneRow *p, long j0, long j1)
 #if defined(__x86_64__)
     if (has_avx2()) {
         if (p->sk == 1 && p->sj != 1) j0 = rows_avx2_dot(p, j0, j1);
-        else if (p->sj == 1 && p->sk != 1) j0 = rows_avx2_axpy(p, j0, j1);
+        else if (p->sj == 1 && p->sk != 1 && p->num_rows == 1) j0 = rows_avx2_axpy(p, j0, j1);
     }
 #endif
     rows_scalar(p, j0, j1);
@@ -300,7 +380,8 @@ static void run_threads(const OneRow *p)
         if (t * per < p->n) run_rows(p, t * per, (t + 1) * per < p->n ? (t + 1) * per : p->n);
 }
 
-/* Map a one-row cblas_sgemm call onto OneRow; 0 when the call is not routed. */
+/* Map a cblas_sgemm call with one row, one column, or 2..MAX_ROWS rows of x @ W.T onto
+ * OneRow; 0 when the call is not routed. */
 static int make_onerow(OneRow *p, int order, int trans_a, int trans_b, int M, int N, int K,
                        float alpha, const float *A, int lda, const float *B, int ldb,
                        float beta, float *C, int ldc)
@@ -319,23 +400,35 @@ static int make_onerow(OneRow *p, int order, int trans_a, int trans_b, int M, in
     if (!is_tb && trans_b != NO_TRANS && trans_b != CONJ_NO_TRANS) return 0;
     /* Empty products, K == 0 (C = beta*C) and alpha == 0 keep the BLAS's own path;
      * so do bad leading dimensions, which the BLAS reports through xerbla. */
-    if (M <= 0 || N <= 0 || K <= 0 || (M != 1 && N != 1) || alpha == 0.0f) return 0;
+    if (M <= 0 || N <= 0 || K <= 0 || alpha == 0.0f) return 0;
     if (lda < (is_ta ? M : K) || ldb < (is_tb ? K : N) || ldc < N) return 0;
     if (alpha != 1.0f && blk.alpha_mode < 0) return 0;
-    if (!is_layout_ok[M != 1][is_ta][is_tb]) return 0;
     int num_threads = blas_get_threads();
     if (num_threads > 1 && blk.calib_threads == 1) return 0;
-    if (M == 1) {  /* one row of C: v = row of op(A), w(j, k) = op(B)[k][j] */
-        *p = (OneRow){.n = N, .v = A, .incv = is_ta ? lda : 1, .w = B,
-                      .sj = is_tb ? ldb : 1, .sk = is_tb ? 1 : ldb, .out = C, .ldo = 1};
-    } else {       /* one column of C: v = column of op(B), w(j, k) = op(A)[j][k] */
-        *p = (OneRow){.n = M, .v = B, .incv = is_tb ? 1 : ldb, .w = A,
-                      .sj = is_ta ? 1 : lda, .sk = is_ta ? lda : 1, .out = C, .ldo = ldc};
+    const int is_threaded = num_threads > 1 && (double)M * N * K > blk.threshold;
+    if (M == 1 || N == 1) {
+        if (!is_layout_ok[M != 1][is_ta][is_tb]) return 0;
+    } else {  /* several rows: W's rows contiguous (x @ W.T) at the calibrated thread count */
+        if (M > MAX_ROWS || !is_tb || num_threads != blk.calib_threads) return 0;
+        if (!multi.is_ok[is_threaded][M][is_ta]) return 0;
+    }
+    if (N != 1) {  /* M rows of C: v = rows of op(A), w(j, k) = op(B)[k][j] */
+        *p = (OneRow){.n = N, .num_rows = M, .v = A, .incv = is_ta ? lda : 1, .incv_row = is_ta ? 1 : lda,
+                      .w = B, .sj = is_tb ? ldb : 1, .sk = is_tb ? 1 : ldb, .out = C, .ldo = 1,
+                      .ldo_row = ldc, .tile_orders = all_chain, .tail_orders = all_chain};
+        if (M > 1) {
+            p->tile_orders = multi.orders[is_threaded][M][0];
+            p->tail_orders = multi.orders[is_threaded][M][1];
+        }
+    } else {  /* one column of C: v = column of op(B), w(j, k) = op(A)[j][k] */
+        *p = (OneRow){.n = M, .num_rows = 1, .v = B, .incv = is_tb ? 1 : ldb, .w = A,
+                      .sj = is_ta ? 1 : lda, .sk = is_ta ? lda : 1, .out = C, .ldo = ldc,
+                      .tile_orders = all_chain, .tail_orders = all_chain};
     }
     p->k = K;
     p->alpha = alpha;
     p->beta = beta;
-    p->is_threaded = num_threads > 1 && (double)M * N * K > blk.threshold;
+    p->is_threaded = is_threaded;
     p->num_threads = num_threads;
     return 1;
 }
@@ -483,6 +576,78 @@ static int calibrate_threaded(void)
     return 1;
 }
 
+/* Which order each row of an m-row x @ W.T follows under one driver, in the full
+ * 8-column tiles and in the tail, on shapes that driver runs; a row count where some
+ * row follows neither order stays unrouted. */
+static void calibrate_rows(int is_threaded)
+{
+    static const long single_shapes[][2] = {{16, 9}, {67, 63}, {203, 655}, {523, 321}, {1030, 60}, {99, 1000}};
+    static const long threaded_shapes[][2] = {{525, 655}, {1030, 321}, {301, 2048}, {4103, 70}};
+    const long (*shapes)[2] = is_threaded ? threaded_shapes : single_shapes;
+    const int num_shapes = is_threaded ? 4 : 6;
+    for (int m = 2; m <= MAX_ROWS; m++) {
+        unsigned char can[2][MAX_ROWS];  /* [tile, tail][row]: bit o set while order o matches */
+        memset(can, (1 << NUM_ORDERS) - 1, sizeof(can));
+        int num_probed = 0;
+        for (int s = 0; s < num_shapes; s++) {
+            const long n = shapes[s][0], k = shapes[s][1], n8 = n & ~7L;
+            if (((double)m * n * k > blk.threshold) != is_threaded) continue;
+            float *buf = malloc(sizeof(float) * (m * k + n * k + 2 * m * n));
+            if (!buf) return;
+            float *x = buf, *w = x + m * k, *c_real = w + n * k, *c_ours = c_real + m * n;
+            fill(x, m * k, m + k);
+            fill(w, n * k, n + 3 * k);
+            real_sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, x, k, w, k, 0.0f, c_real, n);
+            for (int o = 0; o < NUM_ORDERS; o++) {
+                unsigned char orders[MAX_ROWS];
+                memset(orders, o, sizeof(orders));
+                OneRow p = {.n = n, .k = k, .num_rows = m, .v = x, .incv = 1, .incv_row = k, .w = w,
+                            .sj = k, .sk = 1, .out = c_ours, .ldo = 1, .ldo_row = n, .alpha = 1.0f,
+                            .beta = 0.0f, .is_threaded = is_threaded, .num_threads = blas_get_threads(),
+                            .tile_orders = orders, .tail_orders = orders};
+                run_threads(&p);
+                for (int r = 0; r < m; r++) {
+                    const float *real = c_real + r * n, *ours = c_ours + r * n;
+                    if (memcmp(real, ours, sizeof(float) * n8) != 0) can[0][r] &= ~(1 << o);
+                    if (memcmp(real + n8, ours + n8, sizeof(float) * (n - n8)) != 0) can[1][r] &= ~(1 << o);
+                }
+            }
+            free(buf);
+            num_probed++;
+        }
+        int is_ok = num_probed > 0;
+        for (int region = 0; region < 2; region++)
+            for (int r = 0; r < m; r++) {
+                is_ok = is_ok && can[region][r] != 0;
+                multi.orders[is_threaded][m][region][r] = (can[region][r] & (1 << CHAIN)) ? CHAIN : PAIRS;
+            }
+#if defined(__x86_64__)
+        is_ok = is_ok && num_pair_rows(multi.orders[is_threaded][m][0], m) >= 0;  /* else all scalar: slow */
+#endif
+        multi.is_ok[is_threaded][m][0] = multi.is_ok[is_threaded][m][1] = (unsigned char)is_ok;
+    }
+}
+
+/* Routed row counts against the real sgemm in row-major and column-major calls, op(A)
+ * plain and transposed, padded, general alpha and beta; a miss unroutes that case. */
+static void self_check_rows(void)
+{
+    for (int m = 2; m <= MAX_ROWS; m++)
+        for (int is_ta = 0; is_ta < 2; is_ta++)
+            for (int d = 0; d < 2; d++) {
+                unsigned char *ok = &multi.is_ok[d][m][is_ta];
+                /* shapes each driver runs here: small for the single one, above the threshold */
+                const long n = d ? 523 : 43, ks[] = {d ? 1000 : 7, blk.q + 1, d ? 2 * blk.q + 3 : 300};
+                const int ta = is_ta ? TRANS : NO_TRANS;
+                for (int i = 0; i < 3 && *ok; i++) {
+                    float alpha = blk.alpha_mode < 0 ? 1.0f : (i == 1 ? 0.75f : 1.0f);
+                    float beta = (float[]){0.0f, 1.0f, -0.5f}[i];
+                    *ok = agrees(ROW_MAJOR, ta, TRANS, m, n, ks[i], alpha, beta, i)
+                          && agrees(COL_MAJOR, TRANS, ta, n, m, ks[i], alpha, beta, 2 - i);
+                }
+            }
+}
+
 /* Every layout, both drivers, odd sizes and padded leading dimensions; a layout
  * that disagrees anywhere is not routed. */
 static int self_check(void)
@@ -534,8 +699,11 @@ static int calibrate(void)
             if (!agrees(ROW_MAJOR, NO_TRANS, TRANS, 1, 9, 100, 0.75f, 1.0f, 0)) blk.alpha_mode = -1;
         }
     }
+    if (ok) calibrate_rows(0);
     blas_set_threads(threads);
     if (ok && threads > 1) ok = calibrate_threaded();
+    if (ok && threads > 1) calibrate_rows(1);
+    if (ok) self_check_rows();
     return ok && self_check();
 }
 
@@ -585,6 +753,25 @@ int gmlx_interposer_layouts(void)
 {
     int mask = 0;
     for (int i = 0; i < 8; i++) mask |= ((unsigned char *)is_layout_ok)[i] << i;
+    return mask;
+}
+
+/* Bit m set when x @ W.T products of m rows (2..8) are routed under the single-thread
+ * driver (is_threaded 0) or the threaded one (1). For 2 <= m <= 8, orders gets m letters
+ * for the full tiles, '/', m for the tail: 'c' one fma chain, 'p' even/odd pairs. */
+int gmlx_interposer_rows(int is_threaded, int m, char *orders)
+{
+    const int d = is_threaded != 0;
+    int mask = 0;
+    for (int r = 2; r <= MAX_ROWS; r++) mask |= multi.is_ok[d][r][0] << r;
+    if (m >= 2 && m <= MAX_ROWS) {
+        for (int r = 0; r < m; r++) {
+            orders[r] = multi.orders[d][m][0][r] == PAIRS ? 'p' : 'c';
+            orders[m + 1 + r] = multi.orders[d][m][1][r] == PAIRS ? 'p' : 'c';
+        }
+        orders[m] = '/';
+        orders[2 * m + 1] = 0;
+    }
     return mask;
 }
 

@@ -61,8 +61,20 @@ one_row_shapes = st.one_of(
     st.tuples(st.just(1), st.integers(1, 300), st.integers(1, 1100)),  # M == 1
     st.tuples(st.integers(1, 300), st.just(1), st.integers(1, 1100)),  # N == 1
     st.tuples(st.just(1), st.integers(300, 1300), st.integers(300, 700)),  # threaded sgemm driver
-    st.tuples(st.integers(2, 8), st.integers(1, 64), st.integers(1, 400)),  # 2-8 rows: passed through
+    st.tuples(st.integers(2, 8), st.integers(1, 300), st.integers(1, 1100)),  # 2-8 rows
+    st.tuples(st.integers(2, 8), st.integers(300, 1300), st.integers(300, 700)),  # 2-8 rows, threaded
+    st.tuples(st.integers(2, 8), st.integers(2, 8), st.integers(1, 400)),  # 2-8 rows both ways
 )
+
+
+def is_routed_rows(d: dict, order: int, ta: int, tb: int, m: int, n: int, k: int) -> bool:
+    """Whether the interposer reports a routed case for an x @ W.T-shaped call of 2-8 rows."""
+    rows, other, is_w_rows = (m, n, tb == TRANS) if order == ROW_MAJOR else (n, m, ta == TRANS)
+    if not (2 <= rows <= blas.MAX_ROUTED_ROWS and other > 1 and is_w_rows):
+        return False
+    threshold = d["blocking"]["threaded_above_mnk"]
+    is_threaded = d["num_threads"] > 1 and threshold is not None and m * n * k > threshold
+    return rows in d["routed_rows"]["threaded" if is_threaded else "single"]
 
 
 @SETTINGS
@@ -80,7 +92,8 @@ def test_direct_sgemm_calls_are_bit_identical(sgemms, shape, order, ta, tb, pad,
     call(real_fn, order, ta, tb, m, n, k, alpha, a, b, beta, c_real)
     call(routed_fn, order, ta, tb, m, n, k, alpha, a, b, beta, c_routed)
     assert np.array_equal(bits(c_real), bits(c_routed))
-    if m == 1 or n == 1:  # every one-row layout passed the self-check here
+    d = blas.describe_blas(measure=False)
+    if m == 1 or n == 1 or is_routed_rows(d, order, ta, tb, m, n, k):  # it did go through our kernels
         assert blas.routing_counts()[0] == num_routed + 1
 
 
@@ -123,8 +136,10 @@ def test_mlx_products_are_bit_identical(sgemms, rows, k, n, layout, seed):
     mx.eval(a, b)
     plain, routed, num_routed = run_both(lambda: mx.eval(out := a @ b) or out)
     assert np.array_equal(bits(plain), bits(routed))
-    if a.shape[0] == 1 or b.shape[1] == 1:
-        assert num_routed >= 1, "a one-row mlx product did not reach the interposer"
+    d = blas.describe_blas(measure=False)
+    is_rows = layout == "x@W.T" and is_routed_rows(d, ROW_MAJOR, NO_TRANS, TRANS, rows, n, k)
+    if a.shape[0] == 1 or b.shape[1] == 1 or is_rows:
+        assert num_routed >= 1, "a one-row or few-row mlx product did not reach the interposer"
 
 
 def test_decode_shaped_products_route_and_match(sgemms):
@@ -144,15 +159,28 @@ def test_decode_shaped_products_route_and_match(sgemms):
 
 def test_counters_move(sgemms):
     x, w = mx.ones((1, 96)), mx.ones((80, 96))
-    x4 = mx.ones((4, 96))
-    mx.eval(x, w, x4)
-    routed0, passed0 = blas.routing_counts()
-    mx.eval(x @ w.T)
-    routed1, passed1 = blas.routing_counts()
-    mx.eval(x4 @ w.T)
-    routed2, passed2 = blas.routing_counts()
-    assert (routed1 - routed0, passed1 - passed0) == (1, 0)
-    assert (routed2 - routed1, passed2 - passed1) == (0, 1)
+    x3, x16 = mx.ones((3, 96)), mx.ones((16, 96))
+    mx.eval(x, w, x3, x16)
+    counts = [blas.routing_counts()]
+    for product in (x @ w.T, x3 @ w.T, x16 @ w.T):
+        mx.eval(product)
+        counts.append(blas.routing_counts())
+    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counts, counts[1:])]
+    assert deltas == [(1, 0), (1, 0), (0, 1)]  # one row, three rows routed; sixteen passed
+
+
+def test_verify_shaped_products_route_and_match(sgemms):
+    """A speculative verify: 2-8 positions through every Linear of a layer, both drivers."""
+    rng = np.random.default_rng(1)
+    d = blas.describe_blas(measure=False)
+    for rows in range(2, blas.MAX_ROUTED_ROWS + 1):
+        for n, k in ((256, 256), (1100, 1024), (2051, 333)):
+            x = mx.array(rng.standard_normal((1, rows, k), dtype=np.float32))
+            w = mx.array(rng.standard_normal((n, k), dtype=np.float32))
+            mx.eval(x, w)
+            plain, routed, num_routed = run_both(lambda: mx.eval(out := x @ w.T) or out)
+            assert np.array_equal(bits(plain), bits(routed)), (rows, n, k)
+            assert (num_routed >= 1) == is_routed_rows(d, ROW_MAJOR, NO_TRANS, TRANS, rows, n, k), (rows, n, k)
 
 
 def test_describe_blas(sgemms):

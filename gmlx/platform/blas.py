@@ -45,6 +45,7 @@ _INTERPOSER_STATUS = {
     2: "loaded, passing every call through (no AVX2+FMA kernel for this CPU)",
     -1: "no cblas_sgemm in the BLAS",
 }
+MAX_ROUTED_ROWS = 8  # x @ W.T products of up to this many rows run in the interposer
 _LAYOUT_NAMES = ("x@W", "x@W.T", "xT@W", "xT@W.T", "A@b", "A@bT", "AT@b", "AT@bT")
 
 
@@ -107,6 +108,7 @@ def _load_interposer() -> ctypes.CDLL | None:
     lib.gmlx_interposer_init.argtypes = [ctypes.c_char_p]
     lib.gmlx_interposer_set_routing.argtypes = [ctypes.c_int]
     lib.gmlx_interposer_counts.argtypes = [ctypes.POINTER(ctypes.c_long)] * 2
+    lib.gmlx_interposer_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
     lib.gmlx_interposer_blocking.argtypes = [ctypes.POINTER(ctypes.c_long)] * 2 + [
         ctypes.POINTER(ctypes.c_double),
         ctypes.POINTER(ctypes.c_int),
@@ -204,8 +206,19 @@ def _interposer_info(lib: ctypes.CDLL) -> dict:
     threshold = ctypes.c_double()
     lib.gmlx_interposer_blocking(*map(ctypes.byref, (q, unroll, threshold, alpha_mode, threads)))
     mask = lib.gmlx_interposer_layouts()
+    orders = ctypes.create_string_buffer(2 * MAX_ROUTED_ROWS + 2)
+    rows: dict[str, dict[int, str]] = {}
+    for driver, is_threaded in (("single", 0), ("threaded", 1)):
+        rows_mask = lib.gmlx_interposer_rows(is_threaded, 0, orders)
+        rows[driver] = {}
+        for m in range(2, MAX_ROUTED_ROWS + 1):
+            if rows_mask >> m & 1:
+                lib.gmlx_interposer_rows(is_threaded, m, orders)
+                rows[driver][m] = orders.value.decode()
     return {
         "routed_layouts": [name for i, name in enumerate(_LAYOUT_NAMES) if mask >> i & 1],
+        # row count -> sgemm's summation order per row, full tiles / tail ('c' chain, 'p' pairs)
+        "routed_rows": rows,
         "blocking": {
             "gemm_q": q.value,
             "unroll": unroll.value,
@@ -237,9 +250,13 @@ def _measure() -> dict:
     out["one_row_4096_ms"] = _best_ms(lambda: mx.eval(x @ w.T), 10)
     out["is_routing_effective"] = routing_counts()[0] > num_routed_before
     if out["is_routing_effective"]:
+        x4 = mx.random.normal((4, 4096))  # a 4-position verify
+        mx.eval(x4)
+        out["four_rows_4096_ms"] = _best_ms(lambda: mx.eval(x4 @ w.T), 10)
         set_routing(False)
         try:
             out["one_row_4096_plain_ms"] = _best_ms(lambda: mx.eval(x @ w.T), 10)
+            out["four_rows_4096_plain_ms"] = _best_ms(lambda: mx.eval(x4 @ w.T), 10)
         finally:
             set_routing(True)
     return out
@@ -294,6 +311,10 @@ def format_blas_report(d: dict) -> str:
     if d.get("routed_layouts"):
         blk = d["blocking"]
         lines.append(f"  routes: {', '.join(d['routed_layouts'])} (one-row products, bit-identical to sgemm)")
+        for driver, by_rows in d["routed_rows"].items():
+            if by_rows:
+                orders = ", ".join(f"{m}:{o}" for m, o in by_rows.items())
+                lines.append(f"  routes x@W.T of 2-{MAX_ROUTED_ROWS} rows, {driver} sgemm driver: {orders}")
         lines.append(
             f"  reproduces sgemm's K blocking: GEMM_Q={blk['gemm_q']}, unroll {blk['unroll']}, "
             f"threaded above M*N*K={blk['threaded_above_mnk']}, alpha {blk['alpha_mode']}"
@@ -303,6 +324,11 @@ def format_blas_report(d: dict) -> str:
         lines.append(
             f"  (1, 4096) @ (4096, 4096).T: {routed:.2f} ms routed vs {plain:.2f} ms plain sgemm "
             f"({plain / routed:.2f}x)"
+        )
+        plain4, routed4 = d["four_rows_4096_plain_ms"], d["four_rows_4096_ms"]
+        lines.append(
+            f"  (4, 4096) @ (4096, 4096).T: {routed4:.2f} ms routed vs {plain4:.2f} ms plain sgemm "
+            f"({plain4 / routed4:.2f}x)"
         )
     elif d["is_interposer_active"] and "is_routing_effective" in d:
         lines.append("  WARNING: mlx's matmuls did not reach the interposer (was mlx imported before gmlx?)")
