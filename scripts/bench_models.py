@@ -85,8 +85,10 @@ def grow_inert(folder: Path, intermediate_size: int, num_extra_layers: int, src:
     return folder
 
 
-def forward_ms(target, num_rows: int = 1, context_tokens: int = 256, repeats: int = 10) -> float:
-    """Median wall time of one decode forward at this width, with a KV cache of context_tokens."""
+def forward_ms(target, num_rows: int = 1, context_tokens: int = 256, repeats: int = 10,
+               num_positions: int = 1) -> float:
+    """Median wall time of one forward of num_positions tokens per row (1: a decode step;
+    k+1: a verify) at this width, with a KV cache of context_tokens."""
     import time
 
     from gmlx.cache.ragged import make_ragged_cache
@@ -97,11 +99,11 @@ def forward_ms(target, num_rows: int = 1, context_tokens: int = 256, repeats: in
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        hidden, logits = target.forward(mx.zeros((num_rows, 1), dtype=mx.int32), caches)
+        hidden, logits = target.forward(mx.zeros((num_rows, num_positions), dtype=mx.int32), caches)
         mx.eval(logits)
         times.append(time.perf_counter() - start)
         for c in caches:
-            c.trim(1)
+            c.trim(num_positions)
     return 1e3 * float(np.median(times))
 
 

@@ -6,6 +6,7 @@ All figures are ratios measured side by side in one run (runs alternate, repeat,
     python scripts/bench_spec.py --models builtin --repeats 2 --tokens 64
 
 Sections:
+  verify   a verify forward of 2-4 positions over a one-position step, interposer on and off
   lift     decode tok/s at width 1, each drafter against plain, with acceptance
   mlx_lm   gmlx's scalar loop vs mlx_lm speculative_generate_step, same draft model and k
   widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
@@ -34,6 +35,7 @@ from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_MTP_DIR, EngineConfig  # noqa
 from gmlx.drafters import make_drafter  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
 from gmlx.models.loader import load_model  # noqa: E402
+from gmlx.platform import blas  # noqa: E402
 from gmlx.request import SamplingParams  # noqa: E402
 
 DRAFTERS = ("mtp", "draft", "ngram")
@@ -46,6 +48,22 @@ def engine_for(target, drafter_spec):
 
 def median_ratio(pairs):
     return statistics.median(a / b for a, b in pairs)
+
+
+def bench_verify_cost(target, repeats):
+    """A verify forward of 2-4 positions against a one-position decode step, interposer on and off."""
+    rows = []
+    for is_routing in (True, False):
+        blas.set_routing(is_routing)
+        try:
+            one = forward_ms(target, repeats=5 * repeats)
+            for num_positions in (2, 3, 4):
+                many = forward_ms(target, repeats=5 * repeats, num_positions=num_positions)
+                rows.append(dict(interposer=is_routing, positions=num_positions, one_ms=round(one, 1),
+                                 verify_ms=round(many, 1), ratio=round(many / one, 2)))
+        finally:
+            blas.set_routing(True)
+    return rows
 
 
 def bench_lift(target, drafter_specs, prompts, params, repeats):
@@ -119,7 +137,7 @@ def bench_gated(target, drafter_spec, prompts, params, repeats, width=4):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="builtin,inert")
-    parser.add_argument("--sections", default="lift,mlx_lm,widths,gated")
+    parser.add_argument("--sections", default="verify,lift,mlx_lm,widths,gated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -142,6 +160,8 @@ def main() -> None:
         # inert-grown target computes the same function, so they are honest drafters for it.
         specs = [f"{d}:{_weights_for(d)}" if name == "inert" and d != "ngram" else d for d in DRAFTERS]
         result = {}
+        if "verify" in sections:
+            result["verify"] = bench_verify_cost(target, args.repeats)
         if "lift" in sections:
             result["lift"] = bench_lift(target, specs, prompts, params, args.repeats)
         if "mlx_lm" in sections:
