@@ -22,7 +22,7 @@ ENV_VARS = {
     "GMLX_MTP_WIDTH_CAP": "overrides every model's speculative_width_cap (0 = uncapped, N = speculate while <= N rows)",
     "GMLX_RESUME_MIN_BUDGET": "rows with fewer tokens left than this do not trigger a resume (default 32)",
     "GMLX_BLAS_LIB": "path of the BLAS shared library to load before mlx ('none' skips loading one)",
-    "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls to the interposer's bandwidth-bound kernel (bit-identical to sgemm) on Linux; 0 turns it off",
+    "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls and x @ W.T calls of 2-8 rows to the interposer's streaming kernels (bit-identical to sgemm) on Linux; 0 turns it off",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
 }
 

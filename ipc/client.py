@@ -47,10 +47,34 @@ class Chunk:
 
 @dataclass(eq=False)
 class _Stream:
+    """One generate or stats exchange: its replies, and (generate) where the stream stands."""
+
     ref: str
     request_id: str | None = None
     inbox: deque = field(default_factory=deque)
     queue: asyncio.Queue | None = None  # the async client's inbox
+    next_seq: int = -1  # -1 until the request is accepted, then the seq the next chunk must carry
+    is_done: bool = False  # the last chunk or an error arrived
+
+    def take(self, msg) -> Chunk | None:
+        """The chunk to hand to the caller (None for the acceptance); raises RequestError
+        for an ERROR or a lost chunk. Both clients drive their generate loops with it."""
+        try:
+            _check(msg, self, max(self.next_seq, 0))
+        except RequestError:
+            self.is_done = True
+            raise
+        self.next_seq += 1
+        if self.next_seq == 0:
+            return None
+        self.is_done = msg.finish_reason is not None
+        return msg
+
+    def cancel_frames(self) -> list[bytes] | None:
+        """A CANCEL for a stream the caller left before its end, else None."""
+        if self.is_done or self.request_id is None:
+            return None
+        return m.encode_json(m.Cancel(request_id=self.request_id))
 
 
 class _Router:
@@ -138,24 +162,17 @@ class Client:
                  stop=None, min_p: float = 0.0):
         """Yield Chunk objects as the server decodes; raises RequestError if it rejects the request."""
         stream = self._router.open()
-        is_done = False
         try:
             self._sock.send_multipart(_generate_message(stream.ref, prompt, token_ids, max_tokens, temperature,
                                                         top_p, top_k, min_p, seed, stop))
-            _check(self._next(stream), stream, 0)
-            seq = 0
-            while not is_done:
-                try:
-                    chunk = _check(self._next(stream), stream, seq)
-                except RequestError:
-                    is_done = True
-                    raise
-                seq += 1
-                is_done = chunk.finish_reason is not None
-                yield chunk
+            while not stream.is_done:
+                chunk = stream.take(self._next(stream))
+                if chunk is not None:
+                    yield chunk
         finally:
-            if not is_done and stream.request_id is not None and not self._sock.closed:
-                self._sock.send_multipart(m.encode_json(m.Cancel(request_id=stream.request_id)))
+            cancel = stream.cancel_frames()
+            if cancel is not None and not self._sock.closed:
+                self._sock.send_multipart(cancel)
             self._router.close(stream)
 
     def stats(self) -> dict:
@@ -207,24 +224,17 @@ class AsyncClient:
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                        stop=None, min_p: float = 0.0):
         stream = self._open()
-        is_done = False
         try:
             await self._sock.send_multipart(_generate_message(stream.ref, prompt, token_ids, max_tokens,
                                                               temperature, top_p, top_k, min_p, seed, stop))
-            _check(await self._next(stream), stream, 0)
-            seq = 0
-            while not is_done:
-                try:
-                    chunk = _check(await self._next(stream), stream, seq)
-                except RequestError:
-                    is_done = True
-                    raise
-                seq += 1
-                is_done = chunk.finish_reason is not None
-                yield chunk
+            while not stream.is_done:
+                chunk = stream.take(await self._next(stream))
+                if chunk is not None:
+                    yield chunk
         finally:
-            if not is_done and stream.request_id is not None and not self._sock.closed:
-                await self._sock.send_multipart(m.encode_json(m.Cancel(request_id=stream.request_id)))
+            cancel = stream.cancel_frames()
+            if cancel is not None and not self._sock.closed:
+                await self._sock.send_multipart(cancel)
             self._router.close(stream)
 
     async def stats(self) -> dict:
