@@ -10,12 +10,14 @@ Sections:
   lift     decode tok/s at width 1, each drafter against plain, with acceptance
   mlx_lm   gmlx's scalar loop vs mlx_lm speculative_generate_step, same draft model and k
   widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
+  coupling the batch loop at temperature 0.8: coupled drafting against greedy drafting
   gated    a gated round (drafter loaded, over the cap) against a plain engine, width 4
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,7 +33,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import speculative_generate_step  # noqa: E402
 
 from bench_models import decode_tok_per_s, forward_ms, grow_inert, heldout_prompts  # noqa: E402
-from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_MTP_DIR, EngineConfig  # noqa: E402
+from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_MTP_DIR, EngineConfig, env_overrides  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
 from gmlx.models.loader import load_model  # noqa: E402
@@ -121,6 +123,32 @@ def bench_widths(target, drafter_spec, prompts, params, widths):
     return out, knee
 
 
+def bench_coupling(target, drafter_specs, prompts, params, repeats, widths=(2, 4), temperature=0.8):
+    """The batch loop at temperature: drafters sampling with each row's own noise (coupled)
+    against greedy drafting, same prompts and seeds, uncapped; acceptance and tok/s."""
+    out = []
+    with env_overrides({"GMLX_MTP_WIDTH_CAP": "0"}):
+        for d in drafter_specs:
+            if d == "ngram":
+                continue  # prompt lookup does not sample: nothing to couple
+            for width in widths:
+                runs = {True: [], False: []}
+                for rep in range(repeats):
+                    seeded = dataclasses.replace(params, temperature=temperature, seed=rep + 1)
+                    batch = prompts[rep * width:(rep + 1) * width]
+                    for is_coupled in (True, False):
+                        engine = Engine(target, make_drafter(d, target),
+                                        EngineConfig(prompt_cache_bytes=0, is_batch_draft_coupled=is_coupled))
+                        tok_s, delta = decode_tok_per_s(engine, batch, seeded)
+                        assert delta["num_spec_rounds"] > 0
+                        runs[is_coupled].append((tok_s, delta["num_accepted"] / max(delta["num_drafted"], 1)))
+                out.append(dict(drafter=d, width=width, temperature=temperature,
+                                coupled_acceptance=statistics.median(a for _, a in runs[True]),
+                                greedy_acceptance=statistics.median(a for _, a in runs[False]),
+                                tok_s_ratio=median_ratio([(c[0], g[0]) for c, g in zip(runs[True], runs[False])])))
+    return out
+
+
 def bench_gated(target, drafter_spec, prompts, params, repeats, width=4):
     os.environ["GMLX_MTP_WIDTH_CAP"] = "1"  # every round at this width is gated
     plain_engine, gated_engine = engine_for(target, "none"), engine_for(target, drafter_spec)
@@ -171,6 +199,8 @@ def main() -> None:
             widths = [int(w) for w in args.widths.split(",")]
             rows, knee = bench_widths(target, best, prompts, params, widths)
             result["widths"] = dict(drafter=best, rows=rows, knee=knee)
+        if "coupling" in sections:
+            result["coupling"] = bench_coupling(target, specs, prompts, params, args.repeats)
         if "gated" in sections:
             result["gated"] = bench_gated(target, specs[0], prompts, params, args.repeats)
         report[label] = result
