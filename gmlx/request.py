@@ -134,6 +134,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, position: int) -> int:
+        """all_token_ids[position] without building the list (the draft model asks every round)."""
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
     def make_stats(self) -> dict:
         end_s = self.finish_time_s or time.perf_counter()
         ttft_s = None if self.first_token_time_s is None else self.first_token_time_s - self.arrival_time_s

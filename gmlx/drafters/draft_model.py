@@ -46,7 +46,7 @@ class DraftModelDrafter:
         # a uniform two-token input whatever each row accepted last round.
         lengths = batch.lengths
         self._trim_to([n - 1 for n in lengths])
-        last = [r.all_token_ids[n - 1] for r, n in zip(batch.requests, lengths)]
+        last = [r.token_at(n - 1) for r, n in zip(batch.requests, lengths)]
         tokens = mx.concatenate([mx.array(last, dtype=mx.int32)[:, None], batch.pending[:, None]], axis=1)
         positions = batch.positions(num_tokens, first_offset=1)
         drafts = []
