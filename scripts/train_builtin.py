@@ -92,6 +92,9 @@ def parse_args():
     p.add_argument("--mtp-joint-weight", type=float, default=0.2,
                    help="weight of the MTP loss while pre-training the target with the "
                         "head (0: plain target, head trained from scratch afterwards)")
+    p.add_argument("--mtp-init", type=Path, default=None,
+                   help="start the MTP head from this saved head (a fine-tune) instead of the "
+                        "joint-trained or a fresh one")
     p.add_argument("--mtp-steps", type=int, default=200)
     p.add_argument("--mtp-batch", type=int, default=8)
     p.add_argument("--mtp-lr", type=float, default=2e-3)
@@ -600,7 +603,7 @@ def main():
     target_dir, draft_dir, mtp_dir = out_dir / "target", out_dir / "draft", out_dir / "mtp"
     metrics_path = out_dir / "metrics.json"
     previous = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
-    metrics = {"seed": args.seed, "seq_len": args.seq_len}
+    metrics = {"seed": args.seed, "seq_len": args.seq_len, "argv": sys.argv[1:]}  # how this run was made
     script_start_s = time.perf_counter()
 
     stdlib_dir = Path(sysconfig.get_paths()["stdlib"])
@@ -688,7 +691,9 @@ def main():
     # ---- MTP head
     if "mtp" in stages:
         mx.random.seed(args.seed + STAGE_SEED_OFFSETS["mtp"])
-        if joint_head_dir.exists():
+        if args.mtp_init is not None:
+            head = load_mtp_head(args.mtp_init)
+        elif joint_head_dir.exists():
             # Start from the head pre-trained with the target; distillation then aligns
             # it with the finished (float16-rounded) target's own greedy choices.
             head = load_mtp_head(joint_head_dir)
@@ -696,10 +701,10 @@ def main():
             head = MTPHead(mtp_args)
             mx.eval(head.parameters())
         print(f"mtp head: {count_params(head)} params {mtp_args}, "
-              f"joint init: {joint_head_dir.exists()}", flush=True)
+              f"init: {args.mtp_init or ('joint' if joint_head_dir.exists() else 'fresh')}", flush=True)
         rng = np.random.default_rng([args.seed, STAGE_SEED_OFFSETS["mtp"]])
         metrics["mtp_train_seconds"] = train_mtp(head, target, train_stream, rng, args)
-        save_mtp_head(head, mtp_args, mtp_dir)
+        save_mtp_head(head, head.args, mtp_dir)  # an --mtp-init head keeps its own shape
     # Always score the head as saved (float16 on disk, float32 in memory).
     head = load_mtp_head(mtp_dir)
 
