@@ -61,8 +61,11 @@ def load_folder(path: str):
         raise SystemExit(f"no model at {folder} (the built-in model may not be trained yet; "
                          "try --random-params 120M)")
     model, tokenizer = load(folder)
+    # float32 as gmlx runs it: float16 weights (the built-in model's on-disk dtype) would
+    # bypass BLAS on MLX's CPU backend, and so the interposer, entirely.
+    model.set_dtype(mx.float32)
     prompt = mx.array(tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n    "))
-    return model, prompt, folder
+    return model, prompt, f"{folder} (float32)"
 
 
 def weight_bytes_per_token(model) -> tuple[int, int]:
