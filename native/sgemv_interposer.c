@@ -203,8 +203,7 @@ AVX2 static inline __m256 add_block8(__m256 c, __m256 acc, float alpha)
 /* Contiguous rows (sk == 1, x @ W.T): one 8-row tile of W at a time, transposed in
  * registers 8 k at a time; lane i of row r's accumulator sums output (r, j+i), so each
  * 8x8 block of W is loaded once for all rows. Whole tiles only: the rest is scalar.
- * One row's fma chain alone runs near 2 floats per cycle, above DRAM rates; more W
- * tiles in flight measured slower (more streams). */
+ * One tile at a time: two tiles in flight (two chains per row) measured no faster. */
 AVX2 static inline __attribute__((always_inline)) long dot_tiles(const OneRow *p, long j0, long j1,
                                                                   const int num_rows, const int num_pairs)
 {

@@ -3,8 +3,9 @@
 The `mlx[cpu]` wheel links a bundled reference BLAS. Loading the system OpenBLAS
 globally before mlx makes mlx bind OpenBLAS's `cblas_sgemm` instead (~20x on large
 matmuls). Before OpenBLAS we load gmlx's interposer (native/sgemv_interposer.c), which
-takes every `cblas_sgemm` call, runs one-row products (decode) in a streaming kernel
-that reproduces OpenBLAS's summation order bit for bit, and passes the rest through.
+takes every `cblas_sgemm` call, runs one-row products (decode) and x @ W.T products of
+2-8 rows (a verify, a narrow batch) in streaming kernels that reproduce OpenBLAS's
+summation order bit for bit, and passes the rest through.
 This module must not import mlx at import time.
 """
 
