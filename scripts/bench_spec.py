@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,11 @@ def median_ratio(pairs):
     return statistics.median(a / b for a, b in pairs)
 
 
+def acceptance(delta: dict) -> float:
+    """Accepted drafts over drafted tokens, from a counters delta of decode_tok_per_s."""
+    return delta["num_accepted"] / max(delta["num_drafted"], 1)
+
+
 def bench_verify_cost(target, repeats):
     """A verify forward of 2-4 positions against a one-position decode step, interposer on and off."""
     rows = []
@@ -75,7 +79,7 @@ def bench_lift(target, drafter_specs, prompts, params, repeats):
         plain, _ = decode_tok_per_s(engines["none"], [prompt], params)
         for d in drafter_specs:
             spec, delta = decode_tok_per_s(engines[d], [prompt], params)
-            rows.append((d, spec, plain, delta["num_accepted"] / max(delta["num_drafted"], 1),
+            rows.append((d, spec, plain, acceptance(delta),
                          (delta["num_accepted"] + delta["num_spec_rounds"]) / max(delta["num_spec_rounds"], 1)))
     out = []
     for d in drafter_specs:
@@ -103,22 +107,21 @@ def bench_vs_mlx_lm(target, prompts, params, repeats, num_draft):
             count += 1
         theirs = count / (time.perf_counter() - start)
         pairs.append((ours, theirs))
-        accs.append(delta["num_accepted"] / max(delta["num_drafted"], 1))
+        accs.append(acceptance(delta))
     return dict(num_draft=num_draft, ratio=median_ratio(pairs), gmlx_tok_s=statistics.median(p[0] for p in pairs),
                 mlx_lm_tok_s=statistics.median(p[1] for p in pairs), acceptance=statistics.median(accs))
 
 
 def bench_widths(target, drafter_spec, prompts, params, widths):
-    os.environ["GMLX_MTP_WIDTH_CAP"] = "0"  # uncapped: measure speculation at every width
     plain_engine, spec_engine = engine_for(target, "none"), engine_for(target, drafter_spec)
     out = []
-    for width in widths:
-        batch = prompts[:width]
-        spec, delta = decode_tok_per_s(spec_engine, batch, params)
-        plain, _ = decode_tok_per_s(plain_engine, batch, params)
-        out.append(dict(width=width, spec_tok_s=spec, plain_tok_s=plain, ratio=spec / plain,
-                        acceptance=delta["num_accepted"] / max(delta["num_drafted"], 1)))
-    del os.environ["GMLX_MTP_WIDTH_CAP"]
+    with env_overrides({"GMLX_MTP_WIDTH_CAP": "0"}):  # uncapped: measure speculation at every width
+        for width in widths:
+            batch = prompts[:width]
+            spec, delta = decode_tok_per_s(spec_engine, batch, params)
+            plain, _ = decode_tok_per_s(plain_engine, batch, params)
+            out.append(dict(width=width, spec_tok_s=spec, plain_tok_s=plain, ratio=spec / plain,
+                            acceptance=acceptance(delta)))
     knee = max((r["width"] for r in out if r["ratio"] >= 1.0), default=0)
     return out, knee
 
@@ -141,7 +144,7 @@ def bench_coupling(target, drafter_specs, prompts, params, repeats, widths=(2, 4
                                         EngineConfig(prompt_cache_bytes=0, is_batch_draft_coupled=is_coupled))
                         tok_s, delta = decode_tok_per_s(engine, batch, seeded)
                         assert delta["num_spec_rounds"] > 0
-                        runs[is_coupled].append((tok_s, delta["num_accepted"] / max(delta["num_drafted"], 1)))
+                        runs[is_coupled].append((tok_s, acceptance(delta)))
                 out.append(dict(drafter=d, width=width, temperature=temperature,
                                 coupled_acceptance=statistics.median(a for _, a in runs[True]),
                                 greedy_acceptance=statistics.median(a for _, a in runs[False]),
@@ -150,15 +153,14 @@ def bench_coupling(target, drafter_specs, prompts, params, repeats, widths=(2, 4
 
 
 def bench_gated(target, drafter_spec, prompts, params, repeats, width=4):
-    os.environ["GMLX_MTP_WIDTH_CAP"] = "1"  # every round at this width is gated
     plain_engine, gated_engine = engine_for(target, "none"), engine_for(target, drafter_spec)
     pairs = []
-    for _ in range(repeats):
-        gated, delta = decode_tok_per_s(gated_engine, prompts[:width], params)
-        plain, _ = decode_tok_per_s(plain_engine, prompts[:width], params)
-        assert delta["num_spec_rounds"] == 0 and delta["num_gated_rounds"] > 0
-        pairs.append((plain, gated))  # cost ratio = time per gated round / time per plain round
-    del os.environ["GMLX_MTP_WIDTH_CAP"]
+    with env_overrides({"GMLX_MTP_WIDTH_CAP": "1"}):  # every round at this width is gated
+        for _ in range(repeats):
+            gated, delta = decode_tok_per_s(gated_engine, prompts[:width], params)
+            plain, _ = decode_tok_per_s(plain_engine, prompts[:width], params)
+            assert delta["num_spec_rounds"] == 0 and delta["num_gated_rounds"] > 0
+            pairs.append((plain, gated))  # cost ratio = time per gated round / time per plain round
     return dict(width=width, drafter=drafter_spec, cost_ratio=median_ratio(pairs))
 
 
