@@ -38,6 +38,8 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -343,40 +345,131 @@ static void run_rows(const OneRow *p, long j0, long j1)
     rows_scalar(p, j0, j1);
 }
 
-/* Split the rows across threads when the product is big enough to pay for it. */
+/* Split the columns across threads when the product is big enough to pay for it.
+ * Helper threads persist between calls: a decode step makes one routed call per
+ * weight matrix (63 a token on a 120M model), each ~0.1-0.4 ms, and a thread created
+ * and joined per call cost ~50 us of each (1024x1024, 2 threads: 136 -> 87 us with
+ * the weights in cache). A helper spins briefly after its span (the next product
+ * usually follows within microseconds), then sleeps until woken. */
 #define MAX_THREADS 16
-typedef struct { const OneRow *p; long j0, j1; } Span;
+#define SPIN_NS 200000  /* how long an idle helper polls before it sleeps */
+#define MIN_THREADED_NK (1 << 16)  /* n * k below which one thread does it all (256x768: 17 us split, 31 alone) */
 
-static void *run_span(void *arg)
+static struct {
+    pthread_mutex_t busy;          /* one routed threaded call at a time uses the helpers */
+    pthread_mutex_t lock;          /* guards sleeping helpers and the wake-up */
+    pthread_cond_t wake;
+    atomic_uint generation;        /* bumped once per job */
+    atomic_int num_pending;        /* helpers not yet done with the current job */
+    atomic_int num_sleeping;
+    const OneRow *job;
+    long per;                      /* columns per span; span i is [i*per, (i+1)*per) */
+    int num_helpers;               /* helper i runs span i + 1 */
+    pid_t owner;                   /* helpers exist in this process only (not after fork) */
+    unsigned start_generation[MAX_THREADS];  /* the generation each helper was started at */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static long now_ns(void)
 {
-    Span *s = arg;
-    run_rows(s->p, s->j0, s->j1);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static void run_span(const OneRow *p, long per, int span)
+{
+    const long j0 = span * per, j1 = (span + 1) * per;
+    if (j0 < p->n) run_rows(p, j0, j1 < p->n ? j1 : p->n);
+}
+
+static void *helper_main(void *arg)
+{
+    const int span = (int)(long)arg;
+    unsigned seen = pool.start_generation[span];  /* not a load now: the first job may be out */
+    for (;;) {
+        unsigned gen = atomic_load(&pool.generation);
+        for (long t0 = now_ns(); gen == seen && now_ns() - t0 < SPIN_NS; gen = atomic_load(&pool.generation))
+            for (int i = 0; i < 64; i++) cpu_relax();
+        if (gen == seen) {
+            /* Counting ourselves asleep before the last check pairs with the caller
+             * bumping the generation before it reads num_sleeping: no lost wake-up. */
+            pthread_mutex_lock(&pool.lock);
+            atomic_fetch_add(&pool.num_sleeping, 1);
+            while ((gen = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            atomic_fetch_sub(&pool.num_sleeping, 1);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = gen;
+        run_span(pool.job, pool.per, span);
+        atomic_fetch_sub(&pool.num_pending, 1);
+    }
     return NULL;
+}
+
+/* In a forked child the helpers are gone and the mutexes may be held by threads that
+ * did not fork: start over. */
+static void pool_after_fork(void)
+{
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.num_sleeping, 0);
+    pool.num_helpers = 0;
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Start helpers until there are `wanted` (held: pool.busy); returns how many exist. */
+static int pool_grow(int wanted)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
+    if (pool.owner != getpid()) {
+        pool.owner = getpid();
+        pool.num_helpers = 0;
+    }
+    while (pool.num_helpers < wanted) {
+        pthread_t tid;
+        pool.start_generation[pool.num_helpers + 1] = atomic_load(&pool.generation);
+        if (pthread_create(&tid, NULL, helper_main, (void *)(long)(pool.num_helpers + 1)) != 0) break;
+        pthread_detach(tid);
+        pool.num_helpers++;
+    }
+    return pool.num_helpers;
 }
 
 static void run_threads(const OneRow *p)
 {
     int num_threads = p->num_threads;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads < 2 || (double)p->n * p->k < (1 << 20) || p->n < 16 * num_threads) {
+    if (num_threads < 2 || (double)p->n * p->k < MIN_THREADED_NK || p->n < 16 * num_threads ||
+        pthread_mutex_trylock(&pool.busy) != 0) {  /* busy: another thread's product has them */
         run_rows(p, 0, p->n);
         return;
     }
-    pthread_t tids[MAX_THREADS];
-    Span spans[MAX_THREADS];
+    const int num_helpers = pool_grow(num_threads - 1);
+    num_threads = num_helpers + 1 < num_threads ? num_helpers + 1 : num_threads;
     long per = (p->n + num_threads - 1) / num_threads;
     per = (per + 7) / 8 * 8;  /* whole 8-row tiles per thread */
-    int started = 0;
-    for (int t = 1; t < num_threads; t++) {
-        spans[t] = (Span){p, t * per < p->n ? t * per : p->n, (t + 1) * per < p->n ? (t + 1) * per : p->n};
-        if (spans[t].j0 >= spans[t].j1) break;
-        if (pthread_create(&tids[t], NULL, run_span, &spans[t]) != 0) break;
-        started = t;
+    pool.job = p;
+    pool.per = per;
+    atomic_store(&pool.num_pending, num_helpers);
+    atomic_fetch_add(&pool.generation, 1);
+    if (atomic_load(&pool.num_sleeping) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
     }
-    run_rows(p, 0, per < p->n ? per : p->n);
-    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
-    for (int t = started + 1; t < num_threads; t++)  /* threads that did not start */
-        if (t * per < p->n) run_rows(p, t * per, (t + 1) * per < p->n ? (t + 1) * per : p->n);
+    run_span(p, per, 0);
+    while (atomic_load(&pool.num_pending) > 0) cpu_relax();
+    pthread_mutex_unlock(&pool.busy);
 }
 
 /* Map a cblas_sgemm call with one row, one column, or 2..MAX_ROWS rows of x @ W.T onto

@@ -3,8 +3,11 @@ import gmlx  # noqa: F401  (the fast BLAS and the interposer must load before ml
 import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -181,6 +184,69 @@ def test_verify_shaped_products_route_and_match(sgemms):
             plain, routed, num_routed = run_both(lambda: mx.eval(out := x @ w.T) or out)
             assert np.array_equal(bits(plain), bits(routed)), (rows, n, k)
             assert (num_routed >= 1) == is_routed_rows(d, ROW_MAJOR, NO_TRANS, TRANS, rows, n, k), (rows, n, k)
+
+
+def random_call(rng):
+    """A random routed-size call: one row, or 2-8 rows of x @ W.T, big enough to split."""
+    m, n, k = int(rng.choice([1, 1, 2, 4, 7])), int(rng.integers(64, 1400)), int(rng.integers(1024, 1200))
+    order, ta, tb = int(rng.choice([ROW_MAJOR, COL_MAJOR])), int(rng.choice([NO_TRANS, TRANS])), TRANS
+    if order == COL_MAJOR:  # the same x @ W.T as seen column-major
+        m, n, ta, tb = n, m, TRANS, ta
+    return (order, ta, tb, m, n, k, float(rng.choice([1.0, 0.5])), float(rng.choice([0.0, 1.0])))
+
+
+def check_calls(routed_fn, real_fn, seed: int, num_calls: int) -> list:
+    """Run num_calls random calls through both sgemms; the arguments of those that differ."""
+    rng = np.random.default_rng(seed)
+    bad = []
+    for _ in range(num_calls):
+        order, ta, tb, m, n, k, alpha, beta = random_call(rng)
+        a, b, c = make_operands(rng, order, ta, tb, m, n, k, int(rng.integers(0, 3)))
+        c_real, c_routed = c.copy(), c.copy()
+        call(real_fn, order, ta, tb, m, n, k, alpha, a, b, beta, c_real)
+        call(routed_fn, order, ta, tb, m, n, k, alpha, a, b, beta, c_routed)
+        if not np.array_equal(bits(c_real), bits(c_routed)):
+            bad.append((order, ta, tb, m, n, k, alpha, beta))
+    return bad
+
+
+def test_concurrent_callers_are_bit_identical(sgemms):
+    """Several threads calling at once: one gets the helper threads, the rest run alone."""
+    routed_fn, real_fn = sgemms
+    results = [None] * 4
+
+    def worker(i):
+        results[i] = check_calls(routed_fn, real_fn, seed=100 + i, num_calls=25)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(r == [] for r in results), results
+
+
+def test_forked_child_routes_with_fresh_helpers(sgemms):
+    """The helper threads do not survive fork(): a child must start its own, not wait on ghosts."""
+    routed_fn, real_fn = sgemms
+    assert check_calls(routed_fn, real_fn, seed=7, num_calls=3) == []  # the parent's helpers exist
+    num_routed = blas.routing_counts()[0]
+    pid = os.fork()
+    if pid == 0:  # the child: exit status says whether it matched and routed
+        code = 1
+        try:
+            is_ok = check_calls(routed_fn, real_fn, seed=8, num_calls=6) == []
+            code = 0 if is_ok and blas.routing_counts()[0] >= num_routed + 6 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in a routed sgemm")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_describe_blas(sgemms):
