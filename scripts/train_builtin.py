@@ -88,7 +88,9 @@ def parse_args():
     p.add_argument("--draft-batch", type=int, default=8)
     p.add_argument("--draft-lr", type=float, default=4e-3)
     # MTP head
-    p.add_argument("--mtp-intermediate", type=int, default=768)
+    p.add_argument("--mtp-intermediate", type=int, default=768,
+                   help="MLP width of a fresh head; with --mtp-init, a larger value widens "
+                        "the loaded head (its function unchanged) before fine-tuning")
     p.add_argument("--mtp-joint-weight", type=float, default=0.2,
                    help="weight of the MTP loss while pre-training the target with the "
                         "head (0: plain target, head trained from scratch afterwards)")
@@ -101,6 +103,9 @@ def parse_args():
     p.add_argument("--mtp-optimizer", choices=["adamw", "muon"], default="muon")
     p.add_argument("--mtp-chain-weight", type=float, default=0.5,
                    help="loss weight of the second, chained draft during training")
+    p.add_argument("--mtp-greedy-weight", type=float, default=0.0,
+                   help="weight of a cross-entropy on the target's greedy token, beside the "
+                        "soft distillation loss")
     p.add_argument("--mtp-hidden-weight", type=float, default=1.0,
                    help="weight of the squared error to the target's next hidden state")
     # Shared optimisation and evaluation
@@ -400,8 +405,15 @@ def soft_cross_entropy(student_logits, teacher_probs):
     return -(teacher_probs * nn.log_softmax(student_logits, axis=-1)).sum(axis=-1).mean()
 
 
-def mtp_step_loss(predicted_hidden, target_hidden, teacher_probs, embed, hidden_weight):
-    loss = soft_cross_entropy(embed.as_linear(predicted_hidden), teacher_probs)
+def mtp_step_loss(predicted_hidden, target_hidden, teacher_probs, embed, hidden_weight,
+                  greedy_weight):
+    logits = embed.as_linear(predicted_hidden)
+    loss = soft_cross_entropy(logits, teacher_probs)
+    if greedy_weight > 0:
+        # The bar (and greedy acceptance) is agreement with the teacher's argmax, which
+        # the soft target weighs no more than the rest of its probability mass.
+        loss = loss + greedy_weight * nn.losses.cross_entropy(
+            logits, teacher_probs.argmax(axis=-1), reduction="mean")
     if hidden_weight > 0:
         # The head's output should *be* the target's next hidden state: a dense signal
         # that also keeps chained drafts fed with something the head was trained on.
@@ -409,17 +421,39 @@ def mtp_step_loss(predicted_hidden, target_hidden, teacher_probs, embed, hidden_
     return loss
 
 
-def mtp_loss(head, hidden, tokens, teacher_probs, embed, chain_weight, hidden_weight):
+def mtp_loss(head, hidden, tokens, teacher_probs, embed, chain_weight, hidden_weight,
+             greedy_weight):
     """hidden[:, t] and tokens[:, t+1] predict the teacher at t+1 (its distribution for
     x_{t+2}, and its hidden state); the chained step feeds the head's own output back
     with x_{t+2}."""
     first = head(hidden[:, :-1], tokens[:, 1:], embed)
-    loss = mtp_step_loss(first, hidden[:, 1:], teacher_probs[:, 1:], embed, hidden_weight)
+    loss = mtp_step_loss(first, hidden[:, 1:], teacher_probs[:, 1:], embed, hidden_weight,
+                         greedy_weight)
     if chain_weight > 0:
         second = head(first[:, :-1], tokens[:, 2:], embed)
         loss = loss + chain_weight * mtp_step_loss(
-            second, hidden[:, 2:], teacher_probs[:, 2:], embed, hidden_weight)
+            second, hidden[:, 2:], teacher_probs[:, 2:], embed, hidden_weight, greedy_weight)
     return loss
+
+
+def widen_mtp_head(head: MTPHead, intermediate_size: int) -> MTPHead:
+    """A head with a wider SwiGLU whose output equals `head`'s: the new units' down-proj
+    columns start at zero, so fine-tuning adds capacity without first undoing training."""
+    old = head.args.intermediate_size
+    assert intermediate_size > old, (intermediate_size, old)
+    wide_args = MTPHeadArgs(**{**head.args.__dict__, "intermediate_size": intermediate_size})
+    wide = MTPHead(wide_args)
+    weights = dict(tree_flatten(head.parameters()))
+    fresh = dict(tree_flatten(wide.parameters()))
+    for name in ("gate_proj.weight", "up_proj.weight"):
+        # Fresh rows keep nn.Linear's init so the new units see gradients once down moves.
+        weights[name] = mx.concatenate([weights[name], fresh[name][old:]], axis=0)
+    down = weights["down_proj.weight"]
+    weights["down_proj.weight"] = mx.concatenate(
+        [down, mx.zeros((down.shape[0], intermediate_size - old), dtype=down.dtype)], axis=1)
+    wide.load_weights(list(weights.items()), strict=True)
+    mx.eval(wide.parameters())
+    return wide
 
 
 def train_mtp(head, target, stream, rng, args) -> float:
@@ -432,7 +466,8 @@ def train_mtp(head, target, stream, rng, args) -> float:
     @partial(mx.compile, inputs=state, outputs=state)
     def head_step(hidden, tokens, teacher_probs):
         loss, grads = loss_and_grad(head, hidden, tokens, teacher_probs, embed,
-                                    args.mtp_chain_weight, args.mtp_hidden_weight)
+                                    args.mtp_chain_weight, args.mtp_hidden_weight,
+                                    args.mtp_greedy_weight)
         grads, _ = optim.clip_grad_norm(grads, max_norm=1.0)
         optimizer.update(head, grads)
         return loss
@@ -693,6 +728,8 @@ def main():
         mx.random.seed(args.seed + STAGE_SEED_OFFSETS["mtp"])
         if args.mtp_init is not None:
             head = load_mtp_head(args.mtp_init)
+            if args.mtp_intermediate > head.args.intermediate_size:
+                head = widen_mtp_head(head, args.mtp_intermediate)
         elif joint_head_dir.exists():
             # Start from the head pre-trained with the target; distillation then aligns
             # it with the finished (float16-rounded) target's own greedy choices.
@@ -700,11 +737,11 @@ def main():
         else:
             head = MTPHead(mtp_args)
             mx.eval(head.parameters())
-        print(f"mtp head: {count_params(head)} params {mtp_args}, "
+        print(f"mtp head: {count_params(head)} params {head.args}, "
               f"init: {args.mtp_init or ('joint' if joint_head_dir.exists() else 'fresh')}", flush=True)
         rng = np.random.default_rng([args.seed, STAGE_SEED_OFFSETS["mtp"]])
         metrics["mtp_train_seconds"] = train_mtp(head, target, train_stream, rng, args)
-        save_mtp_head(head, head.args, mtp_dir)  # an --mtp-init head keeps its own shape
+        save_mtp_head(head, head.args, mtp_dir)  # an --mtp-init head keeps its shape unless widened
     # Always score the head as saved (float16 on disk, float32 in memory).
     head = load_mtp_head(mtp_dir)
 
@@ -733,6 +770,12 @@ def main():
                 "draft_train_seconds", "mtp_train_seconds"):
         if key not in metrics and key in previous:
             metrics[key] = previous[key]
+    # A fine-tuned head's lineage: each --mtp-init run appends its flags and its figure.
+    history = list(previous.get("mtp_history", []))
+    if "mtp" in stages and args.mtp_init is not None:
+        history.append(f"{' '.join(sys.argv[1:])}: {bars['mtp_first_draft_agreement']:.3f}")
+    if history:
+        metrics["mtp_history"] = history
     metrics["script_seconds_this_run"] = time.perf_counter() - script_start_s
     weight_files = [target_dir / "model.safetensors", draft_dir / "model.safetensors",
                     mtp_dir / "model.safetensors"]
