@@ -353,7 +353,10 @@ static void run_rows(const OneRow *p, long j0, long j1)
  * usually follows within microseconds), then sleeps until woken. */
 #define MAX_THREADS 16
 #define SPIN_NS 200000  /* how long an idle helper polls before it sleeps */
-#define MIN_THREADED_NK (1 << 16)  /* n * k below which one thread does it all (256x768: 17 us split, 31 alone) */
+/* n * k below which one thread does it all. Smaller splits pay in isolation (256x768:
+ * 17 us split, 31 alone), but on a 2-core box a spinning helper takes the core the
+ * Python thread builds the next graph on; a tiny model's decode showed no gain. */
+#define MIN_THREADED_NK (1 << 20)
 
 static struct {
     pthread_mutex_t busy;          /* one routed threaded call at a time uses the helpers */

@@ -12,7 +12,8 @@ Decoding is mlx_lm's plain `generate_step` loop, greedy, width 1: no gmlx engine
 Prints a markdown table and one JSON line: tokens/s with the interposer on and off and
 their ratio, whether both produced the same tokens, and the weight bytes read per second
 while decoding (weight bytes per token x tokens/s) as a fraction of this machine's DRAM
-read rate, measured here as the best of a numpy sum and an OpenBLAS sgemv over 1 GiB.
+read rate, measured here as the best of a numpy sum and an OpenBLAS sgemv over 1 GiB,
+once beside every on/off pair of runs (the rate moves within minutes on a shared box).
 The CPU may be shared: compare the ratios, which are measured in the same run.
 """
 
@@ -167,19 +168,27 @@ def main() -> None:
 
     child_argv = ["--child", "decode", "--model", args.model, "--tokens", str(args.tokens),
                   "--warmup", str(args.warmup)] + (["--random-params", args.random_params] if args.random_params else [])
-    runs = {"on": [], "off": []}
+    runs, drams = {"on": [], "off": []}, []
     for rep in range(args.reps):
         for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
             runs[mode].append(run_child(child_argv, GMLX_SGEMV_INTERPOSER="1" if mode == "on" else "0"))
-    dram = run_child(["--child", "dram"])
-    report(args, runs, dram)
+        # The DRAM rate here moves by 1.5x within minutes: measure it beside every pair.
+        drams.append(run_child(["--child", "dram"]))
+    report(args, runs, drams)
 
 
-def report(args, runs: dict, dram: dict) -> None:
+def report(args, runs: dict, drams: list[dict]) -> None:
     first = runs["on"][0]
     assert first["is_interposer_active"] and not runs["off"][0]["is_interposer_active"]
     median = {m: statistics.median(r["tokens_per_s"] for r in runs[m]) for m in runs}
     weight_gbs = {m: first["read_bytes_per_token"] * median[m] / 1e9 for m in runs}
+    # Per-rep figures, each from runs made minutes apart at most, then their medians.
+    speedup = statistics.median(on["tokens_per_s"] / off["tokens_per_s"]
+                                for on, off in zip(runs["on"], runs["off"]))
+    fraction = {m: statistics.median(first["read_bytes_per_token"] * r["tokens_per_s"] / 1e9 / d["dram_gbs"]
+                                     for r, d in zip(runs[m], drams)) for m in runs}
+    dram = {key: statistics.median(d[key] for d in drams if d[key]) if any(d[key] for d in drams) else None
+            for key in drams[0]}
     is_same = all(r["tokens"] == first["tokens"] for m in runs for r in runs[m])
     print(f"model: {first['model']} ({first['num_params'] / 1e6:.1f}M params, {first['param_bytes'] / 1e6:.0f} MB; "
           f"{first['read_bytes_per_token'] / 1e6:.0f} MB read per token); BLAS: {first['blas']}")
@@ -188,18 +197,20 @@ def report(args, runs: dict, dram: dict) -> None:
     print("| interposer | tokens/s | ms/token | weight read GB/s | of DRAM read rate |")
     print("|---|---|---|---|---|")
     for m in ("on", "off"):
-        print(f"| {m} | {median[m]:.2f} | {1e3 / median[m]:.1f} | {weight_gbs[m]:.1f} | "
-              f"{weight_gbs[m] / dram['dram_gbs']:.2f} |")
+        print(f"| {m} | {median[m]:.2f} | {1e3 / median[m]:.1f} | {weight_gbs[m]:.1f} | {fraction[m]:.2f} |")
     sgemv = f"{dram['sgemv_gbs']:.1f}" if dram["sgemv_gbs"] else "n/a"
-    print(f"\nspeedup on/off: {median['on'] / median['off']:.2f}x; greedy tokens identical across all runs: "
+    print("\n(medians over reps; the DRAM fraction pairs each run with the DRAM rate measured "
+          "right after it; the speedup is the median of per-rep on/off ratios)")
+    print(f"speedup on/off: {speedup:.2f}x; greedy tokens identical across all runs: "
           f"{'yes' if is_same else 'NO'}; one-row calls routed per token: {first['routed_per_token']:.0f}")
-    print(f"DRAM read rate: {dram['dram_gbs']:.1f} GB/s (numpy sum of 1 GiB {dram['numpy_sum_gbs']:.1f}, "
-          f"OpenBLAS sgemv over 1 GiB {sgemv})")
+    by_rep = ", ".join(f"{d['dram_gbs']:.1f}" for d in drams)
+    print(f"DRAM read rate: {dram['dram_gbs']:.1f} GB/s median, per rep {by_rep} (best of a numpy sum of 1 GiB, median "
+          f"{dram['numpy_sum_gbs']:.1f}, and an OpenBLAS sgemv over 1 GiB, median {sgemv})")
     print(json.dumps({
         "model": first["model"], "num_params": first["num_params"], "read_bytes_per_token": first["read_bytes_per_token"],
         "tokens_per_s": {m: [round(r["tokens_per_s"], 3) for r in runs[m]] for m in runs},
-        "median_tokens_per_s": median, "speedup": median["on"] / median["off"], "weight_read_gbs": weight_gbs,
-        "dram": dram, "fraction_of_dram": {m: weight_gbs[m] / dram["dram_gbs"] for m in runs},
+        "median_tokens_per_s": median, "speedup": speedup, "weight_read_gbs": weight_gbs,
+        "dram": dram, "dram_gbs_by_rep": [d["dram_gbs"] for d in drams], "fraction_of_dram": fraction,
         "tokens_identical": is_same, "routed_per_token": first["routed_per_token"]}))
 
 
