@@ -207,18 +207,20 @@ class Engine:
     def _run_round(self) -> None:
         batch = self.batch
         cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        # A lookahead no row has budget for would be a whole wasted forward at every finish.
+        is_worth_lookahead = any(self._budget(r) - r.num_generated > 1 for r in batch.requests)
         if self.drafter is None:
-            loop, tokens = "plain", plain_round(self.target, batch, dispatch_next=True)
+            loop, tokens = "plain", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
         elif not admission.is_within_cap(cap, batch.num_rows):
             self._gate()
-            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=True)
+            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
         elif batch.is_armed:
             loop = "scalar" if batch.is_scalar else "batch"
             result = speculative_round(self.target, batch, self.drafter, self.drafter.num_draft_tokens)
             tokens = result.tokens_by_row
             self._count_verify(result)
         elif batch.was_gated and not admission.can_resume(batch.requests):
-            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=True)
+            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
         elif not batch.is_settled:
             loop, tokens = "settle", plain_round(self.target, batch, dispatch_next=False)
         else:
@@ -265,9 +267,13 @@ class Engine:
 
     # --- delivery ----------------------------------------------------------------------
 
+    def _budget(self, request: Request) -> int:
+        """How many tokens the request may generate in all."""
+        return min(request.params.max_tokens, self.max_context_tokens - request.num_prompt_tokens)
+
     def _deliver(self, request: Request, tokens: list[int]) -> bool:
         """Append tokens in order, stopping at EOS or the budget; False once it finished."""
-        budget = min(request.params.max_tokens, self.max_context_tokens - request.num_prompt_tokens)
+        budget = self._budget(request)
         new, status = [], None
         for token in tokens:
             if token in self.target.eos_token_ids:

@@ -147,3 +147,23 @@ def test_cancel_leaves_other_rows_intact(builtin_target, code_prompts):
     assert reasons[drop] == "cancelled"
     alone = Engine(builtin_target, None, EngineConfig(prompt_cache_bytes=0))
     assert got[keep] == run_alone(alone, code_prompts[2], SamplingParams(max_tokens=20, temperature=0.8, seed=3))[0]
+
+
+def test_plain_decode_runs_no_forward_past_the_budget(builtin_target, code_prompts, monkeypatch):
+    """The pipelined lookahead stops when no row has budget for it: a request of N tokens
+    that ends by length costs its prefill and N - 1 one-position forwards, not N."""
+    num_decode_forwards = 0
+    real_forward = type(builtin_target).forward
+
+    def counting_forward(self, tokens, cache):
+        nonlocal num_decode_forwards
+        num_decode_forwards += tokens.shape[1] == 1
+        return real_forward(self, tokens, cache)
+
+    monkeypatch.setattr(type(builtin_target), "forward", counting_forward)
+    engine = Engine(builtin_target, None, EngineConfig(prompt_cache_bytes=0))
+    for max_tokens, token_ids in zip([1, 2, 5, 17], code_prompts):
+        num_decode_forwards = 0
+        out, reason = run_alone(engine, token_ids, SamplingParams(max_tokens=max_tokens))
+        assert reason == "length" and len(out) == max_tokens
+        assert num_decode_forwards == max_tokens - 1

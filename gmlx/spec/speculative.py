@@ -48,10 +48,11 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
 def plain_round(target: LoadedModel, batch: DecodeBatch, dispatch_next: bool) -> list[list[int]]:
     """One plain decode round, pipelined: the next forward is dispatched before this one's read.
 
-    With dispatch_next=False nothing new is dispatched: the round only reads the lookahead
-    the previous round dispatched, which leaves the batch settled.
+    With dispatch_next=False no lookahead is left in flight: the round reads the one the
+    previous round dispatched (or, from a settled batch, one it dispatches itself), which
+    leaves the batch settled.
     """
-    if dispatch_next and batch.is_settled:
+    if batch.is_settled:
         _dispatch_plain(target, batch)  # first lookahead: emitted by the read below
     undelivered = [not d for d in batch.is_delivered]
     lookahead = batch.pending
