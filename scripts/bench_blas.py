@@ -81,6 +81,23 @@ def weight_bytes_per_token(model) -> tuple[int, int]:
     return total, total - sum(params[k].nbytes for k in untied)
 
 
+def products_alone_s(model, num_reps: int = 3) -> float:
+    """Seconds for one row through every weight matrix (x @ W.T), as one graph: the
+    weight-reading part of a decode step without the rest of the model's graph."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    weights = [w for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
+    inputs = {w.shape[1]: mx.ones((1, w.shape[1])) for w in weights}
+    mx.eval(list(inputs.values()))
+    best = float("inf")
+    for _ in range(num_reps):
+        start = time.perf_counter()
+        mx.eval([inputs[w.shape[1]] @ w.T for w in weights])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def child_decode(args) -> dict:
     import gmlx  # noqa: F401  (loads the BLAS and, unless switched off, the interposer)
     import mlx.core as mx
@@ -105,11 +122,12 @@ def child_decode(args) -> dict:
             routed_before = routing_counts()[0]
     num_timed = len(stamps) - 1 - args.warmup
     tokens_per_s = num_timed / (stamps[-1] - stamps[args.warmup])
+    products_s = products_alone_s(model)
     d = describe_blas(measure=False)
     return {"model": name, "num_params": num_params, "param_bytes": total_bytes,
             "read_bytes_per_token": read_bytes, "tokens_per_s": tokens_per_s, "tokens": tokens,
             "is_interposer_active": d["is_interposer_active"], "blas": d["library"],
-            "routed_per_token": (routing_counts()[0] - routed_before) / num_timed}
+            "routed_per_token": (routing_counts()[0] - routed_before) / num_timed, "products_alone_s": products_s}
 
 
 def child_dram() -> dict:
@@ -199,7 +217,10 @@ def report(args, runs: dict, drams: list[dict]) -> None:
     for m in ("on", "off"):
         print(f"| {m} | {median[m]:.2f} | {1e3 / median[m]:.1f} | {weight_gbs[m]:.1f} | {fraction[m]:.2f} |")
     sgemv = f"{dram['sgemv_gbs']:.1f}" if dram["sgemv_gbs"] else "n/a"
-    print("\n(medians over reps; the DRAM fraction pairs each run with the DRAM rate measured "
+    products_ms = {m: 1e3 * statistics.median(r["products_alone_s"] for r in runs[m]) for m in runs}
+    print(f"\nthe weight products alone (one row through every matrix, one graph): on {products_ms['on']:.1f} ms, "
+          f"off {products_ms['off']:.1f} ms; the rest of a decode step is the model's other graph nodes")
+    print("(medians over reps; the DRAM fraction pairs each run with the DRAM rate measured "
           "right after it; the speedup is the median of per-rep on/off ratios)")
     print(f"speedup on/off: {speedup:.2f}x; greedy tokens identical across all runs: "
           f"{'yes' if is_same else 'NO'}; one-row calls routed per token: {first['routed_per_token']:.0f}")
@@ -211,7 +232,8 @@ def report(args, runs: dict, drams: list[dict]) -> None:
         "tokens_per_s": {m: [round(r["tokens_per_s"], 3) for r in runs[m]] for m in runs},
         "median_tokens_per_s": median, "speedup": speedup, "weight_read_gbs": weight_gbs,
         "dram": dram, "dram_gbs_by_rep": [d["dram_gbs"] for d in drams], "fraction_of_dram": fraction,
-        "tokens_identical": is_same, "routed_per_token": first["routed_per_token"]}))
+        "tokens_identical": is_same, "routed_per_token": first["routed_per_token"],
+        "products_alone_ms": products_ms}))
 
 
 if __name__ == "__main__":
