@@ -39,7 +39,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -367,8 +366,7 @@ static struct {
     atomic_int num_sleeping;
     const OneRow *job;
     long per;                      /* columns per span; span i is [i*per, (i+1)*per) */
-    int num_helpers;               /* helper i runs span i + 1 */
-    pid_t owner;                   /* helpers exist in this process only (not after fork) */
+    int num_helpers;               /* helper i runs span i + 1; reset in a forked child */
     unsigned start_generation[MAX_THREADS];  /* the generation each helper was started at */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
@@ -434,10 +432,6 @@ static int pool_grow(int wanted)
 {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, register_fork_handler);
-    if (pool.owner != getpid()) {
-        pool.owner = getpid();
-        pool.num_helpers = 0;
-    }
     while (pool.num_helpers < wanted) {
         pthread_t tid;
         pool.start_generation[pool.num_helpers + 1] = atomic_load(&pool.generation);
