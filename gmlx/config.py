@@ -23,6 +23,7 @@ ENV_VARS = {
     "GMLX_RESUME_MIN_BUDGET": "rows with fewer tokens left than this do not trigger a resume (default 32)",
     "GMLX_BLAS_LIB": "path of the BLAS shared library to load before mlx ('none' skips loading one)",
     "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls and x @ W.T calls of 2-8 rows to the interposer's streaming kernels (bit-identical to sgemm) on Linux; 0 turns it off",
+    "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
 }
 
@@ -92,6 +93,10 @@ def blas_lib_override() -> str | None:
 
 def is_interposer_enabled() -> bool:
     return _env_flag("GMLX_SGEMV_INTERPOSER", True)
+
+
+def is_cpu_fusion_enabled() -> bool:
+    return _env_flag("GMLX_FUSE_CPU_OPS", True)
 
 
 def log_level() -> str:

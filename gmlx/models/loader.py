@@ -15,7 +15,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import BUILTIN_TARGET_DIR
+from gmlx.config import BUILTIN_TARGET_DIR, is_cpu_fusion_enabled
+from gmlx.models.cpu_graph import fuse_cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ def load_model(path: str | Path | None) -> LoadedModel:
     # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)
+        if is_cpu_fusion_enabled():
+            fuse_cpu_ops(model)
     mx.eval(model.parameters())
     body = model.model
     if getattr(model, "lm_head", None) is not None and not config.get("tie_word_embeddings", False):
