@@ -2,7 +2,8 @@
 
 The BLAS and the interposer load when gmlx is imported, so every measurement runs in
 its own subprocess (GMLX_SGEMV_INTERPOSER=1 or 0), alternating on/off across reps.
-Decoding is mlx_lm's plain `generate_step` loop, greedy, width 1: no gmlx engine code.
+Decoding is mlx_lm's plain `generate_step` loop, greedy, width 1, on the model with gmlx's
+compiled CPU norm/rope swapped in as gmlx loads it (GMLX_FUSE_CPU_OPS=0: without): no engine code.
 
     python scripts/bench_blas.py                         # the built-in model
     python scripts/bench_blas.py --model PATH            # any mlx-lm model folder
@@ -104,6 +105,8 @@ def child_decode(args) -> dict:
     from mlx.utils import tree_flatten
     from mlx_lm.generate import generate_step
 
+    from gmlx.config import is_cpu_fusion_enabled
+    from gmlx.models.cpu_graph import fuse_cpu_ops
     from gmlx.platform.blas import describe_blas, routing_counts
 
     if args.random_params:
@@ -111,6 +114,8 @@ def child_decode(args) -> dict:
     else:
         model, prompt, name = load_folder(args.model)
     mx.eval(model.parameters())
+    # The graph gmlx decodes with: its compiled CPU norm/rope unless GMLX_FUSE_CPU_OPS=0.
+    num_fused = fuse_cpu_ops(model) if is_cpu_fusion_enabled() else 0
     num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     total_bytes, read_bytes = weight_bytes_per_token(model)
     tokens, stamps = [], []
@@ -127,7 +132,8 @@ def child_decode(args) -> dict:
     return {"model": name, "num_params": num_params, "param_bytes": total_bytes,
             "read_bytes_per_token": read_bytes, "tokens_per_s": tokens_per_s, "tokens": tokens,
             "is_interposer_active": d["is_interposer_active"], "blas": d["library"],
-            "routed_per_token": (routing_counts()[0] - routed_before) / num_timed, "products_alone_s": products_s}
+            "routed_per_token": (routing_counts()[0] - routed_before) / num_timed, "products_alone_s": products_s,
+            "num_fused_modules": num_fused}
 
 
 def child_dram() -> dict:
@@ -178,6 +184,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="decode steps timed per run")
     parser.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
     parser.add_argument("--reps", type=int, default=3, help="runs per mode, alternating on/off")
+    parser.add_argument("--fusion-ab", action="store_true",
+                        help="also run with the interposer on and GMLX_FUSE_CPU_OPS=0 in every rep")
     parser.add_argument("--child", choices=["decode", "dram"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -186,10 +194,14 @@ def main() -> None:
 
     child_argv = ["--child", "decode", "--model", args.model, "--tokens", str(args.tokens),
                   "--warmup", str(args.warmup)] + (["--random-params", args.random_params] if args.random_params else [])
-    runs, drams = {"on": [], "off": []}, []
+    env_by_mode = {"on": {"GMLX_SGEMV_INTERPOSER": "1"}, "off": {"GMLX_SGEMV_INTERPOSER": "0"}}
+    if args.fusion_ab:
+        env_by_mode["on, unfused"] = {"GMLX_SGEMV_INTERPOSER": "1", "GMLX_FUSE_CPU_OPS": "0"}
+    runs, drams = {mode: [] for mode in env_by_mode}, []
     for rep in range(args.reps):
-        for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
-            runs[mode].append(run_child(child_argv, GMLX_SGEMV_INTERPOSER="1" if mode == "on" else "0"))
+        modes = list(env_by_mode)
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            runs[mode].append(run_child(child_argv, **env_by_mode[mode]))
         # The DRAM rate here moves by 1.5x within minutes: measure it beside every pair.
         drams.append(run_child(["--child", "dram"]))
     report(args, runs, drams)
@@ -210,11 +222,12 @@ def report(args, runs: dict, drams: list[dict]) -> None:
     is_same = all(r["tokens"] == first["tokens"] for m in runs for r in runs[m])
     print(f"model: {first['model']} ({first['num_params'] / 1e6:.1f}M params, {first['param_bytes'] / 1e6:.0f} MB; "
           f"{first['read_bytes_per_token'] / 1e6:.0f} MB read per token); BLAS: {first['blas']}")
+    print(f"fused CPU norm/rope modules (GMLX_FUSE_CPU_OPS): {first['num_fused_modules']}")
     print(f"decode width 1, mlx_lm generate_step, {args.tokens} tokens after {args.warmup} warm-up, "
           f"median of {args.reps} runs per mode, alternating\n")
     print("| interposer | tokens/s | ms/token | weight read GB/s | of DRAM read rate |")
     print("|---|---|---|---|---|")
-    for m in ("on", "off"):
+    for m in runs:
         print(f"| {m} | {median[m]:.2f} | {1e3 / median[m]:.1f} | {weight_gbs[m]:.1f} | {fraction[m]:.2f} |")
     sgemv = f"{dram['sgemv_gbs']:.1f}" if dram["sgemv_gbs"] else "n/a"
     products_ms = {m: 1e3 * statistics.median(r["products_alone_s"] for r in runs[m]) for m in runs}
@@ -222,6 +235,11 @@ def report(args, runs: dict, drams: list[dict]) -> None:
           f"off {products_ms['off']:.1f} ms; the rest of a decode step is the model's other graph nodes")
     print("(medians over reps; the DRAM fraction pairs each run with the DRAM rate measured "
           "right after it; the speedup is the median of per-rep on/off ratios)")
+    if "on, unfused" in runs:
+        fusion = statistics.median(on["tokens_per_s"] / unfused["tokens_per_s"]
+                                   for on, unfused in zip(runs["on"], runs["on, unfused"]))
+        print(f"fused/unfused CPU norm/rope (interposer on): {fusion:.2f}x "
+              f"({runs['on, unfused'][0]['num_fused_modules']} modules fused in the unfused runs)")
     print(f"speedup on/off: {speedup:.2f}x; greedy tokens identical across all runs: "
           f"{'yes' if is_same else 'NO'}; one-row calls routed per token: {first['routed_per_token']:.0f}")
     by_rep = ", ".join(f"{d['dram_gbs']:.1f}" for d in drams)
