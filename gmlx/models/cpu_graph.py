@@ -47,11 +47,10 @@ _FUSED = {nn.RMSNorm: FusedRMSNorm, nn.RoPE: FusedRoPE}
 
 def _is_fused_exact(modules: list[nn.Module]) -> bool:
     """Run each fused module beside its fallback on a probe input: bit-identical?"""
-    probe = mx.random.normal((2, 3, 5, 8), key=mx.random.key(0)) * 7.0
     for module in modules:
         fused = _FUSED[type(module)]
         width = module.dims if isinstance(module, nn.RoPE) else module["weight"].shape[0]
-        x = mx.broadcast_to(probe[..., :1], (*probe.shape[:-1], width)) + mx.arange(width) / width
+        x = 7.0 * mx.random.normal((2, 3, 5, width), key=mx.random.key(0))  # (B, H, T, D)
         args = (mx.array([3, 70]),) if isinstance(module, nn.RoPE) else ()  # one offset per row
         if not mx.array_equal(type(module).__call__(module, x, *args), fused.__call__(module, x, *args)).item():
             return False
