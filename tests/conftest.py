@@ -41,6 +41,23 @@ def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0
 
 
 @pytest.fixture(scope="session")
+def mlx_lm_reference():
+    """path -> the folder as mlx-lm alone loads it, float32 like gmlx on CPU but without
+    gmlx's fused CPU ops: the independent side of every equality check. One load per path."""
+    import mlx_lm
+
+    models = {}
+
+    def load(path: str):
+        if path not in models:
+            models[path], _ = mlx_lm.load(path)
+            models[path].set_dtype(mx.float32)
+        return models[path]
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def builtin_target():
     return load_model(None)
 

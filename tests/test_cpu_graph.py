@@ -2,7 +2,6 @@
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -22,19 +21,13 @@ def count_types(model) -> dict:
     return counts
 
 
-def unfused(path: str):
-    model, _ = mlx_lm.load(path)
-    model.set_dtype(mx.float32)
-    return model
-
-
 @pytest.mark.parametrize("which", ["builtin_target", "tiny_target"])
-def test_loaded_models_are_fused_and_bit_identical(which, request):
+def test_loaded_models_are_fused_and_bit_identical(which, request, mlx_lm_reference):
     target = request.getfixturevalue(which)
     counts = count_types(target.model)
     assert counts.get(FusedRMSNorm, 0) > 0 and counts.get(FusedRoPE, 0) > 0
     assert counts.get(nn.RMSNorm, 0) == 0 and counts.get(nn.RoPE, 0) == 0
-    reference = unfused(target.path)
+    reference = mlx_lm_reference(target.path)
     rng = np.random.default_rng(3)
     for _ in range(3):  # a prefill, then decode steps, through mlx-lm's cache on both sides
         tokens = mx.array(rng.integers(0, target.vocab_size, (1, int(rng.integers(2, 60)))))
@@ -45,9 +38,9 @@ def test_loaded_models_are_fused_and_bit_identical(which, request):
             tokens = mx.argmax(plain[:, -1:], axis=-1)
 
 
-def test_ragged_rows_are_bit_identical(builtin_target):
+def test_ragged_rows_are_bit_identical(builtin_target, mlx_lm_reference):
     """gmlx's own cache: per-row RoPE offsets (an array), rows of different lengths."""
-    reference = unfused(builtin_target.path)
+    reference = mlx_lm_reference(builtin_target.path)
     rng = np.random.default_rng(4)
     prompts = [mx.array(rng.integers(0, builtin_target.vocab_size, (1, n))) for n in (5, 19, 33)]
     outputs = []

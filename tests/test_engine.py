@@ -3,7 +3,6 @@
 import random
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
@@ -15,19 +14,11 @@ from gmlx.models.loader import load_model
 from gmlx.request import SamplingParams
 
 
-def mlx_lm_model(path: str):
-    """The folder as mlx-lm alone loads it, in float32 like gmlx on CPU, and without gmlx's
-    fused CPU ops, so the comparison covers those too."""
-    model, _ = mlx_lm.load(path)
-    model.set_dtype(mx.float32)
-    return model
-
-
-def mlx_lm_tokens(target, token_ids, max_tokens, model=None):
-    """mlx-lm's own generate (on `model`, else the target's), stopping at EOS like gmlx."""
+def mlx_lm_tokens(model, target, token_ids, max_tokens):
+    """mlx-lm's own generate on `model`, with the target's tokenizer, stopping at EOS like gmlx."""
     out = []
     sampler = make_sampler(temp=0.0)
-    for response in mlx_stream_generate(model or target.model, target.tokenizer, mx.array(token_ids),
+    for response in mlx_stream_generate(model, target.tokenizer, mx.array(token_ids),
                                         max_tokens=max_tokens, sampler=sampler):
         if response.token in target.eos_token_ids:
             break
@@ -47,14 +38,14 @@ def run_alone(engine, token_ids, params):
 
 
 @pytest.mark.parametrize("which", ["builtin_target", "tiny_target", "tiny_quantized_target"])
-def test_greedy_equals_mlx_lm_generate(which, request, code_prompts):
+def test_greedy_equals_mlx_lm_generate(which, request, code_prompts, mlx_lm_reference):
     target = request.getfixturevalue(which)
-    reference = mlx_lm_model(target.path)
+    reference = mlx_lm_reference(target.path)
     engine = Engine(target, None, EngineConfig(prompt_cache_bytes=0))
     for token_ids in code_prompts[:20]:
         chunks = list(stream_generate(engine, params=SamplingParams(max_tokens=24), token_ids=token_ids))
         got = [t for c in chunks for t in c.token_ids]
-        assert got == mlx_lm_tokens(target, token_ids, 24, model=reference)
+        assert got == mlx_lm_tokens(reference, target, token_ids, 24)
         assert chunks[-1].finish_reason in ("stop", "length")
 
 
