@@ -97,9 +97,9 @@ typedef struct {
 static const unsigned char all_chain[MAX_ROWS];
 
 /* Per driver (0: single-thread, 1: threaded) and row count 2..MAX_ROWS: whether x @ W.T
- * products of that many rows are routed, and each row's orders, from calibrate_rows. */
+ * (and x @ W) products of that many rows are routed, and each row's orders, from calibrate_rows. */
 static struct {
-    unsigned char is_ok[2][MAX_ROWS + 1][2];  /* [driver][rows][op(A) transposed] */
+    unsigned char is_ok[2][MAX_ROWS + 1][2][2];  /* [driver][rows][op(A) transposed][op(B) transposed] */
     unsigned char orders[2][MAX_ROWS + 1][2][MAX_ROWS];  /* [driver][rows][tile, tail][row] */
 } multi;
 
@@ -277,52 +277,171 @@ static long rows_avx2_dot(const OneRow *p, long j0, long j1)
     return dot_by_rows[p->num_rows][num_pairs / 4](p, j0, j1);
 }
 
-/* Contiguous columns (sj == 1, x @ W): each k adds one fma to every output of a chunk
- * of columns, four k per pass over the chunk's accumulators (kept in L1/L2), so W is
- * read row after row, in long contiguous runs. */
+/* Contiguous columns (sj == 1, x @ W), one row: acc[j - j0] = output j's fma chain over
+ * k in [k0, k0 + len), from zero, for j in [j0, j1) (whole 8s). Each k adds one fma to
+ * every output of a chunk of columns, four k per pass over the chunk's accumulators
+ * (kept in L1/L2), so W is read row after row, in long contiguous runs. */
 #define CHUNK 4096
+AVX2 static void axpy_block(const OneRow *p, long k0, long len, long j0, long j1, float *acc)
+{
+    const long sk = p->sk, inc = p->incv, end = k0 + len;
+    for (long j = j0; j < j1; j += CHUNK) {
+        const long m = j1 - j < CHUNK ? j1 - j : CHUNK;
+        float *a = acc + (j - j0);
+        memset(a, 0, sizeof(float) * m);
+        long k = k0;
+        for (; k + 4 <= end; k += 4) {
+            const float *w = p->w + k * sk + j;
+            const __m256 b0 = _mm256_broadcast_ss(p->v + k * inc);
+            const __m256 b1 = _mm256_broadcast_ss(p->v + (k + 1) * inc);
+            const __m256 b2 = _mm256_broadcast_ss(p->v + (k + 2) * inc);
+            const __m256 b3 = _mm256_broadcast_ss(p->v + (k + 3) * inc);
+            for (long i = 0; i < m; i += 8) {
+                __m256 t = _mm256_loadu_ps(a + i);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, t);
+                _mm256_storeu_ps(a + i, t);
+            }
+        }
+        for (; k < end; k++) {
+            const float *w = p->w + k * sk + j;
+            const __m256 b = _mm256_broadcast_ss(p->v + k * inc);
+            for (long i = 0; i < m; i += 8)
+                _mm256_storeu_ps(a + i, _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b, _mm256_loadu_ps(a + i)));
+        }
+    }
+}
+
+/* Outputs [j0, j1) of one row of x @ W, chunk by chunk, the blocks added in k order;
+ * returns where the whole 8s end (the rest is scalar). */
 AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
 {
     float acc[CHUNK] __attribute__((aligned(32)));  /* 32 KB of stack in all */
     float c[CHUNK] __attribute__((aligned(32)));
-    const long sk = p->sk, inc = p->incv;
-    long j = j0;
-    for (; j + 8 <= j1; j += CHUNK) {
-        const long m = (j1 - j < CHUNK ? j1 - j : CHUNK) & ~7L;
+    const long end = j0 + ((j1 - j0) & ~7L);
+    for (long j = j0; j < end; j += CHUNK) {
+        const long m = end - j < CHUNK ? end - j : CHUNK;
         for (long i = 0; i < m; i++) c[i] = start_value(p, 0, j + i);
         for (long k0 = 0, len; k0 < p->k; k0 += len) {
             len = next_block(p->k - k0, p->is_threaded);
-            const long end = k0 + len;
-            memset(acc, 0, sizeof(float) * m);
-            long k = k0;
-            for (; k + 4 <= end; k += 4) {
-                const float *w = p->w + k * sk + j;
-                const __m256 b0 = _mm256_broadcast_ss(p->v + k * inc);
-                const __m256 b1 = _mm256_broadcast_ss(p->v + (k + 1) * inc);
-                const __m256 b2 = _mm256_broadcast_ss(p->v + (k + 2) * inc);
-                const __m256 b3 = _mm256_broadcast_ss(p->v + (k + 3) * inc);
-                for (long i = 0; i < m; i += 8) {
-                    __m256 a = _mm256_load_ps(acc + i);
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, a);
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, a);
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, a);
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, a);
-                    _mm256_store_ps(acc + i, a);
-                }
-            }
-            for (; k < end; k++) {
-                const float *w = p->w + k * sk + j;
-                const __m256 b = _mm256_broadcast_ss(p->v + k * inc);
-                for (long i = 0; i < m; i += 8)
-                    _mm256_store_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b, _mm256_load_ps(acc + i)));
-            }
+            axpy_block(p, k0, len, j, j + m, acc);
             for (long i = 0; i < m; i += 8)
                 _mm256_store_ps(c + i, add_block8(_mm256_load_ps(c + i), _mm256_load_ps(acc + i), p->alpha));
         }
         for (long i = 0; i < m; i++) p->out[(j + i) * p->ldo] = c[i];
-        if (m < CHUNK) return j + m;
+    }
+    return end;
+}
+
+/* Several rows of x @ W (sj == 1): W is read from memory once for all rows, eight k
+ * (a whole group) at a time over a chunk of its columns, which stays in L1 while each
+ * row in turn adds it into its own chains (one, or even/odd k pairs over the block's
+ * whole groups of 8 k), kept in L1 as well. */
+#define ROWS_CHUNK 256
+AVX2 static long rows_avx2_axpy_rows(const OneRow *p, long j0, long j1)
+{
+    float even[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));  /* 24 KB of stack in all */
+    float odd[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
+    float c[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
+    const long sk = p->sk, inc = p->incv, n8 = p->n & ~7L;
+    const int num_rows = p->num_rows;
+    if (j1 > n8) j1 = n8;  /* the last n % 8 columns follow the tail orders: scalar */
+    long j = j0;
+    for (; j + 8 <= j1; j += ROWS_CHUNK) {
+        const long m = (j1 - j < ROWS_CHUNK ? j1 - j : ROWS_CHUNK) & ~7L;
+        for (int r = 0; r < num_rows; r++)
+            for (long i = 0; i < m; i++) c[r][i] = start_value(p, r, j + i);
+        for (long k0 = 0, len; k0 < p->k; k0 += len) {
+            len = next_block(p->k - k0, p->is_threaded);
+            const long end8 = k0 + len / 8 * 8, end = k0 + len;
+            for (int r = 0; r < num_rows; r++) {
+                memset(even[r], 0, sizeof(float) * m);
+                memset(odd[r], 0, sizeof(float) * m);
+            }
+            long k = k0;
+            for (; k < end8; k += 8) {  /* rows outer: a row's 8 broadcasts stay in registers */
+                const float *w = p->w + k * sk + j;
+                for (int r = 0; r < num_rows; r++) {
+                    const float *v = p->v + r * p->incv_row + k * inc;
+                    const __m256 b0 = _mm256_broadcast_ss(v), b1 = _mm256_broadcast_ss(v + inc);
+                    const __m256 b2 = _mm256_broadcast_ss(v + 2 * inc), b3 = _mm256_broadcast_ss(v + 3 * inc);
+                    const __m256 b4 = _mm256_broadcast_ss(v + 4 * inc), b5 = _mm256_broadcast_ss(v + 5 * inc);
+                    const __m256 b6 = _mm256_broadcast_ss(v + 6 * inc), b7 = _mm256_broadcast_ss(v + 7 * inc);
+                    if (p->tile_orders[r] == PAIRS) {
+                        for (long i = 0; i < m; i += 8) {
+                            __m256 e = _mm256_load_ps(even[r] + i), o = _mm256_load_ps(odd[r] + i);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
+                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, o);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
+                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, o);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
+                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, o);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
+                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, o);
+                            _mm256_store_ps(even[r] + i, e);
+                            _mm256_store_ps(odd[r] + i, o);
+                        }
+                    } else {
+                        for (long i = 0; i < m; i += 8) {
+                            __m256 e = _mm256_load_ps(even[r] + i);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, e);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, e);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, e);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
+                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, e);
+                            _mm256_store_ps(even[r] + i, e);
+                        }
+                    }
+                }
+            }
+            for (; k < end; k++) {  /* the block's last len % 8 k: the even chain in both orders */
+                const float *w = p->w + k * sk + j;
+                for (long i = 0; i < m; i += 8) {
+                    const __m256 w0 = _mm256_loadu_ps(w + i);
+                    for (int r = 0; r < num_rows; r++) {
+                        const __m256 b = _mm256_broadcast_ss(p->v + r * p->incv_row + k * inc);
+                        _mm256_store_ps(even[r] + i, _mm256_fmadd_ps(w0, b, _mm256_load_ps(even[r] + i)));
+                    }
+                }
+            }
+            for (int r = 0; r < num_rows; r++)
+                for (long i = 0; i < m; i += 8) {
+                    __m256 s = _mm256_load_ps(even[r] + i);
+                    if (p->tile_orders[r] == PAIRS) s = _mm256_add_ps(s, _mm256_load_ps(odd[r] + i));
+                    _mm256_store_ps(c[r] + i, add_block8(_mm256_load_ps(c[r] + i), s, p->alpha));
+                }
+        }
+        for (int r = 0; r < num_rows; r++)
+            for (long i = 0; i < m; i++) p->out[r * p->ldo_row + (j + i) * p->ldo] = c[r][i];
+        if (m < ROWS_CHUNK) return j + m;
     }
     return j;
+}
+
+/* out = blocks added in k order onto the start value: what rows_avx2_axpy's tiles do. */
+AVX2 static void add_blocks(const OneRow *p, const float *partial, int num_blocks)
+{
+    const long n = p->n, n8 = n & ~7L;
+    long j = 0;
+    if (p->ldo == 1) {
+        for (; j < n8; j += 8) {
+            float cbuf[8];
+            for (int i = 0; i < 8; i++) cbuf[i] = start_value(p, 0, j + i);
+            __m256 c = _mm256_loadu_ps(cbuf);
+            for (int b = 0; b < num_blocks; b++) c = add_block8(c, _mm256_loadu_ps(partial + b * n + j), p->alpha);
+            _mm256_storeu_ps(p->out + j, c);
+        }
+    }
+    for (; j < n; j++) {
+        float c = start_value(p, 0, j);
+        for (int b = 0; b < num_blocks; b++) c = add_block(c, partial[b * n + j], p->alpha);
+        p->out[j * p->ldo] = c;
+    }
 }
 
 static int has_avx2(void)
@@ -339,6 +458,7 @@ static void run_rows(const OneRow *p, long j0, long j1)
     if (has_avx2()) {
         if (p->sk == 1 && p->sj != 1) j0 = rows_avx2_dot(p, j0, j1);
         else if (p->sj == 1 && p->sk != 1 && p->num_rows == 1) j0 = rows_avx2_axpy(p, j0, j1);
+        else if (p->sj == 1 && p->sk != 1) j0 = rows_avx2_axpy_rows(p, j0, j1);
     }
 #endif
     rows_scalar(p, j0, j1);
@@ -366,6 +486,7 @@ static struct {
     atomic_int num_sleeping;
     const OneRow *job;
     long per;                      /* columns per span; span i is [i*per, (i+1)*per) */
+    int is_ksplit;                 /* the job is split by K blocks (ksplit), not columns */
     int num_helpers;               /* helper i runs span i + 1; reset in a forked child */
     unsigned start_generation[MAX_THREADS];  /* the generation each helper was started at */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
@@ -390,6 +511,68 @@ static void run_span(const OneRow *p, long per, int span)
     if (j0 < p->n) run_rows(p, j0, j1 < p->n ? j1 : p->n);
 }
 
+/* x @ W with W's columns contiguous (a weight stored transposed, K x N) and one row,
+ * split by K blocks rather than by columns: each block's chains are independent until
+ * they are added in order, so each thread reads whole blocks of rows, front to back,
+ * into its own partial sums, and the caller adds them up. Split by columns, each thread
+ * would read half of every row: short runs with gaps, which the prefetchers follow worse. */
+#define MAX_BLOCKS 256
+static struct {
+    long k0[MAX_BLOCKS], len[MAX_BLOCKS];
+    int owner[MAX_BLOCKS];         /* the thread that sums block b */
+    int num_blocks;
+    float *partial;                /* num_blocks x n partial sums */
+    size_t partial_floats;
+} ks;
+
+/* Plan the blocks (held: busy); 0 when the product does not fit the plan. */
+static int ksplit_plan(const OneRow *p, int num_threads)
+{
+    long load[MAX_THREADS] = {0};
+    int nb = 0;
+    for (long k0 = 0, len; k0 < p->k; k0 += len, nb++) {
+        if (nb == MAX_BLOCKS) return 0;
+        len = next_block(p->k - k0, p->is_threaded);
+        ks.k0[nb] = k0;
+        ks.len[nb] = len;
+    }
+    if (nb < num_threads) return 0;
+    /* Longest first onto the least loaded thread: blocks are q long but the last two. */
+    for (int b = 0; b < nb; b++) {
+        int t = 0;
+        for (int i = 1; i < num_threads; i++)
+            if (load[i] < load[t]) t = i;
+        ks.owner[b] = t;
+        load[t] += ks.len[b];
+    }
+    const size_t need = (size_t)nb * p->n;
+    if (need > ks.partial_floats) {
+        free(ks.partial);
+        ks.partial = NULL;
+        ks.partial_floats = 0;
+        if (posix_memalign((void **)&ks.partial, 64, need * sizeof(float)) != 0) return 0;
+        ks.partial_floats = need;
+    }
+    ks.num_blocks = nb;
+    return 1;
+}
+
+static void ksplit_span(const OneRow *p, int thread)
+{
+#if defined(__x86_64__)
+    const long n8 = p->n & ~7L;
+    for (int b = 0; b < ks.num_blocks; b++) {
+        if (ks.owner[b] != thread) continue;
+        float *acc = ks.partial + b * p->n;
+        axpy_block(p, ks.k0[b], ks.len[b], 0, n8, acc);
+        for (long j = n8; j < p->n; j++)  /* the last n % 8 columns */
+            acc[j] = block_sum(p, p->w + j, p->v, ks.k0[b], ks.len[b], CHAIN);
+    }
+#else
+    (void)p, (void)thread;
+#endif
+}
+
 static void *helper_main(void *arg)
 {
     const int span = (int)(long)arg;
@@ -408,7 +591,8 @@ static void *helper_main(void *arg)
             pthread_mutex_unlock(&pool.lock);
         }
         seen = gen;
-        run_span(pool.job, pool.per, span);
+        if (pool.is_ksplit) ksplit_span(pool.job, span);
+        else run_span(pool.job, pool.per, span);
         atomic_fetch_sub(&pool.num_pending, 1);
     }
     return NULL;
@@ -455,8 +639,14 @@ static void run_threads(const OneRow *p)
     num_threads = num_helpers + 1 < num_threads ? num_helpers + 1 : num_threads;
     long per = (p->n + num_threads - 1) / num_threads;
     per = (per + 7) / 8 * 8;  /* whole 8-row tiles per thread */
+    int is_ksplit = 0;
+#if defined(__x86_64__)
+    is_ksplit = has_avx2() && p->sj == 1 && p->sk != 1 && p->num_rows == 1 &&
+                ksplit_plan(p, num_threads);
+#endif
     pool.job = p;
     pool.per = per;
+    pool.is_ksplit = is_ksplit;
     atomic_store(&pool.num_pending, num_helpers);
     atomic_fetch_add(&pool.generation, 1);
     if (atomic_load(&pool.num_sleeping) > 0) {
@@ -464,8 +654,16 @@ static void run_threads(const OneRow *p)
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
-    run_span(p, per, 0);
-    while (atomic_load(&pool.num_pending) > 0) cpu_relax();
+    if (is_ksplit) {
+        ksplit_span(p, 0);
+        while (atomic_load(&pool.num_pending) > 0) cpu_relax();
+#if defined(__x86_64__)
+        add_blocks(p, ks.partial, ks.num_blocks);
+#endif
+    } else {
+        run_span(p, per, 0);
+        while (atomic_load(&pool.num_pending) > 0) cpu_relax();
+    }
     pthread_mutex_unlock(&pool.busy);
 }
 
@@ -497,9 +695,9 @@ static int make_onerow(OneRow *p, int order, int trans_a, int trans_b, int M, in
     const int is_threaded = num_threads > 1 && (double)M * N * K > blk.threshold;
     if (M == 1 || N == 1) {
         if (!is_layout_ok[M != 1][is_ta][is_tb]) return 0;
-    } else {  /* several rows: W's rows contiguous (x @ W.T) at the calibrated thread count */
-        if (M > MAX_ROWS || !is_tb || num_threads != blk.calib_threads) return 0;
-        if (!multi.is_ok[is_threaded][M][is_ta]) return 0;
+    } else {  /* several rows of x @ W.T or x @ W, at the calibrated thread count */
+        if (M > MAX_ROWS || num_threads != blk.calib_threads) return 0;
+        if (!multi.is_ok[is_threaded][M][is_ta][is_tb]) return 0;
     }
     if (N != 1) {  /* M rows of C: v = rows of op(A), w(j, k) = op(B)[k][j] */
         *p = (OneRow){.n = N, .num_rows = M, .v = A, .incv = is_ta ? lda : 1, .incv_row = is_ta ? 1 : lda,
@@ -713,7 +911,9 @@ static void calibrate_rows(int is_threaded)
 #if defined(__x86_64__)
         is_ok = is_ok && num_pair_rows(multi.orders[is_threaded][m][0], m) >= 0;  /* else all scalar: slow */
 #endif
-        multi.is_ok[is_threaded][m][0] = multi.is_ok[is_threaded][m][1] = (unsigned char)is_ok;
+        /* x @ W sums in the same orders (the BLAS packs either layout into the same
+         * panels); self_check_rows confirms each layout. */
+        memset(multi.is_ok[is_threaded][m], is_ok, sizeof(multi.is_ok[is_threaded][m]));
     }
 }
 
@@ -723,16 +923,17 @@ static void self_check_rows(void)
 {
     for (int m = 2; m <= MAX_ROWS; m++)
         for (int is_ta = 0; is_ta < 2; is_ta++)
+            for (int is_tb = 0; is_tb < 2; is_tb++)
             for (int d = 0; d < 2; d++) {
-                unsigned char *ok = &multi.is_ok[d][m][is_ta];
+                unsigned char *ok = &multi.is_ok[d][m][is_ta][is_tb];
                 /* shapes each driver runs here: small for the single one, above the threshold */
                 const long n = d ? 523 : 43, ks[] = {d ? 1000 : 7, blk.q + 1, d ? 2 * blk.q + 3 : 300};
-                const int ta = is_ta ? TRANS : NO_TRANS;
+                const int ta = is_ta ? TRANS : NO_TRANS, tb = is_tb ? TRANS : NO_TRANS;
                 for (int i = 0; i < 3 && *ok; i++) {
                     float alpha = blk.alpha_mode < 0 ? 1.0f : (i == 1 ? 0.75f : 1.0f);
                     float beta = (float[]){0.0f, 1.0f, -0.5f}[i];
-                    *ok = agrees(ROW_MAJOR, ta, TRANS, m, n, ks[i], alpha, beta, i)
-                          && agrees(COL_MAJOR, TRANS, ta, n, m, ks[i], alpha, beta, 2 - i);
+                    *ok = agrees(ROW_MAJOR, ta, tb, m, n, ks[i], alpha, beta, i)
+                          && agrees(COL_MAJOR, tb, ta, n, m, ks[i], alpha, beta, 2 - i);
                 }
             }
 }
@@ -768,6 +969,9 @@ static int self_check(void)
                                           one_col ? 1 : n_big, 2 * q - 1, 1.0f, 0.0f, 1);
                     if (*ok) *ok = agrees(ROW_MAJOR, trans[a], trans[b], one_col ? 48 : 1,
                                           one_col ? 1 : 48, 20 * q + q + 1, 1.0f, 1.0f, 0);
+                    /* big enough for our own two-thread split (by K blocks for x @ W) */
+                    if (*ok) *ok = agrees(ROW_MAJOR, trans[a], trans[b], one_col ? 1031 : 1,
+                                          one_col ? 1 : 1031, 3 * q + 77, 1.0f, 1.0f, 1);
                 }
     int num_ok = 0;
     for (int i = 0; i < 8; i++) num_ok += ((unsigned char *)is_layout_ok)[i];
@@ -852,7 +1056,7 @@ int gmlx_interposer_rows(int is_threaded, int m, char *orders)
 {
     const int d = is_threaded != 0;
     int mask = 0;
-    for (int r = 2; r <= MAX_ROWS; r++) mask |= multi.is_ok[d][r][0] << r;
+    for (int r = 2; r <= MAX_ROWS; r++) mask |= multi.is_ok[d][r][0][1] << r;
     if (m >= 2 && m <= MAX_ROWS) {
         for (int r = 0; r < m; r++) {
             orders[r] = multi.orders[d][m][0][r] == PAIRS ? 'p' : 'c';
@@ -861,6 +1065,16 @@ int gmlx_interposer_rows(int is_threaded, int m, char *orders)
         orders[m] = '/';
         orders[2 * m + 1] = 0;
     }
+    return mask;
+}
+
+/* Bit m set when products of m rows (2..8) are routed under the driver (is_threaded),
+ * with W's rows contiguous (is_tb 1: x @ W.T) or its columns (0: x @ W, a weight
+ * stored input-major). */
+int gmlx_interposer_rows_routed(int is_threaded, int is_tb)
+{
+    int mask = 0;
+    for (int r = 2; r <= MAX_ROWS; r++) mask |= multi.is_ok[is_threaded != 0][r][0][is_tb != 0] << r;
     return mask;
 }
 

@@ -67,17 +67,20 @@ one_row_shapes = st.one_of(
     st.tuples(st.integers(2, 8), st.integers(1, 300), st.integers(1, 1100)),  # 2-8 rows
     st.tuples(st.integers(2, 8), st.integers(300, 1300), st.integers(300, 700)),  # 2-8 rows, threaded
     st.tuples(st.integers(2, 8), st.integers(2, 8), st.integers(1, 400)),  # 2-8 rows both ways
+    st.tuples(st.integers(1, 8), st.integers(1024, 1600), st.integers(1024, 1400)),  # our two-thread split
 )
 
 
 def is_routed_rows(d: dict, order: int, ta: int, tb: int, m: int, n: int, k: int) -> bool:
-    """Whether the interposer reports a routed case for an x @ W.T-shaped call of 2-8 rows."""
+    """Whether the interposer reports a routed case for an x @ W.T- or x @ W-shaped call
+    of 2-8 rows (W's rows or its columns contiguous)."""
     rows, other, is_w_rows = (m, n, tb == TRANS) if order == ROW_MAJOR else (n, m, ta == TRANS)
-    if not (2 <= rows <= blas.MAX_ROUTED_ROWS and other > 1 and is_w_rows):
+    if not (2 <= rows <= blas.MAX_ROUTED_ROWS and other > 1):
         return False
     threshold = d["blocking"]["threaded_above_mnk"]
     is_threaded = d["num_threads"] > 1 and threshold is not None and m * n * k > threshold
-    return rows in d["routed_rows"]["threaded" if is_threaded else "single"]
+    routed = d["routed_rows"] if is_w_rows else d["routed_rows_input_major"]
+    return rows in routed["threaded" if is_threaded else "single"]
 
 
 @SETTINGS
@@ -140,7 +143,8 @@ def test_mlx_products_are_bit_identical(sgemms, rows, k, n, layout, seed):
     plain, routed, num_routed = run_both(lambda: mx.eval(out := a @ b) or out)
     assert np.array_equal(bits(plain), bits(routed))
     d = blas.describe_blas(measure=False)
-    is_rows = layout == "x@W.T" and is_routed_rows(d, ROW_MAJOR, NO_TRANS, TRANS, rows, n, k)
+    is_rows = layout in ("x@W.T", "x@W") and is_routed_rows(
+        d, ROW_MAJOR, NO_TRANS, TRANS if layout == "x@W.T" else NO_TRANS, rows, n, k)
     if a.shape[0] == 1 or b.shape[1] == 1 or is_rows:
         assert num_routed >= 1, "a one-row or few-row mlx product did not reach the interposer"
 
@@ -152,9 +156,10 @@ def test_decode_shaped_products_route_and_match(sgemms):
     keys = mx.array(rng.standard_normal((2, 4, 333, 64), dtype=np.float32))
     values = mx.array(rng.standard_normal((2, 4, 333, 64), dtype=np.float32))
     w = mx.array(rng.standard_normal((1536, 1024), dtype=np.float32))  # big enough for two threads
+    w_input_major = mx.contiguous(w.T).T  # a Linear weight as gmlx stores it on CPU
     x = mx.array(rng.standard_normal((1, 1, 1024), dtype=np.float32))
-    mx.eval(q, keys, values, w, x)
-    for fn in (lambda: (q @ keys.swapaxes(-1, -2)) @ values, lambda: x @ w.T):
+    mx.eval(q, keys, values, w, w_input_major, x)
+    for fn in (lambda: (q @ keys.swapaxes(-1, -2)) @ values, lambda: x @ w.T, lambda: x @ w_input_major.T):
         plain, routed, num_routed = run_both(lambda: mx.eval(out := fn()) or out)
         assert np.array_equal(bits(plain), bits(routed))
         assert num_routed >= 1
@@ -180,18 +185,20 @@ def test_verify_shaped_products_route_and_match(sgemms):
         for n, k in ((256, 256), (1100, 1024), (2051, 333)):
             x = mx.array(rng.standard_normal((1, rows, k), dtype=np.float32))
             w = mx.array(rng.standard_normal((n, k), dtype=np.float32))
-            mx.eval(x, w)
-            plain, routed, num_routed = run_both(lambda: mx.eval(out := x @ w.T) or out)
-            assert np.array_equal(bits(plain), bits(routed)), (rows, n, k)
-            assert (num_routed >= 1) == is_routed_rows(d, ROW_MAJOR, NO_TRANS, TRANS, rows, n, k), (rows, n, k)
+            for weight, tb in ((w, TRANS), (mx.contiguous(w.T).T, NO_TRANS)):  # mlx-lm's, input-major
+                mx.eval(x, weight)
+                plain, routed, num_routed = run_both(lambda: mx.eval(out := x @ weight.T) or out)
+                assert np.array_equal(bits(plain), bits(routed)), (rows, n, k, tb)
+                assert (num_routed >= 1) == is_routed_rows(d, ROW_MAJOR, NO_TRANS, tb, rows, n, k), (rows, n, k, tb)
 
 
 def random_call(rng):
-    """A random routed-size call: one row, or 2-8 rows of x @ W.T, big enough to split."""
+    """A random routed-size call: one row, or 2-8 rows of x @ W.T or x @ W, big enough to split."""
     m, n, k = int(rng.choice([1, 1, 2, 4, 7])), int(rng.integers(64, 1400)), int(rng.integers(1024, 1200))
-    order, ta, tb = int(rng.choice([ROW_MAJOR, COL_MAJOR])), int(rng.choice([NO_TRANS, TRANS])), TRANS
-    if order == COL_MAJOR:  # the same x @ W.T as seen column-major
-        m, n, ta, tb = n, m, TRANS, ta
+    order, ta, tb = (int(rng.choice(choices)) for choices in ([ROW_MAJOR, COL_MAJOR], [NO_TRANS, TRANS],
+                                                               [NO_TRANS, TRANS]))
+    if order == COL_MAJOR:  # the same product as seen column-major
+        m, n, ta, tb = n, m, tb, ta
     return (order, ta, tb, m, n, k, float(rng.choice([1.0, 0.5])), float(rng.choice([0.0, 1.0])))
 
 

@@ -110,6 +110,7 @@ def _load_interposer() -> ctypes.CDLL | None:
     lib.gmlx_interposer_set_routing.argtypes = [ctypes.c_int]
     lib.gmlx_interposer_counts.argtypes = [ctypes.POINTER(ctypes.c_long)] * 2
     lib.gmlx_interposer_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
+    lib.gmlx_interposer_rows_routed.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.gmlx_interposer_blocking.argtypes = [ctypes.POINTER(ctypes.c_long)] * 2 + [
         ctypes.POINTER(ctypes.c_double),
         ctypes.POINTER(ctypes.c_int),
@@ -175,6 +176,17 @@ def set_routing(is_on: bool) -> bool:
     return bool(_state.interposer.gmlx_interposer_set_routing(int(is_on)))
 
 
+def routes_input_major() -> bool:
+    """Whether products with weights stored input-major (x @ W, W's columns contiguous)
+    route like x @ W.T: one row and every row count x @ W.T routes, under both drivers."""
+    lib = _state.interposer
+    if lib is None or not lib.gmlx_interposer_is_routing():
+        return False
+    if not lib.gmlx_interposer_layouts() & 1:  # bit 0: x@W
+        return False
+    return all(lib.gmlx_interposer_rows_routed(d, 0) == lib.gmlx_interposer_rows_routed(d, 1) for d in (0, 1))
+
+
 def routing_counts() -> tuple[int, int]:
     """(calls routed to the one-row kernel, calls passed to the real sgemm) so far."""
     if _state.interposer is None:
@@ -216,8 +228,11 @@ def _interposer_info(lib: ctypes.CDLL) -> dict:
             if rows_mask >> m & 1:
                 lib.gmlx_interposer_rows(is_threaded, m, orders)
                 rows[driver][m] = orders.value.decode()
+    input_major = {driver: [m for m in range(2, MAX_ROUTED_ROWS + 1) if lib.gmlx_interposer_rows_routed(d, 0) >> m & 1]
+                   for driver, d in (("single", 0), ("threaded", 1))}
     return {
         "routed_layouts": [name for i, name in enumerate(_LAYOUT_NAMES) if mask >> i & 1],
+        "routed_rows_input_major": input_major,  # row counts of x @ W routed (same orders)
         # row count -> sgemm's summation order per row, full tiles / tail ('c' chain, 'p' pairs)
         "routed_rows": rows,
         "blocking": {
@@ -316,6 +331,10 @@ def format_blas_report(d: dict) -> str:
             if by_rows:
                 orders = ", ".join(f"{m}:{o}" for m, o in by_rows.items())
                 lines.append(f"  routes x@W.T of 2-{MAX_ROUTED_ROWS} rows, {driver} sgemm driver: {orders}")
+        for driver, row_counts in d["routed_rows_input_major"].items():
+            if row_counts:
+                lines.append(f"  routes x@W (input-major weights) of {', '.join(map(str, row_counts))} rows, "
+                             f"{driver} sgemm driver")
         lines.append(
             f"  reproduces sgemm's K blocking: GEMM_Q={blk['gemm_q']}, unroll {blk['unroll']}, "
             f"threaded above M*N*K={blk['threaded_above_mnk']}, alpha {blk['alpha_mode']}"
