@@ -24,6 +24,7 @@ ENV_VARS = {
     "GMLX_BLAS_LIB": "path of the BLAS shared library to load before mlx ('none' skips loading one)",
     "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls and x @ W.T calls of 2-8 rows to the interposer's streaming kernels (bit-identical to sgemm) on Linux; 0 turns it off",
     "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
+    "GMLX_INPUT_MAJOR_WEIGHTS": "1 (default) stores a model's Linear weights input-major on the CPU backend when the interposer routes that layout (its one-row kernel reads them front to back; results checked bit-identical at load); 0 keeps mlx-lm's layout",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
 }
 
@@ -97,6 +98,10 @@ def is_interposer_enabled() -> bool:
 
 def is_cpu_fusion_enabled() -> bool:
     return _env_flag("GMLX_FUSE_CPU_OPS", True)
+
+
+def is_input_major_enabled() -> bool:
+    return _env_flag("GMLX_INPUT_MAJOR_WEIGHTS", True)
 
 
 def log_level() -> str:

@@ -15,8 +15,9 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import BUILTIN_TARGET_DIR, is_cpu_fusion_enabled
+from gmlx.config import BUILTIN_TARGET_DIR, is_cpu_fusion_enabled, is_input_major_enabled
 from gmlx.models.cpu_graph import fuse_cpu_ops
+from gmlx.models.cpu_layout import store_weights_input_major
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ def load_model(path: str | Path | None) -> LoadedModel:
         model.set_dtype(mx.float32)
         if is_cpu_fusion_enabled():
             fuse_cpu_ops(model)
+        mx.eval(model.parameters())
+        if is_input_major_enabled():
+            store_weights_input_major(model)
     mx.eval(model.parameters())
     body = model.model
     if getattr(model, "lm_head", None) is not None and not config.get("tie_word_embeddings", False):

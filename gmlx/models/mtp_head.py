@@ -23,6 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from gmlx.config import is_input_major_enabled
+from gmlx.models.cpu_layout import store_weights_input_major
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "gmlx_mtp_head"
@@ -130,5 +133,7 @@ def load_mtp_head(path: Union[str, Path]) -> MTPHead:
         raise ValueError(f"MTP head at {path}: weights do not match config: {e}") from e
     head.update(tree_map(lambda p: p.astype(mx.float32), head.parameters()))
     mx.eval(head.parameters())
+    if mx.default_device() == mx.cpu and is_input_major_enabled():
+        store_weights_input_major(head)  # its products are one-row decode products too
     head.eval()
     return head
