@@ -2,13 +2,19 @@
 
 The BLAS and the interposer load when gmlx is imported, so every measurement runs in
 its own subprocess (GMLX_SGEMV_INTERPOSER=1 or 0), alternating on/off across reps.
-Decoding is mlx_lm's plain `generate_step` loop, greedy, width 1, on the model with gmlx's
-compiled CPU norm/rope swapped in as gmlx loads it (GMLX_FUSE_CPU_OPS=0: without): no engine code.
+Decoding is mlx_lm's plain `generate_step` loop, greedy, width 1, on the model as gmlx loads
+it on CPU: compiled norm/rope (GMLX_FUSE_CPU_OPS=0: without) and, where the interposer routes
+that layout, Linear weights stored input-major (GMLX_INPUT_MAJOR_WEIGHTS=0: mlx-lm's): no
+engine code. --fusion-ab and --layout-ab add an interposer-on run without the one or the other.
+With --in-process every mode's model lives in one process and the modes take turns each
+rep, "off" being the interposer's routing switched off: on this shared box, runs of a few
+seconds in separate processes differ by +-15%, which hides a 10% effect.
 
     python scripts/bench_blas.py                         # the built-in model
     python scripts/bench_blas.py --model PATH            # any mlx-lm model folder
     python scripts/bench_blas.py --random-params 120M    # random-weight float32 qwen3, ~120M params
     python scripts/bench_blas.py --random-params 120M --tokens 48 --reps 3
+    python scripts/bench_blas.py --random-params 120M --in-process --reps 8 --layout-ab --fusion-ab
 
 Prints a markdown table and one JSON line: tokens/s with the interposer on and off and
 their ratio, whether both produced the same tokens, and the weight bytes read per second
@@ -103,10 +109,10 @@ def child_decode(args) -> dict:
     import gmlx  # noqa: F401  (loads the BLAS and, unless switched off, the interposer)
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.generate import generate_step
 
-    from gmlx.config import is_cpu_fusion_enabled
+    from gmlx.config import is_cpu_fusion_enabled, is_input_major_enabled
     from gmlx.models.cpu_graph import fuse_cpu_ops
+    from gmlx.models.cpu_layout import store_weights_input_major
     from gmlx.platform.blas import describe_blas, routing_counts
 
     if args.random_params:
@@ -116,35 +122,46 @@ def child_decode(args) -> dict:
     mx.eval(model.parameters())
     # The graph gmlx decodes with: its compiled CPU norm/rope unless GMLX_FUSE_CPU_OPS=0.
     num_fused = fuse_cpu_ops(model) if is_cpu_fusion_enabled() else 0
+    num_input_major = store_weights_input_major(model) if is_input_major_enabled() else 0
     num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     total_bytes, read_bytes = weight_bytes_per_token(model)
-    tokens, stamps = [], []
-    routed_before = None
-    for i, (token, _) in enumerate(generate_step(prompt, model, max_tokens=args.warmup + args.tokens)):
-        tokens.append(int(token))
-        stamps.append(time.perf_counter())
-        if i == args.warmup:
-            routed_before = routing_counts()[0]
-    num_timed = len(stamps) - 1 - args.warmup
-    tokens_per_s = num_timed / (stamps[-1] - stamps[args.warmup])
+    routed_before = routing_counts()[0]
+    tokens, tokens_per_s = decode(model, prompt, args.warmup, args.tokens)
     products_s = products_alone_s(model)
     d = describe_blas(measure=False)
     return {"model": name, "num_params": num_params, "param_bytes": total_bytes,
             "read_bytes_per_token": read_bytes, "tokens_per_s": tokens_per_s, "tokens": tokens,
             "is_interposer_active": d["is_interposer_active"], "blas": d["library"],
-            "routed_per_token": (routing_counts()[0] - routed_before) / num_timed, "products_alone_s": products_s,
-            "num_fused_modules": num_fused}
+            "routed_per_token": (routing_counts()[0] - routed_before) / (args.warmup + args.tokens),
+            "products_alone_s": products_s,
+            "num_fused_modules": num_fused, "num_input_major": num_input_major}
 
 
-def child_dram() -> dict:
-    import gmlx  # noqa: F401
-    import ctypes
+class DramMeter:
+    """This machine's DRAM read rate: the best of a numpy sum and an OpenBLAS sgemv over
+    the same 1 GiB, each the best of num_reps passes."""
 
-    import numpy as np
+    def __init__(self):
+        import ctypes
 
-    from gmlx.platform.blas import describe_blas
+        import numpy as np
 
-    def best_s(fn, num_reps=5):
+        from gmlx.platform.blas import describe_blas
+
+        side = 1 << 14  # a 16384 x 16384 float32 matrix: 1 GiB
+        self.a = np.ones(side * side, dtype=np.float32)
+        self.sgemv = None
+        library = describe_blas(measure=False)["library"]
+        if library:
+            fn = ctypes.CDLL(library).cblas_sgemv
+            fn.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+            x, y = np.ones(side, dtype=np.float32), np.zeros(side, dtype=np.float32)
+            self.sgemv = lambda: fn(101, 111, side, side, 1.0, self.a.ctypes.data, side, x.ctypes.data, 1, 0.0,
+                                    y.ctypes.data, 1)
+
+    @staticmethod
+    def best_s(fn, num_reps: int) -> float:
         fn()
         times = []
         for _ in range(num_reps):
@@ -153,20 +170,75 @@ def child_dram() -> dict:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    side = 1 << 14  # a 16384 x 16384 float32 matrix: 1 GiB
-    a = np.ones(side * side, dtype=np.float32)
-    out = {"numpy_sum_gbs": a.nbytes / best_s(a.sum) / 1e9, "sgemv_gbs": None}
-    library = describe_blas(measure=False)["library"]
-    if library:
-        sgemv = ctypes.CDLL(library).cblas_sgemv
-        sgemv.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                               ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        x, y = np.ones(side, dtype=np.float32), np.zeros(side, dtype=np.float32)
-        run = lambda: sgemv(101, 111, side, side, 1.0, a.ctypes.data, side, x.ctypes.data, 1, 0.0,  # noqa: E731
-                            y.ctypes.data, 1)
-        out["sgemv_gbs"] = a.nbytes / best_s(run) / 1e9
-    out["dram_gbs"] = max(v for v in out.values() if v)
-    return out
+    def measure(self, num_reps: int = 5) -> dict:
+        out = {"numpy_sum_gbs": self.a.nbytes / self.best_s(self.a.sum, num_reps) / 1e9, "sgemv_gbs": None}
+        if self.sgemv:
+            out["sgemv_gbs"] = self.a.nbytes / self.best_s(self.sgemv, num_reps) / 1e9
+        out["dram_gbs"] = max(v for v in out.values() if v)
+        return out
+
+
+def child_dram() -> dict:
+    import gmlx  # noqa: F401
+
+    return DramMeter().measure()
+
+
+def in_process(args, variants: dict) -> tuple[dict, list]:
+    """Every variant's model in this one process, decoded in turn (ABBA order) each round,
+    the DRAM rate measured after each round: the ratios see the same minutes of this
+    shared box. "off" here is the interposer loaded with its routing switched off, so
+    every call reaches OpenBLAS's own sgemm."""
+    import gmlx  # noqa: F401
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from gmlx.models.cpu_graph import fuse_cpu_ops
+    from gmlx.models.cpu_layout import store_weights_input_major
+    from gmlx.platform.blas import describe_blas, routing_counts, set_routing
+
+    models, info = {}, {}
+    for mode, (is_routed, is_fused, is_input_major) in variants.items():
+        model, prompt, name = (make_random_qwen3(parse_count(args.random_params)) if args.random_params
+                               else load_folder(args.model))
+        mx.eval(model.parameters())
+        num_fused = fuse_cpu_ops(model) if is_fused else 0
+        num_input_major = store_weights_input_major(model) if is_input_major else 0
+        total_bytes, read_bytes = weight_bytes_per_token(model)
+        models[mode] = (model, prompt)
+        info[mode] = {"model": name, "num_params": sum(v.size for _, v in tree_flatten(model.parameters())),
+                      "param_bytes": total_bytes, "read_bytes_per_token": read_bytes,
+                      "is_interposer_active": is_routed, "blas": describe_blas(measure=False)["library"],
+                      "num_fused_modules": num_fused, "num_input_major": num_input_major}
+    meter, runs, drams = DramMeter(), {mode: [] for mode in variants}, []
+    for rep in range(args.reps):
+        modes = list(variants)
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            model, prompt = models[mode]
+            set_routing(variants[mode][0])
+            try:
+                routed_before = routing_counts()[0]
+                tokens, tokens_per_s = decode(model, prompt, args.warmup, args.tokens)
+                routed = (routing_counts()[0] - routed_before) / (args.warmup + args.tokens)
+                products_s = products_alone_s(model)
+            finally:
+                set_routing(True)
+            runs[mode].append({**info[mode], "tokens": tokens, "tokens_per_s": tokens_per_s,
+                               "routed_per_token": routed, "products_alone_s": products_s})
+        drams.append(meter.measure(num_reps=3))
+    return runs, drams
+
+
+def decode(model, prompt, num_warmup: int, num_tokens: int) -> tuple[list[int], float]:
+    """Greedy width-1 decode as mlx_lm's generate_step pipelines it (the next step's graph
+    is built while this one runs); (tokens, timed tokens per second)."""
+    from mlx_lm.generate import generate_step
+
+    tokens, stamps = [], []
+    for token, _ in generate_step(prompt, model, max_tokens=num_warmup + num_tokens):
+        tokens.append(int(token))
+        stamps.append(time.perf_counter())
+    return tokens, (len(stamps) - 1 - num_warmup) / (stamps[-1] - stamps[num_warmup])
 
 
 def run_child(argv: list[str], **env) -> dict:
@@ -186,17 +258,31 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="runs per mode, alternating on/off")
     parser.add_argument("--fusion-ab", action="store_true",
                         help="also run with the interposer on and GMLX_FUSE_CPU_OPS=0 in every rep")
+    parser.add_argument("--layout-ab", action="store_true",
+                        help="also run with the interposer on and GMLX_INPUT_MAJOR_WEIGHTS=0 in every rep")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every mode's model in one process, decoded in turn each rep (tighter ratios)")
     parser.add_argument("--child", choices=["decode", "dram"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child_decode(args) if args.child == "decode" else child_dram()))
         return
 
+    if args.in_process:  # mode -> (routing on, fused norm/rope, input-major weights)
+        variants = {"on": (True, True, True), "off": (False, True, False)}
+        if args.fusion_ab:
+            variants["on, unfused"] = (True, False, True)
+        if args.layout_ab:
+            variants["on, row-major"] = (True, True, False)
+        report(args, *in_process(args, variants))
+        return
     child_argv = ["--child", "decode", "--model", args.model, "--tokens", str(args.tokens),
                   "--warmup", str(args.warmup)] + (["--random-params", args.random_params] if args.random_params else [])
     env_by_mode = {"on": {"GMLX_SGEMV_INTERPOSER": "1"}, "off": {"GMLX_SGEMV_INTERPOSER": "0"}}
     if args.fusion_ab:
         env_by_mode["on, unfused"] = {"GMLX_SGEMV_INTERPOSER": "1", "GMLX_FUSE_CPU_OPS": "0"}
+    if args.layout_ab:
+        env_by_mode["on, row-major"] = {"GMLX_SGEMV_INTERPOSER": "1", "GMLX_INPUT_MAJOR_WEIGHTS": "0"}
     runs, drams = {mode: [] for mode in env_by_mode}, []
     for rep in range(args.reps):
         modes = list(env_by_mode)
@@ -222,7 +308,8 @@ def report(args, runs: dict, drams: list[dict]) -> None:
     is_same = all(r["tokens"] == first["tokens"] for m in runs for r in runs[m])
     print(f"model: {first['model']} ({first['num_params'] / 1e6:.1f}M params, {first['param_bytes'] / 1e6:.0f} MB; "
           f"{first['read_bytes_per_token'] / 1e6:.0f} MB read per token); BLAS: {first['blas']}")
-    print(f"fused CPU norm/rope modules (GMLX_FUSE_CPU_OPS): {first['num_fused_modules']}")
+    print(f"fused CPU norm/rope modules (GMLX_FUSE_CPU_OPS): {first['num_fused_modules']}; "
+          f"Linear weights stored input-major (GMLX_INPUT_MAJOR_WEIGHTS): {first['num_input_major']}")
     print(f"decode width 1, mlx_lm generate_step, {args.tokens} tokens after {args.warmup} warm-up, "
           f"median of {args.reps} runs per mode, alternating\n")
     print("| interposer | tokens/s | ms/token | weight read GB/s | of DRAM read rate |")
@@ -240,6 +327,11 @@ def report(args, runs: dict, drams: list[dict]) -> None:
                                    for on, unfused in zip(runs["on"], runs["on, unfused"]))
         print(f"fused/unfused CPU norm/rope (interposer on): {fusion:.2f}x "
               f"({runs['on, unfused'][0]['num_fused_modules']} modules fused in the unfused runs)")
+    if "on, row-major" in runs:
+        layout = statistics.median(on["tokens_per_s"] / row_major["tokens_per_s"]
+                                   for on, row_major in zip(runs["on"], runs["on, row-major"]))
+        print(f"input-major/row-major Linear weights (interposer on): {layout:.2f}x "
+              f"({runs['on, row-major'][0]['num_input_major']} weights moved in the row-major runs)")
     print(f"speedup on/off: {speedup:.2f}x; greedy tokens identical across all runs: "
           f"{'yes' if is_same else 'NO'}; one-row calls routed per token: {first['routed_per_token']:.0f}")
     by_rep = ", ".join(f"{d['dram_gbs']:.1f}" for d in drams)
