@@ -290,18 +290,22 @@ AVX2 static void axpy_block(const OneRow *p, long k0, long len, long j0, long j1
         float *a = acc + (j - j0);
         memset(a, 0, sizeof(float) * m);
         long k = k0;
-        for (; k + 4 <= end; k += 4) {
-            const float *w = p->w + k * sk + j;
-            const __m256 b0 = _mm256_broadcast_ss(p->v + k * inc);
-            const __m256 b1 = _mm256_broadcast_ss(p->v + (k + 1) * inc);
-            const __m256 b2 = _mm256_broadcast_ss(p->v + (k + 2) * inc);
-            const __m256 b3 = _mm256_broadcast_ss(p->v + (k + 3) * inc);
+        for (; k + 8 <= end; k += 8) {
+            const float *w = p->w + k * sk + j, *v = p->v + k * inc;
+            const __m256 b0 = _mm256_broadcast_ss(v), b1 = _mm256_broadcast_ss(v + inc);
+            const __m256 b2 = _mm256_broadcast_ss(v + 2 * inc), b3 = _mm256_broadcast_ss(v + 3 * inc);
+            const __m256 b4 = _mm256_broadcast_ss(v + 4 * inc), b5 = _mm256_broadcast_ss(v + 5 * inc);
+            const __m256 b6 = _mm256_broadcast_ss(v + 6 * inc), b7 = _mm256_broadcast_ss(v + 7 * inc);
             for (long i = 0; i < m; i += 8) {
                 __m256 t = _mm256_loadu_ps(a + i);
                 t = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, t);
                 t = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, t);
                 t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, t);
                 t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, t);
                 _mm256_storeu_ps(a + i, t);
             }
         }
@@ -335,112 +339,130 @@ AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
     return end;
 }
 
-/* Several rows of x @ W (sj == 1): W is read from memory once for all rows, eight k
- * (a whole group) at a time over a chunk of its columns, which stays in L1 while each
- * row in turn adds it into its own chains (one, or even/odd k pairs over the block's
- * whole groups of 8 k), kept in L1 as well. */
+/* Several rows of x @ W (sj == 1), one K block: acc[r * acc_row + (j - j0)] = row r's
+ * sum for output j over k in [k0, k0 + len), in row r's tile order (one chain, or even/odd
+ * k pairs over the block's whole groups of 8 k added at the end), for j in [j0, j1) (whole
+ * 8s). W is read from memory once for all rows, eight k (a whole group) at a time over a
+ * chunk of its columns, which stays in L1 while each row in turn adds it into its own
+ * chains, kept in L1 as well. */
 #define ROWS_CHUNK 256
+AVX2 static void axpy_rows_block(const OneRow *p, long k0, long len, long j0, long j1, float *acc, long acc_row)
+{
+    float even[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));  /* 16 KB of stack in all */
+    float odd[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
+    const long sk = p->sk, inc = p->incv, end8 = k0 + len / 8 * 8, end = k0 + len;
+    const int num_rows = p->num_rows;
+    for (long j = j0; j < j1; j += ROWS_CHUNK) {
+        const long m = j1 - j < ROWS_CHUNK ? j1 - j : ROWS_CHUNK;
+        for (int r = 0; r < num_rows; r++) {
+            memset(even[r], 0, sizeof(float) * m);
+            memset(odd[r], 0, sizeof(float) * m);
+        }
+        long k = k0;
+        for (; k < end8; k += 8) {  /* rows outer: a row's 8 broadcasts stay in registers */
+            const float *w = p->w + k * sk + j;
+            for (int r = 0; r < num_rows; r++) {
+                const float *v = p->v + r * p->incv_row + k * inc;
+                const __m256 b0 = _mm256_broadcast_ss(v), b1 = _mm256_broadcast_ss(v + inc);
+                const __m256 b2 = _mm256_broadcast_ss(v + 2 * inc), b3 = _mm256_broadcast_ss(v + 3 * inc);
+                const __m256 b4 = _mm256_broadcast_ss(v + 4 * inc), b5 = _mm256_broadcast_ss(v + 5 * inc);
+                const __m256 b6 = _mm256_broadcast_ss(v + 6 * inc), b7 = _mm256_broadcast_ss(v + 7 * inc);
+                if (p->tile_orders[r] == PAIRS) {
+                    for (long i = 0; i < m; i += 8) {
+                        __m256 e = _mm256_load_ps(even[r] + i), o = _mm256_load_ps(odd[r] + i);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
+                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, o);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
+                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, o);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
+                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, o);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
+                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, o);
+                        _mm256_store_ps(even[r] + i, e);
+                        _mm256_store_ps(odd[r] + i, o);
+                    }
+                } else {
+                    for (long i = 0; i < m; i += 8) {
+                        __m256 e = _mm256_load_ps(even[r] + i);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, e);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, e);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, e);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
+                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, e);
+                        _mm256_store_ps(even[r] + i, e);
+                    }
+                }
+            }
+        }
+        for (; k < end; k++) {  /* the block's last len % 8 k: the even chain in both orders */
+            const float *w = p->w + k * sk + j;
+            for (long i = 0; i < m; i += 8) {
+                const __m256 w0 = _mm256_loadu_ps(w + i);
+                for (int r = 0; r < num_rows; r++) {
+                    const __m256 b = _mm256_broadcast_ss(p->v + r * p->incv_row + k * inc);
+                    _mm256_store_ps(even[r] + i, _mm256_fmadd_ps(w0, b, _mm256_load_ps(even[r] + i)));
+                }
+            }
+        }
+        for (int r = 0; r < num_rows; r++)
+            for (long i = 0; i < m; i += 8) {
+                __m256 t = _mm256_load_ps(even[r] + i);
+                if (p->tile_orders[r] == PAIRS) t = _mm256_add_ps(t, _mm256_load_ps(odd[r] + i));
+                _mm256_storeu_ps(acc + r * acc_row + (j - j0) + i, t);
+            }
+    }
+}
+
+/* Outputs [j0, j1) of several rows of x @ W, chunk by chunk, the blocks added in k order;
+ * returns where the whole 8s of the tile region end (the rest is scalar). */
 AVX2 static long rows_avx2_axpy_rows(const OneRow *p, long j0, long j1)
 {
-    float even[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));  /* 24 KB of stack in all */
-    float odd[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
+    float acc[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
     float c[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
-    const long sk = p->sk, inc = p->incv, n8 = p->n & ~7L;
-    const int num_rows = p->num_rows;
-    if (j1 > n8) j1 = n8;  /* the last n % 8 columns follow the tail orders: scalar */
-    long j = j0;
-    for (; j + 8 <= j1; j += ROWS_CHUNK) {
-        const long m = (j1 - j < ROWS_CHUNK ? j1 - j : ROWS_CHUNK) & ~7L;
-        for (int r = 0; r < num_rows; r++)
+    const long n8 = p->n & ~7L, end = j0 + (((j1 < n8 ? j1 : n8) - j0) & ~7L);
+    for (long j = j0; j < end; j += ROWS_CHUNK) {
+        const long m = end - j < ROWS_CHUNK ? end - j : ROWS_CHUNK;
+        for (int r = 0; r < p->num_rows; r++)
             for (long i = 0; i < m; i++) c[r][i] = start_value(p, r, j + i);
         for (long k0 = 0, len; k0 < p->k; k0 += len) {
             len = next_block(p->k - k0, p->is_threaded);
-            const long end8 = k0 + len / 8 * 8, end = k0 + len;
-            for (int r = 0; r < num_rows; r++) {
-                memset(even[r], 0, sizeof(float) * m);
-                memset(odd[r], 0, sizeof(float) * m);
-            }
-            long k = k0;
-            for (; k < end8; k += 8) {  /* rows outer: a row's 8 broadcasts stay in registers */
-                const float *w = p->w + k * sk + j;
-                for (int r = 0; r < num_rows; r++) {
-                    const float *v = p->v + r * p->incv_row + k * inc;
-                    const __m256 b0 = _mm256_broadcast_ss(v), b1 = _mm256_broadcast_ss(v + inc);
-                    const __m256 b2 = _mm256_broadcast_ss(v + 2 * inc), b3 = _mm256_broadcast_ss(v + 3 * inc);
-                    const __m256 b4 = _mm256_broadcast_ss(v + 4 * inc), b5 = _mm256_broadcast_ss(v + 5 * inc);
-                    const __m256 b6 = _mm256_broadcast_ss(v + 6 * inc), b7 = _mm256_broadcast_ss(v + 7 * inc);
-                    if (p->tile_orders[r] == PAIRS) {
-                        for (long i = 0; i < m; i += 8) {
-                            __m256 e = _mm256_load_ps(even[r] + i), o = _mm256_load_ps(odd[r] + i);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
-                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, o);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
-                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, o);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
-                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, o);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
-                            o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, o);
-                            _mm256_store_ps(even[r] + i, e);
-                            _mm256_store_ps(odd[r] + i, o);
-                        }
-                    } else {
-                        for (long i = 0; i < m; i += 8) {
-                            __m256 e = _mm256_load_ps(even[r] + i);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, e);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, e);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, e);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
-                            e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, e);
-                            _mm256_store_ps(even[r] + i, e);
-                        }
-                    }
-                }
-            }
-            for (; k < end; k++) {  /* the block's last len % 8 k: the even chain in both orders */
-                const float *w = p->w + k * sk + j;
-                for (long i = 0; i < m; i += 8) {
-                    const __m256 w0 = _mm256_loadu_ps(w + i);
-                    for (int r = 0; r < num_rows; r++) {
-                        const __m256 b = _mm256_broadcast_ss(p->v + r * p->incv_row + k * inc);
-                        _mm256_store_ps(even[r] + i, _mm256_fmadd_ps(w0, b, _mm256_load_ps(even[r] + i)));
-                    }
-                }
-            }
-            for (int r = 0; r < num_rows; r++)
-                for (long i = 0; i < m; i += 8) {
-                    __m256 s = _mm256_load_ps(even[r] + i);
-                    if (p->tile_orders[r] == PAIRS) s = _mm256_add_ps(s, _mm256_load_ps(odd[r] + i));
-                    _mm256_store_ps(c[r] + i, add_block8(_mm256_load_ps(c[r] + i), s, p->alpha));
-                }
+            axpy_rows_block(p, k0, len, j, j + m, acc[0], ROWS_CHUNK);
+            for (int r = 0; r < p->num_rows; r++)
+                for (long i = 0; i < m; i += 8)
+                    _mm256_store_ps(c[r] + i, add_block8(_mm256_load_ps(c[r] + i), _mm256_load_ps(acc[r] + i),
+                                                         p->alpha));
         }
-        for (int r = 0; r < num_rows; r++)
+        for (int r = 0; r < p->num_rows; r++)
             for (long i = 0; i < m; i++) p->out[r * p->ldo_row + (j + i) * p->ldo] = c[r][i];
-        if (m < ROWS_CHUNK) return j + m;
     }
-    return j;
+    return end;
 }
 
-/* out = blocks added in k order onto the start value: what rows_avx2_axpy's tiles do. */
+/* out = each row's blocks added in k order onto its start value (partial holds block b
+ * of row r at (b * num_rows + r) * n): what the column-split kernels do per output. */
 AVX2 static void add_blocks(const OneRow *p, const float *partial, int num_blocks)
 {
     const long n = p->n, n8 = n & ~7L;
-    long j = 0;
-    if (p->ldo == 1) {
-        for (; j < n8; j += 8) {
-            float cbuf[8];
-            for (int i = 0; i < 8; i++) cbuf[i] = start_value(p, 0, j + i);
-            __m256 c = _mm256_loadu_ps(cbuf);
-            for (int b = 0; b < num_blocks; b++) c = add_block8(c, _mm256_loadu_ps(partial + b * n + j), p->alpha);
-            _mm256_storeu_ps(p->out + j, c);
+    for (int r = 0; r < p->num_rows; r++) {
+        float *out = p->out + r * p->ldo_row;
+        long j = 0;
+        if (p->ldo == 1)
+            for (; j < n8; j += 8) {
+                float cbuf[8];
+                for (int i = 0; i < 8; i++) cbuf[i] = start_value(p, r, j + i);
+                __m256 c = _mm256_loadu_ps(cbuf);
+                for (int b = 0; b < num_blocks; b++)
+                    c = add_block8(c, _mm256_loadu_ps(partial + (b * p->num_rows + r) * n + j), p->alpha);
+                _mm256_storeu_ps(out + j, c);
+            }
+        for (; j < n; j++) {
+            float c = start_value(p, r, j);
+            for (int b = 0; b < num_blocks; b++) c = add_block(c, partial[(b * p->num_rows + r) * n + j], p->alpha);
+            out[j * p->ldo] = c;
         }
-    }
-    for (; j < n; j++) {
-        float c = start_value(p, 0, j);
-        for (int b = 0; b < num_blocks; b++) c = add_block(c, partial[b * n + j], p->alpha);
-        p->out[j * p->ldo] = c;
     }
 }
 
@@ -511,12 +533,13 @@ static void run_span(const OneRow *p, long per, int span)
     if (j0 < p->n) run_rows(p, j0, j1 < p->n ? j1 : p->n);
 }
 
-/* x @ W with W's columns contiguous (a weight stored transposed, K x N) and one row,
- * split by K blocks rather than by columns: each block's chains are independent until
+/* x @ W with W's columns contiguous (a weight stored input-major, K x N), of any row
+ * count, split by K blocks rather than by columns: each block's chains are independent until
  * they are added in order, so each thread reads whole blocks of rows, front to back,
  * into its own partial sums, and the caller adds them up. Split by columns, each thread
  * would read half of every row: short runs with gaps, which the prefetchers follow worse. */
 #define MAX_BLOCKS 256
+#define KSPLIT_MAX_FLOATS (1L << 20)  /* partial sums up to 4 MB */
 static struct {
     long k0[MAX_BLOCKS], len[MAX_BLOCKS];
     int owner[MAX_BLOCKS];         /* the thread that sums block b */
@@ -545,7 +568,8 @@ static int ksplit_plan(const OneRow *p, int num_threads)
         ks.owner[b] = t;
         load[t] += ks.len[b];
     }
-    const size_t need = (size_t)nb * p->n;
+    const size_t need = (size_t)nb * p->num_rows * p->n;
+    if (need > KSPLIT_MAX_FLOATS) return 0;  /* a huge vocabulary times 8 rows: split by columns */
     if (need > ks.partial_floats) {
         free(ks.partial);
         ks.partial = NULL;
@@ -560,13 +584,16 @@ static int ksplit_plan(const OneRow *p, int num_threads)
 static void ksplit_span(const OneRow *p, int thread)
 {
 #if defined(__x86_64__)
-    const long n8 = p->n & ~7L;
+    const long n = p->n, n8 = n & ~7L;
     for (int b = 0; b < ks.num_blocks; b++) {
         if (ks.owner[b] != thread) continue;
-        float *acc = ks.partial + b * p->n;
-        axpy_block(p, ks.k0[b], ks.len[b], 0, n8, acc);
-        for (long j = n8; j < p->n; j++)  /* the last n % 8 columns */
-            acc[j] = block_sum(p, p->w + j, p->v, ks.k0[b], ks.len[b], CHAIN);
+        float *acc = ks.partial + (long)b * p->num_rows * n;
+        if (p->num_rows == 1) axpy_block(p, ks.k0[b], ks.len[b], 0, n8, acc);
+        else axpy_rows_block(p, ks.k0[b], ks.len[b], 0, n8, acc, n);
+        for (int r = 0; r < p->num_rows; r++)  /* the last n % 8 columns, in the tail order */
+            for (long j = n8; j < n; j++)
+                acc[r * n + j] = block_sum(p, p->w + j, p->v + r * p->incv_row, ks.k0[b], ks.len[b],
+                                           p->tail_orders[r]);
     }
 #else
     (void)p, (void)thread;
@@ -641,8 +668,7 @@ static void run_threads(const OneRow *p)
     per = (per + 7) / 8 * 8;  /* whole 8-row tiles per thread */
     int is_ksplit = 0;
 #if defined(__x86_64__)
-    is_ksplit = has_avx2() && p->sj == 1 && p->sk != 1 && p->num_rows == 1 &&
-                ksplit_plan(p, num_threads);
+    is_ksplit = has_avx2() && p->sj == 1 && p->sk != 1 && ksplit_plan(p, num_threads);
 #endif
     pool.job = p;
     pool.per = per;
