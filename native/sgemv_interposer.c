@@ -6,9 +6,10 @@
  * included. OpenBLAS packs the weight matrix for those calls and so reads it at well
  * under the rate of a matrix-vector kernel. This library defines cblas_sgemm; loaded
  * RTLD_GLOBAL before OpenBLAS and before mlx, it receives every call. One-row calls
- * (M == 1 or N == 1, any layout) and x @ W.T calls of 2-8 rows run the streaming
- * kernels below, which read W once for all rows; everything else goes to the real
- * sgemm unchanged.
+ * (M == 1 or N == 1, any layout) and x @ W.T or x @ W calls of 2-8 rows run the
+ * streaming kernels below, which read W once for all rows; everything else goes to the
+ * real sgemm unchanged. gmlx stores Linear weights input-major on CPU (x @ W, W's
+ * columns contiguous), the layout whose kernels need no register transposes.
  *
  * Why not simply call cblas_sgemv: its dot products sum in another order, so its
  * results differ from sgemm's in the last bits (measured on OpenBLAS 0.3.21).

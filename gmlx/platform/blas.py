@@ -3,9 +3,9 @@
 The `mlx[cpu]` wheel links a bundled reference BLAS. Loading the system OpenBLAS
 globally before mlx makes mlx bind OpenBLAS's `cblas_sgemm` instead (~20x on large
 matmuls). Before OpenBLAS we load gmlx's interposer (native/sgemv_interposer.c), which
-takes every `cblas_sgemm` call, runs one-row products (decode) and x @ W.T products of
-2-8 rows (a verify, a narrow batch) in streaming kernels that reproduce OpenBLAS's
-summation order bit for bit, and passes the rest through.
+takes every `cblas_sgemm` call, runs one-row products (decode) and x @ W.T or x @ W
+products of 2-8 rows (a verify, a narrow batch) in streaming kernels that reproduce
+OpenBLAS's summation order bit for bit, and passes the rest through.
 This module must not import mlx at import time.
 """
 
@@ -46,7 +46,7 @@ _INTERPOSER_STATUS = {
     2: "loaded, passing every call through (no AVX2+FMA kernel for this CPU)",
     -1: "no cblas_sgemm in the BLAS",
 }
-MAX_ROUTED_ROWS = 8  # x @ W.T products of up to this many rows run in the interposer
+MAX_ROUTED_ROWS = 8  # x @ W.T and x @ W products of up to this many rows run in the interposer
 _LAYOUT_NAMES = ("x@W", "x@W.T", "xT@W", "xT@W.T", "A@b", "A@bT", "AT@b", "AT@bT")
 
 
