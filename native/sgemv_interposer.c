@@ -278,6 +278,20 @@ static long rows_avx2_dot(const OneRow *p, long j0, long j1)
     return dot_by_rows[p->num_rows][num_pairs / 4](p, j0, j1);
 }
 
+/* Eight k into the even chain e and the odd chain o; with e and o the same variable,
+ * one chain in k order. */
+#define AXPY_8K(e, o)                                                       \
+    do {                                                                    \
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);                 \
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, o);            \
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);        \
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, o);        \
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);        \
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, o);        \
+        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);        \
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, o);        \
+    } while (0)
+
 /* Contiguous columns (sj == 1, x @ W), one row: acc[j - j0] = output j's fma chain over
  * k in [k0, k0 + len), from zero, for j in [j0, j1) (whole 8s). Each k adds one fma to
  * every output of a chunk of columns, four k per pass over the chunk's accumulators
@@ -299,14 +313,7 @@ AVX2 static void axpy_block(const OneRow *p, long k0, long len, long j0, long j1
             const __m256 b6 = _mm256_broadcast_ss(v + 6 * inc), b7 = _mm256_broadcast_ss(v + 7 * inc);
             for (long i = 0; i < m; i += 8) {
                 __m256 t = _mm256_loadu_ps(a + i);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, t);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, t);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, t);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, t);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, t);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, t);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, t);
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, t);
+                AXPY_8K(t, t);
                 _mm256_storeu_ps(a + i, t);
             }
         }
@@ -371,28 +378,14 @@ AVX2 static void axpy_rows_block(const OneRow *p, long k0, long len, long j0, lo
                 if (p->tile_orders[r] == PAIRS) {
                     for (long i = 0; i < m; i += 8) {
                         __m256 e = _mm256_load_ps(even[r] + i), o = _mm256_load_ps(odd[r] + i);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
-                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, o);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
-                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, o);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
-                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, o);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
-                        o = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, o);
+                        AXPY_8K(e, o);
                         _mm256_store_ps(even[r] + i, e);
                         _mm256_store_ps(odd[r] + i, o);
                     }
                 } else {
                     for (long i = 0; i < m; i += 8) {
                         __m256 e = _mm256_load_ps(even[r] + i);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), b0, e);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + sk + i), b1, e);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * sk + i), b2, e);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * sk + i), b3, e);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 4 * sk + i), b4, e);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 5 * sk + i), b5, e);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 6 * sk + i), b6, e);
-                        e = _mm256_fmadd_ps(_mm256_loadu_ps(w + 7 * sk + i), b7, e);
+                        AXPY_8K(e, e);
                         _mm256_store_ps(even[r] + i, e);
                     }
                 }
@@ -416,6 +409,8 @@ AVX2 static void axpy_rows_block(const OneRow *p, long k0, long len, long j0, lo
             }
     }
 }
+
+#undef AXPY_8K
 
 /* Outputs [j0, j1) of several rows of x @ W, chunk by chunk, the blocks added in k order;
  * returns where the whole 8s of the tile region end (the rest is scalar). */
