@@ -540,7 +540,7 @@ static struct {
     long k0[MAX_BLOCKS], len[MAX_BLOCKS];
     int owner[MAX_BLOCKS];         /* the thread that sums block b */
     int num_blocks;
-    float *partial;                /* num_blocks x n partial sums */
+    float *partial;                /* num_blocks x rows x n partial sums */
     size_t partial_floats;
 } ks;
 
@@ -556,7 +556,7 @@ static int ksplit_plan(const OneRow *p, int num_threads)
         ks.len[nb] = len;
     }
     if (nb < num_threads) return 0;
-    /* Longest first onto the least loaded thread: blocks are q long but the last two. */
+    /* Each block in turn to the least loaded thread: blocks are q long but the last two. */
     for (int b = 0; b < nb; b++) {
         int t = 0;
         for (int i = 1; i < num_threads; i++)

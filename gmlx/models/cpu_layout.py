@@ -27,7 +27,7 @@ _PROBE_ROWS = (*range(1, MAX_ROUTED_ROWS + 1), 37)
 
 
 def _input_major(weight: mx.array) -> mx.array:
-    """The same (out, in) array, stored in-major: a transposed view of W.T made contiguous."""
+    """The same (out, in) array, stored input-major: a transposed view of W.T made contiguous."""
     return mx.contiguous(weight.T).T
 
 

@@ -68,7 +68,6 @@ def load_model(path: str | Path | None) -> LoadedModel:
         model.set_dtype(mx.float32)
         if is_cpu_fusion_enabled():
             fuse_cpu_ops(model)
-        mx.eval(model.parameters())
         if is_input_major_enabled():
             store_weights_input_major(model)
     mx.eval(model.parameters())
