@@ -328,27 +328,6 @@ AVX2 static void axpy_block(const OneRow *p, long k0, long len, long j0, long j1
     }
 }
 
-/* Outputs [j0, j1) of one row of x @ W, chunk by chunk, the blocks added in k order;
- * returns where the whole 8s end (the rest is scalar). */
-AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
-{
-    float acc[CHUNK] __attribute__((aligned(32)));  /* 32 KB of stack in all */
-    float c[CHUNK] __attribute__((aligned(32)));
-    const long end = j0 + ((j1 - j0) & ~7L);
-    for (long j = j0; j < end; j += CHUNK) {
-        const long m = end - j < CHUNK ? end - j : CHUNK;
-        for (long i = 0; i < m; i++) c[i] = start_value(p, 0, j + i);
-        for (long k0 = 0, len; k0 < p->k; k0 += len) {
-            len = next_block(p->k - k0, p->is_threaded);
-            axpy_block(p, k0, len, j, j + m, acc);
-            for (long i = 0; i < m; i += 8)
-                _mm256_store_ps(c + i, add_block8(_mm256_load_ps(c + i), _mm256_load_ps(acc + i), p->alpha));
-        }
-        for (long i = 0; i < m; i++) p->out[(j + i) * p->ldo] = c[i];
-    }
-    return end;
-}
-
 /* Several rows of x @ W (sj == 1), one K block: acc[r * acc_row + (j - j0)] = row r's
  * sum for output j over k in [k0, k0 + len), in row r's tile order (one chain, or even/odd
  * k pairs over the block's whole groups of 8 k added at the end), for j in [j0, j1) (whole
@@ -356,6 +335,7 @@ AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
  * chunk of its columns, which stays in L1 while each row in turn adds it into its own
  * chains, kept in L1 as well. */
 #define ROWS_CHUNK 256
+_Static_assert(MAX_ROWS * ROWS_CHUNK <= CHUNK, "rows_avx2_axpy's buffers hold every row's chunk");
 AVX2 static void axpy_rows_block(const OneRow *p, long k0, long len, long j0, long j1, float *acc, long acc_row)
 {
     float even[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));  /* 16 KB of stack in all */
@@ -414,27 +394,32 @@ AVX2 static void axpy_rows_block(const OneRow *p, long k0, long len, long j0, lo
 
 #undef AXPY_8K
 
-/* Outputs [j0, j1) of several rows of x @ W, chunk by chunk, the blocks added in k order;
- * returns where the whole 8s of the tile region end (the rest is scalar). */
-AVX2 static long rows_avx2_axpy_rows(const OneRow *p, long j0, long j1)
+/* Outputs [j0, j1) of x @ W (sj == 1), any row count, chunk by chunk, each row's blocks
+ * added in k order; returns where the whole 8s of the tile region end (the rest is
+ * scalar). One row takes the wide-chunk kernel, several the one that feeds every row. */
+AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
 {
-    float acc[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
-    float c[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
+    float acc[CHUNK] __attribute__((aligned(32)));  /* 32 KB of stack in all */
+    float c[CHUNK] __attribute__((aligned(32)));
+    const int num_rows = p->num_rows;
+    const long chunk = num_rows == 1 ? CHUNK : ROWS_CHUNK;  /* row r's columns at r * chunk */
     const long n8 = p->n & ~7L, end = j0 + (((j1 < n8 ? j1 : n8) - j0) & ~7L);
-    for (long j = j0; j < end; j += ROWS_CHUNK) {
-        const long m = end - j < ROWS_CHUNK ? end - j : ROWS_CHUNK;
-        for (int r = 0; r < p->num_rows; r++)
-            for (long i = 0; i < m; i++) c[r][i] = start_value(p, r, j + i);
+    for (long j = j0; j < end; j += chunk) {
+        const long m = end - j < chunk ? end - j : chunk;
+        for (int r = 0; r < num_rows; r++)
+            for (long i = 0; i < m; i++) c[r * chunk + i] = start_value(p, r, j + i);
         for (long k0 = 0, len; k0 < p->k; k0 += len) {
             len = next_block(p->k - k0, p->is_threaded);
-            axpy_rows_block(p, k0, len, j, j + m, acc[0], ROWS_CHUNK);
-            for (int r = 0; r < p->num_rows; r++)
-                for (long i = 0; i < m; i += 8)
-                    _mm256_store_ps(c[r] + i, add_block8(_mm256_load_ps(c[r] + i), _mm256_load_ps(acc[r] + i),
-                                                         p->alpha));
+            if (num_rows == 1) axpy_block(p, k0, len, j, j + m, acc);
+            else axpy_rows_block(p, k0, len, j, j + m, acc, chunk);
+            for (int r = 0; r < num_rows; r++)
+                for (long i = 0; i < m; i += 8) {
+                    float *cr = c + r * chunk + i;
+                    _mm256_store_ps(cr, add_block8(_mm256_load_ps(cr), _mm256_load_ps(acc + r * chunk + i), p->alpha));
+                }
         }
-        for (int r = 0; r < p->num_rows; r++)
-            for (long i = 0; i < m; i++) p->out[r * p->ldo_row + (j + i) * p->ldo] = c[r][i];
+        for (int r = 0; r < num_rows; r++)
+            for (long i = 0; i < m; i++) p->out[r * p->ldo_row + (j + i) * p->ldo] = c[r * chunk + i];
     }
     return end;
 }
@@ -477,8 +462,7 @@ static void run_rows(const OneRow *p, long j0, long j1)
 #if defined(__x86_64__)
     if (has_avx2()) {
         if (p->sk == 1 && p->sj != 1) j0 = rows_avx2_dot(p, j0, j1);
-        else if (p->sj == 1 && p->sk != 1 && p->num_rows == 1) j0 = rows_avx2_axpy(p, j0, j1);
-        else if (p->sj == 1 && p->sk != 1) j0 = rows_avx2_axpy_rows(p, j0, j1);
+        else if (p->sj == 1 && p->sk != 1) j0 = rows_avx2_axpy(p, j0, j1);
     }
 #endif
     rows_scalar(p, j0, j1);
