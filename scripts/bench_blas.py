@@ -105,36 +105,50 @@ def products_alone_s(model, num_reps: int = 3) -> float:
     return best
 
 
-def child_decode(args) -> dict:
-    import gmlx  # noqa: F401  (loads the BLAS and, unless switched off, the interposer)
+def prepare(args, is_fused: bool, is_input_major: bool):
+    """(model, prompt, facts about it): the model as gmlx loads it on CPU, with or without
+    its compiled norm/rope and its input-major Linear weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from gmlx.config import is_cpu_fusion_enabled, is_input_major_enabled
     from gmlx.models.cpu_graph import fuse_cpu_ops
     from gmlx.models.cpu_layout import store_weights_input_major
-    from gmlx.platform.blas import describe_blas, routing_counts
+    from gmlx.platform.blas import describe_blas
 
     if args.random_params:
         model, prompt, name = make_random_qwen3(parse_count(args.random_params))
     else:
         model, prompt, name = load_folder(args.model)
     mx.eval(model.parameters())
-    # The graph gmlx decodes with: its compiled CPU norm/rope unless GMLX_FUSE_CPU_OPS=0.
-    num_fused = fuse_cpu_ops(model) if is_cpu_fusion_enabled() else 0
-    num_input_major = store_weights_input_major(model) if is_input_major_enabled() else 0
-    num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    num_fused = fuse_cpu_ops(model) if is_fused else 0
+    num_input_major = store_weights_input_major(model) if is_input_major else 0
     total_bytes, read_bytes = weight_bytes_per_token(model)
+    return model, prompt, {"model": name, "num_params": sum(v.size for _, v in tree_flatten(model.parameters())),
+                           "param_bytes": total_bytes, "read_bytes_per_token": read_bytes,
+                           "blas": describe_blas(measure=False)["library"],
+                           "num_fused_modules": num_fused, "num_input_major": num_input_major}
+
+
+def measure(args, model, prompt) -> dict:
+    """One run: decode speed and tokens, routed calls per token, the products alone."""
+    from gmlx.platform.blas import routing_counts
+
     routed_before = routing_counts()[0]
     tokens, tokens_per_s = decode(model, prompt, args.warmup, args.tokens)
-    products_s = products_alone_s(model)
-    d = describe_blas(measure=False)
-    return {"model": name, "num_params": num_params, "param_bytes": total_bytes,
-            "read_bytes_per_token": read_bytes, "tokens_per_s": tokens_per_s, "tokens": tokens,
-            "is_interposer_active": d["is_interposer_active"], "blas": d["library"],
-            "routed_per_token": (routing_counts()[0] - routed_before) / (args.warmup + args.tokens),
-            "products_alone_s": products_s,
-            "num_fused_modules": num_fused, "num_input_major": num_input_major}
+    routed_per_token = (routing_counts()[0] - routed_before) / (args.warmup + args.tokens)
+    return {"tokens": tokens, "tokens_per_s": tokens_per_s, "routed_per_token": routed_per_token,
+            "products_alone_s": products_alone_s(model)}
+
+
+def child_decode(args) -> dict:
+    import gmlx  # noqa: F401  (loads the BLAS and, unless switched off, the interposer)
+
+    from gmlx.config import is_cpu_fusion_enabled, is_input_major_enabled
+    from gmlx.platform.blas import describe_blas
+
+    model, prompt, info = prepare(args, is_cpu_fusion_enabled(), is_input_major_enabled())
+    return {**info, "is_interposer_active": describe_blas(measure=False)["is_interposer_active"],
+            **measure(args, model, prompt)}
 
 
 class DramMeter:
@@ -190,26 +204,14 @@ def in_process(args, variants: dict) -> tuple[dict, list]:
     shared box. "off" here is the interposer loaded with its routing switched off, so
     every call reaches OpenBLAS's own sgemm."""
     import gmlx  # noqa: F401
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    from gmlx.models.cpu_graph import fuse_cpu_ops
-    from gmlx.models.cpu_layout import store_weights_input_major
-    from gmlx.platform.blas import describe_blas, routing_counts, set_routing
+    from gmlx.platform.blas import set_routing
 
     models, info = {}, {}
     for mode, (is_routed, is_fused, is_input_major) in variants.items():
-        model, prompt, name = (make_random_qwen3(parse_count(args.random_params)) if args.random_params
-                               else load_folder(args.model))
-        mx.eval(model.parameters())
-        num_fused = fuse_cpu_ops(model) if is_fused else 0
-        num_input_major = store_weights_input_major(model) if is_input_major else 0
-        total_bytes, read_bytes = weight_bytes_per_token(model)
+        model, prompt, info[mode] = prepare(args, is_fused, is_input_major)
+        info[mode]["is_interposer_active"] = is_routed
         models[mode] = (model, prompt)
-        info[mode] = {"model": name, "num_params": sum(v.size for _, v in tree_flatten(model.parameters())),
-                      "param_bytes": total_bytes, "read_bytes_per_token": read_bytes,
-                      "is_interposer_active": is_routed, "blas": describe_blas(measure=False)["library"],
-                      "num_fused_modules": num_fused, "num_input_major": num_input_major}
     meter, runs, drams = DramMeter(), {mode: [] for mode in variants}, []
     for rep in range(args.reps):
         modes = list(variants)
@@ -217,14 +219,9 @@ def in_process(args, variants: dict) -> tuple[dict, list]:
             model, prompt = models[mode]
             set_routing(variants[mode][0])
             try:
-                routed_before = routing_counts()[0]
-                tokens, tokens_per_s = decode(model, prompt, args.warmup, args.tokens)
-                routed = (routing_counts()[0] - routed_before) / (args.warmup + args.tokens)
-                products_s = products_alone_s(model)
+                runs[mode].append({**info[mode], **measure(args, model, prompt)})
             finally:
                 set_routing(True)
-            runs[mode].append({**info[mode], "tokens": tokens, "tokens_per_s": tokens_per_s,
-                               "routed_per_token": routed, "products_alone_s": products_s})
         drams.append(meter.measure(num_reps=3))
     return runs, drams
 
