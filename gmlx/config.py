@@ -92,6 +92,43 @@ def blas_lib_override() -> str | None:
     return raw.strip() if raw and raw.strip() else None
 
 
+BLAS_CORE_MODES = ("auto", "measure", "off")
+
+
+def blas_core_mode() -> str:
+    """GMLX_BLAS_CORE: auto (default) picks the OpenBLAS core from cached timings, measure
+    re-times the candidates, off leaves OpenBLAS's own detection."""
+    raw = os.environ.get("GMLX_BLAS_CORE", "").strip().lower() or "auto"
+    if raw not in BLAS_CORE_MODES:
+        raise ValueError(f"GMLX_BLAS_CORE={raw!r}: expected one of {', '.join(BLAS_CORE_MODES)}")
+    return raw
+
+
+def user_blas_core() -> str | None:
+    """OPENBLAS_CORETYPE as the user set it; None when unset or when it is gmlx's own
+    choice inherited from a parent process (marked by GMLX_BLAS_CORE_CHOSEN)."""
+    core = os.environ.get("OPENBLAS_CORETYPE", "").strip()
+    if not core or core == os.environ.get("GMLX_BLAS_CORE_CHOSEN", "").strip():
+        return None
+    return core
+
+
+def mark_blas_core_chosen(core: str) -> None:
+    """Set the core for the OpenBLAS about to load, and mark it as gmlx's choice so child
+    processes (workers, probes) inherit it without taking it for the user's."""
+    os.environ["OPENBLAS_CORETYPE"] = core
+    os.environ["GMLX_BLAS_CORE_CHOSEN"] = core
+
+
+def cache_dir() -> Path:
+    """GMLX_CACHE_DIR, else $XDG_CACHE_HOME/gmlx, else ~/.cache/gmlx: per-machine measurements."""
+    raw = os.environ.get("GMLX_CACHE_DIR", "").strip()
+    if raw:
+        return Path(raw)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base) if base else Path.home() / ".cache") / "gmlx"
+
+
 def is_interposer_enabled() -> bool:
     return _env_flag("GMLX_SGEMV_INTERPOSER", True)
 

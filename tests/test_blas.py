@@ -1,4 +1,6 @@
-import gmlx  # noqa: F401  (the fast BLAS and the interposer must load before mlx)
+from gmlx.platform.blas import ensure_fast_blas
+
+ensure_fast_blas()  # the fast BLAS and the interposer must load before mlx
 
 import ctypes
 import json
@@ -9,7 +11,7 @@ import sys
 import threading
 import time
 
-import mlx.core as mx
+import mlx.core as mx  # noqa: E402
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,14 +28,25 @@ SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[Heal
 
 
 @pytest.fixture(scope="module")
-def sgemms():
-    """(interposed cblas_sgemm, the BLAS's own cblas_sgemm) as ctypes functions."""
+def loaded_blas() -> dict:
+    """describe_blas() where an OpenBLAS is loaded; skips (with the fix) where none is."""
     d = blas.describe_blas(measure=False)
     if d["library"] is None:
         pytest.skip("no OpenBLAS on this machine (apt-get install libopenblas0-pthread)")
+    return d
+
+
+@pytest.fixture(scope="module")
+def sgemms(loaded_blas):
+    """(interposed cblas_sgemm, the BLAS's own cblas_sgemm) as ctypes functions; skips
+    where the interposer cannot route on this BLAS core (test_each_core runs them under
+    every core the CPU can execute)."""
+    d = loaded_blas
     if not d["interposer_built"]:
         pytest.skip("interposer not built (no C compiler at install)")
-    assert d["is_interposer_active"], f"interposer built but not routing: {d['interposer_status']} {d['notes']}"
+    if not d["is_interposer_active"]:
+        pytest.skip(f"the interposer does not route on OpenBLAS core {d.get('openblas_corename')}: "
+                    f"{d['interposer_status']} (it reproduces the Haswell/Zen kernels' order)")
     routed = ctypes.CDLL(str(blas.INTERPOSER_PATH)).cblas_sgemm
     real = ctypes.CDLL(d["library"]).cblas_sgemm  # dlsym on the BLAS's handle: its own symbol
     for fn in (routed, real):
@@ -273,6 +286,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, check=True)
 
 
+FAST_BLAS = "from gmlx.platform.blas import ensure_fast_blas; ensure_fast_blas()"
 PRODUCT = """
 import hashlib, json, numpy as np
 {first}
@@ -289,16 +303,92 @@ print(json.dumps({{"bits": hashlib.sha256(y.tobytes()).hexdigest(),
 """
 
 
-def test_interposer_off_matches_in_another_process(sgemms):
-    on = json.loads(run_python(PRODUCT.format(first="import gmlx")).stdout)
-    off = json.loads(run_python(PRODUCT.format(first="import gmlx"), GMLX_SGEMV_INTERPOSER="0").stdout)
-    assert on["active"] and on["routed"] >= 1
+def test_interposer_off_matches_in_another_process(loaded_blas):
+    on = json.loads(run_python(PRODUCT.format(first=FAST_BLAS)).stdout)
+    off = json.loads(run_python(PRODUCT.format(first=FAST_BLAS), GMLX_SGEMV_INTERPOSER="0").stdout)
+    assert on["active"] == loaded_blas["is_interposer_active"]
+    assert on["routed"] >= 1 or not on["active"]
     assert not off["active"] and off["routed"] == 0 and off["library"] == on["library"]
     assert on["bits"] == off["bits"]
 
 
-def test_mlx_imported_first_warns_and_no_blas_is_not_fatal(sgemms):
-    late = run_python(PRODUCT.format(first="import mlx.core, gmlx"))
+def test_mlx_imported_first_warns_and_no_blas_is_not_fatal(loaded_blas):
+    late = run_python(PRODUCT.format(first="import mlx.core; " + FAST_BLAS))
     assert json.loads(late.stdout)["mlx_first"] and "imported before gmlx" in late.stderr
-    none = json.loads(run_python(PRODUCT.format(first="import gmlx"), GMLX_BLAS_LIB="none").stdout)
+    none = json.loads(run_python(PRODUCT.format(first=FAST_BLAS), GMLX_BLAS_LIB="none").stdout)
     assert none["library"] is None and not none["active"]
+
+
+CORE = """
+import json
+from gmlx.platform.blas import describe_blas, ensure_fast_blas
+ensure_fast_blas()
+d = describe_blas(measure=False)
+print(json.dumps({k: d.get(k) for k in ("core_detected", "core_chosen", "core_reason", "core_timings_cached",
+                                         "core_timings", "openblas_corename", "is_interposer_active")}))
+"""
+
+
+def test_startup_core_choice_is_measured_cached_and_inherited(loaded_blas, tmp_path):
+    from gmlx.platform.blas_cores import is_fallback
+    from gmlx.platform.blas_select import cpu_flags
+
+    env = {"GMLX_CACHE_DIR": str(tmp_path), "OPENBLAS_CORETYPE": "", "GMLX_BLAS_CORE_CHOSEN": ""}
+    first = json.loads(run_python(CORE, **env).stdout)
+    timings = first["core_timings"]
+    assert first["core_detected"] in timings and not first["core_timings_cached"]
+    assert (tmp_path / "blas_cores.json").exists()
+    fastest = min(t["decode_ms"] for t in timings.values())
+    running = first["openblas_corename"]
+    assert timings[running]["decode_ms"] <= 1.031 * fastest, first["core_reason"]
+    assert not is_fallback(running, cpu_flags()) or timings[running]["decode_ms"] <= 1.031 * fastest
+    again = json.loads(run_python(CORE, **env).stdout)  # from the cache, same choice
+    assert again["core_timings_cached"] and again["openblas_corename"] == running
+    if first["core_chosen"]:  # a child of a gmlx process inherits the choice without measuring
+        child = json.loads(run_python(CORE, **{**env, "GMLX_CACHE_DIR": str(tmp_path / "empty"),
+                                                "OPENBLAS_CORETYPE": first["core_chosen"],
+                                                "GMLX_BLAS_CORE_CHOSEN": first["core_chosen"]}).stdout)
+        assert child["openblas_corename"] == running and "parent" in child["core_reason"]
+    user = json.loads(run_python(CORE, **{**env, "OPENBLAS_CORETYPE": "Prescott"}).stdout)
+    assert user["openblas_corename"] == "Prescott" and "set by the user" in user["core_reason"]
+    assert not user["is_interposer_active"]  # Prescott's order is not reproduced: passes through
+
+
+# OpenBLAS x86-64 cores whose kernels the BLAS-dependent tests run under, one process each.
+TESTED_CORES = ("Prescott", "Haswell", "Zen", "SkylakeX", "Cooperlake")
+BLAS_TEST_FILES = ("tests/test_blas.py", "tests/test_cpu_layout.py", "tests/test_cpu_graph.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("core", TESTED_CORES)
+def test_each_core(loaded_blas, core):
+    """The BLAS-dependent tests under each core the CPU can execute, so one machine
+    exercises as many kernel paths (and interposer decisions) as it can."""
+    import platform
+
+    from gmlx.platform.blas_cores import X86_CORE_FLAGS, is_x86
+    from gmlx.platform.blas_select import cpu_flags
+
+    if os.environ.get("GMLX_TEST_CORE"):
+        pytest.skip("already running under one forced core")
+    if not is_x86(platform.machine()):
+        pytest.skip(f"OpenBLAS x86-64 cores do not apply on {platform.machine()}")
+    missing = X86_CORE_FLAGS[core] - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU cannot execute OpenBLAS's {core} kernels (no {', '.join(sorted(missing))})")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *BLAS_TEST_FILES],
+                         cwd=repo, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OPENBLAS_CORETYPE": core, "GMLX_BLAS_CORE_CHOSEN": "",
+                              "GMLX_TEST_CORE": core})
+    tail = "\n".join(out.stdout.splitlines()[-25:])
+    assert out.returncode == 0, f"BLAS tests under OPENBLAS_CORETYPE={core}:\n{tail}\n{out.stderr[-2000:]}"
+
+
+def test_forced_core_is_the_one_running(loaded_blas):
+    core = os.environ.get("GMLX_TEST_CORE")
+    if not core:
+        pytest.skip("runs inside test_each_core, under a forced core")
+    assert loaded_blas["openblas_corename"] == core
+    report = blas.format_blas_report(blas.describe_blas(measure=True))
+    assert f"core {core}" in report and "set by the user" in report

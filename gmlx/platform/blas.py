@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gmlx import config
+from gmlx.platform.blas_select import CoreSelection, select_core
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class _State:
     interposer: ctypes.CDLL | None = None
     interposer_status: int | None = None  # gmlx_interposer_init's return value
     is_mlx_imported_first: bool = False
+    core: CoreSelection | None = None  # the OpenBLAS core choice made before loading it
     notes: list[str] = field(default_factory=list)
 
 
@@ -125,9 +127,9 @@ def _load() -> None:
     if "mlx.core" in sys.modules:
         _state.is_mlx_imported_first = True
         logger.warning(
-            "mlx was imported before gmlx, so the fast BLAS (and the one-row interposer) cannot "
+            "mlx was imported before gmlx loaded the fast BLAS, so it (and the interposer) cannot "
             "take effect: mlx bound its bundled reference BLAS at import (~20x slower matmuls). "
-            "Import gmlx before mlx."
+            "Call gmlx.platform.blas.ensure_fast_blas() before importing mlx or gmlx.engine."
         )
     path, source = find_blas_library()
     _state.requested, _state.source = path, source
@@ -139,6 +141,10 @@ def _load() -> None:
                 INSTALL_HINT,
             )
         return
+    if "mlx.core" not in sys.modules:  # else OpenBLAS may be loaded already: too late to choose
+        _state.core = select_core(path, INTERPOSER_PATH)
+        if _state.core.choice is not None:
+            logger.info("OpenBLAS core: %s", _state.core.choice.reason)
     try:
         ctypes.CDLL(path)  # loadable at all? RTLD_LOCAL keeps it out of the global scope
     except OSError as exc:
@@ -167,6 +173,11 @@ def ensure_fast_blas() -> None:
     except (OSError, AttributeError, ValueError) as exc:  # e.g. a bad GMLX_* value
         logger.warning("fast BLAS setup failed: %s", exc)
         _state.notes.append(f"setup failed: {exc}")
+
+
+def loaded_sgemm_library() -> ctypes.CDLL | None:
+    """The library whose cblas_sgemm mlx binds: the interposer, else the BLAS."""
+    return _state.interposer if _state.interposer is not None else _state.blas
 
 
 def set_routing(is_on: bool) -> bool:
@@ -292,6 +303,13 @@ def describe_blas(measure: bool = True) -> dict:
         "is_interposer_active": False,
         "notes": list(_state.notes),
     }
+    if _state.core is not None and _state.core.choice is not None:
+        d["core_detected"] = _state.core.detected
+        d["core_chosen"] = _state.core.choice.core
+        d["core_reason"] = _state.core.choice.reason
+        d["core_timings_cached"] = _state.core.is_cached
+        d["core_timings"] = {c: {"decode_ms": t.decode_ms, "matmul_ms": t.matmul_ms, "is_routing": t.is_routing}
+                             for c, t in _state.core.timings.items()}
     if _state.blas is not None:
         d.update(_openblas_info(_state.blas))
     if _state.interposer is not None:
@@ -320,6 +338,14 @@ def format_blas_report(d: dict) -> str:
                 f"  OpenBLAS {d['openblas_version']}, core {d.get('openblas_corename')}, "
                 f"{d.get('num_threads')} threads  [{d.get('openblas_config')}]"
             )
+    if "core_reason" in d:
+        chosen = d["core_chosen"] or f"none forced (running {d.get('openblas_corename')})"
+        lines.append(f"  core: detected {d['core_detected'] or 'unknown'}, chosen {chosen}: {d['core_reason']}")
+        if d["core_timings"]:
+            cached = " (cached; GMLX_BLAS_CORE=measure re-times)" if d["core_timings_cached"] else ""
+            lines.append("  core timings" + cached + ": " + "; ".join(
+                f"{c} decode {t['decode_ms']:.2f} ms, matmul {t['matmul_ms']:.1f} ms, "
+                f"{'routing' if t['is_routing'] else 'pass-through'}" for c, t in d["core_timings"].items()))
     if "matmul_1024_ms" in d:
         lines.append(f"  1024x1024 fp32 matmul: {d['matmul_1024_ms']:.1f} ms (reference BLAS: ~400-600 ms)")
     state = "active" if d["is_interposer_active"] else d["interposer_status"]
@@ -351,8 +377,9 @@ def format_blas_report(d: dict) -> str:
             f"({plain4 / routed4:.2f}x)"
         )
     elif d["is_interposer_active"] and "is_routing_effective" in d:
-        lines.append("  WARNING: mlx's matmuls did not reach the interposer (was mlx imported before gmlx?)")
+        lines.append("  WARNING: mlx's matmuls did not reach the interposer (was mlx imported before ensure_fast_blas()?)")
     if d["is_mlx_imported_first"]:
-        lines.append("WARNING: mlx was imported before gmlx; import gmlx first so the fast BLAS takes effect")
+        lines.append("WARNING: mlx was imported before gmlx loaded the fast BLAS; call "
+                     "gmlx.platform.blas.ensure_fast_blas() first")
     lines += [f"note: {note}" for note in d["notes"]]
     return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""Chooses the OpenBLAS core before OpenBLAS loads: reads the CPU, times the candidate
+cores in child processes (gmlx/platform/blas_probe.py), caches the timings per machine
+and BLAS build, and sets OPENBLAS_CORETYPE. This module must not import mlx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gmlx import config
+from gmlx.platform.blas_cores import CoreChoice, CoreTiming, candidate_cores, choose_core, is_x86
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 60.0
+CACHE_VERSION = 1
+
+
+@dataclass(slots=True)
+class CoreSelection:
+    """What the start-up choice saw and did (for `gmlx doctor`)."""
+
+    detected: str | None = None  # the core OpenBLAS picks by itself here
+    choice: CoreChoice | None = None
+    timings: dict[str, CoreTiming] = field(default_factory=dict)
+    is_cached: bool = False
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_key(blas_path: str, interposer_path: Path, flags: frozenset[str]) -> str:
+    parts = [cpu_model_name(), " ".join(sorted(flags)), blas_path, str(os.cpu_count()),
+             os.environ.get("OPENBLAS_NUM_THREADS", ""), str(CACHE_VERSION)]
+    for path in (Path(blas_path), interposer_path):
+        try:
+            stat = path.resolve().stat()
+            parts.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{path}:missing")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _cache_path() -> Path:
+    return config.cache_dir() / "blas_cores.json"
+
+
+def _read_cache(key: str) -> tuple[str | None, dict[str, CoreTiming]] | None:
+    try:
+        entry = json.loads(_cache_path().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    try:
+        timings = {core: CoreTiming(**t) for core, t in entry["timings"].items()}
+    except (KeyError, TypeError):
+        return None
+    return entry.get("detected"), timings
+
+
+def _write_cache(key: str, detected: str | None, timings: dict[str, CoreTiming]) -> None:
+    path = _cache_path()
+    try:
+        entries = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(entries, dict):
+            entries = {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {"detected": detected, "cpu": cpu_model_name(),
+                    "timings": {core: asdict(t) for core, t in timings.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)  # atomic: concurrent starts never read half a file
+    except OSError as exc:
+        logger.info("could not cache the BLAS core timings at %s: %s", path, exc)
+
+
+def probe_core(blas_path: str, core: str | None) -> CoreTiming | None:
+    """Time one core in a child process (core None: OpenBLAS's own detection)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "GMLX_BLAS_CORE_CHOSEN")}
+    env.update(GMLX_BLAS_CORE="off", GMLX_BLAS_LIB=blas_path)
+    if core is not None:
+        env["OPENBLAS_CORETYPE"] = core
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    try:
+        out = subprocess.run([sys.executable, "-m", "gmlx.platform.blas_probe"], env=env, capture_output=True,
+                             text=True, timeout=PROBE_TIMEOUT_S, check=True)
+        d = json.loads(out.stdout)
+        return CoreTiming(core=d["core"], decode_ms=float(d["decode_ms"]), matmul_ms=float(d["matmul_ms"]),
+                          is_routing=bool(d["is_routing"]))
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+        logger.info("BLAS core probe %s failed: %s", core or "(detected)", exc)
+        return None
+
+
+def measure_cores(blas_path: str, flags: frozenset[str]) -> tuple[str | None, dict[str, CoreTiming]]:
+    """(the detected core, timings of every candidate core)."""
+    detected_timing = probe_core(blas_path, None)
+    if detected_timing is None:
+        return None, {}
+    detected = detected_timing.core
+    timings = {detected: detected_timing}
+    for core in candidate_cores(flags, detected):
+        if core not in timings:
+            timing = probe_core(blas_path, core)
+            if timing is not None and timing.core == core:  # OpenBLAS may refuse a core
+                timings[core] = timing
+    return detected, timings
+
+
+def select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
+    """Decide OPENBLAS_CORETYPE for the BLAS about to load, and set it. Never raises
+    for a slow or failing probe: the fallback is OpenBLAS's own detection."""
+    sel = CoreSelection()
+    machine, flags = platform.machine(), cpu_flags()
+    user_core = config.user_blas_core()
+    inherited = os.environ.get("GMLX_BLAS_CORE_CHOSEN", "").strip() or None
+    mode = config.blas_core_mode()
+    if user_core is not None or not is_x86(machine):
+        sel.choice = choose_core(machine, flags, None, user_core, None)
+        return sel
+    if mode == "off":
+        sel.choice = CoreChoice(None, "OpenBLAS's own detection (GMLX_BLAS_CORE=off)")
+        return sel
+    key = _cache_key(blas_path, interposer_path, flags)
+    cached = _read_cache(key) if mode == "auto" else None
+    if cached is not None:
+        sel.detected, sel.timings = cached
+        sel.is_cached = True
+    elif inherited is None:  # a child of a gmlx process that chose already need not measure
+        logger.info("timing the OpenBLAS cores this CPU can run (once per machine; cached in %s)", _cache_path())
+        sel.detected, sel.timings = measure_cores(blas_path, flags)
+        if sel.timings:
+            _write_cache(key, sel.detected, sel.timings)
+    if inherited is not None and not sel.timings:
+        sel.choice = CoreChoice(inherited, f"{inherited}, chosen by the parent gmlx process")
+    else:
+        sel.choice = choose_core(machine, flags, sel.detected, None, sel.timings or None)
+    if sel.choice.core is not None:
+        config.mark_blas_core_chosen(sel.choice.core)
+    return sel
