@@ -1,9 +1,8 @@
-"""gmlx: speculative decoding and continuous batching together, on MLX."""
+"""gmlx: speculative decoding and continuous batching together, on MLX.
 
-# The BLAS (and the sgemv interposer) must be loaded globally before mlx is first
-# imported, or mlx binds its bundled reference BLAS for the life of the process.
-from gmlx.platform.blas import ensure_fast_blas as _ensure_fast_blas
-
-_ensure_fast_blas()
+Importing gmlx loads nothing: entry points that run models call
+gmlx.platform.blas.ensure_fast_blas() before mlx is first imported (on Linux the fast
+BLAS must be loaded globally before mlx, or mlx binds its bundled reference BLAS).
+"""
 
 __version__ = "0.1.0"

@@ -8,8 +8,8 @@ import sys
 
 import click
 
-import gmlx  # noqa: F401  (loads the fast BLAS before anything imports mlx)
 from gmlx import config
+from gmlx.platform.blas import ensure_fast_blas
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
         generate_via_server(server, prompt, params, as_json=as_json)
         return
     from gmlx.config import EngineConfig
+
+    ensure_fast_blas()  # before the engine imports mlx
     from gmlx.engine import Engine
     from gmlx.generate import stream_generate
 
@@ -104,6 +106,7 @@ def doctor(as_json) -> None:
     """Report the BLAS in use, the sgemv interposer and the MLX device."""
     from gmlx.platform.blas import describe_blas, format_blas_report
 
+    ensure_fast_blas()
     report = describe_blas()
     click.echo(json.dumps(report, indent=2) if as_json else format_blas_report(report))
 

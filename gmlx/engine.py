@@ -26,6 +26,7 @@ from gmlx.cache.ragged import concat_layer_caches
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.models.loader import LoadedModel, load_model
+from gmlx.platform.blas import ensure_fast_blas
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
 from gmlx.spec.batch import DecodeBatch
@@ -56,6 +57,7 @@ class Engine:
 
     @classmethod
     def load(cls, engine_config: EngineConfig) -> Engine:
+        ensure_fast_blas()  # a no-op after an entry point's call; else it warns that mlx came first
         target = load_model(engine_config.model_path)
         drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
         return cls(target, drafter, engine_config)

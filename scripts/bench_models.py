@@ -13,7 +13,9 @@ import json
 import shutil
 from pathlib import Path
 
-import gmlx  # noqa: F401  (fast BLAS before mlx)
+from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten

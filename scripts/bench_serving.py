@@ -27,7 +27,9 @@ import click
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-import gmlx  # noqa: E402,F401  (the fast BLAS before mlx)
+from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
 
 
 def make_prompts(tokenizer, width: int, prompt_tokens: int) -> list[list[int]]:

@@ -24,7 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import gmlx  # noqa: F401,E402
+from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
 
 from bench_models import forward_ms, grow_inert, heldout_prompts  # noqa: E402
 from gmlx.config import BUILTIN_MTP_DIR, EngineConfig  # noqa: E402

@@ -17,7 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import gmlx  # noqa: F401,E402
+from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
 from gmlx.config import EngineConfig  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402

@@ -21,7 +21,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 # gmlx must be imported before mlx: it loads the system OpenBLAS globally, which makes
 # float32 matmuls on this CPU ~20x faster than the BLAS bundled in the mlx wheel.
-import gmlx  # noqa: E402,F401
+from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
 
 import argparse  # noqa: E402
 import json  # noqa: E402

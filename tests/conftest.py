@@ -1,4 +1,6 @@
-import gmlx  # noqa: F401  (the fast BLAS must load before mlx)
+from gmlx.platform.blas import ensure_fast_blas
+
+ensure_fast_blas()  # the fast BLAS (and its core choice) must come before mlx
 
 import json
 import random
@@ -6,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-import mlx.core as mx
+import mlx.core as mx  # noqa: E402
 import pytest
 from mlx.utils import tree_flatten
 

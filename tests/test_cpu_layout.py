@@ -1,7 +1,5 @@
 """Linear weights stored input-major on the CPU backend: moved at load, bit-identical."""
 
-import gmlx  # noqa: F401  (the fast BLAS and the interposer must load before mlx)
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np

@@ -246,7 +246,10 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
     logging.basicConfig(level=log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [worker %(process)d] %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: _stop_current())
-    from gmlx.engine import Engine  # loads the BLAS, then mlx
+    from gmlx.platform.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # the fast BLAS before the engine imports mlx
+    from gmlx.engine import Engine
 
     config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap)
     try:

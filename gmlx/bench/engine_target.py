@@ -25,6 +25,9 @@ class EngineTarget:
 
     def start(self) -> None:
         from gmlx.config import EngineConfig
+        from gmlx.platform.blas import ensure_fast_blas
+
+        ensure_fast_blas()  # before the engine imports mlx
         from gmlx.engine import Engine
 
         self.engine = Engine.load(EngineConfig(model_path=self.spec.model, drafter=self.spec.drafter,

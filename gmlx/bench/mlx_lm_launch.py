@@ -5,8 +5,10 @@ before mlx (DESIGN.md); comparing servers on different BLAS libraries would meas
 libraries. `python -m gmlx.bench.mlx_lm_launch ARGS` takes mlx_lm.server's own arguments.
 """
 
-import gmlx  # noqa: F401  (the BLAS, before mlx is imported below)
-from mlx_lm.server import main
+from gmlx.platform.blas import ensure_fast_blas
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
+from mlx_lm.server import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -144,6 +144,9 @@ def float32_copy(src: Path, cache_root: Path) -> Path:
     mlx_lm.server keeps weights in their stored dtype; gmlx casts to float32 on CPU. The
     copy makes both run the same arithmetic. Cached by the source's path and weight mtimes.
     """
+    from gmlx.platform.blas import ensure_fast_blas
+
+    ensure_fast_blas()
     import mlx.core as mx
 
     src = Path(src).resolve()
