@@ -31,10 +31,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from gmlx.bench import report  # noqa: E402
-from gmlx.bench.metrics import ratio  # noqa: E402
-from gmlx.bench.plots import make_plots  # noqa: E402
-from gmlx.bench.runner import make_table  # noqa: E402
+from workers.bench import report  # noqa: E402
+from workers.bench.metrics import ratio  # noqa: E402
+from workers.bench.plots import make_plots  # noqa: E402
+from workers.bench.runner import make_table  # noqa: E402
 
 BUILTIN = REPO_ROOT / "gmlx" / "models" / "builtin"
 BEGIN, END = "<!-- bench_suite:begin -->", "<!-- bench_suite:end -->"
@@ -111,7 +111,7 @@ def grown_model(args) -> Path:
 def run_scenario(name: str, scenario: dict, common: list[str], out_dir: Path, timeout_s: float) -> dict:
     argv = scenario["argv"] + common
     json_path = out_dir / f"{name}.json"
-    cmd = [sys.executable, "-m", "gmlx.bench.cli", *argv, "--out", str(json_path), "--plots",
+    cmd = [sys.executable, "-m", "workers.bench.cli", *argv, "--out", str(json_path), "--plots",
            str(out_dir / "plots" / name), "--quiet"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
     env.setdefault("GMLX_LOG_LEVEL", "WARNING")
@@ -267,7 +267,7 @@ def make_section(all_results: dict, args, wall_s: float) -> str:
            "the median over repeats and each ratio is between two such medians (per-repeat ratios are in the "
            "JSON). Absolute tokens/s on this shared 2-core machine drift run to run; read the ratios.",
            "- mlx_lm.server gets float32 copies of the same weights (it keeps the stored float16, gmlx computes in "
-           "float32 on CPU) and runs with the BLAS gmlx loads (`python -m gmlx.bench.mlx_lm_launch`, mlx-lm's own "
+           "float32 on CPU) and runs with the BLAS gmlx loads (`python -m workers.bench.mlx_lm_launch`, mlx-lm's own "
            "`main()` after the BLAS is loaded), so both sides do the same arithmetic on the same library. "
            "mlx-lm does not report acceptance; its column shows `-`.",
            "- Time to first token counts from the request's send (closed loop) or scheduled arrival (open loop). "

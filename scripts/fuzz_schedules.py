@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/schedules.py
 
 from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
 

@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 from gmlx.config import BUILTIN_TARGET_DIR
 from gmlx.models.loader import load_model
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/schedules.py
+sys.path.insert(0, str(Path(__file__).parent))  # tests/serving_support.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts/schedules.py (shared with the fuzzer)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

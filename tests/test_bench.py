@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from gmlx.bench import WorkloadOptions, parse_target, run_benchmark
-from gmlx.bench.metrics import StreamRecord, percentile, summarize
-from gmlx.bench.workload import Lengths, heldout_files, poisson_arrivals
+from workers.bench import WorkloadOptions, parse_target, run_benchmark
+from workers.bench.metrics import StreamRecord, percentile, summarize
+from workers.bench.workload import Lengths, heldout_files, poisson_arrivals
 
 TINY = dict(prompt_tokens="uniform:8,24", max_tokens="8", seed=3)
 
@@ -96,7 +96,7 @@ def test_lengths_targets_and_arrivals_validate_and_sample():
 
 def test_plots_are_written_from_results(tmp_path):
     pytest.importorskip("matplotlib")
-    from gmlx.bench.plots import make_plots
+    from workers.bench.plots import make_plots
 
     results = run_engine(WorkloadOptions(kind="closed", num_requests=2, concurrency=1, **TINY),
                          "engine:drafter=none")

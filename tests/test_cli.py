@@ -10,7 +10,7 @@ from gmlx.config import BUILTIN_TARGET_DIR
 
 
 def run_gmlx(*args, timeout_s=120):
-    return subprocess.run([sys.executable, "-m", "gmlx.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s)
 
 

@@ -274,7 +274,7 @@ def test_cancel_mid_stream(server, engine):
 
 
 def test_generate_cli_through_the_server(server, engine, model_path):
-    cmd = [sys.executable, "-c", "from gmlx.cli import main; main()", "generate", "def parse(",
+    cmd = [sys.executable, "-c", "from workers.cli import main; main()", "generate", "def parse(",
            "--server", server.address, "--max-tokens", "12", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=repo_env(), cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr

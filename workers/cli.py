@@ -117,7 +117,7 @@ def _fail(exc: Exception) -> None:
 
 
 # The serving and benchmark commands live with their packages.
-from gmlx.bench.cli import bench  # noqa: E402
+from workers.bench.cli import bench  # noqa: E402
 from workers.cli_serve import serve  # noqa: E402
 
 main.add_command(serve)

@@ -1,6 +1,6 @@
 """`gmlx serve` and the client side of `gmlx generate --server`.
 
-gmlx/cli.py registers `serve` (`main.add_command(serve)`), and `generate --server ADDR`
+workers/cli.py registers `serve` (`main.add_command(serve)`), and `generate --server ADDR`
 calls `generate_via_server(address, prompt, params, as_json=...)`.
 """
 

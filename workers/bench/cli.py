@@ -1,6 +1,6 @@
 """`gmlx bench`: run a load against one or more targets side by side; print a table, write JSON.
 
-gmlx/cli.py registers it with `main.add_command(bench)`; `python -m gmlx.bench.cli` runs it
+workers/cli.py registers it with `main.add_command(bench)`; `python -m workers.bench.cli` runs it
 standalone.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from gmlx.bench.workload import LOAD_KINDS, PROMPT_SOURCES, Lengths, WorkloadOptions
+from workers.bench.workload import LOAD_KINDS, PROMPT_SOURCES, Lengths, WorkloadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,9 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
           prompt_source, prompt_tokens, max_tokens, temperature, repeats, warmup, seed, timeout_s, baseline,
           out, plots_dir, as_json, quiet) -> None:
     """Benchmark gmlx (in-process engine or server) and mlx_lm.server under the same load."""
-    from gmlx.bench.report import results_table
-    from gmlx.bench.runner import run_benchmark
-    from gmlx.bench.targets import parse_target
+    from workers.bench.report import results_table
+    from workers.bench.runner import run_benchmark
+    from workers.bench.targets import parse_target
 
     defaults = dict(model=model, drafter=drafter, preempt=preempt, resume=resume, width_cap=width_cap,
                     num_draft_tokens=num_draft_tokens)
@@ -117,7 +117,7 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     if plots_dir is not None:
-        from gmlx.bench.plots import make_plots
+        from workers.bench.plots import make_plots
 
         written, skipped = make_plots(results, plots_dir)
         results["plots"] = [str(p) for p in written]
@@ -134,7 +134,7 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
 
 
 def _first_arg_index() -> int:
-    """Where bench's own arguments start in sys.argv (after `gmlx bench` or `-m gmlx.bench.cli`)."""
+    """Where bench's own arguments start in sys.argv (after `gmlx bench` or `-m workers.bench.cli`)."""
     return sys.argv.index("bench") + 1 if "bench" in sys.argv[1:2] else 1
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 
-from gmlx.bench.metrics import StreamRecord, counter_delta
-from gmlx.bench.targets import TargetSpec
-from gmlx.bench.workload import RequestSpec, Workload
+from workers.bench.metrics import StreamRecord, counter_delta
+from workers.bench.targets import TargetSpec
+from workers.bench.workload import RequestSpec, Workload
 from gmlx.config import env_overrides
 
 logger = logging.getLogger(__name__)

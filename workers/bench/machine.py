@@ -7,7 +7,7 @@ import os
 import platform
 import subprocess
 
-from gmlx.bench.servers import REPO_ROOT
+from workers.bench.servers import REPO_ROOT
 
 
 def cpu_model() -> str:

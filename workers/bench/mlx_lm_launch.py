@@ -2,7 +2,7 @@
 
 On Linux the mlx wheel's bundled BLAS is ~20x slower than the system OpenBLAS gmlx loads
 before mlx (DESIGN.md); comparing servers on different BLAS libraries would measure the
-libraries. `python -m gmlx.bench.mlx_lm_launch ARGS` takes mlx_lm.server's own arguments.
+libraries. `python -m workers.bench.mlx_lm_launch ARGS` takes mlx_lm.server's own arguments.
 """
 
 from gmlx.platform.blas import ensure_fast_blas

@@ -10,7 +10,7 @@ import logging
 import re
 from pathlib import Path
 
-from gmlx.bench.metrics import EVENT_KINDS
+from workers.bench.metrics import EVENT_KINDS
 
 logger = logging.getLogger(__name__)
 

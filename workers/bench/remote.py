@@ -18,10 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gmlx.bench import servers
-from gmlx.bench.metrics import StreamRecord, counter_delta
-from gmlx.bench.targets import TargetSpec
-from gmlx.bench.workload import RequestSpec, Workload
+from workers.bench import servers
+from workers.bench.metrics import StreamRecord, counter_delta
+from workers.bench.targets import TargetSpec
+from workers.bench.workload import RequestSpec, Workload
 
 logger = logging.getLogger(__name__)
 

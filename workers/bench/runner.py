@@ -19,11 +19,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gmlx.bench.machine import machine_notes
-from gmlx.bench.metrics import ratio, summarize
-from gmlx.bench.progress import Progress
-from gmlx.bench.targets import TargetSpec, make_target
-from gmlx.bench.workload import WorkloadOptions, make_workload
+from workers.bench.machine import machine_notes
+from workers.bench.metrics import ratio, summarize
+from workers.bench.progress import Progress
+from workers.bench.targets import TargetSpec
+from workers.bench.workload import WorkloadOptions, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,16 @@ COMPARED = {  # name -> (summary path); a ratio is this target's value over the 
     "long_stream_tok_per_s": ("groups", "long", "stream_tok_per_s", "p50"),  # scripted load: the lone stream
 }
 
+
+def make_target(spec: TargetSpec, workdir):
+    """The runnable target for a spec; start() it before running workloads."""
+    if spec.kind == "engine":
+        from workers.bench.engine_target import EngineTarget
+
+        return EngineTarget(spec)
+    from workers.bench.remote import GmlxServerTarget, MlxLmTarget
+
+    return GmlxServerTarget(spec, workdir) if spec.kind == "server" else MlxLmTarget(spec, workdir)
 
 def wait_for_model(folder: Path, timeout_s: float = 1800.0) -> None:
     """The built-in model may still be training: poll until its folder is complete."""

@@ -121,7 +121,7 @@ def make_health_check(port: int):
 
 
 def gmlx_serve_argv(address: str, drafter: str, model: str | None) -> list[str]:
-    argv = [sys.executable, "-c", "from gmlx.cli import main; main()", "serve", "--address", address,
+    argv = [sys.executable, "-c", "from workers.cli import main; main()", "serve", "--address", address,
             "--drafter", drafter]
     return argv + (["--model", str(model)] if model else [])
 
@@ -130,7 +130,7 @@ def mlx_lm_server_argv(port: int, model: Path, draft: Path | None, num_draft_tok
                        blas: str) -> list[str]:
     # "same" runs mlx_lm.server's own main() after gmlx has loaded the BLAS it uses itself;
     # "bundled" runs it exactly as installed (the BLAS inside the mlx wheel).
-    module = "gmlx.bench.mlx_lm_launch" if blas == "same" else "mlx_lm.server"
+    module = "workers.bench.mlx_lm_launch" if blas == "same" else "mlx_lm.server"
     argv = [sys.executable, "-m", module, "--model", str(model), "--host", LOOPBACK, "--port", str(port),
             "--log-level", "WARNING"]
     if draft is not None:

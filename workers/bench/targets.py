@@ -107,14 +107,3 @@ def _check(text: str, spec: TargetSpec) -> None:
         raise ValueError(f"target {text!r}: address applies to server targets only")
     if spec.address is not None and not spec.address.startswith(("tcp://127.", "tcp://localhost", "ipc://")):
         raise ValueError(f"target {text!r}: only loopback addresses are allowed")
-
-
-def make_target(spec: TargetSpec, workdir):
-    """The runnable target for a spec; start() it before running workloads."""
-    if spec.kind == "engine":
-        from gmlx.bench.engine_target import EngineTarget
-
-        return EngineTarget(spec)
-    from gmlx.bench.remote import GmlxServerTarget, MlxLmTarget
-
-    return GmlxServerTarget(spec, workdir) if spec.kind == "server" else MlxLmTarget(spec, workdir)
