@@ -141,7 +141,9 @@ def measure(args, model, prompt) -> dict:
 
 
 def child_decode(args) -> dict:
-    import gmlx  # noqa: F401  (loads the BLAS and, unless switched off, the interposer)
+    from gmlx.platform.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # the BLAS (and, unless switched off, the interposer) before mlx
 
     from gmlx.config import is_cpu_fusion_enabled, is_input_major_enabled
     from gmlx.platform.blas import describe_blas
@@ -193,7 +195,9 @@ class DramMeter:
 
 
 def child_dram() -> dict:
-    import gmlx  # noqa: F401
+    from gmlx.platform.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # the BLAS (and, unless switched off, the interposer) before mlx
 
     return DramMeter().measure()
 
@@ -203,7 +207,9 @@ def in_process(args, variants: dict) -> tuple[dict, list]:
     the DRAM rate measured after each round: the ratios see the same minutes of this
     shared box. "off" here is the interposer loaded with its routing switched off, so
     every call reaches OpenBLAS's own sgemm."""
-    import gmlx  # noqa: F401
+    from gmlx.platform.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # the BLAS (and, unless switched off, the interposer) before mlx
 
     from gmlx.platform.blas import set_routing
 

@@ -33,7 +33,9 @@ def model_dir() -> Path:
 
 
 def _make_tiny_model(folder: Path) -> None:
-    import gmlx  # noqa: F401  (BLAS before mlx)
+    from gmlx.platform.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # the BLAS (and, unless switched off, the interposer) before mlx
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3

@@ -44,7 +44,9 @@ def model_path() -> Path:
 @pytest.fixture(scope="module")
 def engine(model_path):
     """The in-process reference: same model and drafter as the server, one request at a time."""
-    import gmlx  # noqa: F401  (BLAS before mlx)
+    from gmlx.platform.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # the BLAS (and, unless switched off, the interposer) before mlx
     from gmlx.config import EngineConfig
     from gmlx.engine import Engine
 
