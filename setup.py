@@ -1,7 +1,7 @@
-"""Builds gmlx's one-row sgemm interposer (native/sgemv_interposer.c) at install.
+"""Builds gmlx's one-row sgemm interposer (native/gemm_interposer.c) at install.
 
 Metadata lives in setup.cfg. The interposer is a plain shared library loaded with
-ctypes (not a Python extension), written to gmlx/platform/_sgemv_interposer.so. It is
+ctypes (not a Python extension), written to gmlx/platform/_gemm_interposer.so. It is
 Linux-only and optional: without a C compiler the install still succeeds and
 gmlx.platform.blas reports the interposer as not built.
 """
@@ -12,7 +12,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-INTERPOSER = "gmlx.platform._sgemv_interposer"
+INTERPOSER = "gmlx.platform._gemm_interposer"
 
 
 class BuildInterposer(build_ext):
@@ -30,7 +30,7 @@ class BuildInterposer(build_ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - any build failure leaves it optional
-            print(f"warning: not building the sgemv interposer ({exc}); gmlx works without it", file=sys.stderr)
+            print(f"warning: not building the few-row sgemm interposer ({exc}); gmlx works without it", file=sys.stderr)
 
 
 ext_modules = []
@@ -38,7 +38,7 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             INTERPOSER,
-            sources=["native/sgemv_interposer.c"],
+            sources=["native/gemm_interposer.c"],
             # A compiler-fused multiply-add would break bit-identity with sgemm.
             extra_compile_args=["-O2", "-ffp-contract=off", "-std=gnu11"],
             libraries=["dl", "m", "pthread"],

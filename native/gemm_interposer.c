@@ -27,7 +27,7 @@
  * gmlx_interposer_init measures them against the real sgemm and then self-checks
  * every layout; if anything disagrees, that case passes through.
  *
- * Build: cc -O2 -fPIC -shared -ffp-contract=off sgemv_interposer.c -ldl -lm -lpthread
+ * Build: cc -O2 -fPIC -shared -ffp-contract=off gemm_interposer.c -ldl -lm -lpthread
  * (-ffp-contract=off matters: a compiler-fused multiply-add would change results).
  */
 #define _GNU_SOURCE
@@ -37,6 +37,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -1018,11 +1019,17 @@ static int calibrate(void)
 int gmlx_interposer_init(const char *blas_path)
 {
     void *h = dlopen(blas_path, RTLD_NOW | RTLD_GLOBAL);
-    sgemm_fn f = h ? (sgemm_fn)dlsym(h, "cblas_sgemm") : NULL;
+    /* Plain names, or the scipy_ prefix of the OpenBLAS wheels numpy and scipy ship. */
+    const char *prefix = h && dlsym(h, "cblas_sgemm") ? "" : "scipy_";
+    char name[64];
+    snprintf(name, sizeof(name), "%scblas_sgemm", prefix);
+    sgemm_fn f = h ? (sgemm_fn)dlsym(h, name) : NULL;
     if (!f || f == cblas_sgemm) return init_status = -1;
     real_sgemm = f;
-    blas_get_threads = (get_threads_fn)dlsym(h, "openblas_get_num_threads");
-    blas_set_threads = (set_threads_fn)dlsym(h, "openblas_set_num_threads");
+    snprintf(name, sizeof(name), "%sopenblas_get_num_threads", prefix);
+    blas_get_threads = (get_threads_fn)dlsym(h, name);
+    snprintf(name, sizeof(name), "%sopenblas_set_num_threads", prefix);
+    blas_set_threads = (set_threads_fn)dlsym(h, name);
     atomic_store(&is_routing, 0);
 #if defined(__x86_64__)
     if (!has_avx2()) return init_status = 2;

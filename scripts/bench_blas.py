@@ -111,8 +111,8 @@ def prepare(args, is_fused: bool, is_input_major: bool):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from gmlx.models.cpu_graph import fuse_cpu_ops
-    from gmlx.models.cpu_layout import store_weights_input_major
+    from gmlx.platform.cpu_graph import fuse_cpu_ops
+    from gmlx.platform.cpu_layout import store_weights_input_major
     from gmlx.platform.blas import describe_blas
 
     if args.random_params:

@@ -8,6 +8,7 @@ core's, measured in the same run.
 
     python scripts/bench_blas_cores.py                        # built-in model + 120M random qwen3
     python scripts/bench_blas_cores.py --reps 3 --tokens 48
+    python scripts/bench_blas_cores.py --lib PATH/libscipy_openblas.so   # another OpenBLAS beside the default
 
 Prints a markdown table (for BENCHMARKS.md) and one JSON line.
 """
@@ -55,7 +56,8 @@ def child(args) -> dict:
     from gmlx.platform.blas import describe_blas
 
     d = describe_blas(measure=True)
-    out = {"core": d.get("openblas_corename"), "is_routing": d["is_interposer_active"],
+    out = {"core": d.get("openblas_corename"), "library": f"{Path(d['library']).name} {d.get('openblas_version')}",
+           "is_routing": d["is_interposer_active"],
            "matmul_ms": d["matmul_1024_ms"], "one_row_gbs": one_row_gbs(), "decode": {}}
     for label, random_params in (("built-in", None), ("120M", "120M")):
         model_args = argparse.Namespace(model="builtin", random_params=random_params)
@@ -67,8 +69,11 @@ def child(args) -> dict:
     return out
 
 
-def run_child(args, core: str) -> dict:
+def run_child(args, mode: tuple[str | None, str]) -> dict:
+    lib, core = mode
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "GMLX_BLAS_CORE_CHOSEN")}
+    if lib is not None:
+        env["GMLX_BLAS_LIB"] = lib
     if core != AUTO:
         env["OPENBLAS_CORETYPE"] = core
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--tokens", str(args.tokens),
@@ -94,6 +99,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed per model and run")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--reps", type=int, default=2, help="runs per core, order reversed every rep")
+    parser.add_argument("--lib", action="append", default=[],
+                        help="also run every core of this OpenBLAS library (GMLX_BLAS_LIB); repeatable")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -101,15 +108,16 @@ def main() -> None:
         return
     from gmlx.platform.blas_select import cpu_model_name
 
-    modes = [AUTO, *runnable_cores()]
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    modes = [(lib, core) for lib in (None, *args.lib) for core in (AUTO, *runnable_cores())]
+    runs: dict[tuple, list[dict]] = {m: [] for m in modes}
     for rep in range(args.reps):
-        for mode in modes if rep % 2 == 0 else modes[::-1]:
+        for mode in list(modes) if rep % 2 == 0 else modes[::-1]:
             result = run_child(args, mode)
-            if mode != AUTO and result["core"] != mode:  # this OpenBLAS does not know the core
+            if mode[1] != AUTO and result["core"] != mode[1]:  # this OpenBLAS does not know the core
                 runs.pop(mode, None)
                 modes.remove(mode)
                 continue
+            result["library"] = result.get("library") or mode[0]
             runs[mode].append(result)
             print(f"rep {rep} {mode}: {result['core']} {result['decode']}", file=sys.stderr, flush=True)
     report(args, runs, cpu_model_name())
@@ -126,25 +134,24 @@ def report(args, runs: dict, cpu: str) -> None:
         return statistics.median(values)
 
     labels = ("built-in", "120M")
-    forced = [m for m in runs if m != AUTO]
+    forced = [m for m in runs if m[1] != AUTO]
     best = {lab: max(forced, key=lambda m: med(m, "decode", lab, "tok_s")) for lab in labels}
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{cpu}, {os.cpu_count()} cores, {now}; `python scripts/bench_blas_cores.py --reps {args.reps} "
           f"--tokens {args.tokens}`; medians of {args.reps} reps\n")
-    print("| core | kernels run | interposer | 1024² matmul ms | one-row GB/s | built-in tok/s (vs best) "
+    print("| library | core | kernels run | interposer | 1024² matmul ms | one-row GB/s | built-in tok/s (vs best) "
           "| 120M tok/s (vs best) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for mode in runs:
         first = runs[mode][0]
         cells = [f"{med(mode, 'decode', lab, 'tok_s'):.1f} ({med(mode, 'decode', lab, 'tok_s') / med(best[lab], 'decode', lab, 'tok_s'):.2f})"
                  for lab in labels]
-        name = "default (gmlx's choice)" if mode == AUTO else mode
-        print(f"| {name} | {first['core']} | {'routing' if first['is_routing'] else 'pass-through'} | "
+        name = "default (gmlx's choice)" if mode[1] == AUTO else mode[1]
+        print(f"| {first['library']} | {name} | {first['core']} | {'routing' if first['is_routing'] else 'pass-through'} | "
               f"{med(mode, 'matmul_ms'):.1f} | {med(mode, 'one_row_gbs'):.1f} | {cells[0]} | {cells[1]} |")
     same = {lab: len({tuple(r["decode"][lab]["tokens"]) for m in runs for r in runs[m]}) == 1 for lab in labels}
     print(f"\nbest forced core: {best}; greedy tokens identical across cores: {same}")
-    print(json.dumps({"cpu": cpu, "date": now, "runs": {m: [{k: v for k, v in r.items()} for r in rs]
-                                                        for m, rs in runs.items()}}))
+    print(json.dumps({"cpu": cpu, "date": now, "runs": {f"{m[0] or 'default'}:{m[1]}": rs for m, rs in runs.items()}}))
 
 
 if __name__ == "__main__":

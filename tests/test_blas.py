@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gmlx.platform import blas
+from gmlx.platform import blas, doctor
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS loader is Linux-only")
 
@@ -277,7 +277,7 @@ def test_describe_blas(sgemms):
     assert "x@W.T" in d["routed_layouts"] and d["blocking"]["gemm_q"] > 0
     assert 0 < d["matmul_1024_ms"] < 350, "1024^2 matmul as slow as the reference BLAS"
     assert d["one_row_4096_plain_ms"] > 0 and d["num_routed"] > 0
-    report = blas.format_blas_report(d)
+    report = doctor.format_blas_report(d)
     assert d["library"] in report and "interposer: active" in report
 
 
@@ -390,5 +390,5 @@ def test_forced_core_is_the_one_running(loaded_blas):
     if not core:
         pytest.skip("runs inside test_each_core, under a forced core")
     assert loaded_blas["openblas_corename"] == core
-    report = blas.format_blas_report(blas.describe_blas(measure=True))
+    report = doctor.format_blas_report(blas.describe_blas(measure=True))
     assert f"core {core}" in report and "set by the user" in report

@@ -8,7 +8,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
 from gmlx.config import env_overrides
-from gmlx.models.cpu_graph import FusedRMSNorm, FusedRoPE, fuse_cpu_ops
+from gmlx.platform.cpu_graph import FusedRMSNorm, FusedRoPE, fuse_cpu_ops
 from gmlx.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="CPU backend only")

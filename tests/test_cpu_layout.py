@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from gmlx.config import BUILTIN_MTP_DIR, env_overrides
-from gmlx.models.cpu_layout import store_weights_input_major
+from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.models.loader import load_model
 from gmlx.models.mtp_head import load_mtp_head
 from gmlx.platform import blas

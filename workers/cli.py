@@ -104,11 +104,11 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
 @click.option("--json", "as_json", is_flag=True)
 def doctor(as_json) -> None:
     """Report the BLAS in use, the sgemv interposer and the MLX device."""
-    from gmlx.platform.blas import describe_blas, format_blas_report
-
     ensure_fast_blas()
-    report = describe_blas()
-    click.echo(json.dumps(report, indent=2) if as_json else format_blas_report(report))
+    from gmlx.platform.doctor import describe_platform, format_report
+
+    report = describe_platform()
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
 def _fail(exc: Exception) -> None:

@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from gmlx.config import BUILTIN_TARGET_DIR, is_cpu_fusion_enabled, is_input_major_enabled
-from gmlx.models.cpu_graph import fuse_cpu_ops
-from gmlx.models.cpu_layout import store_weights_input_major
+from gmlx.platform.cpu_graph import fuse_cpu_ops
+from gmlx.platform.cpu_layout import store_weights_input_major
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from gmlx.config import is_input_major_enabled
-from gmlx.models.cpu_layout import store_weights_input_major
+from gmlx.platform.cpu_layout import store_weights_input_major
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

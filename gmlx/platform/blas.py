@@ -2,7 +2,7 @@
 
 The `mlx[cpu]` wheel links a bundled reference BLAS. Loading the system OpenBLAS
 globally before mlx makes mlx bind OpenBLAS's `cblas_sgemm` instead (~20x on large
-matmuls). Before OpenBLAS we load gmlx's interposer (native/sgemv_interposer.c), which
+matmuls). Before OpenBLAS we load gmlx's interposer (native/gemm_interposer.c), which
 takes every `cblas_sgemm` call, runs one-row products (decode) and x @ W.T or x @ W
 products of 2-8 rows (a verify, a narrow batch) in streaming kernels that reproduce
 OpenBLAS's summation order bit for bit, and passes the rest through.
@@ -27,7 +27,7 @@ from gmlx.platform.blas_select import CoreSelection, select_core
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "apt-get install libopenblas0-pthread (or run scripts/install_system_deps.sh)"
-INTERPOSER_PATH = Path(__file__).resolve().parent / "_sgemv_interposer.so"
+INTERPOSER_PATH = Path(__file__).resolve().parent / "_gemm_interposer.so"
 
 # Threaded OpenBLAS first (pthreads, then OpenMP), then serial builds.
 _SEARCH_GLOBS = (
@@ -94,7 +94,7 @@ def _load_interposer() -> ctypes.CDLL | None:
     try:
         is_enabled = config.is_interposer_enabled()
     except ValueError as exc:  # a bad value must not cost the BLAS itself
-        logger.warning("%s; the sgemv interposer stays off", exc)
+        logger.warning("%s; the few-row sgemm interposer stays off", exc)
         _state.notes.append(f"interposer off: {exc}")
         return None
     if not is_enabled:
@@ -209,12 +209,13 @@ def routing_counts() -> tuple[int, int]:
 
 def _openblas_info(blas: ctypes.CDLL) -> dict:
     info: dict = {}
+    prefix = "" if hasattr(blas, "openblas_get_config") else "scipy_"  # the numpy/scipy wheels' builds
     for key, symbol, restype in (
         ("openblas_config", "openblas_get_config", ctypes.c_char_p),
         ("openblas_corename", "openblas_get_corename", ctypes.c_char_p),
         ("num_threads", "openblas_get_num_threads", ctypes.c_int),
     ):
-        fn = getattr(blas, symbol, None)  # absent from non-OpenBLAS libraries
+        fn = getattr(blas, prefix + symbol, None)  # absent from non-OpenBLAS libraries
         if fn is not None:
             fn.restype = restype
             value = fn()
@@ -319,67 +320,3 @@ def describe_blas(measure: bool = True) -> dict:
         d.update(_measure())
     d["num_routed"], d["num_passed"] = routing_counts()
     return d
-
-
-def format_blas_report(d: dict) -> str:
-    """Human-readable lines for `gmlx doctor`."""
-    if not d["platform"].startswith("linux"):
-        lines = [f"BLAS: the platform's own ({d['platform']}: Accelerate on macOS); nothing to load"]
-    elif d["library"] is None:
-        if d["requested_library"]:
-            why = f"could not load {d['requested_library']}"
-        else:
-            why = "GMLX_BLAS_LIB=none" if d["source"] else f"none found; install: {INSTALL_HINT}"
-        lines = [f"BLAS: mlx's bundled reference BLAS ({why})"]
-    else:
-        lines = [f"BLAS: {d['library']} (found by {d['source']})"]
-        if "openblas_version" in d:
-            lines.append(
-                f"  OpenBLAS {d['openblas_version']}, core {d.get('openblas_corename')}, "
-                f"{d.get('num_threads')} threads  [{d.get('openblas_config')}]"
-            )
-    if "core_reason" in d:
-        chosen = d["core_chosen"] or f"none forced (running {d.get('openblas_corename')})"
-        lines.append(f"  core: detected {d['core_detected'] or 'unknown'}, chosen {chosen}: {d['core_reason']}")
-        if d["core_timings"]:
-            cached = " (cached; GMLX_BLAS_CORE=measure re-times)" if d["core_timings_cached"] else ""
-            lines.append("  core timings" + cached + ": " + "; ".join(
-                f"{c} decode {t['decode_ms']:.2f} ms, matmul {t['matmul_ms']:.1f} ms, "
-                f"{'routing' if t['is_routing'] else 'pass-through'}" for c, t in d["core_timings"].items()))
-    if "matmul_1024_ms" in d:
-        lines.append(f"  1024x1024 fp32 matmul: {d['matmul_1024_ms']:.1f} ms (reference BLAS: ~400-600 ms)")
-    state = "active" if d["is_interposer_active"] else d["interposer_status"]
-    lines.append(f"one-row interposer: {state}; {d['num_routed']} calls routed, {d['num_passed']} passed to sgemm")
-    if d.get("routed_layouts"):
-        blk = d["blocking"]
-        lines.append(f"  routes: {', '.join(d['routed_layouts'])} (one-row products, bit-identical to sgemm)")
-        for driver, by_rows in d["routed_rows"].items():
-            if by_rows:
-                orders = ", ".join(f"{m}:{o}" for m, o in by_rows.items())
-                lines.append(f"  routes x@W.T of 2-{MAX_ROUTED_ROWS} rows, {driver} sgemm driver: {orders}")
-        for driver, row_counts in d["routed_rows_input_major"].items():
-            if row_counts:
-                lines.append(f"  routes x@W (input-major weights) of {', '.join(map(str, row_counts))} rows, "
-                             f"{driver} sgemm driver")
-        lines.append(
-            f"  reproduces sgemm's K blocking: GEMM_Q={blk['gemm_q']}, unroll {blk['unroll']}, "
-            f"threaded above M*N*K={blk['threaded_above_mnk']}, alpha {blk['alpha_mode']}"
-        )
-    if "one_row_4096_plain_ms" in d:
-        plain, routed = d["one_row_4096_plain_ms"], d["one_row_4096_ms"]
-        lines.append(
-            f"  (1, 4096) @ (4096, 4096).T: {routed:.2f} ms routed vs {plain:.2f} ms plain sgemm "
-            f"({plain / routed:.2f}x)"
-        )
-        plain4, routed4 = d["four_rows_4096_plain_ms"], d["four_rows_4096_ms"]
-        lines.append(
-            f"  (4, 4096) @ (4096, 4096).T: {routed4:.2f} ms routed vs {plain4:.2f} ms plain sgemm "
-            f"({plain4 / routed4:.2f}x)"
-        )
-    elif d["is_interposer_active"] and "is_routing_effective" in d:
-        lines.append("  WARNING: mlx's matmuls did not reach the interposer (was mlx imported before ensure_fast_blas()?)")
-    if d["is_mlx_imported_first"]:
-        lines.append("WARNING: mlx was imported before gmlx loaded the fast BLAS; call "
-                     "gmlx.platform.blas.ensure_fast_blas() first")
-    lines += [f"note: {note}" for note in d["notes"]]
-    return "\n".join(lines)
