@@ -32,6 +32,10 @@ import subprocess
 import sys
 import time
 
+from ab import alternate, median_ratio_of
+
+from gmlx.platform.timing import best_of_s
+
 DEFAULT_MODEL = "builtin"
 
 
@@ -43,19 +47,14 @@ def parse_count(text: str) -> int:
 def make_random_qwen3(num_params: int):
     """A float32 qwen3 of about num_params parameters, from ModelArgs (no download)."""
     import mlx.core as mx
-    from mlx_lm.models import qwen3
 
-    hidden, inter, heads, kv_heads, head_dim, vocab = 1024, 3072, 16, 8, 64, 8192
-    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter
-    num_layers = max(1, round((num_params - vocab * hidden) / per_layer))
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=hidden, num_hidden_layers=num_layers,
-                           intermediate_size=inter, num_attention_heads=heads, rms_norm_eps=1e-6,
-                           vocab_size=vocab, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                           head_dim=head_dim, tie_word_embeddings=True, rope_theta=1e6)
-    mx.random.seed(0)
-    model = qwen3.Model(args)
-    prompt = mx.random.randint(0, vocab, (32,))
-    return model, prompt, f"random qwen3, {num_layers} layers, hidden {hidden}, float32"
+    from gmlx.models.random_model import make_random_model, qwen3_config
+
+    config = qwen3_config(num_params)
+    model = make_random_model(config)
+    prompt = mx.random.randint(0, config["vocab_size"], (32,))
+    return model, prompt, (f"random qwen3, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+                           "float32")
 
 
 def load_folder(path: str):
@@ -97,12 +96,7 @@ def products_alone_s(model, num_reps: int = 3) -> float:
     weights = [w for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
     inputs = {w.shape[1]: mx.ones((1, w.shape[1])) for w in weights}
     mx.eval(list(inputs.values()))
-    best = float("inf")
-    for _ in range(num_reps):
-        start = time.perf_counter()
-        mx.eval([inputs[w.shape[1]] @ w.T for w in weights])
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_of_s(lambda: mx.eval([inputs[w.shape[1]] @ w.T for w in weights]), num_reps, num_warmup=0)
 
 
 def prepare(args, is_fused: bool, is_input_major: bool):
@@ -176,20 +170,10 @@ class DramMeter:
             self.sgemv = lambda: fn(101, 111, side, side, 1.0, self.a.ctypes.data, side, x.ctypes.data, 1, 0.0,
                                     y.ctypes.data, 1)
 
-    @staticmethod
-    def best_s(fn, num_reps: int) -> float:
-        fn()
-        times = []
-        for _ in range(num_reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     def measure(self, num_reps: int = 5) -> dict:
-        out = {"numpy_sum_gbs": self.a.nbytes / self.best_s(self.a.sum, num_reps) / 1e9, "sgemv_gbs": None}
+        out = {"numpy_sum_gbs": self.a.nbytes / best_of_s(self.a.sum, num_reps) / 1e9, "sgemv_gbs": None}
         if self.sgemv:
-            out["sgemv_gbs"] = self.a.nbytes / self.best_s(self.sgemv, num_reps) / 1e9
+            out["sgemv_gbs"] = self.a.nbytes / best_of_s(self.sgemv, num_reps) / 1e9
         out["dram_gbs"] = max(v for v in out.values() if v)
         return out
 
@@ -218,17 +202,17 @@ def in_process(args, variants: dict) -> tuple[dict, list]:
         model, prompt, info[mode] = prepare(args, is_fused, is_input_major)
         info[mode]["is_interposer_active"] = is_routed
         models[mode] = (model, prompt)
-    meter, runs, drams = DramMeter(), {mode: [] for mode in variants}, []
-    for rep in range(args.reps):
-        modes = list(variants)
-        for mode in modes if rep % 2 == 0 else modes[::-1]:
-            model, prompt = models[mode]
-            set_routing(variants[mode][0])
-            try:
-                runs[mode].append({**info[mode], **measure(args, model, prompt)})
-            finally:
-                set_routing(True)
-        drams.append(meter.measure(num_reps=3))
+    meter, drams = DramMeter(), []
+
+    def run(mode: str) -> dict:
+        model, prompt = models[mode]
+        set_routing(variants[mode][0])
+        try:
+            return {**info[mode], **measure(args, model, prompt)}
+        finally:
+            set_routing(True)
+
+    runs = alternate(variants, args.reps, run, lambda _: drams.append(meter.measure(num_reps=3)))
     return runs, drams
 
 
@@ -286,13 +270,9 @@ def main() -> None:
         env_by_mode["on, unfused"] = {"GMLX_SGEMV_INTERPOSER": "1", "GMLX_FUSE_CPU_OPS": "0"}
     if args.layout_ab:
         env_by_mode["on, row-major"] = {"GMLX_SGEMV_INTERPOSER": "1", "GMLX_INPUT_MAJOR_WEIGHTS": "0"}
-    runs, drams = {mode: [] for mode in env_by_mode}, []
-    for rep in range(args.reps):
-        modes = list(env_by_mode)
-        for mode in modes if rep % 2 == 0 else modes[::-1]:
-            runs[mode].append(run_child(child_argv, **env_by_mode[mode]))
-        # The DRAM rate here moves by 1.5x within minutes: measure it beside every pair.
-        drams.append(run_child(["--child", "dram"]))
+    drams = []  # the DRAM rate here moves by 1.5x within minutes: measured beside every round
+    runs = alternate(env_by_mode, args.reps, lambda mode: run_child(child_argv, **env_by_mode[mode]),
+                     lambda _: drams.append(run_child(["--child", "dram"])))
     report(args, runs, drams)
 
 
@@ -302,8 +282,7 @@ def report(args, runs: dict, drams: list[dict]) -> None:
     median = {m: statistics.median(r["tokens_per_s"] for r in runs[m]) for m in runs}
     weight_gbs = {m: first["read_bytes_per_token"] * median[m] / 1e9 for m in runs}
     # Per-rep figures, each from runs made minutes apart at most, then their medians.
-    speedup = statistics.median(on["tokens_per_s"] / off["tokens_per_s"]
-                                for on, off in zip(runs["on"], runs["off"]))
+    speedup = median_ratio_of(runs["on"], runs["off"], "tokens_per_s")
     fraction = {m: statistics.median(first["read_bytes_per_token"] * r["tokens_per_s"] / 1e9 / d["dram_gbs"]
                                      for r, d in zip(runs[m], drams)) for m in runs}
     dram = {key: statistics.median(d[key] for d in drams if d[key]) if any(d[key] for d in drams) else None
@@ -326,13 +305,11 @@ def report(args, runs: dict, drams: list[dict]) -> None:
     print("(medians over reps; the DRAM fraction pairs each run with the DRAM rate measured "
           "right after it; the speedup is the median of per-rep on/off ratios)")
     if "on, unfused" in runs:
-        fusion = statistics.median(on["tokens_per_s"] / unfused["tokens_per_s"]
-                                   for on, unfused in zip(runs["on"], runs["on, unfused"]))
+        fusion = median_ratio_of(runs["on"], runs["on, unfused"], "tokens_per_s")
         print(f"fused/unfused CPU norm/rope (interposer on): {fusion:.2f}x "
               f"({runs['on, unfused'][0]['num_fused_modules']} modules fused in the unfused runs)")
     if "on, row-major" in runs:
-        layout = statistics.median(on["tokens_per_s"] / row_major["tokens_per_s"]
-                                   for on, row_major in zip(runs["on"], runs["on, row-major"]))
+        layout = median_ratio_of(runs["on"], runs["on, row-major"], "tokens_per_s")
         print(f"input-major/row-major Linear weights (interposer on): {layout:.2f}x "
               f"({runs['on, row-major'][0]['num_input_major']} weights moved in the row-major runs)")
     print(f"speedup on/off: {speedup:.2f}x; greedy tokens identical across all runs: "

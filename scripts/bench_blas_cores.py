@@ -20,12 +20,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_blas.py beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ab import alternate  # noqa: E402
 
 CORES = ("Prescott", "Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids")
 AUTO = "auto"
@@ -35,14 +36,11 @@ def one_row_gbs(num_reps: int = 10) -> float:
     """(1, 4096) @ (4096, 4096).T through mlx: 64 MiB of weights per call, read from DRAM."""
     import mlx.core as mx
 
+    from gmlx.platform.timing import best_of_s
+
     w, x = mx.random.normal((4096, 4096)), mx.random.normal((1, 4096))
     mx.eval(w, x)
-    best = float("inf")
-    for _ in range(num_reps + 1):
-        start = time.perf_counter()
-        mx.eval(x @ w.T)
-        best = min(best, time.perf_counter() - start)
-    return w.nbytes / best / 1e9
+    return w.nbytes / best_of_s(lambda: mx.eval(x @ w.T), num_reps) / 1e9
 
 
 def child(args) -> dict:
@@ -109,17 +107,20 @@ def main() -> None:
     from gmlx.platform.blas_select import cpu_model_name
 
     modes = [(lib, core) for lib in (None, *args.lib) for core in (AUTO, *runnable_cores())]
-    runs: dict[tuple, list[dict]] = {m: [] for m in modes}
-    for rep in range(args.reps):
-        for mode in list(modes) if rep % 2 == 0 else modes[::-1]:
-            result = run_child(args, mode)
-            if mode[1] != AUTO and result["core"] != mode[1]:  # this OpenBLAS does not know the core
-                runs.pop(mode, None)
-                modes.remove(mode)
-                continue
-            result["library"] = result.get("library") or mode[0]
-            runs[mode].append(result)
-            print(f"rep {rep} {mode}: {result['core']} {result['decode']}", file=sys.stderr, flush=True)
+    unknown = set()  # cores this OpenBLAS does not know (it runs another): dropped from the table
+
+    def run(mode: tuple) -> dict | None:
+        if mode in unknown:
+            return None
+        result = run_child(args, mode)
+        if mode[1] != AUTO and result["core"] != mode[1]:
+            unknown.add(mode)
+            return None
+        result["library"] = result.get("library") or mode[0]
+        print(f"{mode}: {result['core']} {result['decode']}", file=sys.stderr, flush=True)
+        return result
+
+    runs = {m: rs for m, rs in alternate(modes, args.reps, run).items() if m not in unknown}
     report(args, runs, cpu_model_name())
 
 

@@ -10,7 +10,6 @@ ones of the trained model. Its numbers are labelled "inert-grown" wherever they 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
@@ -18,40 +17,19 @@ from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
 ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from gmlx.config import BUILTIN_TARGET_DIR
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
-
+from gmlx.models.random_model import builtin_vocab_size, copy_tokenizer, make_random_model_dir
 
 def make_random_model(folder: Path, hidden_size: int = 1024, num_layers: int = 8,
                       intermediate_size: int = 4096, seed: int = 0) -> Path:
     """A random-weight qwen3 model with the built-in tokenizer (float32 on disk)."""
-    from mlx_lm.models import qwen3
-
-    folder = Path(folder)
-    if (folder / "model.safetensors").exists():
-        return folder
-    vocab_size = json.loads((BUILTIN_TARGET_DIR / "config.json").read_text())["vocab_size"]
     config = dict(model_type="qwen3", hidden_size=hidden_size, num_hidden_layers=num_layers,
                   intermediate_size=intermediate_size, num_attention_heads=hidden_size // 64,
                   num_key_value_heads=max(1, hidden_size // 256), head_dim=64, rms_norm_eps=1e-6,
-                  vocab_size=vocab_size, max_position_embeddings=4096, rope_theta=10000.0,
+                  vocab_size=builtin_vocab_size(), max_position_embeddings=4096, rope_theta=10000.0,
                   tie_word_embeddings=True)
-    mx.random.seed(seed)
-    model = qwen3.Model(qwen3.ModelArgs(**config))
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps(config))
-    _copy_tokenizer(BUILTIN_TARGET_DIR, folder)
-    return folder
+    return make_random_model_dir(folder, config, seed)
 
 
 def grow_inert(folder: Path, intermediate_size: int, num_extra_layers: int, src: Path = BUILTIN_TARGET_DIR) -> Path:
@@ -83,7 +61,7 @@ def grow_inert(folder: Path, intermediate_size: int, num_extra_layers: int, src:
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
     (folder / "config.json").write_text(json.dumps(config))
-    _copy_tokenizer(src, folder)
+    copy_tokenizer(src, folder)
     return folder
 
 

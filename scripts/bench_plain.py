@@ -27,6 +27,7 @@ ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 
+from ab import median_ratio  # noqa: E402
 from bench_models import forward_ms, make_random_model  # noqa: E402
 from gmlx.config import EngineConfig  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
@@ -87,7 +88,7 @@ def bench_model(name, target, repeats, num_tokens):
                 theirs.append(mlx_lm_w1_tok_per_s(target, prompts[0], num_tokens))
             else:
                 theirs.append(mlx_lm_batch_tok_per_s(target, prompts, num_tokens))
-        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        ratio = median_ratio(zip(ours, theirs))
         baseline = "generate_step" if width == 1 else "BatchGenerator"
         rows.append(dict(model=name, width=width, gmlx_tok_s=statistics.median(ours),
                          mlx_lm_tok_s=statistics.median(theirs), baseline=baseline, ratio=ratio))

@@ -33,6 +33,7 @@ ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import speculative_generate_step  # noqa: E402
 
+from ab import median_ratio  # noqa: E402
 from bench_models import decode_tok_per_s, forward_ms, grow_inert, heldout_prompts  # noqa: E402
 from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_MTP_DIR, EngineConfig, env_overrides  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
@@ -47,10 +48,6 @@ DRAFTERS = ("mtp", "draft", "ngram")
 def engine_for(target, drafter_spec):
     drafter = make_drafter(drafter_spec, target) if drafter_spec != "none" else None
     return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0))
-
-
-def median_ratio(pairs):
-    return statistics.median(a / b for a, b in pairs)
 
 
 def acceptance(delta: dict) -> float:

@@ -19,7 +19,6 @@ plots go to --out-dir (default runs/bench/, not committed).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shlex

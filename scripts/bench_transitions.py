@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()  # the fast BLAS before mlx is first imported
 
+from ab import median_ratio_of  # noqa: E402
 from bench_models import forward_ms, grow_inert, heldout_prompts  # noqa: E402
 from gmlx.config import BUILTIN_MTP_DIR, EngineConfig  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
@@ -120,7 +120,7 @@ def main() -> None:
             runs[state].append(two_stream(target, spec, prompts, args.a_tokens, args.b_tokens, args.a_lead, state == "on"))
             resumes[state].append(resume(target, spec, prompts, state == "on", args.a_tokens // 2))
     os.environ.pop("GMLX_MTP_PREEMPT", None)
-    ratio = lambda rows, key: statistics.median(a[key] / b[key] for a, b in zip(rows["on"], rows["off"]))  # noqa: E731
+    ratio = lambda rows, key: median_ratio_of(rows["on"], rows["off"], key)  # noqa: E731
     long_prompt = heldout_prompts(target.tokenizer, 1, min(900, target.max_context_tokens - 8))[0]
     report = {
         "model": label,

@@ -4,7 +4,6 @@ ensure_fast_blas()  # the fast BLAS (and its core choice) must come before mlx
 
 import json
 import random
-import shutil
 import sys
 from pathlib import Path
 
@@ -12,35 +11,16 @@ import mlx.core as mx  # noqa: E402
 import pytest
 from mlx.utils import tree_flatten
 
-from gmlx.config import BUILTIN_TARGET_DIR
+from gmlx.models import random_model
 from gmlx.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/serving_support.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts/schedules.py (shared with the fuzzer)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
 
 def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
     """A small random-weight mlx-lm model folder with the built-in tokenizer."""
-    import importlib
-
-    vocab_size = json.loads((BUILTIN_TARGET_DIR / "config.json").read_text())["vocab_size"]
-    config = dict(model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                  vocab_size=vocab_size, max_position_embeddings=512, rope_theta=10000.0,
-                  tie_word_embeddings=False, head_dim=16)
-    config.update(overrides)
-    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
-    mx.random.seed(seed)
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in TOKENIZER_FILES:
-        if (BUILTIN_TARGET_DIR / name).exists():
-            shutil.copy(BUILTIN_TARGET_DIR / name, folder / name)
-    return folder
+    return random_model.make_random_model_dir(folder, random_model.tiny_config(model_type, **overrides), seed)
 
 
 @pytest.fixture(scope="session")
@@ -88,9 +68,7 @@ def tiny_quantized_target(tiny_llama_dir, tmp_path_factory):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     config["quantization"] = {"group_size": 32, "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
-    for name in TOKENIZER_FILES:
-        if (tiny_llama_dir / name).exists():
-            shutil.copy(tiny_llama_dir / name, folder / name)
+    random_model.copy_tokenizer(tiny_llama_dir, folder)
     return load_model(folder)
 
 

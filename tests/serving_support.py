@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILTIN_TARGET = REPO_ROOT / "gmlx" / "models" / "builtin" / "target"
-_TINY_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / f"gmlx-serving-tiny-{os.getuid()}"
 
 
 def drafter_for(folder: Path) -> str:
@@ -24,46 +21,8 @@ def drafter_for(folder: Path) -> str:
 
 
 def model_dir() -> Path:
-    """The built-in model once it ships; until then a tiny random qwen3 with its own BPE."""
-    if (BUILTIN_TARGET / "config.json").exists() and (BUILTIN_TARGET / "model.safetensors").exists():
-        return BUILTIN_TARGET
-    if not (_TINY_DIR / "model.safetensors").exists():
-        _make_tiny_model(_TINY_DIR)
-    return _TINY_DIR
-
-
-def _make_tiny_model(folder: Path) -> None:
-    from gmlx.platform.blas import ensure_fast_blas
-
-    ensure_fast_blas()  # the BLAS (and, unless switched off, the interposer) before mlx
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    import email.message as corpus_module
-
-    tmp = folder.with_name(folder.name + f".{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train([corpus_module.__file__], trainer)
-    tokenizer.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
-    config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=512,
-                  max_position_embeddings=1024, head_dim=16, tie_word_embeddings=True, rope_theta=10000.0,
-                  eos_token_id=tokenizer.token_to_id("<|endoftext|>"))
-    mx.random.seed(0)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (tmp / "config.json").write_text(json.dumps(config))
-    if not folder.exists():  # another test process may have won the race
-        os.replace(tmp, folder)
+    """The built-in model: the serving tests' target."""
+    return BUILTIN_TARGET
 
 
 def _die_with_parent() -> None:

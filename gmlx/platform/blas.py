@@ -17,12 +17,12 @@ import glob
 import logging
 import platform
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gmlx import config
 from gmlx.platform.blas_select import CoreSelection, select_core
+from gmlx.platform.timing import best_of_s
 
 logger = logging.getLogger(__name__)
 
@@ -258,13 +258,7 @@ def _interposer_info(lib: ctypes.CDLL) -> dict:
 
 
 def _best_ms(fn, num_reps: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(num_reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    return 1e3 * best_of_s(fn, num_reps)
 
 
 def _measure() -> dict:

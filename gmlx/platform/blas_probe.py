@@ -13,9 +13,10 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
-import time
 
 import numpy as np
+
+from gmlx.platform.timing import best_of_s
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 HIDDEN, KV, FFN = 1024, 256, 2816
@@ -40,13 +41,7 @@ def _sgemm():
 
 
 def _best_ms(fn, num_reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(num_reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    return 1e3 * best_of_s(fn, num_reps)
 
 
 def measure() -> dict:
