@@ -15,20 +15,6 @@ BUILTIN_TARGET_DIR = BUILTIN_DIR / "target"
 BUILTIN_DRAFT_DIR = BUILTIN_DIR / "draft"
 BUILTIN_MTP_DIR = BUILTIN_DIR / "mtp"
 
-# name -> what it does; the README's table is generated from the same words.
-ENV_VARS = {
-    "GMLX_MTP_PREEMPT": "1 (default) preempts a lone speculating stream when others wait; 0 makes them wait",
-    "GMLX_MTP_RESUME": "1 (default) re-arms a gated batch once it drains within the cap; 0 latches the gate",
-    "GMLX_MTP_WIDTH_CAP": "overrides every model's speculative_width_cap (0 = uncapped, N = speculate while <= N rows)",
-    "GMLX_RESUME_MIN_BUDGET": "rows with fewer tokens left than this do not trigger a resume (default 32)",
-    "GMLX_BLAS_LIB": "path of the BLAS shared library to load before mlx ('none' skips loading one)",
-    "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls and x @ W.T or x @ W calls of 2-8 rows to the interposer's streaming kernels (bit-identical to sgemm) on Linux; 0 turns it off",
-    "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
-    "GMLX_INPUT_MAJOR_WEIGHTS": "1 (default) stores a model's Linear weights input-major on the CPU backend when the interposer routes that layout (its one-row kernel reads them front to back; results checked bit-identical at load); 0 keeps mlx-lm's layout",
-    "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
-}
-
-
 @contextlib.contextmanager
 def env_overrides(values: dict[str, str]):
     """Set GMLX_* knobs for the duration of a block (A/B runs of an in-process engine)."""

@@ -7,8 +7,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
