@@ -94,7 +94,7 @@ typedef struct {
     int is_threaded;    /* reproduce the threaded driver's K split */
     int num_threads;    /* the BLAS's thread count, which ours follows */
     const unsigned char *tile_orders, *tail_orders;
-} OneRow;
+} Product;
 
 static const unsigned char all_chain[MAX_ROWS];
 
@@ -118,7 +118,7 @@ static long next_block(long left, int is_threaded)
     return (left / 2 + blk.unroll - 1) / blk.unroll * blk.unroll;
 }
 
-static inline float start_value(const OneRow *p, int r, long j)
+static inline float start_value(const Product *p, int r, long j)
 {
     if (p->beta == 0.0f) return 0.0f;  /* C is not read */
     float c = p->out[r * p->ldo_row + j * p->ldo];
@@ -131,7 +131,7 @@ static inline float add_block(float c, float acc, float alpha)
 }
 
 /* One K block of one output in the given order. */
-static float block_sum(const OneRow *p, const float *w, const float *v, long k0, long len, int order)
+static float block_sum(const Product *p, const float *w, const float *v, long k0, long len, int order)
 {
     float even = 0.0f, odd = 0.0f;
     long k = k0;
@@ -145,7 +145,7 @@ static float block_sum(const OneRow *p, const float *w, const float *v, long k0,
 }
 
 /* Outputs [j0, j1) one at a time: any strides; the reference for the vector kernels. */
-static void rows_scalar(const OneRow *p, long j0, long j1)
+static void rows_scalar(const Product *p, long j0, long j1)
 {
     for (int r = 0; r < p->num_rows; r++)
         for (long j = j0; j < j1; j++) {
@@ -207,7 +207,7 @@ AVX2 static inline __m256 add_block8(__m256 c, __m256 acc, float alpha)
  * registers 8 k at a time; lane i of row r's accumulator sums output (r, j+i), so each
  * 8x8 block of W is loaded once for all rows. Whole tiles only: the rest is scalar.
  * One tile at a time: two tiles in flight (two chains per row) measured no faster. */
-AVX2 static inline __attribute__((always_inline)) long dot_tiles(const OneRow *p, long j0, long j1,
+AVX2 static inline __attribute__((always_inline)) long dot_tiles(const Product *p, long j0, long j1,
                                                                   const int num_rows, const int num_pairs)
 {
     const long sj = p->sj, inc = p->incv;
@@ -253,10 +253,10 @@ AVX2 static inline __attribute__((always_inline)) long dot_tiles(const OneRow *p
 /* dot_tiles with the row count and pair rows constant, so each instance keeps its
  * accumulators in registers (a runtime row count measured ~1.5x slower). */
 #define DOT(m, pairs) \
-    AVX2 static long dot_##m##_##pairs(const OneRow *p, long j0, long j1) { return dot_tiles(p, j0, j1, m, pairs); }
+    AVX2 static long dot_##m##_##pairs(const Product *p, long j0, long j1) { return dot_tiles(p, j0, j1, m, pairs); }
 DOT(1, 0) DOT(2, 0) DOT(3, 0) DOT(4, 0) DOT(5, 0) DOT(6, 0) DOT(7, 0) DOT(8, 0)
 DOT(4, 4) DOT(5, 4) DOT(6, 4) DOT(7, 4) DOT(8, 4) DOT(8, 8)
-typedef long (*dot_fn)(const OneRow *, long, long);
+typedef long (*dot_fn)(const Product *, long, long);
 static const dot_fn dot_by_rows[MAX_ROWS + 1][3] = {  /* [rows][pair rows / 4] */
     {NULL}, {dot_1_0}, {dot_2_0}, {dot_3_0}, {dot_4_0, dot_4_4}, {dot_5_0, dot_5_4},
     {dot_6_0, dot_6_4}, {dot_7_0, dot_7_4}, {dot_8_0, dot_8_4, dot_8_8}};
@@ -272,7 +272,7 @@ static int num_pair_rows(const unsigned char *orders, int num_rows)
     return n % 4 == 0 && dot_by_rows[num_rows][n / 4] ? n : -1;
 }
 
-static long rows_avx2_dot(const OneRow *p, long j0, long j1)
+static long rows_avx2_dot(const Product *p, long j0, long j1)
 {
     const int num_pairs = num_pair_rows(p->tile_orders, p->num_rows);
     if (num_pairs < 0) return j0;  /* an order the vector kernels lack: all scalar */
@@ -300,7 +300,7 @@ static long rows_avx2_dot(const OneRow *p, long j0, long j1)
  * make eight short streams a pass, which the prefetchers follow worse: a 256 x 8192
  * weight reads ~1.3x slower this way than row-major (the transposing kernel). */
 #define CHUNK 4096
-AVX2 static void axpy_block(const OneRow *p, long k0, long len, long j0, long j1, float *acc)
+AVX2 static void axpy_block(const Product *p, long k0, long len, long j0, long j1, float *acc)
 {
     const long sk = p->sk, inc = p->incv, end = k0 + len;
     for (long j = j0; j < j1; j += CHUNK) {
@@ -337,7 +337,7 @@ AVX2 static void axpy_block(const OneRow *p, long k0, long len, long j0, long j1
  * chains, kept in L1 as well. */
 #define ROWS_CHUNK 256
 _Static_assert(MAX_ROWS * ROWS_CHUNK <= CHUNK, "rows_avx2_axpy's buffers hold every row's chunk");
-AVX2 static void axpy_rows_block(const OneRow *p, long k0, long len, long j0, long j1, float *acc, long acc_row)
+AVX2 static void axpy_rows_block(const Product *p, long k0, long len, long j0, long j1, float *acc, long acc_row)
 {
     float even[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));  /* 16 KB of stack in all */
     float odd[MAX_ROWS][ROWS_CHUNK] __attribute__((aligned(32)));
@@ -398,7 +398,7 @@ AVX2 static void axpy_rows_block(const OneRow *p, long k0, long len, long j0, lo
 /* Outputs [j0, j1) of x @ W (sj == 1), any row count, chunk by chunk, each row's blocks
  * added in k order; returns where the whole 8s of the tile region end (the rest is
  * scalar). One row takes the wide-chunk kernel, several the one that feeds every row. */
-AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
+AVX2 static long rows_avx2_axpy(const Product *p, long j0, long j1)
 {
     float acc[CHUNK] __attribute__((aligned(32)));  /* 32 KB of stack in all */
     float c[CHUNK] __attribute__((aligned(32)));
@@ -427,7 +427,7 @@ AVX2 static long rows_avx2_axpy(const OneRow *p, long j0, long j1)
 
 /* out = each row's blocks added in k order onto its start value (partial holds block b
  * of row r at (b * num_rows + r) * n): what the column-split kernels do per output. */
-AVX2 static void add_blocks(const OneRow *p, const float *partial, int num_blocks)
+AVX2 static void add_blocks(const Product *p, const float *partial, int num_blocks)
 {
     const long n = p->n, n8 = n & ~7L;
     for (int r = 0; r < p->num_rows; r++) {
@@ -458,7 +458,7 @@ static int has_avx2(void)
 }
 #endif
 
-static void run_rows(const OneRow *p, long j0, long j1)
+static void run_rows(const Product *p, long j0, long j1)
 {
 #if defined(__x86_64__)
     if (has_avx2()) {
@@ -489,7 +489,7 @@ static struct {
     atomic_uint generation;        /* bumped once per job */
     atomic_int num_pending;        /* helpers not yet done with the current job */
     atomic_int num_sleeping;
-    const OneRow *job;
+    const Product *job;
     long per;                      /* columns per span; span i is [i*per, (i+1)*per) */
     int is_ksplit;                 /* the job is split by K blocks (ksplit), not columns */
     int num_helpers;               /* helper i runs span i + 1; reset in a forked child */
@@ -510,7 +510,7 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static void run_span(const OneRow *p, long per, int span)
+static void run_span(const Product *p, long per, int span)
 {
     const long j0 = span * per, j1 = (span + 1) * per;
     if (j0 < p->n) run_rows(p, j0, j1 < p->n ? j1 : p->n);
@@ -532,7 +532,7 @@ static struct {
 } ks;
 
 /* Plan the blocks (held: busy); 0 when the product does not fit the plan. */
-static int ksplit_plan(const OneRow *p, int num_threads)
+static int ksplit_plan(const Product *p, int num_threads)
 {
     long load[MAX_THREADS] = {0};
     int nb = 0;
@@ -564,7 +564,7 @@ static int ksplit_plan(const OneRow *p, int num_threads)
     return 1;
 }
 
-static void ksplit_span(const OneRow *p, int thread)
+static void ksplit_span(const Product *p, int thread)
 {
 #if defined(__x86_64__)
     const long n = p->n, n8 = n & ~7L;
@@ -636,7 +636,7 @@ static int pool_grow(int wanted)
     return pool.num_helpers;
 }
 
-static void run_threads(const OneRow *p)
+static void run_threads(const Product *p)
 {
     int num_threads = p->num_threads;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
@@ -677,8 +677,8 @@ static void run_threads(const OneRow *p)
 }
 
 /* Map a cblas_sgemm call with one row, one column, or 2..MAX_ROWS rows of x @ W.T onto
- * OneRow; 0 when the call is not routed. */
-static int make_onerow(OneRow *p, int order, int trans_a, int trans_b, int M, int N, int K,
+ * Product; 0 when the call is not routed. */
+static int make_product(Product *p, int order, int trans_a, int trans_b, int M, int N, int K,
                        float alpha, const float *A, int lda, const float *B, int ldb,
                        float beta, float *C, int ldc)
 {
@@ -709,7 +709,7 @@ static int make_onerow(OneRow *p, int order, int trans_a, int trans_b, int M, in
         if (!multi.is_ok[is_threaded][M][is_ta][is_tb]) return 0;
     }
     if (N != 1) {  /* M rows of C: v = rows of op(A), w(j, k) = op(B)[k][j] */
-        *p = (OneRow){.n = N, .num_rows = M, .v = A, .incv = is_ta ? lda : 1, .incv_row = is_ta ? 1 : lda,
+        *p = (Product){.n = N, .num_rows = M, .v = A, .incv = is_ta ? lda : 1, .incv_row = is_ta ? 1 : lda,
                       .w = B, .sj = is_tb ? ldb : 1, .sk = is_tb ? 1 : ldb, .out = C, .ldo = 1,
                       .ldo_row = ldc, .tile_orders = all_chain, .tail_orders = all_chain};
         if (M > 1) {
@@ -717,7 +717,7 @@ static int make_onerow(OneRow *p, int order, int trans_a, int trans_b, int M, in
             p->tail_orders = multi.orders[is_threaded][M][1];
         }
     } else {  /* one column of C: v = column of op(B), w(j, k) = op(A)[j][k] */
-        *p = (OneRow){.n = M, .num_rows = 1, .v = B, .incv = is_tb ? 1 : ldb, .w = A,
+        *p = (Product){.n = M, .num_rows = 1, .v = B, .incv = is_tb ? 1 : ldb, .w = A,
                       .sj = is_ta ? 1 : lda, .sk = is_ta ? lda : 1, .out = C, .ldo = ldc,
                       .tile_orders = all_chain, .tail_orders = all_chain};
     }
@@ -753,9 +753,9 @@ static int find_other_sgemm(struct dl_phdr_info *info, size_t size, void *data)
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
 {
-    OneRow p;
+    Product p;
     if (atomic_load_explicit(&is_routing, memory_order_relaxed) &&
-        make_onerow(&p, order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+        make_product(&p, order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
         run_threads(&p);
         atomic_fetch_add_explicit(&num_routed, 1, memory_order_relaxed);
         return;
@@ -804,8 +804,8 @@ static int agrees(int order, int ta, int tb, int M, int N, int K, float alpha, f
     if (beta == 0.0f) for (long i = 0; i < nc; i++) c1[i] = NAN;  /* must not be read */
     memcpy(c2, c1, sizeof(float) * nc);
     real_sgemm(order, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c1, ldc);
-    OneRow p;
-    int ok = make_onerow(&p, order, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c2, ldc);
+    Product p;
+    int ok = make_product(&p, order, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c2, ldc);
     if (ok) {
         run_threads(&p);
         ok = memcmp(c1, c2, sizeof(float) * nc) == 0;
@@ -897,7 +897,7 @@ static void calibrate_rows(int is_threaded)
             for (int o = 0; o < NUM_ORDERS; o++) {
                 unsigned char orders[MAX_ROWS];
                 memset(orders, o, sizeof(orders));
-                OneRow p = {.n = n, .k = k, .num_rows = m, .v = x, .incv = 1, .incv_row = k, .w = w,
+                Product p = {.n = n, .k = k, .num_rows = m, .v = x, .incv = 1, .incv_row = k, .w = w,
                             .sj = k, .sk = 1, .out = c_ours, .ldo = 1, .ldo_row = n, .alpha = 1.0f,
                             .beta = 0.0f, .is_threaded = is_threaded, .num_threads = blas_get_threads(),
                             .tile_orders = orders, .tail_orders = orders};

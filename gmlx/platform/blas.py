@@ -181,7 +181,7 @@ def loaded_sgemm_library() -> ctypes.CDLL | None:
 
 
 def set_routing(is_on: bool) -> bool:
-    """Switch one-row routing off or back on (tests, benchmarks); returns the new state."""
+    """Switch the interposer's routing off or back on (tests, benchmarks); returns the new state."""
     if _state.interposer is None or _state.interposer_status != 0:
         return False
     return bool(_state.interposer.gmlx_interposer_set_routing(int(is_on)))
@@ -199,7 +199,7 @@ def routes_input_major() -> bool:
 
 
 def routing_counts() -> tuple[int, int]:
-    """(calls routed to the one-row kernel, calls passed to the real sgemm) so far."""
+    """(calls routed to the interposer's kernels, calls passed to the real sgemm) so far."""
     if _state.interposer is None:
         return 0, 0
     routed, passed = ctypes.c_long(), ctypes.c_long()
