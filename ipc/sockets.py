@@ -9,13 +9,13 @@ from ipc import messages as m
 HWM_MESSAGES = 100_000  # per peer; far above what a healthy peer ever queues
 
 
-def bind_router(ctx: zmq.Context, address: str) -> zmq.Socket:
+def bind_router(ctx: zmq.Context, address: str, max_frame_bytes: int = m.MAX_FRAME_BYTES) -> zmq.Socket:
     """A ROUTER bound at `address`; ValueError naming the address if it cannot bind."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises instead of vanishing
     sock.setsockopt(zmq.SNDHWM, HWM_MESSAGES)
     sock.setsockopt(zmq.RCVHWM, HWM_MESSAGES)
-    sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)  # bigger frames drop the connection
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # bigger frames drop the connection
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.bind(address)

@@ -31,12 +31,13 @@ from ipc.sockets import bind_router, bind_sub_beside, recv_all
 from workers.streams import ClientRequest, Phase
 from workers.stats import StatsQueries, merge_worker_stats
 from workers.supervisor import WorkerHandle, WorkerPool, WorkerSpec, WorkerState
-from workers.tokenizer import load_tokenizer
-from workers.validate import InvalidRequest, ModelLimits, validate_generate
+from workers.tokenizer import load_tokenizer, max_token_bytes
+from workers.validate import InvalidRequest, ModelLimits, prompt_byte_limit, validate_generate
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 20  # the loop's longest sleep: bounds how late a dead worker is noticed
+BUSY_RETRY_AFTER_MS = 200  # the hint in a "busy" ERROR: about one pending batch's worth of rounds
 
 
 @dataclass
@@ -116,7 +117,7 @@ class Frontend:
         reclaim_stale_segments()
         self._bus = RequestBus.create(self.config.num_bus_slots, self.config.max_prompt_tokens)
         ctx = self._context
-        self._clients = bind_router(ctx, self.config.address)
+        self._clients = bind_router(ctx, self.config.address, m.MAX_CLIENT_FRAME_BYTES)
         self._workers = bind_router(ctx, self.config.worker_address)
         worker_endpoint = self._workers.getsockopt_string(zmq.LAST_ENDPOINT)
         self._rounds = bind_sub_beside(ctx, worker_endpoint)
@@ -186,27 +187,38 @@ class Frontend:
     # --- clients -------------------------------------------------------------------------
 
     def _on_client_message(self, client_id: bytes, frames: list[bytes]) -> None:
+        # Whatever one message does, it fails only itself: the loop and other requests go on.
         try:
             msg = m.decode_json(frames)
             if not isinstance(msg, m.CLIENT_TO_SERVER):
                 raise m.WireError(f"{type(msg).__name__} is not a client message", field="type")
         except m.WireError as e:
             self.num_rejected += 1
-            is_small_generate = len(frames) == 2 and frames[0] == m.Generate.TAG and len(frames[1]) <= m.MAX_MESSAGE_BYTES
-            ref = m.peek_ref(frames[1]) if is_small_generate else None
-            self._reply(client_id, m.Error(message=str(e), ref=ref, field=e.field))
+            self._reply(client_id, m.Error(message=str(e), ref=_readable_ref(frames), field=e.field))
             return
-        if isinstance(msg, m.Generate):
-            self._on_generate(client_id, msg)
-        elif isinstance(msg, m.Cancel):
-            self._on_cancel(client_id, msg.request_id)
-        else:
-            self._on_stats(client_id, msg.ref)
+        try:
+            if isinstance(msg, m.Generate):
+                self._on_generate(client_id, msg)
+            elif isinstance(msg, m.Cancel):
+                self._on_cancel(client_id, msg.request_id)
+            else:
+                self._on_stats(client_id, msg.ref)
+        except Exception as e:  # a front-end bug met by this message: answer it, keep serving
+            logger.exception("a %s message failed", type(msg).__name__)
+            self.num_rejected += 1
+            ref = getattr(msg, "ref", None)
+            self._reply(client_id, m.Error(message=f"internal error: {type(e).__name__}",
+                                           ref=ref if isinstance(ref, str) else None))
 
     def _on_generate(self, client_id: bytes, msg: m.Generate) -> None:
-        if self._drain_deadline_s is not None or len(self._pending) >= self.config.max_pending_requests:
-            reason = "the server is shutting down" if self._drain_deadline_s is not None else "the server is busy"
-            self._reply(client_id, m.Error(message=reason, ref=msg.ref))
+        if self._drain_deadline_s is not None:
+            self.num_rejected += 1
+            self._reply(client_id, m.Error(message="the server is shutting down", ref=msg.ref))
+            return
+        if len(self._pending) >= self.config.max_pending_requests:
+            self.num_rejected += 1
+            self._reply(client_id, m.Error(message="the server is busy", ref=msg.ref,
+                                           retry_after_ms=BUSY_RETRY_AFTER_MS))
             return
         try:
             payload, stop = validate_generate(msg, self._tokenizer, self._limits)
@@ -267,7 +279,13 @@ class Frontend:
             if worker is None:
                 return
             req = self._pending[0]
-            placed = self._bus.write(req.payload)
+            try:
+                placed = self._bus.write(req.payload)
+            except ValueError as e:  # validation should have caught it; fail this request only
+                logger.error("request %s does not fit the bus: %s", req.request_id, e)
+                self._pending.popleft()
+                self._send_client(req, req.fail(f"the request cannot be carried to a worker: {e}"))
+                continue
             if placed is None:
                 return  # the bus is full: a TAKEN frees a slot
             slot, generation = placed
@@ -293,6 +311,12 @@ class Frontend:
         except m.WireError as e:
             logger.warning("dropping a bad worker message: %s", e)
             return
+        try:
+            self._on_worker_decoded(routing_id, msg)
+        except Exception:  # a malformed but decodable message: drop it, not the front-end
+            logger.exception("dropping a worker %s message that failed", type(msg).__name__)
+
+    def _on_worker_decoded(self, routing_id: bytes, msg: m.Message) -> None:
         if isinstance(msg, m.Hello):
             self._on_hello(routing_id, msg)
             return
@@ -330,7 +354,9 @@ class Frontend:
         self._tokenizer, self._decoder = load_tokenizer(hello.model_path)
         self._model_path = hello.model_path
         max_prompt_tokens = min(hello.max_context_tokens - 1, self._bus.max_tokens)
-        self._limits = ModelLimits(vocab_size=hello.vocab_size, max_prompt_tokens=max_prompt_tokens)
+        max_prompt_bytes = prompt_byte_limit(max_prompt_tokens, max_token_bytes(self._tokenizer))
+        self._limits = ModelLimits(vocab_size=hello.vocab_size, max_prompt_tokens=max_prompt_tokens,
+                                   max_prompt_bytes=max_prompt_bytes)
         logger.info("tokenizer loaded from %s", hello.model_path)
 
     def _on_published(self, frames: list[bytes]) -> None:
@@ -338,6 +364,14 @@ class Frontend:
             msg = m.decode_msgpack(frames)
         except m.WireError as e:
             logger.warning("dropping a bad published message: %s", e)
+            return
+        try:
+            self._on_published_decoded(msg)
+        except Exception:
+            logger.exception("dropping a published %s message that failed", type(msg).__name__)
+
+    def _on_published_decoded(self, msg: m.Message) -> None:
+        if not hasattr(msg, "worker_id"):
             return
         worker = self._pool.workers.get(msg.worker_id)
         if worker is None:
@@ -395,6 +429,13 @@ class Frontend:
                          num_cancelled=self.num_cancelled,
                          model=self._model_path)
             self._reply(query.client_id, m.StatsReply(ref=query.ref, stats=stats))
+
+
+def _readable_ref(frames: list[bytes]) -> str | None:
+    """The `ref` of a GENERATE or STATS that failed to decode, when it can be read cheaply."""
+    if len(frames) != 2 or bytes(frames[0]) not in (m.Generate.TAG, m.StatsRequest.TAG):
+        return None
+    return m.peek_ref(frames[1])
 
 
 def _import_tokenizer_lib() -> None:
