@@ -9,7 +9,7 @@ docs/protocol.md is the reference for every field.
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 import numpy as np
@@ -19,13 +19,16 @@ MAX_FRAME_BYTES = 64 << 20  # ZMQ_MAXMSGSIZE: a peer sending more is disconnecte
 MAX_CLIENT_FRAME_BYTES = 2 << 20  # the client link's ZMQ_MAXMSGSIZE: one message costs at most this
 # Every limit below is checked before any work and documented in docs/protocol.md, "Limits".
 MAX_NESTING_DEPTH = 16  # JSON arrays/objects inside each other; a GENERATE needs 2
-MAX_REF_BYTES = 256  # `ref` and `request_id` strings
+MAX_REF_CHARS = 256  # `ref` and `request_id` strings, checked as the body is decoded
 U32_MAX = 2**32 - 1  # the bus slot's width for max_tokens and top_k
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     TAG: ClassVar[bytes] = b""
+
+
+Key = Annotated[str, msgspec.Meta(max_length=MAX_REF_CHARS)]  # a client's ref or a request id
 
 
 # --- client link (JSON) -----------------------------------------------------------------
@@ -35,7 +38,7 @@ class Generate(Message, frozen=True):
     """Client -> front-end: start a request. Exactly one of prompt / token_ids."""
 
     TAG: ClassVar[bytes] = b"G"
-    ref: str  # the client's key for this request, echoed in ACCEPTED and ERROR
+    ref: Key  # the client's key for this request, echoed in ACCEPTED and ERROR
     prompt: str | None = None
     token_ids: list[int] | None = None
     max_tokens: int = 64
@@ -51,12 +54,12 @@ class Cancel(Message, frozen=True):
     """Client -> front-end: end a request early."""
 
     TAG: ClassVar[bytes] = b"C"
-    request_id: str
+    request_id: Key
 
 
 class StatsRequest(Message, frozen=True):
     TAG: ClassVar[bytes] = b"S"
-    ref: str
+    ref: Key
 
 
 class Accepted(Message, frozen=True):
@@ -314,7 +317,7 @@ def peek_ref(body: bytes) -> str | None:
     except (msgspec.DecodeError, RecursionError):
         return None
     ref = obj.ref
-    return ref if isinstance(ref, str) and len(ref) <= MAX_REF_BYTES else None
+    return ref if isinstance(ref, str) and len(ref) <= MAX_REF_CHARS else None
 
 
 class _RefOnly(msgspec.Struct):

@@ -110,7 +110,8 @@ def test_a_huge_prompt_is_refused_before_tokenizing(server, sock):
 def test_stop_strings_are_bounded(server, sock):
     expect_error(sock, make_generate("many", stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop", "many")
     expect_error(sock, make_generate("long", stop=["y" * (MAX_STOP_BYTES + 1)]), "stop", "long")
-    expect_error(sock, make_generate("r" * (m.MAX_REF_BYTES + 1)), "ref", "r" * (m.MAX_REF_BYTES + 1))
+    expect_error(sock, make_generate("r" * (m.MAX_REF_CHARS + 1)), "ref", None)
+    expect_error(sock, [b"S", json.dumps({"ref": "s" * (m.MAX_REF_CHARS + 1)}).encode()], "ref", None)
     assert_serves(sock)
 
 

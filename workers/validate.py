@@ -75,8 +75,6 @@ def validate_generate(msg: m.Generate, tokenizer, limits: ModelLimits) -> tuple[
 
 def _check_limits(msg: m.Generate, limits: ModelLimits) -> None:
     """Sizes and integer ranges: constant time per field, before anything is tokenized."""
-    if len(msg.ref.encode("utf-8", "surrogatepass")) > m.MAX_REF_BYTES:
-        raise InvalidRequest(f"ref: longer than {m.MAX_REF_BYTES} bytes", "ref")
     for name, maximum in (("max_tokens", MAX_MAX_TOKENS), ("top_k", MAX_TOP_K)):
         value = getattr(msg, name)
         if isinstance(value, int) and value > maximum:  # the type itself is SamplingParams' to check
