@@ -74,8 +74,10 @@ def _check_drafter(drafter: str) -> str:
               help="Where workers connect (port * = any free port).")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="After SIGTERM, how long in-flight requests get to finish.")
+@click.option("--supervise/--no-supervise", default=True, show_default=True,
+              help="Run the front-end as a child that is started again if it dies.")
 def serve(model, drafter, address, num_workers, speculative_width_cap, config_file, worker_address,
-          drain_timeout_s) -> None:
+          drain_timeout_s, supervise) -> None:
     """Serve a model: a front-end at ADDRESS and N decode workers."""
     from workers.frontend import Frontend, FrontendConfig
     from workers.supervisor import WorkerSpec
@@ -88,6 +90,11 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     if speculative_width_cap is None:
         speculative_width_cap = entry.get("speculative_width_cap")
     _configure_logging()
+    if supervise:
+        from workers.supervisor import supervise_frontend
+
+        sys.exit(supervise_frontend(_frontend_command(model_path, drafter, address, num_workers,
+                                                      speculative_width_cap, worker_address, drain_timeout_s)))
     spec = WorkerSpec(model_path=model_path and os.path.abspath(os.path.expanduser(model_path)),
                       drafter=drafter, speculative_width_cap=speculative_width_cap)
     config = FrontendConfig(address=address, worker_address=worker_address, num_workers=num_workers,
@@ -105,6 +112,19 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     except ValueError as e:  # an address that cannot be bound
         raise click.UsageError(str(e)) from None
     sys.exit(code)
+
+
+def _frontend_command(model_path, drafter, address, num_workers, speculative_width_cap, worker_address,
+                      drain_timeout_s) -> list[str]:
+    """The supervised child: this command with every option resolved, and --no-supervise."""
+    cmd = [sys.executable, "-m", "workers.cli_serve", "--no-supervise", "--address", address,
+           "--workers", str(num_workers), "--drafter", drafter, "--worker-address", worker_address,
+           "--drain-timeout-s", str(drain_timeout_s)]
+    if model_path is not None:
+        cmd += ["--model", os.path.abspath(os.path.expanduser(model_path))]
+    if speculative_width_cap is not None:
+        cmd += ["--speculative-width-cap", str(speculative_width_cap)]
+    return cmd
 
 
 def _configure_logging() -> None:

@@ -30,7 +30,7 @@ from ipc.bus import RequestBus, reclaim_stale_segments
 from ipc.sockets import bind_router, bind_sub_beside, recv_all
 from workers.streams import ClientRequest, Phase
 from workers.stats import StatsQueries, merge_worker_stats
-from workers.supervisor import WorkerHandle, WorkerPool, WorkerSpec, WorkerState
+from workers.supervisor import EXIT_FRONTEND_FAILED, WorkerHandle, WorkerPool, WorkerSpec, WorkerState
 from workers.tokenizer import load_tokenizer, max_token_bytes
 from workers.validate import InvalidRequest, ModelLimits, prompt_byte_limit, validate_generate
 
@@ -47,7 +47,7 @@ class FrontendConfig:
     num_workers: int = 1  # workers this process starts (0 = only gmlx-worker processes started by hand)
     drain_timeout_s: float = 30.0  # after SIGTERM, in-flight requests get this long to finish
     heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 10.0  # a ready worker silent this long is declared dead
+    heartbeat_timeout_s: float = 2.0  # a ready worker silent this long is dead (heartbeats come from a thread, mid-round too)
     startup_timeout_s: float = 300.0  # spawn -> READY
     num_bus_slots: int = 64
     max_prompt_tokens: int = 32768  # bus slot capacity
@@ -106,7 +106,7 @@ class Frontend:
                     return 0
         except Exception:  # a front-end bug: fail loudly, but still stop the workers and unlink the bus
             logger.exception("the front-end failed")
-            return 1
+            return EXIT_FRONTEND_FAILED if self._is_serving else 1
 
     # --- start and stop ------------------------------------------------------------------
 
@@ -398,11 +398,20 @@ class Frontend:
     def _on_worker_dead(self, worker: WorkerHandle, reason: str) -> None:
         if worker.state == WorkerState.DEAD:
             return
-        logger.error("%s; %d requests lost", reason, len(worker.request_ids))
-        for request_id in list(worker.request_ids):
+        requeued, lost = [], []
+        for request_id in sorted(worker.request_ids, key=lambda r: int(r[1:])):
             req = self._requests.get(request_id)
-            if req is not None:
-                self._send_client(req, req.fail(f"{reason}; the request was lost"))
+            if req is None:
+                continue
+            # Nothing streamed yet: the client cannot tell a fresh start from the first one.
+            (requeued if req.phase == Phase.INJECTED and req.next_row_seq == 0 else lost).append(req)
+        logger.error("%s; %d requests lost, %d not started re-queued", reason, len(lost), len(requeued))
+        for req in lost:
+            self._send_client(req, req.fail(f"{reason}; the request was lost"))
+        for req in reversed(requeued):
+            req.phase, req.worker_id = Phase.PENDING, None
+            self._pending.appendleft(req)
+        worker.request_ids.clear()
         for slot in worker.slots:
             self._bus.release(slot)
         worker.slots.clear()

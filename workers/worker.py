@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import click
@@ -30,6 +31,58 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 60.0  # HELLO -> WELCOME -> READY -> START
 READY_RESEND_S = 0.05
 FRONTEND_TIMEOUT_S = 15.0  # no message from the front-end for this long: it is gone, exit
+EXIT_GRACE_S = 1.0  # the front-end's connection dropped: the loop gets this long to end a round
+EXIT_FRONTEND_LOST = 4  # exit code when the front-end went away
+
+
+class Watchdog(threading.Thread):
+    """Heartbeats and front-end loss, on a thread of their own: decode progress says
+    nothing about liveness (a CPU round can take seconds), and a dropped connection to the
+    front-end must end the worker within 2 s even mid-round.
+
+    It owns a second PUB socket for the heartbeats and the DEALER's monitor socket (a
+    ZeroMQ socket is used by one thread only); mx.eval releases the GIL, so it runs during
+    a round."""
+
+    def __init__(self, worker: "Worker", pub_address: str, monitor: zmq.Socket):
+        super().__init__(name="gmlx-watchdog", daemon=True)
+        self._worker = worker
+        self._pub_address = pub_address
+        self._monitor = monitor
+        self._is_done = threading.Event()
+
+    def stop(self) -> None:
+        self._is_done.set()
+
+    def run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        worker = self._worker
+        pub = worker._context.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(self._pub_address)
+        interval_ms = max(1, int(worker._heartbeat_interval_s * 1000))
+        try:
+            while not self._is_done.is_set():
+                if self._monitor.poll(interval_ms, zmq.POLLIN):
+                    event = recv_monitor_message(self._monitor)
+                    if event["event"] == zmq.EVENT_DISCONNECTED and not self._is_done.is_set():
+                        self._on_frontend_lost()
+                        return
+                    continue
+                heartbeat = m.Heartbeat(worker_id=worker.worker_id, num_unfinished=len(worker._next_seq))
+                pub.send_multipart(m.encode_msgpack(heartbeat))
+        finally:
+            pub.close()
+            self._monitor.close()
+
+    def _on_frontend_lost(self) -> None:
+        logger.error("worker %d: the front-end's connection dropped; stopping", self._worker.worker_id)
+        self._worker.is_stopping = True
+        self._worker.is_frontend_lost = True
+        if not self._is_done.wait(EXIT_GRACE_S):  # mid-round: nobody will read the result
+            logger.error("worker %d: still in a round after %.1f s; exiting now", self._worker.worker_id, EXIT_GRACE_S)
+            os._exit(EXIT_FRONTEND_LOST)
 
 
 class Worker:
@@ -53,7 +106,9 @@ class Worker:
         self._num_rounds = 0
         self._last_publish_s = 0.0
         self._last_frontend_s = time.monotonic()
+        self._watchdog: Watchdog | None = None
         self.is_stopping = False
+        self.is_frontend_lost = False
 
     # --- handshake ---
 
@@ -78,6 +133,10 @@ class Worker:
                 if time.monotonic() >= deadline_s:
                     raise
         self._last_frontend_s = time.monotonic()
+        monitor = self._dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        pub_address = connect_address(welcome.pub_address, self._connect_address)
+        self._watchdog = Watchdog(self, pub_address, monitor)
+        self._watchdog.start()
         logger.info("worker %d ready (pid %d, model %s)", self.worker_id, os.getpid(), engine.model_path)
 
     def _wait_for(self, kind: type, deadline_s: float):
@@ -103,7 +162,7 @@ class Worker:
                 if outputs or self._pending_outputs:
                     self._publish_round(outputs)
                 self._tick()
-            return 0
+            return EXIT_FRONTEND_LOST if self.is_frontend_lost else 0
         except Exception as e:  # a fatal engine error: tell the front-end, then exit
             logger.exception("worker %d failed", self.worker_id)
             self._send_dead(f"{type(e).__name__}: {e}")
@@ -195,9 +254,7 @@ class Worker:
 
     def _tick(self) -> None:
         now_s = time.monotonic()
-        if now_s - self._last_publish_s >= self._heartbeat_interval_s:
-            self._publish(m.Heartbeat(worker_id=self.worker_id, num_unfinished=len(self._next_seq)))
-        # Pings wait unread while a step runs; only an empty queue means a silent front-end.
+        # Heartbeats come from the watchdog thread. Pings wait unread while a step runs; only an empty queue means a silent front-end.
         if now_s - self._last_frontend_s > FRONTEND_TIMEOUT_S and not self._dealer.poll(0, zmq.POLLIN):
             logger.error("no message from the front-end for %.0f s: exiting", FRONTEND_TIMEOUT_S)
             self.is_stopping = True
@@ -220,10 +277,14 @@ class Worker:
             logger.exception("could not send DEAD")
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog.join(2.0)
         if self._bus is not None:
             self._bus.close()
-        self._dealer.close()
-        self._pub.close()
+        linger_ms = 0 if self.is_frontend_lost else None  # nobody is left to read what is queued
+        self._dealer.close(linger=linger_ms)
+        self._pub.close(linger=linger_ms)
         self._context.term()
 
 
@@ -263,6 +324,9 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
         code = 3
     finally:
         worker.close()
+    if worker.is_frontend_lost:  # skip the interpreter's teardown of mlx and transformers (~1 s)
+        logging.shutdown()
+        os._exit(code)
     sys.exit(code)
 
 
