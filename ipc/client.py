@@ -26,6 +26,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from ipc import messages as m
+from ipc.auth import secure_client_socket
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +165,10 @@ def _check(msg, stream: _Stream, expected_seq: int):
     return msg
 
 
-def _make_socket(ctx, address: str):
+def _make_socket(ctx, address: str, curve_dir: str | None):
     sock = ctx.socket(zmq.DEALER)
+    if curve_dir is not None:
+        secure_client_socket(sock, curve_dir)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)  # replies are never dropped: the server sends each once
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
@@ -182,10 +185,11 @@ def _lost_message(address: str) -> str:
 class Client:
     """A blocking client. Not thread-safe: use one per thread."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(self, address: str, timeout_s: float = 30.0, curve_dir: str | None = None):
+        """curve_dir: a `gmlx keys` folder (server.key, client.key_secret) for a CURVE server."""
         self.address = address
         self.timeout_s = timeout_s
-        self._sock, self._monitor = _make_socket(zmq.Context.instance(), address)
+        self._sock, self._monitor = _make_socket(zmq.Context.instance(), address, curve_dir)
         self._router = _Router()
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -254,10 +258,10 @@ class Client:
 class AsyncClient:
     """The asyncio twin of Client: `async for chunk in client.generate(...)`."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(self, address: str, timeout_s: float = 30.0, curve_dir: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._sock, self._monitor = _make_socket(zmq.asyncio.Context.instance(), address)
+        self._sock, self._monitor = _make_socket(zmq.asyncio.Context.instance(), address, curve_dir)
         self._router = _Router()
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None

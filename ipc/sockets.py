@@ -9,9 +9,13 @@ from ipc import messages as m
 HWM_MESSAGES = 100_000  # per peer; far above what a healthy peer ever queues
 
 
-def bind_router(ctx: zmq.Context, address: str, max_frame_bytes: int = m.MAX_FRAME_BYTES) -> zmq.Socket:
-    """A ROUTER bound at `address`; ValueError naming the address if it cannot bind."""
+def bind_router(ctx: zmq.Context, address: str, max_frame_bytes: int = m.MAX_FRAME_BYTES,
+                secure=None) -> zmq.Socket:
+    """A ROUTER bound at `address`; ValueError naming the address if it cannot bind.
+    `secure(sock)` sets its security mechanism, which must precede the bind."""
     sock = ctx.socket(zmq.ROUTER)
+    if secure is not None:
+        secure(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises instead of vanishing
     sock.setsockopt(zmq.SNDHWM, HWM_MESSAGES)
     sock.setsockopt(zmq.RCVHWM, HWM_MESSAGES)
@@ -25,9 +29,11 @@ def bind_router(ctx: zmq.Context, address: str, max_frame_bytes: int = m.MAX_FRA
     return sock
 
 
-def bind_sub_beside(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def bind_sub_beside(ctx: zmq.Context, endpoint: str, secure=None) -> zmq.Socket:
     """A SUB socket bound next to `endpoint` (same host, any free port) taking every topic."""
     sock = ctx.socket(zmq.SUB)
+    if secure is not None:
+        secure(sock)
     sock.setsockopt(zmq.RCVHWM, 0)  # never drop a round: gaps would fail requests
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.LINGER, 0)

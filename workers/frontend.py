@@ -15,8 +15,10 @@ gmlx.textstream, and the worker's decode thread never detokenizes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import shutil
 import threading
 import time
 from collections import deque
@@ -26,6 +28,7 @@ import zmq
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
+from ipc.auth import ServerAuth, is_loopback, make_worker_secret, read_worker_secret
 from ipc.bus import RequestBus, reclaim_stale_segments
 from ipc.sockets import bind_router, bind_sub_beside, recv_all
 from workers.streams import ClientRequest, Phase
@@ -53,6 +56,9 @@ class FrontendConfig:
     max_prompt_tokens: int = 32768  # bus slot capacity
     max_pending_requests: int = 4096  # accepted but not yet on a worker
     stats_timeout_s: float = 2.0
+    curve_dir: str | None = None  # `gmlx keys` folder: clients must authenticate with CURVE
+    is_insecure: bool = False  # allow a non-loopback client address without CURVE keys
+    worker_secret_file: str | None = None  # owner-only file with the worker secret (None: make one)
 
 
 class Frontend:
@@ -114,13 +120,23 @@ class Frontend:
         # transformers takes seconds to import: overlap it with the workers loading the model.
         self._tokenizer_import = threading.Thread(target=_import_tokenizer_lib, daemon=True)
         self._tokenizer_import.start()
+        config = self.config
+        if not is_loopback(config.address) and config.curve_dir is None and not config.is_insecure:
+            raise ValueError(insecure_bind_message(config.address))
+        if config.worker_secret_file is not None:
+            secret, secret_path = read_worker_secret(config.worker_secret_file), config.worker_secret_file
+        else:
+            secret, secret_path = make_worker_secret()
+            self._secret_dir = secret_path.parent
+        self.spec = dataclasses.replace(self.spec, secret_file=str(secret_path))
+        ctx = self._context
+        self._auth = ServerAuth(ctx, config.curve_dir, secret)
         reclaim_stale_segments()
         self._bus = RequestBus.create(self.config.num_bus_slots, self.config.max_prompt_tokens)
-        ctx = self._context
-        self._clients = bind_router(ctx, self.config.address, m.MAX_CLIENT_FRAME_BYTES)
-        self._workers = bind_router(ctx, self.config.worker_address)
+        self._clients = bind_router(ctx, self.config.address, m.MAX_CLIENT_FRAME_BYTES, self._auth.secure_clients)
+        self._workers = bind_router(ctx, self.config.worker_address, secure=self._auth.secure_workers)
         worker_endpoint = self._workers.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._rounds = bind_sub_beside(ctx, worker_endpoint)
+        self._rounds = bind_sub_beside(ctx, worker_endpoint, self._auth.secure_workers)
         self._rounds_endpoint = self._rounds.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(self._workers, zmq.POLLIN)
@@ -129,7 +145,8 @@ class Frontend:
                                 self.config.startup_timeout_s)
         for _ in range(self.config.num_workers):
             self._pool.spawn()
-        logger.info("front-end: clients at %s, workers at %s", self.config.address, worker_endpoint)
+        logger.info("front-end: clients at %s, workers at %s (a worker started by hand needs "
+                    "--secret-file %s)", self.config.address, worker_endpoint, secret_path)
 
     def _can_serve(self) -> bool:
         num_ready = len(self._pool.ready_workers())
@@ -142,7 +159,11 @@ class Frontend:
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(linger=1000 if name == "_clients" else 0)  # let final chunks out
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()
         self._context.term()
+        if getattr(self, "_secret_dir", None) is not None:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
         if self._bus is not None:
             self._bus.close()
             self._bus = None
@@ -438,6 +459,12 @@ class Frontend:
                          num_cancelled=self.num_cancelled,
                          model=self._model_path)
             self._reply(query.client_id, m.StatsReply(ref=query.ref, stats=stats))
+
+
+def insecure_bind_message(address: str) -> str:
+    return (f"refusing to serve {address} without authentication: it is not a loopback address. "
+            "Make CURVE keys with `gmlx keys DIR` and pass --curve-dir DIR (clients use the same DIR), "
+            "or pass --insecure to serve it unauthenticated")
 
 
 def _readable_ref(frames: list[bytes]) -> str | None:

@@ -54,9 +54,12 @@ class WorkerSpec:
     model_path: str | None = None
     drafter: str = "none"
     speculative_width_cap: int | None = None
+    secret_file: str | None = None  # the worker link's shared secret (owner-only file)
 
     def command(self, connect_address: str) -> list[str]:
         cmd = [sys.executable, "-m", "workers.worker", "--connect", connect_address, "--drafter", self.drafter]
+        if self.secret_file is not None:
+            cmd += ["--secret-file", self.secret_file]
         if self.model_path is not None:
             cmd += ["--model", self.model_path]
         if self.speculative_width_cap is not None:

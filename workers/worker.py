@@ -23,6 +23,7 @@ import click
 import zmq
 
 from ipc import messages as m
+from ipc.auth import read_worker_secret, secure_worker_socket
 from ipc.bus import RequestBus, StaleSlotError
 from ipc.sockets import connect_address
 
@@ -60,6 +61,7 @@ class Watchdog(threading.Thread):
         worker = self._worker
         pub = worker._context.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
+        secure_worker_socket(pub, worker._secret)
         pub.connect(self._pub_address)
         interval_ms = max(1, int(worker._heartbeat_interval_s * 1000))
         try:
@@ -88,8 +90,9 @@ class Watchdog(threading.Thread):
 class Worker:
     """Wraps an engine with the sockets; run() returns the process exit code."""
 
-    def __init__(self, engine, connect_address: str, drafter: str):
+    def __init__(self, engine, connect_address: str, drafter: str, secret: str):
         self.engine = engine
+        self._secret = secret
         self._connect_address = connect_address
         self._drafter = drafter
         self._context = zmq.Context()
@@ -98,6 +101,8 @@ class Worker:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the front-end reads every round
         self._pub.setsockopt(zmq.LINGER, 1000)
+        for sock in (self._dealer, self._pub):  # the front-end refuses workers without the secret
+            secure_worker_socket(sock, secret)
         self._bus: RequestBus | None = None
         self.worker_id = -1
         self._heartbeat_interval_s = 0.5
@@ -109,6 +114,7 @@ class Worker:
         self._watchdog: Watchdog | None = None
         self.is_stopping = False
         self.is_frontend_lost = False
+        self._is_shutdown_received = False  # a SHUTDOWN, not a lost front-end, ended the loop
 
     # --- handshake ---
 
@@ -162,7 +168,7 @@ class Worker:
                 if outputs or self._pending_outputs:
                     self._publish_round(outputs)
                 self._tick()
-            return EXIT_FRONTEND_LOST if self.is_frontend_lost else 0
+            return EXIT_FRONTEND_LOST if self.is_frontend_lost and not self._is_shutdown_received else 0
         except Exception as e:  # a fatal engine error: tell the front-end, then exit
             logger.exception("worker %d failed", self.worker_id)
             self._send_dead(f"{type(e).__name__}: {e}")
@@ -191,7 +197,7 @@ class Worker:
                 stats = dict(self.engine.stats())
                 self._send(m.StatsAnswer(worker_id=self.worker_id, query_id=msg.query_id, stats=stats))
             elif isinstance(msg, m.Shutdown):
-                self.is_stopping = True
+                self.is_stopping = self._is_shutdown_received = True
         if taken_slots:
             self._send(m.Taken(worker_id=self.worker_id, slots=taken_slots))
 
@@ -300,7 +306,10 @@ def _vocab_size(engine) -> int:
 @click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
 @click.option("--speculative-width-cap", type=click.IntRange(min=0), default=None,
               help="Speculate only while at most N rows decode (0 = uncapped).")
-def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None) -> None:
+@click.option("--secret-file", required=True, type=click.Path(dir_okay=False),
+              help="Owner-only file with the worker secret (the front-end logs its path at start).")
+def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None,
+         secret_file: str) -> None:
     """Run one decode worker for a gmlx front-end."""
     from gmlx.config import EngineConfig, log_level
 
@@ -309,12 +318,16 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
     signal.signal(signal.SIGTERM, lambda *_: _stop_current())
     from gmlx.engine import Engine  # loads the BLAS, then mlx
 
+    try:
+        secret = read_worker_secret(secret_file)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--secret-file") from None
     config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap)
     try:
         engine = Engine.load(config)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    worker = Worker(engine, connect_address, drafter)
+    worker = Worker(engine, connect_address, drafter, secret)
     _CURRENT.append(worker)
     try:
         worker.handshake()
