@@ -71,10 +71,10 @@ def _check_private(path: Path) -> None:
 class ServerAuth:
     """The front-end's ZAP handler: CURVE for clients (when keys are given), PLAIN for workers."""
 
-    def __init__(self, ctx: zmq.Context, curve_dir: str | Path | None, worker_secret: str):
+    def __init__(self, ctx: zmq.Context, curve_dir: str | Path | None):
         self._authenticator = ThreadAuthenticator(ctx)
         self._authenticator.start()
-        self._authenticator.configure_plain(domain="workers", passwords={WORKER_USERNAME: worker_secret})
+        self._authenticator.configure_plain(domain="workers", passwords={})  # nobody until allow_workers
         self._curve = None
         if curve_dir is not None:
             folder = Path(curve_dir).expanduser()
@@ -85,6 +85,9 @@ class ServerAuth:
             _check_private(secret_path)
             self._curve = zmq.auth.load_certificate(str(secret_path))
             self._authenticator.configure_curve(domain="clients", location=str(folder / AUTHORIZED_DIR))
+
+    def allow_workers(self, worker_secret: str) -> None:
+        self._authenticator.configure_plain(domain="workers", passwords={WORKER_USERNAME: worker_secret})
 
     def secure_clients(self, sock: zmq.Socket) -> None:
         if self._curve is not None:
@@ -114,15 +117,29 @@ def secure_worker_socket(sock: zmq.Socket, worker_secret: str) -> None:
     sock.plain_password = worker_secret.encode()
 
 
-def make_worker_secret() -> tuple[str, Path]:
-    """A fresh secret and the owner-only file holding it (for workers started by hand)."""
+def default_secret_path(worker_address: str) -> Path:
+    """Where a front-end bound at `worker_address` keeps its worker secret, so that
+    `gmlx-worker --connect ADDR` run by the same user finds it without --secret-file."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"gmlx-{os.getuid()}"
+    if worker_address.startswith("tcp://"):
+        name = "tcp-" + worker_address.rsplit(":", 1)[1]  # one listener per port, whatever host it was reached by
+    else:
+        name = "".join(c if c.isalnum() else "-" for c in worker_address)
+    return base / f"worker-{name}.secret"
+
+
+def write_worker_secret(path: Path) -> str:
+    """A fresh secret in a new owner-only file at `path` (its folder must be ours, 0700)."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    info = path.parent.stat()
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise ValueError(f"{path.parent} is not a private folder of this user: refusing to keep a secret there")
     secret = secrets.token_hex(SECRET_BYTES)
-    folder = Path(tempfile.mkdtemp(prefix="gmlx-"))  # mode 0700
-    path = folder / "worker.secret"
+    path.unlink(missing_ok=True)  # a stale one from a front-end that died on this port
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret)
-    return secret, path
+    return secret
 
 
 def read_worker_secret(path: str | Path) -> str:

@@ -372,15 +372,11 @@ def test_config_file_and_a_worker_started_by_hand(tmp_path, model_path, engine):
     path_line = "" if model_path == BUILTIN_TARGET else f'path = "{model_path}"\n'
     config.write_text(f"[models.tiny]\n{path_line}drafter = \"ngram\"\nspeculative_width_cap = 2\n")
     worker_address = f"tcp://127.0.0.1:{free_port()}"
-    secret_file = tmp_path / "worker.secret"  # the worker link's shared secret, owner-only
-    secret_file.write_text("s3cret-" * 4)
-    secret_file.chmod(0o600)
     srv = Server("--config", str(config), "--worker-address", worker_address, "--drain-timeout-s", "0.3",
-                 "--worker-secret-file", str(secret_file), model=None, drafter=None)
+                 model=None, drafter=None)
     worker = None
     try:
-        cmd = [sys.executable, "-m", "workers.worker", "--connect", worker_address, "--drafter", "ngram",
-               "--secret-file", str(secret_file)]
+        cmd = [sys.executable, "-m", "workers.worker", "--connect", worker_address, "--drafter", "ngram"]
         if model_path != BUILTIN_TARGET:
             cmd += ["--model", str(model_path)]
         worker = subprocess.Popen(cmd, env=repo_env(), cwd=REPO_ROOT)

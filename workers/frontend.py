@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import shutil
 import threading
 import time
 from collections import deque
@@ -28,7 +27,7 @@ import zmq
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
-from ipc.auth import ServerAuth, is_loopback, make_worker_secret, read_worker_secret
+from ipc.auth import ServerAuth, default_secret_path, is_loopback, read_worker_secret, write_worker_secret
 from ipc.bus import RequestBus, reclaim_stale_segments
 from ipc.sockets import bind_router, bind_sub_beside, recv_all
 from workers.streams import ClientRequest, Phase
@@ -123,19 +122,21 @@ class Frontend:
         config = self.config
         if not is_loopback(config.address) and config.curve_dir is None and not config.is_insecure:
             raise ValueError(insecure_bind_message(config.address))
-        if config.worker_secret_file is not None:
-            secret, secret_path = read_worker_secret(config.worker_secret_file), config.worker_secret_file
-        else:
-            secret, secret_path = make_worker_secret()
-            self._secret_dir = secret_path.parent
-        self.spec = dataclasses.replace(self.spec, secret_file=str(secret_path))
         ctx = self._context
-        self._auth = ServerAuth(ctx, config.curve_dir, secret)
+        self._auth = ServerAuth(ctx, config.curve_dir)
         reclaim_stale_segments()
         self._bus = RequestBus.create(self.config.num_bus_slots, self.config.max_prompt_tokens)
         self._clients = bind_router(ctx, self.config.address, m.MAX_CLIENT_FRAME_BYTES, self._auth.secure_clients)
         self._workers = bind_router(ctx, self.config.worker_address, secure=self._auth.secure_workers)
         worker_endpoint = self._workers.getsockopt_string(zmq.LAST_ENDPOINT)
+        if config.worker_secret_file is not None:
+            secret, secret_path = read_worker_secret(config.worker_secret_file), config.worker_secret_file
+        else:  # where a gmlx-worker of this user connecting to this address looks by default
+            secret_path = default_secret_path(worker_endpoint)
+            secret = write_worker_secret(secret_path)
+            self._secret_path = secret_path
+        self._auth.allow_workers(secret)
+        self.spec = dataclasses.replace(self.spec, secret_file=str(secret_path))
         self._rounds = bind_sub_beside(ctx, worker_endpoint, self._auth.secure_workers)
         self._rounds_endpoint = self._rounds.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
@@ -162,8 +163,8 @@ class Frontend:
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
         self._context.term()
-        if getattr(self, "_secret_dir", None) is not None:
-            shutil.rmtree(self._secret_dir, ignore_errors=True)
+        if getattr(self, "_secret_path", None) is not None:
+            self._secret_path.unlink(missing_ok=True)
         if self._bus is not None:
             self._bus.close()
             self._bus = None

@@ -23,7 +23,7 @@ import click
 import zmq
 
 from ipc import messages as m
-from ipc.auth import read_worker_secret, secure_worker_socket
+from ipc.auth import default_secret_path, read_worker_secret, secure_worker_socket
 from ipc.bus import RequestBus, StaleSlotError
 from ipc.sockets import connect_address
 
@@ -306,10 +306,11 @@ def _vocab_size(engine) -> int:
 @click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
 @click.option("--speculative-width-cap", type=click.IntRange(min=0), default=None,
               help="Speculate only while at most N rows decode (0 = uncapped).")
-@click.option("--secret-file", required=True, type=click.Path(dir_okay=False),
-              help="Owner-only file with the worker secret (the front-end logs its path at start).")
+@click.option("--secret-file", default=None, type=click.Path(dir_okay=False),
+              help="Owner-only file with the worker secret (default: where a front-end of this user "
+                   "bound at --connect keeps it; the front-end logs the path).")
 def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None,
-         secret_file: str) -> None:
+         secret_file: str | None) -> None:
     """Run one decode worker for a gmlx front-end."""
     from gmlx.config import EngineConfig, log_level
 
@@ -319,7 +320,7 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
     from gmlx.engine import Engine  # loads the BLAS, then mlx
 
     try:
-        secret = read_worker_secret(secret_file)
+        secret = read_worker_secret(secret_file or default_secret_path(connect_address))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--secret-file") from None
     config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap)
