@@ -148,3 +148,37 @@ def test_one_bad_frame_leaves_streams_in_flight_untouched(server, sock):
     finally:
         other.close()
     assert server.proc.poll() is None
+
+
+def test_overload_is_answered_busy_with_a_retry_hint():
+    # A stopped worker takes nothing off the bus: 64 slots fill, then 2 pending, then "busy".
+    import os
+    import signal
+
+    srv = Server("--max-pending-requests", "2", model=model_dir(), drafter="none")
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    s.connect(srv.address)
+    try:
+        [worker_pid] = srv.worker_pids()
+        os.kill(worker_pid, signal.SIGSTOP)
+        num_requests = 64 + 2 + 5
+        for i in range(num_requests):
+            s.send_multipart(make_generate(f"o{i}", max_tokens=2))
+        replies = [recv(s) for _ in range(num_requests)]
+        busy = [body for tag, body in replies if tag == b"E"]
+        assert len(busy) == 5 and all(b["message"] == "the server is busy" and b["retry_after_ms"] > 0 for b in busy)
+        assert [b["ref"] for b in busy] == [f"o{i}" for i in range(66, 71)]
+        # The silent worker is replaced; every accepted request is still served, and STATS counts the busy ones.
+        finished = 0
+        while finished < 66:
+            tag, body = recv(s)
+            assert tag == b"K", body
+            finished += body["finish_reason"] is not None
+        s.send_multipart([b"S", b'{"ref": "st"}'])
+        tag, body = recv(s)
+        assert tag == b"T" and body["stats"]["num_rejected"] == 5
+    finally:
+        s.close()
+        srv.kill()

@@ -79,10 +79,12 @@ def _check_drafter(drafter: str) -> str:
 @click.option("--curve-dir", type=click.Path(file_okay=False), default=None,
               help="`gmlx keys` folder: clients must authenticate with CURVE (needed off loopback).")
 @click.option("--insecure", is_flag=True, help="Serve a non-loopback address without authentication.")
+@click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Accepted requests waiting for a worker; past it GENERATE is answered 'busy'.")
 @click.option("--worker-secret-file", type=click.Path(dir_okay=False), default=None,
               help="Owner-only file with the worker link's secret (default: a fresh one, path logged).")
 def serve(model, drafter, address, num_workers, speculative_width_cap, config_file, worker_address,
-          drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file) -> None:
+          drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file, max_pending_requests) -> None:
     """Serve a model: a front-end at ADDRESS and N decode workers."""
     from workers.frontend import Frontend, FrontendConfig
     from workers.supervisor import WorkerSpec
@@ -105,6 +107,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
 
         command = _frontend_command(model_path, drafter, address, num_workers, speculative_width_cap,
                                     worker_address, drain_timeout_s)
+        command += ["--max-pending-requests", str(max_pending_requests)]
         for option, value in (("--curve-dir", curve_dir), ("--worker-secret-file", worker_secret_file)):
             if value is not None:
                 command += [option, os.path.abspath(os.path.expanduser(value))]
@@ -113,7 +116,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
                       drafter=drafter, speculative_width_cap=speculative_width_cap)
     config = FrontendConfig(address=address, worker_address=worker_address, num_workers=num_workers,
                             drain_timeout_s=drain_timeout_s, curve_dir=curve_dir, is_insecure=insecure,
-                            worker_secret_file=worker_secret_file)
+                            worker_secret_file=worker_secret_file, max_pending_requests=max_pending_requests)
     frontend = Frontend(config, spec)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: frontend.request_stop())
