@@ -286,7 +286,7 @@ def _decode(frames: list[bytes], decoders: dict, codec: str) -> Message:
     except msgspec.DecodeError as e:
         raise WireError(f"body is not valid {codec}: {e}") from None
     except RecursionError:  # msgpack bodies are not pre-scanned; the decoder's own guard trips
-        raise WireError(f"message body nests too deeply to decode") from None
+        raise WireError("message body nests too deeply to decode") from None
 
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from conftest import make_random_model_dir
-from gmlx import config
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
