@@ -50,6 +50,25 @@ def recv_all(sock: zmq.Socket):
             return
 
 
+def recv_all_bounded(sock: zmq.Socket, max_parts: int):
+    """Like recv_all, but parts past the first max_parts are dropped uncopied (a message's
+    parts arrive together, so a many-part message is never held twice in memory); such a
+    message comes out with max_parts + 1 parts, the last one empty, so it still fails to decode."""
+    while True:
+        try:
+            parts = [sock.recv(zmq.NOBLOCK)]
+        except zmq.Again:
+            return
+        is_truncated = False
+        while sock.getsockopt(zmq.RCVMORE):
+            frame = sock.recv(copy=False)
+            if len(parts) < max_parts:
+                parts.append(frame.bytes)
+            else:
+                is_truncated = True
+        yield parts + [b""] if is_truncated else parts
+
+
 def connect_address(bound: str, connect_address: str) -> str:
     """Where a peer reaches `bound` (a wildcard-host bind) given the address it already used."""
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):

@@ -29,7 +29,7 @@ from gmlx.textstream import TextStream
 from ipc import messages as m
 from ipc.auth import ServerAuth, default_secret_path, is_loopback, read_worker_secret, write_worker_secret
 from ipc.bus import RequestBus, reclaim_stale_segments
-from ipc.sockets import bind_router, bind_sub_beside, recv_all
+from ipc.sockets import bind_router, bind_sub_beside, recv_all, recv_all_bounded
 from workers.streams import ClientRequest, Phase
 from workers.stats import StatsQueries, merge_worker_stats
 from workers.supervisor import EXIT_FRONTEND_FAILED, WorkerHandle, WorkerPool, WorkerSpec, WorkerState
@@ -180,7 +180,7 @@ class Frontend:
             for frames in recv_all(self._workers):
                 self._on_worker_message(frames[0], frames[1:])
         if self._clients in events:
-            for frames in recv_all(self._clients):
+            for frames in recv_all_bounded(self._clients, max_parts=3):  # routing id, tag, body
                 self._on_client_message(frames[0], frames[1:])
 
     def _housekeeping(self) -> str | None:
