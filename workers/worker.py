@@ -95,7 +95,11 @@ class Worker:
             timeout_ms = max(0, int((deadline_s - time.monotonic()) * 1000))
             if not self._dealer.poll(timeout_ms, zmq.POLLIN):
                 raise TimeoutError(f"no {kind.__name__} from the front-end at {self._connect_address}")
-            msg = m.decode_msgpack(self._dealer.recv_multipart())
+            try:
+                msg = m.decode_msgpack(self._dealer.recv_multipart())
+            except m.WireError as e:
+                logger.warning("dropping an undecodable message during the handshake: %s", e)
+                continue
             if isinstance(msg, kind):
                 return msg
             if isinstance(msg, m.Shutdown):
