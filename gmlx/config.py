@@ -127,8 +127,22 @@ def is_input_major_enabled() -> bool:
     return _env_flag("GMLX_INPUT_MAJOR_WEIGHTS", True)
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level() -> str:
-    return os.environ.get("GMLX_LOG_LEVEL", "INFO").upper()
+    level = os.environ.get("GMLX_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"GMLX_LOG_LEVEL={level!r}: expected one of {', '.join(_LOG_LEVELS)}")
+    return level
+
+
+def validate_settings() -> None:
+    """Read every GMLX_* setting once, so a malformed one fails start-up (ValueError naming
+    it) instead of the first round that reads it."""
+    for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
+                 is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level):
+        read()
 
 
 @dataclass(frozen=True, slots=True)

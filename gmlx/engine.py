@@ -13,6 +13,7 @@ when the generation has an admission boundary. The loop a round runs in:
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import random
 import time
@@ -25,7 +26,7 @@ from gmlx.cache.prompt_cache import PromptCache
 from gmlx.cache.ragged import concat_layer_caches
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
-from gmlx.models.loader import LoadedModel, load_model
+from gmlx.models.loader import LoadedModel, load_model, resolve_model_path
 from gmlx.platform.blas import ensure_fast_blas
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
@@ -43,6 +44,7 @@ _STAT_KEYS = (
 
 class Engine:
     def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig):
+        config.validate_settings()
         self.target = target
         self.drafter = drafter
         self.config = engine_config
@@ -54,10 +56,13 @@ class Engine:
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
+        self._is_resume_decided = False  # a gated batch passed the resume check at its settle round
 
     @classmethod
     def load(cls, engine_config: EngineConfig) -> Engine:
         ensure_fast_blas()  # a no-op after an entry point's call; else it warns that mlx came first
+        config.validate_settings()  # before seconds of loading
+        check_model_config(resolve_model_path(engine_config.model_path))
         target = load_model(engine_config.model_path)
         drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
         return cls(target, drafter, engine_config)
@@ -119,9 +124,12 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
-        if self.batch is not None and self.batch.is_scalar and self.queue:
-            if config.is_preempt_enabled():
+        if self.batch is not None and self.batch.is_scalar and self.queue and config.is_preempt_enabled():
+            # Preempting for a waiter that cannot join yet would drop speculation for nothing.
+            if self.queue.can_join_next_drain():
                 self._preempt()
+            else:
+                self.queue.prefill_ahead()
         if self.batch is None or not self.batch.is_scalar:
             self._admit()
         if self.batch is not None:
@@ -197,10 +205,15 @@ class Engine:
 
     def _gate(self) -> None:
         """Over the cap: plain decoding from here; with resume off the gate latches."""
+        # A batch just preempted is disarmed but not yet gated: its gate counts too, so
+        # every later resume has a gate to match.
+        is_new_gate = self.batch.is_armed or not self.batch.was_gated
         self.batch.was_gated = True
+        self._is_resume_decided = False
         if self.batch.is_armed:
             self.batch.is_armed = False
             self.drafter.reset()
+        if is_new_gate:
             self.counters["num_gates"] += 1
             self._event("gate")
 
@@ -221,11 +234,14 @@ class Engine:
             result = speculative_round(self.target, batch, self.drafter, self.drafter.num_draft_tokens)
             tokens = result.tokens_by_row
             self._count_verify(result)
-        elif batch.was_gated and not admission.can_resume(batch.requests):
+        elif batch.was_gated and not self._is_resume_decided and not admission.can_resume(batch.requests):
             loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
         elif not batch.is_settled:
+            # Decided here, once: the settle round is paid only for a capture that follows.
+            self._is_resume_decided = batch.was_gated
             loop, tokens = "settle", plain_round(self.target, batch, dispatch_next=False)
         else:
+            self._is_resume_decided = False
             loop, (tokens, hidden) = "capture", capture_round(self.target, batch)
             self.drafter.reset()
             self.drafter.add_rows(batch, list(range(batch.num_rows)), hidden if self.drafter.needs_hidden else None)
@@ -262,6 +278,7 @@ class Engine:
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
             self.batch = None
+            self._is_resume_decided = False
             return
         self.batch.keep_rows(rows)
         if self.batch.is_armed:
@@ -312,3 +329,23 @@ class Engine:
                  "width": 0 if self.batch is None else self.batch.num_rows, **fields}
         self.events.append(event)
         logger.log(logging.DEBUG if kind == "admit" else logging.INFO, "transition %s", event)
+
+
+def check_model_config(folder) -> None:
+    """ValueError naming what the engine cannot run, read from config.json before loading.
+
+    The ragged batch cache keeps every position, so sliding-window layers (llama/mistral
+    `layer_types`) would fail on the first forward."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return  # the loader names a missing config
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    layer_types = cfg.get("layer_types") or ()
+    num_sliding = sum(1 for t in layer_types if isinstance(t, str) and "sliding" in t)
+    if num_sliding:
+        raise ValueError(f"model {folder}: sliding-window attention is not supported "
+                         f"({num_sliding} of {len(layer_types)} layers, "
+                         f"window {cfg.get('sliding_window')}); use a model with full attention in every layer")

@@ -4,6 +4,11 @@ One DEALER socket per client carries every request: replies are routed to their 
 the client's `ref` until ACCEPTED names the request id, then by the request id. Several
 streams of one client may be iterated interleaved. Breaking out of a stream cancels its
 request on the server.
+
+A dead server is noticed without waiting for `timeout_s`: the socket sends ZeroMQ
+heartbeats (a PING every 0.5 s; no traffic for 1.5 s drops the connection), and a dropped
+connection (the server process died, or stopped answering) fails every stream in flight
+with ServerLostError at once, within about 2 s of the server's death.
 """
 
 from __future__ import annotations
@@ -18,10 +23,15 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from ipc import messages as m
+from ipc.auth import secure_client_socket
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_MS = 500  # ZMTP PING period on the client link
+HEARTBEAT_TIMEOUT_MS = 1500  # no traffic for this long drops the connection (and fails its streams)
 
 
 class RequestError(Exception):
@@ -31,6 +41,15 @@ class RequestError(Exception):
         super().__init__(message)
         self.field = field
         self.request_id = request_id
+
+
+class ServerLostError(RequestError):
+    """The connection to the server dropped while the request was in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Lost:
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +115,10 @@ class _Router:
         if stream.request_id is not None:
             self._by_request_id.pop(stream.request_id, None)
 
+    def fail_all(self, message: str) -> list[tuple[_Stream, _Lost]]:
+        """What to hand every unfinished stream when the connection drops."""
+        return [(s, _Lost(message)) for s in self._by_ref.values() if not s.is_done]
+
     def route(self, frames: list[bytes]) -> tuple[_Stream | None, object]:
         try:
             msg = m.decode_json(frames)
@@ -135,27 +158,42 @@ def _check(msg, stream: _Stream, expected_seq: int):
     """Raise for an ERROR or a lost chunk; otherwise return the message."""
     if isinstance(msg, m.Error):
         raise RequestError(msg.message, msg.field, msg.request_id or stream.request_id)
+    if isinstance(msg, _Lost):
+        raise ServerLostError(msg.message, None, stream.request_id)
     if isinstance(msg, Chunk) and msg.seq != expected_seq:
         raise RequestError(f"chunk {expected_seq} of {stream.request_id} was lost (got {msg.seq})")
     return msg
 
 
-def _make_socket(ctx, address: str):
+def _make_socket(ctx, address: str, curve_dir: str | None):
     sock = ctx.socket(zmq.DEALER)
+    if curve_dir is not None:
+        secure_client_socket(sock, curve_dir)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)  # replies are never dropped: the server sends each once
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(address)
-    return sock
+    return sock, monitor
+
+
+def _lost_message(address: str) -> str:
+    return f"lost the connection to the server at {address} (it died or stopped answering)"
 
 
 class Client:
     """A blocking client. Not thread-safe: use one per thread."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(self, address: str, timeout_s: float = 30.0, curve_dir: str | None = None):
+        """curve_dir: a `gmlx keys` folder (server.key, client.key_secret) for a CURVE server."""
         self.address = address
         self.timeout_s = timeout_s
-        self._sock = _make_socket(zmq.Context.instance(), address)
+        self._sock, self._monitor = _make_socket(zmq.Context.instance(), address, curve_dir)
         self._router = _Router()
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -185,6 +223,8 @@ class Client:
             self._router.close(stream)
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
 
     def __enter__(self):
@@ -197,8 +237,13 @@ class Client:
         deadline_s = time.monotonic() + self.timeout_s
         while not stream.inbox:
             timeout_ms = int((deadline_s - time.monotonic()) * 1000)
-            if timeout_ms <= 0 or not self._sock.poll(timeout_ms, zmq.POLLIN):
+            events = dict(self._poller.poll(timeout_ms)) if timeout_ms > 0 else {}
+            if not events:
                 raise TimeoutError(f"no reply from {self.address} within {self.timeout_s} s")
+            if self._monitor in events:
+                recv_monitor_message(self._monitor)  # only EVENT_DISCONNECTED is subscribed
+                for target, lost in self._router.fail_all(_lost_message(self.address)):
+                    target.inbox.append(lost)
             while True:  # everything that has arrived, whichever stream it is for
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -213,12 +258,13 @@ class Client:
 class AsyncClient:
     """The asyncio twin of Client: `async for chunk in client.generate(...)`."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(self, address: str, timeout_s: float = 30.0, curve_dir: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._sock = _make_socket(zmq.asyncio.Context.instance(), address)
+        self._sock, self._monitor = _make_socket(zmq.asyncio.Context.instance(), address, curve_dir)
         self._router = _Router()
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -246,8 +292,11 @@ class AsyncClient:
             self._router.close(stream)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
 
     async def __aenter__(self):
@@ -259,7 +308,15 @@ class AsyncClient:
     def _open(self) -> _Stream:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_connection())
         return self._router.open(is_async=True)
+
+    async def _watch_connection(self) -> None:
+        while True:
+            parse_monitor_message(await self._monitor.recv_multipart())
+            for target, lost in self._router.fail_all(_lost_message(self.address)):
+                target.queue.put_nowait(lost)
 
     async def _read_forever(self) -> None:
         while True:

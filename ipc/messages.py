@@ -9,17 +9,26 @@ docs/protocol.md is the reference for every field.
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
+import numpy as np
 
 MAX_MESSAGE_BYTES = 1 << 20  # largest client message body answered with an ERROR
 MAX_FRAME_BYTES = 64 << 20  # ZMQ_MAXMSGSIZE: a peer sending more is disconnected
+MAX_CLIENT_FRAME_BYTES = 2 << 20  # the client link's ZMQ_MAXMSGSIZE: one message costs at most this
+# Every limit below is checked before any work and documented in docs/protocol.md, "Limits".
+MAX_NESTING_DEPTH = 16  # JSON arrays/objects inside each other; a GENERATE needs 2
+MAX_REF_CHARS = 256  # `ref` and `request_id` strings, checked as the body is decoded
+U32_MAX = 2**32 - 1  # the bus slot's width for max_tokens and top_k
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     TAG: ClassVar[bytes] = b""
+
+
+Key = Annotated[str, msgspec.Meta(max_length=MAX_REF_CHARS)]  # a client's ref or a request id
 
 
 # --- client link (JSON) -----------------------------------------------------------------
@@ -29,7 +38,7 @@ class Generate(Message, frozen=True):
     """Client -> front-end: start a request. Exactly one of prompt / token_ids."""
 
     TAG: ClassVar[bytes] = b"G"
-    ref: str  # the client's key for this request, echoed in ACCEPTED and ERROR
+    ref: Key  # the client's key for this request, echoed in ACCEPTED and ERROR
     prompt: str | None = None
     token_ids: list[int] | None = None
     max_tokens: int = 64
@@ -45,12 +54,12 @@ class Cancel(Message, frozen=True):
     """Client -> front-end: end a request early."""
 
     TAG: ClassVar[bytes] = b"C"
-    request_id: str
+    request_id: Key
 
 
 class StatsRequest(Message, frozen=True):
     TAG: ClassVar[bytes] = b"S"
-    ref: str
+    ref: Key
 
 
 class Accepted(Message, frozen=True):
@@ -84,6 +93,7 @@ class Error(Message, frozen=True):
     ref: str | None = None
     request_id: str | None = None
     field: str | None = None  # the offending request field, when one is to blame
+    retry_after_ms: int | None = None  # set when the server is busy: try again after this long
 
 
 class StatsReply(Message, frozen=True):
@@ -267,22 +277,54 @@ def _decode(frames: list[bytes], decoders: dict, codec: str) -> Message:
         raise WireError(f"unknown message type {bytes(tag)[:8]!r}", field="type")
     if len(body) > MAX_MESSAGE_BYTES:
         raise WireError(f"message body is {len(body)} bytes, over the limit of {MAX_MESSAGE_BYTES}")
+    if codec == "JSON" and json_depth(body) > MAX_NESTING_DEPTH:
+        raise WireError(f"message body nests deeper than {MAX_NESTING_DEPTH} levels")
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as e:
         raise WireError(str(e), field=field_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise WireError(f"body is not valid {codec}: {e}") from None
+    except RecursionError:  # msgpack bodies are not pre-scanned; the decoder's own guard trips
+        raise WireError("message body nests too deeply to decode") from None
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON body (brackets inside strings excluded).
+
+    Linear and recursion-free, so a hostile body costs microseconds per KiB, not a stack."""
+    body = bytes(body)
+    if body.count(b"[") + body.count(b"{") <= MAX_NESTING_DEPTH:
+        return body.count(b"[") + body.count(b"{")  # an upper bound, and cheap
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
 
 
 def peek_ref(body: bytes) -> str | None:
     """Best-effort `ref` of a JSON body that failed validation, so its ERROR can carry it."""
-    try:
-        obj = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    if len(body) > MAX_MESSAGE_BYTES or json_depth(body) > MAX_NESTING_DEPTH:
         return None
-    ref = obj.get("ref") if isinstance(obj, dict) else None
-    return ref if isinstance(ref, str) else None
+    try:
+        obj = _ref_decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    ref = obj.ref
+    return ref if isinstance(ref, str) and len(ref) <= MAX_REF_CHARS else None
+
+
+class _RefOnly(msgspec.Struct):
+    ref: object = None  # any type: the caller keeps it only if it is a short string
+
+
+_ref_decoder = msgspec.json.Decoder(_RefOnly)
 
 
 _FIELD_PATTERNS = (re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)"), re.compile(r"field `([^`]+)`"))

@@ -70,6 +70,7 @@ class Server:
         if not self._ready.wait(timeout_s) or self.proc.poll() is not None:
             self.kill()
             raise RuntimeError(f"server not ready in {timeout_s} s:\n{self.log()}")
+        self.first_frontend_pid = self.frontend_pid()
 
     def _pump(self, pipe, lines: list[str], is_stdout: bool) -> None:
         for line in pipe:
@@ -85,7 +86,16 @@ class Server:
     def worker_pids(self) -> list[int]:
         import psutil
 
-        return [c.pid for c in psutil.Process(self.proc.pid).children() if "workers.worker" in " ".join(c.cmdline())]
+        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
+                if "workers.worker" in " ".join(c.cmdline())]
+
+    def frontend_pid(self) -> int:
+        """The front-end process: the supervised child of `gmlx serve`."""
+        import psutil
+
+        children = [c for c in psutil.Process(self.proc.pid).children() if "--no-supervise" in c.cmdline()]
+        assert len(children) == 1, children
+        return children[0].pid
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

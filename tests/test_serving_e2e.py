@@ -65,7 +65,7 @@ def server(model_path):
 
 
 def owned_segments(srv: Server) -> list[str]:
-    return [name for name in list_segments() if parse_owner(name)[0] == srv.proc.pid]
+    return [name for name in list_segments() if parse_owner(name)[0] in (srv.proc.pid, srv.first_frontend_pid)]
 
 
 def solo(engine, token_ids, **params):

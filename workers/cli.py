@@ -118,9 +118,10 @@ def _fail(exc: Exception) -> None:
 
 # The serving and benchmark commands live with their packages.
 from workers.bench.cli import bench  # noqa: E402
-from workers.cli_serve import serve  # noqa: E402
+from workers.cli_serve import keys, serve  # noqa: E402
 
 main.add_command(serve)
+main.add_command(keys)
 main.add_command(bench)
 
 

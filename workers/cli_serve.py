@@ -74,8 +74,17 @@ def _check_drafter(drafter: str) -> str:
               help="Where workers connect (port * = any free port).")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="After SIGTERM, how long in-flight requests get to finish.")
+@click.option("--supervise/--no-supervise", default=True, show_default=True,
+              help="Run the front-end as a child that is started again if it dies.")
+@click.option("--curve-dir", type=click.Path(file_okay=False), default=None,
+              help="`gmlx keys` folder: clients must authenticate with CURVE (needed off loopback).")
+@click.option("--insecure", is_flag=True, help="Serve a non-loopback address without authentication.")
+@click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Accepted requests waiting for a worker; past it GENERATE is answered 'busy'.")
+@click.option("--worker-secret-file", type=click.Path(dir_okay=False), default=None,
+              help="Owner-only file with the worker link's secret (default: a fresh one, path logged).")
 def serve(model, drafter, address, num_workers, speculative_width_cap, config_file, worker_address,
-          drain_timeout_s) -> None:
+          drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file, max_pending_requests) -> None:
     """Serve a model: a front-end at ADDRESS and N decode workers."""
     from workers.frontend import Frontend, FrontendConfig
     from workers.supervisor import WorkerSpec
@@ -85,13 +94,29 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     if model_path is not None and not os.path.isdir(os.path.expanduser(model_path)):
         raise click.BadParameter(f"{model_path!r} is not a model folder", param_hint="--model")
     drafter = _check_drafter(drafter or entry.get("drafter", "none"))
+    from ipc.auth import is_loopback
+    from workers.frontend import insecure_bind_message
+
+    if not is_loopback(address) and curve_dir is None and not insecure:
+        raise click.UsageError(insecure_bind_message(address))
     if speculative_width_cap is None:
         speculative_width_cap = entry.get("speculative_width_cap")
     _configure_logging()
+    if supervise:
+        from workers.supervisor import supervise_frontend
+
+        command = _frontend_command(model_path, drafter, address, num_workers, speculative_width_cap,
+                                    worker_address, drain_timeout_s)
+        command += ["--max-pending-requests", str(max_pending_requests)]
+        for option, value in (("--curve-dir", curve_dir), ("--worker-secret-file", worker_secret_file)):
+            if value is not None:
+                command += [option, os.path.abspath(os.path.expanduser(value))]
+        sys.exit(supervise_frontend(command + (["--insecure"] if insecure else [])))
     spec = WorkerSpec(model_path=model_path and os.path.abspath(os.path.expanduser(model_path)),
                       drafter=drafter, speculative_width_cap=speculative_width_cap)
     config = FrontendConfig(address=address, worker_address=worker_address, num_workers=num_workers,
-                            drain_timeout_s=drain_timeout_s)
+                            drain_timeout_s=drain_timeout_s, curve_dir=curve_dir, is_insecure=insecure,
+                            worker_secret_file=worker_secret_file, max_pending_requests=max_pending_requests)
     frontend = Frontend(config, spec)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: frontend.request_stop())
@@ -105,6 +130,34 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     except ValueError as e:  # an address that cannot be bound
         raise click.UsageError(str(e)) from None
     sys.exit(code)
+
+
+@click.command("keys", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("folder", type=click.Path(file_okay=False))
+def keys(folder: str) -> None:
+    """Make CURVE keys in FOLDER for `gmlx serve --curve-dir FOLDER` and its clients."""
+    from ipc.auth import make_keys
+
+    try:
+        path = make_keys(folder)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(f"keys written to {path}: the server uses the folder as is; a client needs server.key "
+               f"and client.key_secret (Client(address, curve_dir=...)); add more clients' public keys "
+               f"to {path / 'authorized_clients'}")
+
+
+def _frontend_command(model_path, drafter, address, num_workers, speculative_width_cap, worker_address,
+                      drain_timeout_s) -> list[str]:
+    """The supervised child: this command with every option resolved, and --no-supervise."""
+    cmd = [sys.executable, "-m", "workers.cli_serve", "--no-supervise", "--address", address,
+           "--workers", str(num_workers), "--drafter", drafter, "--worker-address", worker_address,
+           "--drain-timeout-s", str(drain_timeout_s)]
+    if model_path is not None:
+        cmd += ["--model", os.path.abspath(os.path.expanduser(model_path))]
+    if speculative_width_cap is not None:
+        cmd += ["--speculative-width-cap", str(speculative_width_cap)]
+    return cmd
 
 
 def _configure_logging() -> None:

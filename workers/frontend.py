@@ -15,6 +15,7 @@ gmlx.textstream, and the worker's decode thread never detokenizes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -26,17 +27,19 @@ import zmq
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
+from ipc.auth import ServerAuth, default_secret_path, is_loopback, read_worker_secret, write_worker_secret
 from ipc.bus import RequestBus, reclaim_stale_segments
-from ipc.sockets import bind_router, bind_sub_beside, recv_all
+from ipc.sockets import bind_router, bind_sub_beside, recv_all, recv_all_bounded
 from workers.streams import ClientRequest, Phase
 from workers.stats import StatsQueries, merge_worker_stats
-from workers.supervisor import WorkerHandle, WorkerPool, WorkerSpec, WorkerState
-from workers.tokenizer import load_tokenizer
-from workers.validate import InvalidRequest, ModelLimits, validate_generate
+from workers.supervisor import EXIT_FRONTEND_FAILED, WorkerHandle, WorkerPool, WorkerSpec, WorkerState
+from workers.tokenizer import load_tokenizer, max_token_bytes
+from workers.validate import InvalidRequest, ModelLimits, prompt_byte_limit, validate_generate
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 20  # the loop's longest sleep: bounds how late a dead worker is noticed
+BUSY_RETRY_AFTER_MS = 200  # the hint in a "busy" ERROR: about one pending batch's worth of rounds
 
 
 @dataclass
@@ -46,12 +49,15 @@ class FrontendConfig:
     num_workers: int = 1  # workers this process starts (0 = only gmlx-worker processes started by hand)
     drain_timeout_s: float = 30.0  # after SIGTERM, in-flight requests get this long to finish
     heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 10.0  # a ready worker silent this long is declared dead
+    heartbeat_timeout_s: float = 2.0  # a ready worker silent this long is dead (heartbeats come from a thread, mid-round too)
     startup_timeout_s: float = 300.0  # spawn -> READY
     num_bus_slots: int = 64
     max_prompt_tokens: int = 32768  # bus slot capacity
     max_pending_requests: int = 4096  # accepted but not yet on a worker
     stats_timeout_s: float = 2.0
+    curve_dir: str | None = None  # `gmlx keys` folder: clients must authenticate with CURVE
+    is_insecure: bool = False  # allow a non-loopback client address without CURVE keys
+    worker_secret_file: str | None = None  # owner-only file with the worker secret (None: make one)
 
 
 class Frontend:
@@ -105,7 +111,7 @@ class Frontend:
                     return 0
         except Exception:  # a front-end bug: fail loudly, but still stop the workers and unlink the bus
             logger.exception("the front-end failed")
-            return 1
+            return EXIT_FRONTEND_FAILED if self._is_serving else 1
 
     # --- start and stop ------------------------------------------------------------------
 
@@ -113,13 +119,25 @@ class Frontend:
         # transformers takes seconds to import: overlap it with the workers loading the model.
         self._tokenizer_import = threading.Thread(target=_import_tokenizer_lib, daemon=True)
         self._tokenizer_import.start()
+        config = self.config
+        if not is_loopback(config.address) and config.curve_dir is None and not config.is_insecure:
+            raise ValueError(insecure_bind_message(config.address))
+        ctx = self._context
+        self._auth = ServerAuth(ctx, config.curve_dir)
         reclaim_stale_segments()
         self._bus = RequestBus.create(self.config.num_bus_slots, self.config.max_prompt_tokens)
-        ctx = self._context
-        self._clients = bind_router(ctx, self.config.address)
-        self._workers = bind_router(ctx, self.config.worker_address)
+        self._clients = bind_router(ctx, self.config.address, m.MAX_CLIENT_FRAME_BYTES, self._auth.secure_clients)
+        self._workers = bind_router(ctx, self.config.worker_address, secure=self._auth.secure_workers)
         worker_endpoint = self._workers.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._rounds = bind_sub_beside(ctx, worker_endpoint)
+        if config.worker_secret_file is not None:
+            secret, secret_path = read_worker_secret(config.worker_secret_file), config.worker_secret_file
+        else:  # where a gmlx-worker of this user connecting to this address looks by default
+            secret_path = default_secret_path(worker_endpoint)
+            secret = write_worker_secret(secret_path)
+            self._secret_path = secret_path
+        self._auth.allow_workers(secret)
+        self.spec = dataclasses.replace(self.spec, secret_file=str(secret_path))
+        self._rounds = bind_sub_beside(ctx, worker_endpoint, self._auth.secure_workers)
         self._rounds_endpoint = self._rounds.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(self._workers, zmq.POLLIN)
@@ -128,7 +146,8 @@ class Frontend:
                                 self.config.startup_timeout_s)
         for _ in range(self.config.num_workers):
             self._pool.spawn()
-        logger.info("front-end: clients at %s, workers at %s", self.config.address, worker_endpoint)
+        logger.info("front-end: clients at %s, workers at %s (a worker started by hand needs "
+                    "--secret-file %s)", self.config.address, worker_endpoint, secret_path)
 
     def _can_serve(self) -> bool:
         num_ready = len(self._pool.ready_workers())
@@ -141,7 +160,11 @@ class Frontend:
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(linger=1000 if name == "_clients" else 0)  # let final chunks out
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()
         self._context.term()
+        if getattr(self, "_secret_path", None) is not None:
+            self._secret_path.unlink(missing_ok=True)
         if self._bus is not None:
             self._bus.close()
             self._bus = None
@@ -157,7 +180,7 @@ class Frontend:
             for frames in recv_all(self._workers):
                 self._on_worker_message(frames[0], frames[1:])
         if self._clients in events:
-            for frames in recv_all(self._clients):
+            for frames in recv_all_bounded(self._clients, max_parts=3):  # routing id, tag, body
                 self._on_client_message(frames[0], frames[1:])
 
     def _housekeeping(self) -> str | None:
@@ -186,27 +209,38 @@ class Frontend:
     # --- clients -------------------------------------------------------------------------
 
     def _on_client_message(self, client_id: bytes, frames: list[bytes]) -> None:
+        # Whatever one message does, it fails only itself: the loop and other requests go on.
         try:
             msg = m.decode_json(frames)
             if not isinstance(msg, m.CLIENT_TO_SERVER):
                 raise m.WireError(f"{type(msg).__name__} is not a client message", field="type")
         except m.WireError as e:
             self.num_rejected += 1
-            is_small_generate = len(frames) == 2 and frames[0] == m.Generate.TAG and len(frames[1]) <= m.MAX_MESSAGE_BYTES
-            ref = m.peek_ref(frames[1]) if is_small_generate else None
-            self._reply(client_id, m.Error(message=str(e), ref=ref, field=e.field))
+            self._reply(client_id, m.Error(message=str(e), ref=_readable_ref(frames), field=e.field))
             return
-        if isinstance(msg, m.Generate):
-            self._on_generate(client_id, msg)
-        elif isinstance(msg, m.Cancel):
-            self._on_cancel(client_id, msg.request_id)
-        else:
-            self._on_stats(client_id, msg.ref)
+        try:
+            if isinstance(msg, m.Generate):
+                self._on_generate(client_id, msg)
+            elif isinstance(msg, m.Cancel):
+                self._on_cancel(client_id, msg.request_id)
+            else:
+                self._on_stats(client_id, msg.ref)
+        except Exception as e:  # a front-end bug met by this message: answer it, keep serving
+            logger.exception("a %s message failed", type(msg).__name__)
+            self.num_rejected += 1
+            ref = getattr(msg, "ref", None)
+            self._reply(client_id, m.Error(message=f"internal error: {type(e).__name__}",
+                                           ref=ref if isinstance(ref, str) else None))
 
     def _on_generate(self, client_id: bytes, msg: m.Generate) -> None:
-        if self._drain_deadline_s is not None or len(self._pending) >= self.config.max_pending_requests:
-            reason = "the server is shutting down" if self._drain_deadline_s is not None else "the server is busy"
-            self._reply(client_id, m.Error(message=reason, ref=msg.ref))
+        if self._drain_deadline_s is not None:
+            self.num_rejected += 1
+            self._reply(client_id, m.Error(message="the server is shutting down", ref=msg.ref))
+            return
+        if len(self._pending) >= self.config.max_pending_requests:
+            self.num_rejected += 1
+            self._reply(client_id, m.Error(message="the server is busy", ref=msg.ref,
+                                           retry_after_ms=BUSY_RETRY_AFTER_MS))
             return
         try:
             payload, stop = validate_generate(msg, self._tokenizer, self._limits)
@@ -267,7 +301,13 @@ class Frontend:
             if worker is None:
                 return
             req = self._pending[0]
-            placed = self._bus.write(req.payload)
+            try:
+                placed = self._bus.write(req.payload)
+            except ValueError as e:  # validation should have caught it; fail this request only
+                logger.error("request %s does not fit the bus: %s", req.request_id, e)
+                self._pending.popleft()
+                self._send_client(req, req.fail(f"the request cannot be carried to a worker: {e}"))
+                continue
             if placed is None:
                 return  # the bus is full: a TAKEN frees a slot
             slot, generation = placed
@@ -293,6 +333,12 @@ class Frontend:
         except m.WireError as e:
             logger.warning("dropping a bad worker message: %s", e)
             return
+        try:
+            self._on_worker_decoded(routing_id, msg)
+        except Exception:  # a malformed but decodable message: drop it, not the front-end
+            logger.exception("dropping a worker %s message that failed", type(msg).__name__)
+
+    def _on_worker_decoded(self, routing_id: bytes, msg: m.Message) -> None:
         if isinstance(msg, m.Hello):
             self._on_hello(routing_id, msg)
             return
@@ -330,7 +376,9 @@ class Frontend:
         self._tokenizer, self._decoder = load_tokenizer(hello.model_path)
         self._model_path = hello.model_path
         max_prompt_tokens = min(hello.max_context_tokens - 1, self._bus.max_tokens)
-        self._limits = ModelLimits(vocab_size=hello.vocab_size, max_prompt_tokens=max_prompt_tokens)
+        max_prompt_bytes = prompt_byte_limit(max_prompt_tokens, max_token_bytes(self._tokenizer))
+        self._limits = ModelLimits(vocab_size=hello.vocab_size, max_prompt_tokens=max_prompt_tokens,
+                                   max_prompt_bytes=max_prompt_bytes)
         logger.info("tokenizer loaded from %s", hello.model_path)
 
     def _on_published(self, frames: list[bytes]) -> None:
@@ -338,6 +386,14 @@ class Frontend:
             msg = m.decode_msgpack(frames)
         except m.WireError as e:
             logger.warning("dropping a bad published message: %s", e)
+            return
+        try:
+            self._on_published_decoded(msg)
+        except Exception:
+            logger.exception("dropping a published %s message that failed", type(msg).__name__)
+
+    def _on_published_decoded(self, msg: m.Message) -> None:
+        if not hasattr(msg, "worker_id"):
             return
         worker = self._pool.workers.get(msg.worker_id)
         if worker is None:
@@ -364,11 +420,20 @@ class Frontend:
     def _on_worker_dead(self, worker: WorkerHandle, reason: str) -> None:
         if worker.state == WorkerState.DEAD:
             return
-        logger.error("%s; %d requests lost", reason, len(worker.request_ids))
-        for request_id in list(worker.request_ids):
+        requeued, lost = [], []
+        for request_id in sorted(worker.request_ids, key=lambda r: int(r[1:])):
             req = self._requests.get(request_id)
-            if req is not None:
-                self._send_client(req, req.fail(f"{reason}; the request was lost"))
+            if req is None:
+                continue
+            # Nothing streamed yet: the client cannot tell a fresh start from the first one.
+            (requeued if req.phase == Phase.INJECTED and req.next_row_seq == 0 else lost).append(req)
+        logger.error("%s; %d requests lost, %d not started re-queued", reason, len(lost), len(requeued))
+        for req in lost:
+            self._send_client(req, req.fail(f"{reason}; the request was lost"))
+        for req in reversed(requeued):
+            req.phase, req.worker_id = Phase.PENDING, None
+            self._pending.appendleft(req)
+        worker.request_ids.clear()
         for slot in worker.slots:
             self._bus.release(slot)
         worker.slots.clear()
@@ -395,6 +460,19 @@ class Frontend:
                          num_cancelled=self.num_cancelled,
                          model=self._model_path)
             self._reply(query.client_id, m.StatsReply(ref=query.ref, stats=stats))
+
+
+def insecure_bind_message(address: str) -> str:
+    return (f"refusing to serve {address} without authentication: it is not a loopback address. "
+            "Make CURVE keys with `gmlx keys DIR` and pass --curve-dir DIR (clients use the same DIR), "
+            "or pass --insecure to serve it unauthenticated")
+
+
+def _readable_ref(frames: list[bytes]) -> str | None:
+    """The `ref` of a GENERATE or STATS that failed to decode, when it can be read cheaply."""
+    if len(frames) != 2 or bytes(frames[0]) not in (m.Generate.TAG, m.StatsRequest.TAG):
+        return None
+    return m.peek_ref(frames[1])
 
 
 def _import_tokenizer_lib() -> None:

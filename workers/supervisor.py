@@ -54,9 +54,12 @@ class WorkerSpec:
     model_path: str | None = None
     drafter: str = "none"
     speculative_width_cap: int | None = None
+    secret_file: str | None = None  # the worker link's shared secret (owner-only file)
 
     def command(self, connect_address: str) -> list[str]:
         cmd = [sys.executable, "-m", "workers.worker", "--connect", connect_address, "--drafter", self.drafter]
+        if self.secret_file is not None:
+            cmd += ["--secret-file", self.secret_file]
         if self.model_path is not None:
             cmd += ["--model", self.model_path]
         if self.speculative_width_cap is not None:
@@ -165,3 +168,51 @@ class WorkerPool:
                 w.proc.wait()
         self.workers.clear()
         self._restart_at_s.clear()
+
+
+EXIT_FRONTEND_FAILED = 70  # the front-end failed after it had been serving: restart it
+FRONTEND_RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # delay before the n-th restart in a row
+FRONTEND_STABLE_S = 60.0  # a front-end up this long resets the backoff
+
+
+def supervise_frontend(command: list[str]) -> int:
+    """Run the front-end as a child and start it again whenever it dies while serving
+    (killed by a signal, or a front-end failure); return its exit code otherwise.
+
+    SIGTERM / SIGINT are passed on, and the child drains and exits as it would alone. The
+    child's clients notice the death through their heartbeat (ipc/client.py) and reconnect
+    to the new one at the same address; its workers notice within 2 s and exit."""
+    import signal
+
+    state = {"proc": None, "is_stopping": False}
+
+    def forward(signum, _frame):
+        state["is_stopping"] = True
+        if state["proc"] is not None and state["proc"].poll() is None:
+            state["proc"].send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    num_restarts = 0
+    while True:
+        started_s = time.monotonic()
+        state["proc"] = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        code = state["proc"].wait()
+        if state["is_stopping"] or not (code < 0 or code == EXIT_FRONTEND_FAILED):
+            return code if code >= 0 else 128 - code
+        num_restarts = 0 if time.monotonic() - started_s > FRONTEND_STABLE_S else num_restarts + 1
+        delay_s = FRONTEND_RESTART_BACKOFF_S[min(num_restarts, len(FRONTEND_RESTART_BACKOFF_S) - 1)]
+        logger.error("the front-end (pid %d) died with code %d; starting it again in %.1f s",
+                     state["proc"].pid, code, delay_s)
+        time.sleep(delay_s)
+        if state["is_stopping"]:
+            return 0
+
+
+def _die_with_parent() -> None:
+    """SIGTERM the child if the supervisor itself dies, so no front-end outlives it."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

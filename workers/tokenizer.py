@@ -51,3 +51,13 @@ def make_decoder(tokenizer):
             logger.info("the fast decode differs from transformers' here; using transformers'")
             return tokenizer
     return decoder
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for.
+
+    A vocabulary entry's own spelling is never shorter than the text it decodes to (byte-level
+    BPE spells a byte with one or two bytes, sentencepiece a space with three, byte fallback
+    as <0xNN>), so its longest entry bounds any token."""
+    vocab = tokenizer.get_vocab()
+    return max((len(piece.encode("utf-8", "surrogatepass")) for piece in vocab), default=1)

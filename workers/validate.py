@@ -1,4 +1,8 @@
-"""Checking a GENERATE message before it is accepted; every error names the field."""
+"""Checking a GENERATE message before it is accepted; every error names the field.
+
+Cheap limits come first (sizes, counts, integer ranges), so a hostile request is refused
+before it costs tokenizer time; docs/protocol.md, "Limits", lists every one of them.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,13 @@ from dataclasses import dataclass
 from gmlx.request import SamplingParams
 from ipc import messages as m
 from ipc.bus import BusPayload
+
+MAX_MAX_TOKENS = 1 << 20  # documented cap; the bus field is u32, the context caps it further anyway
+MAX_TOP_K = 1 << 24  # far above any vocabulary; the bus field is u32
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 256  # per stop string, UTF-8
+MAX_PROMPT_BYTES = 256 << 10  # UTF-8 bytes of `prompt`, whatever the model's context
+assert MAX_MAX_TOKENS <= m.U32_MAX and MAX_TOP_K <= m.U32_MAX
 
 
 class InvalidRequest(ValueError):
@@ -19,10 +30,18 @@ class InvalidRequest(ValueError):
 class ModelLimits:
     vocab_size: int  # token ids must lie in [0, vocab_size)
     max_prompt_tokens: int  # the context (minus one token to generate) or the bus slot, the smaller
+    max_prompt_bytes: int = MAX_PROMPT_BYTES  # a longer prompt cannot fit max_prompt_tokens (see prompt_byte_limit)
+
+
+def prompt_byte_limit(max_prompt_tokens: int, max_token_bytes: int) -> int:
+    """The longest prompt worth tokenizing: no token covers more than max_token_bytes of
+    text, so a longer prompt has more than max_prompt_tokens tokens."""
+    return min(MAX_PROMPT_BYTES, max_prompt_tokens * max(1, max_token_bytes))
 
 
 def validate_generate(msg: m.Generate, tokenizer, limits: ModelLimits) -> tuple[BusPayload, tuple[str, ...]]:
     """The bus payload and stop strings of a valid request; InvalidRequest otherwise."""
+    _check_limits(msg, limits)
     stop = tuple(msg.stop or ())
     params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
                             top_k=msg.top_k, min_p=msg.min_p, seed=msg.seed, stop=stop)
@@ -52,3 +71,28 @@ def validate_generate(msg: m.Generate, tokenizer, limits: ModelLimits) -> tuple[
     payload = BusPayload(token_ids=token_ids, max_tokens=params.max_tokens, temperature=float(params.temperature),
                          top_p=float(params.top_p), top_k=params.top_k, min_p=float(params.min_p), seed=params.seed)
     return payload, stop
+
+
+def _check_limits(msg: m.Generate, limits: ModelLimits) -> None:
+    """Sizes and integer ranges: constant time per field, before anything is tokenized."""
+    for name, maximum in (("max_tokens", MAX_MAX_TOKENS), ("top_k", MAX_TOP_K)):
+        value = getattr(msg, name)
+        if isinstance(value, int) and value > maximum:  # the type itself is SamplingParams' to check
+            raise InvalidRequest(f"{name} must be <= {maximum}, got {value}", name)
+    if msg.prompt is not None:
+        # len() counts characters, each at least one byte: only a near-limit prompt is encoded.
+        num_bytes = len(msg.prompt)
+        if num_bytes <= limits.max_prompt_bytes < 4 * num_bytes:
+            num_bytes = len(msg.prompt.encode("utf-8", "surrogatepass"))
+        if num_bytes > limits.max_prompt_bytes:
+            raise InvalidRequest(f"prompt: over {limits.max_prompt_bytes} bytes, more than the "
+                                 f"{limits.max_prompt_tokens}-token limit can hold", "prompt")
+    if msg.token_ids is not None and len(msg.token_ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(f"token_ids: {len(msg.token_ids)} prompt tokens exceed the limit of "
+                             f"{limits.max_prompt_tokens}", "token_ids")
+    if msg.stop is not None:
+        if len(msg.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop: {len(msg.stop)} stop strings, over the limit of {MAX_STOP_STRINGS}", "stop")
+        for s in msg.stop:
+            if isinstance(s, str) and len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+                raise InvalidRequest(f"stop: a stop string over {MAX_STOP_BYTES} bytes", "stop")

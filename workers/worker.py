@@ -22,21 +22,22 @@ import click
 import zmq
 
 from ipc import messages as m
+from ipc.auth import default_secret_path, read_worker_secret, secure_worker_socket
 from ipc.bus import RequestBus, StaleSlotError
 from ipc.sockets import connect_address
+from workers.watchdog import EXIT_FRONTEND_LOST, Watchdog
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 60.0  # HELLO -> WELCOME -> READY -> START
 READY_RESEND_S = 0.05
 FRONTEND_TIMEOUT_S = 15.0  # no message from the front-end for this long: it is gone, exit
-
-
 class Worker:
     """Wraps an engine with the sockets; run() returns the process exit code."""
 
-    def __init__(self, engine, connect_address: str, drafter: str):
+    def __init__(self, engine, connect_address: str, drafter: str, secret: str):
         self.engine = engine
+        self._secret = secret
         self._connect_address = connect_address
         self._drafter = drafter
         self._context = zmq.Context()
@@ -45,6 +46,8 @@ class Worker:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the front-end reads every round
         self._pub.setsockopt(zmq.LINGER, 1000)
+        for sock in (self._dealer, self._pub):  # the front-end refuses workers without the secret
+            secure_worker_socket(sock, secret)
         self._bus: RequestBus | None = None
         self.worker_id = -1
         self._heartbeat_interval_s = 0.5
@@ -53,7 +56,10 @@ class Worker:
         self._num_rounds = 0
         self._last_publish_s = 0.0
         self._last_frontend_s = time.monotonic()
+        self._watchdog: Watchdog | None = None
         self.is_stopping = False
+        self.is_frontend_lost = False
+        self._is_shutdown_received = False  # a SHUTDOWN, not a lost front-end, ended the loop
 
     # --- handshake ---
 
@@ -78,6 +84,10 @@ class Worker:
                 if time.monotonic() >= deadline_s:
                     raise
         self._last_frontend_s = time.monotonic()
+        monitor = self._dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        pub_address = connect_address(welcome.pub_address, self._connect_address)
+        self._watchdog = Watchdog(self, pub_address, monitor)
+        self._watchdog.start()
         logger.info("worker %d ready (pid %d, model %s)", self.worker_id, os.getpid(), engine.model_path)
 
     def _wait_for(self, kind: type, deadline_s: float):
@@ -85,7 +95,11 @@ class Worker:
             timeout_ms = max(0, int((deadline_s - time.monotonic()) * 1000))
             if not self._dealer.poll(timeout_ms, zmq.POLLIN):
                 raise TimeoutError(f"no {kind.__name__} from the front-end at {self._connect_address}")
-            msg = m.decode_msgpack(self._dealer.recv_multipart())
+            try:
+                msg = m.decode_msgpack(self._dealer.recv_multipart())
+            except m.WireError as e:
+                logger.warning("dropping an undecodable message during the handshake: %s", e)
+                continue
             if isinstance(msg, kind):
                 return msg
             if isinstance(msg, m.Shutdown):
@@ -103,7 +117,7 @@ class Worker:
                 if outputs or self._pending_outputs:
                     self._publish_round(outputs)
                 self._tick()
-            return 0
+            return EXIT_FRONTEND_LOST if self.is_frontend_lost and not self._is_shutdown_received else 0
         except Exception as e:  # a fatal engine error: tell the front-end, then exit
             logger.exception("worker %d failed", self.worker_id)
             self._send_dead(f"{type(e).__name__}: {e}")
@@ -132,7 +146,7 @@ class Worker:
                 stats = dict(self.engine.stats())
                 self._send(m.StatsAnswer(worker_id=self.worker_id, query_id=msg.query_id, stats=stats))
             elif isinstance(msg, m.Shutdown):
-                self.is_stopping = True
+                self.is_stopping = self._is_shutdown_received = True
         if taken_slots:
             self._send(m.Taken(worker_id=self.worker_id, slots=taken_slots))
 
@@ -195,9 +209,7 @@ class Worker:
 
     def _tick(self) -> None:
         now_s = time.monotonic()
-        if now_s - self._last_publish_s >= self._heartbeat_interval_s:
-            self._publish(m.Heartbeat(worker_id=self.worker_id, num_unfinished=len(self._next_seq)))
-        # Pings wait unread while a step runs; only an empty queue means a silent front-end.
+        # Heartbeats come from the watchdog thread. Pings wait unread while a step runs; only an empty queue means a silent front-end.
         if now_s - self._last_frontend_s > FRONTEND_TIMEOUT_S and not self._dealer.poll(0, zmq.POLLIN):
             logger.error("no message from the front-end for %.0f s: exiting", FRONTEND_TIMEOUT_S)
             self.is_stopping = True
@@ -220,10 +232,14 @@ class Worker:
             logger.exception("could not send DEAD")
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog.join(2.0)
         if self._bus is not None:
             self._bus.close()
-        self._dealer.close()
-        self._pub.close()
+        linger_ms = 0 if self.is_frontend_lost else None  # nobody is left to read what is queued
+        self._dealer.close(linger=linger_ms)
+        self._pub.close(linger=linger_ms)
         self._context.term()
 
 
@@ -239,7 +255,11 @@ def _vocab_size(engine) -> int:
 @click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
 @click.option("--speculative-width-cap", type=click.IntRange(min=0), default=None,
               help="Speculate only while at most N rows decode (0 = uncapped).")
-def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None) -> None:
+@click.option("--secret-file", default=None, type=click.Path(dir_okay=False),
+              help="Owner-only file with the worker secret (default: where a front-end of this user "
+                   "bound at --connect keeps it; the front-end logs the path).")
+def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None,
+         secret_file: str | None) -> None:
     """Run one decode worker for a gmlx front-end."""
     from gmlx.config import EngineConfig, log_level
 
@@ -251,12 +271,16 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
     ensure_fast_blas()  # the fast BLAS before the engine imports mlx
     from gmlx.engine import Engine
 
+    try:
+        secret = read_worker_secret(secret_file or default_secret_path(connect_address))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--secret-file") from None
     config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap)
     try:
         engine = Engine.load(config)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    worker = Worker(engine, connect_address, drafter)
+    worker = Worker(engine, connect_address, drafter, secret)
     _CURRENT.append(worker)
     try:
         worker.handshake()
@@ -266,6 +290,9 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
         code = 3
     finally:
         worker.close()
+    if worker.is_frontend_lost:  # skip the interpreter's teardown of mlx and transformers (~1 s)
+        logging.shutdown()
+        os._exit(code)
     sys.exit(code)
 
 

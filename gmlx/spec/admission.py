@@ -49,6 +49,27 @@ class InjectionQueue:
                 return request
         return None
 
+    def can_join_next_drain(self) -> bool:
+        """True when the first waiter's prompt completes within one drain's budget, so a
+        preempt for it lets it join at once (a longer one is prefilled ahead first)."""
+        request = self.waiting[0]
+        if request.request_id not in self._caches:
+            self._caches[request.request_id] = self._start(request)
+        return request.num_prompt_tokens - request.num_prefilled <= self.chunk_tokens
+
+    def prefill_ahead(self) -> None:
+        """Spend one chunk on the first waiter without finishing its prompt (the running
+        stream keeps speculating meanwhile)."""
+        assert not self.can_join_next_drain()
+        request = self.waiting[0]
+        caches = self._caches[request.request_id]
+        request.status = RequestStatus.PREFILLING
+        start = request.num_prefilled
+        chunk = mx.array(request.prompt_token_ids[start : start + self.chunk_tokens], dtype=mx.int32)[None]
+        self.target.body(chunk, caches)
+        request.num_prefilled += self.chunk_tokens
+        mx.eval([c.keys for c in caches])
+
     def drain(self, max_new_rows: int) -> list[Prefilled]:
         """Prefill up to one chunk budget of waiting prompts, in arrival order."""
         done: list[Prefilled] = []
@@ -107,6 +128,7 @@ def is_within_cap(cap: int, width: int) -> bool:
 
 
 def can_resume(requests: list[Request]) -> bool:
-    """Re-arm only if some row has enough budget left for the capture round to pay off."""
+    """Re-arm only if some row has enough budget left for the capture round to pay off:
+    rows with fewer than GMLX_RESUME_MIN_BUDGET tokens left do not count."""
     threshold = config.resume_min_budget()
-    return config.is_resume_enabled() and any(r.num_remaining > threshold for r in requests)
+    return config.is_resume_enabled() and any(r.num_remaining >= threshold for r in requests)

@@ -1,0 +1,107 @@
+"""Faults on a live `gmlx serve`: the front-end killed (clients told, workers stop, the
+supervisor brings it back), a worker gone silent (found by heartbeat, its unstarted
+requests re-queued and served)."""
+
+import faulthandler
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from ipc.bus import list_segments, parse_owner
+from ipc.client import Client, ServerLostError
+from serving_support import Server, model_dir
+
+TEST_TIMEOUT_S = 180
+PROMPT_IDS = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(autouse=True)
+def hard_timeout():
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def stream_until_error(address: str, started: threading.Event, result: dict) -> None:
+    with Client(address, timeout_s=20) as client:
+        try:
+            for _ in client.generate(token_ids=PROMPT_IDS, max_tokens=100_000, temperature=0.8, seed=1):
+                started.set()
+            result["outcome"] = "finished"
+        except Exception as e:  # the test asserts which one
+            result["outcome"], result["at_s"] = e, time.monotonic()
+
+
+def wait_ready_again(server: Server, timeout_s: float) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while sum("ready" in line for line in server.stdout_lines) < 2:
+        assert time.monotonic() < deadline_s, server.log()
+        time.sleep(0.1)
+
+
+def test_a_killed_frontend_tells_clients_stops_workers_and_comes_back():
+    server = Server(model=model_dir(), drafter="none")
+    try:
+        frontend = psutil.Process(server.first_frontend_pid)
+        workers = [psutil.Process(pid) for pid in server.worker_pids()]
+        results = [{} for _ in range(3)]
+        threads = []
+        for result in results:
+            started = threading.Event()
+            thread = threading.Thread(target=stream_until_error, args=(server.address, started, result), daemon=True)
+            thread.start()
+            assert started.wait(60), server.log()
+            threads.append(thread)
+        killed_s = time.monotonic()
+        frontend.kill()
+        for thread in threads:
+            thread.join(30)
+        for result in results:
+            assert isinstance(result.get("outcome"), ServerLostError), result
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, "a worker outlived its front-end"
+        print(f"clients told after {max(r['at_s'] for r in results) - killed_s:.2f} s; "
+              f"workers gone after {time.monotonic() - killed_s:.2f} s")
+        wait_ready_again(server, 120)
+        assert not [n for n in list_segments() if parse_owner(n)[0] == frontend.pid], "the dead front-end's bus is left"
+        with Client(server.address, timeout_s=60) as client:  # same address, a fresh front-end
+            chunks = list(client.generate(token_ids=PROMPT_IDS, max_tokens=5))
+        assert chunks[-1].finish_reason == "length"
+        assert server.terminate() == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def test_a_silent_worker_is_replaced_and_its_unstarted_requests_served():
+    server = Server(model=model_dir(), drafter="none")
+    try:
+        with Client(server.address, timeout_s=60) as client:
+            expected = [list(client.generate(token_ids=PROMPT_IDS[:n], max_tokens=6)) for n in (2, 3, 4)]
+        [worker_pid] = server.worker_pids()
+        os.kill(worker_pid, signal.SIGSTOP)  # alive but silent: no heartbeat, no progress
+        results = [None] * 3
+
+        def run(i: int) -> None:
+            with Client(server.address, timeout_s=90) as client:
+                results[i] = list(client.generate(token_ids=PROMPT_IDS[:i + 2], max_tokens=6))
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not psutil.pid_exists(worker_pid) or psutil.Process(worker_pid).status() == psutil.STATUS_ZOMBIE
+        for got, want in zip(results, expected):
+            assert got is not None, server.log()
+            assert [c.token_ids for c in got] != [] and sum((c.token_ids for c in got), []) == \
+                sum((c.token_ids for c in want), [])
+        assert "re-queued" in server.log()
+        assert server.terminate() == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
