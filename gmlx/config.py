@@ -26,6 +26,7 @@ ENV_VARS = {
     "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
     "GMLX_INPUT_MAJOR_WEIGHTS": "1 (default) stores a model's Linear weights input-major on the CPU backend when the interposer routes that layout (its one-row kernel reads them front to back; results checked bit-identical at load); 0 keeps mlx-lm's layout",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
+    "GMLX_HTTP_API_KEY": "bearer token the HTTP gateway requires (when --http-api-key-file is not given); needed to bind a non-loopback --http address",
 }
 
 
@@ -102,6 +103,11 @@ def is_cpu_fusion_enabled() -> bool:
 
 def is_input_major_enabled() -> bool:
     return _env_flag("GMLX_INPUT_MAJOR_WEIGHTS", True)
+
+
+def http_api_key() -> str | None:
+    raw = os.environ.get("GMLX_HTTP_API_KEY")
+    return raw.strip() if raw and raw.strip() else None
 
 
 def log_level() -> str:

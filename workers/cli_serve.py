@@ -74,8 +74,14 @@ def _check_drafter(drafter: str) -> str:
               help="Where workers connect (port * = any free port).")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="After SIGTERM, how long in-flight requests get to finish.")
+@click.option("--http", "http_url", default=None,
+              help="Also serve the OpenAI-compatible HTTP API at this URL (http://HOST:PORT); off by default.")
+@click.option("--http-port", type=click.IntRange(1, 65535), default=None,
+              help="Shorthand for --http http://127.0.0.1:PORT.")
+@click.option("--http-api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="File whose first line is the HTTP bearer token (else GMLX_HTTP_API_KEY).")
 def serve(model, drafter, address, num_workers, speculative_width_cap, config_file, worker_address,
-          drain_timeout_s) -> None:
+          drain_timeout_s, http_url, http_port, http_api_key_file) -> None:
     """Serve a model: a front-end at ADDRESS and N decode workers."""
     from workers.frontend import Frontend, FrontendConfig
     from workers.supervisor import WorkerSpec
@@ -87,6 +93,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     drafter = _check_drafter(drafter or entry.get("drafter", "none"))
     if speculative_width_cap is None:
         speculative_width_cap = entry.get("speculative_width_cap")
+    gateway = _make_gateway(http_url, http_port, http_api_key_file, model_path)
     _configure_logging()
     spec = WorkerSpec(model_path=model_path and os.path.abspath(os.path.expanduser(model_path)),
                       drafter=drafter, speculative_width_cap=speculative_width_cap)
@@ -99,12 +106,43 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     def on_ready(bound_address: str) -> None:
         click.echo(f"gmlx serve ready at {bound_address} (workers: {num_workers}, drafter: {drafter})")
         sys.stdout.flush()
+        if gateway is not None:
+            gateway.start(bound_address)
 
     try:
         code = frontend.run(on_ready)
     except ValueError as e:  # an address that cannot be bound
         raise click.UsageError(str(e)) from None
+    finally:
+        if gateway is not None:  # after the drain: streams still finishing reach their HTTP clients
+            gateway.stop()
     sys.exit(code)
+
+
+def _make_gateway(http_url: str | None, http_port: int | None, api_key_file: str | None, model_path: str | None):
+    """The HTTP gateway to start once the front-end is ready, or None without --http."""
+    if http_url is not None and http_port is not None:
+        raise click.BadParameter("give --http or --http-port, not both", param_hint="--http-port")
+    if http_port is not None:
+        http_url = f"http://127.0.0.1:{http_port}"
+    if http_url is None:
+        return None
+    from workers.http_gateway import GatewayConfig, parse_http_url, read_api_key
+    from workers.http_process import GatewayProcess
+
+    try:
+        host, port = parse_http_url(http_url)
+        api_key = read_api_key(api_key_file)
+        GatewayConfig(server_address="", host=host, port=port, api_key=api_key).validate()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--http") from None
+
+    def on_ready(url: str) -> None:
+        click.echo(f"gmlx http ready at {url}/v1")
+        sys.stdout.flush()
+
+    path = model_path and os.path.abspath(os.path.expanduser(model_path))
+    return GatewayProcess(http_url, host, port, path, api_key, on_ready)
 
 
 def _configure_logging() -> None:
