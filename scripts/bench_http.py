@@ -1,0 +1,153 @@
+"""The HTTP gateway's added cost: N concurrent streaming clients over HTTP (SSE through the
+gateway) against the same N over ZeroMQ (ipc.client.AsyncClient), side by side on one
+`gmlx serve --http-port` process, rounds alternating so drift hits both alike.
+
+    python3 scripts/bench_http.py --concurrency 8 --rounds 3 --max-tokens 64
+
+Reports aggregate tok/s per transport (tokens / wall time of a round, summed over rounds),
+their ratio, and p95 time to first token (send -> first chunk with text) of each.
+The HTTP side uses a bare asyncio HTTP/1.1 reader, so what it adds over ZeroMQ is the
+gateway's cost, not a client library's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+
+from ipc.client import AsyncClient  # noqa: E402
+from serving_support import Server, free_port  # noqa: E402
+
+PROMPTS = ("def parse_args(argv):", "class Node:\n    def __init__(self", "import os\nimport sys\n\n",
+           "def read_config(path):\n    with open(", "for i, line in enumerate(", "    def __repr__(self):",
+           "if __name__ == '__main__':", "try:\n    import json\nexcept")
+
+
+async def zmq_request(address: str, prompt: str, max_tokens: int) -> tuple[float, int, str]:
+    """(ttft_s, num_tokens, text) of one streamed request over ZeroMQ."""
+    async with AsyncClient(address, timeout_s=120) as client:
+        start_s, ttft_s, num_tokens, texts = time.perf_counter(), None, 0, []
+        async for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=0.0):
+            if ttft_s is None and chunk.text:
+                ttft_s = time.perf_counter() - start_s
+            num_tokens += len(chunk.token_ids)
+            texts.append(chunk.text)
+    return ttft_s, num_tokens, "".join(texts)
+
+
+async def http_request(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float, int, str]:
+    """The same over HTTP: POST /v1/completions with stream, read the SSE events as they come."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    start_s = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    status = await reader.readline()
+    assert b" 200 " in status, status
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass  # headers: uvicorn streams with chunked transfer encoding
+    ttft_s, texts, num_tokens, pending = None, [], 0, b""
+    while True:
+        size = int((await reader.readline()).strip(), 16)
+        if size == 0:
+            break
+        pending += await reader.readexactly(size)
+        await reader.readexactly(2)
+        while b"\n\n" in pending:
+            event, pending = pending.split(b"\n\n", 1)
+            data = event[len(b"data: "):]
+            if data == b"[DONE]":
+                continue
+            obj = json.loads(data)
+            text = obj["choices"][0]["text"]
+            if ttft_s is None and text:
+                ttft_s = time.perf_counter() - start_s
+            texts.append(text)
+            if obj.get("usage"):
+                num_tokens = obj["usage"]["completion_tokens"]
+    writer.close()
+    return ttft_s, num_tokens, "".join(texts)
+
+
+async def run_round(make_request, concurrency: int, requests_per_client: int):
+    async def one_client(i: int):
+        prompts = [PROMPTS[(i + j) % len(PROMPTS)] for j in range(requests_per_client)]
+        return [(prompt, *(await make_request(prompt))) for prompt in prompts]
+
+    start_s = time.perf_counter()
+    per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
+    wall_s = time.perf_counter() - start_s
+    return wall_s, [r for results in per_client for r in results]
+
+
+def p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20)[-1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per transport, alternating")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--drafter", default="mtp")
+    args = parser.parse_args()
+
+    port = free_port()
+    server = Server("--http-port", str(port), drafter=args.drafter)
+    try:
+        deadline_s = time.monotonic() + 60
+        while not any("http ready" in line for line in server.stdout_lines):
+            assert time.monotonic() < deadline_s, server.log()
+            time.sleep(0.1)
+        model = "gmlx-builtin"
+        transports = {
+            "zmq": lambda prompt: zmq_request(server.address, prompt, args.max_tokens),
+            "http": lambda prompt: http_request(port, model, prompt, args.max_tokens),
+        }
+        asyncio.run(run_round(transports["zmq"], args.concurrency, 1))  # warm-up: compile, caches
+        asyncio.run(run_round(transports["http"], args.concurrency, 1))
+        totals = {name: {"wall_s": 0.0, "tokens": 0, "ttft_s": []} for name in transports}
+        texts: dict[str, set[str]] = {}  # prompt -> every text it got, over both transports
+        for round_index in range(args.rounds):
+            order = ("zmq", "http") if round_index % 2 == 0 else ("http", "zmq")
+            for name in order:
+                wall_s, results = asyncio.run(run_round(transports[name], args.concurrency,
+                                                        args.requests_per_client))
+                total = totals[name]
+                total["wall_s"] += wall_s
+                total["tokens"] += sum(n for _, _, n, _ in results)
+                total["ttft_s"] += [t for _, t, _, _ in results]
+                for prompt, _, _, text in results:
+                    texts.setdefault(prompt, set()).add(text)
+                print(f"round {round_index} {name}: {sum(n for _, _, n, _ in results) / wall_s:.1f} tok/s",
+                      flush=True)
+        report = {name: {"tok_per_s": t["tokens"] / t["wall_s"], "p95_ttft_ms": 1000 * p95(t["ttft_s"]),
+                         "median_ttft_ms": 1000 * statistics.median(t["ttft_s"]), "num_requests": len(t["ttft_s"])}
+                  for name, t in totals.items()}
+    finally:
+        server.terminate()
+    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
+                         text=True).stdout.strip() or platform.processor()
+    print(json.dumps({"cpu": cpu, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                      "drafter": args.drafter, **report,
+                      "is_text_equal": all(len(v) == 1 for v in texts.values()),  # greedy: one text per prompt
+                      "tok_per_s_ratio_http_over_zmq": report["http"]["tok_per_s"] / report["zmq"]["tok_per_s"],
+                      "p95_ttft_diff_ms": report["http"]["p95_ttft_ms"] - report["zmq"]["p95_ttft_ms"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
