@@ -3,9 +3,12 @@ gateway) against the same N over ZeroMQ (ipc.client.AsyncClient), side by side o
 `gmlx serve --http-port` process, rounds alternating so drift hits both alike.
 
     python3 scripts/bench_http.py --concurrency 8 --rounds 3 --max-tokens 64
+    python3 scripts/bench_http.py --model inert      # the inert-grown built-in model (bench_models.py)
 
 Reports aggregate tok/s per transport (tokens / wall time of a round, summed over rounds),
-their ratio, and p95 time to first token (send -> first chunk with text) of each.
+their ratio, p95 time to first token (send -> first chunk with text) of each, and the CPU
+time each server process spent per token (psutil): on a busy machine throughput swings
+between rounds, while the gateway's CPU per token is its cost measured directly.
 The HTTP side uses a bare asyncio HTTP/1.1 reader, so what it adds over ZeroMQ is the
 gateway's cost, not a client library's.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import json
 import platform
 import statistics
@@ -25,6 +29,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import psutil  # noqa: E402
 
 from ipc.client import AsyncClient  # noqa: E402
 from serving_support import Server, free_port  # noqa: E402
@@ -93,6 +100,22 @@ async def run_round(make_request, concurrency: int, requests_per_client: int):
     return wall_s, [r for results in per_client for r in results]
 
 
+def server_processes(server: Server) -> dict[str, list[psutil.Process]]:
+    root = psutil.Process(server.proc.pid)
+    roles: dict[str, list[psutil.Process]] = {"frontend": [root], "worker": [], "gateway": []}
+    for child in root.children(recursive=True):
+        cmdline = " ".join(child.cmdline())
+        roles["gateway" if "http_gateway" in cmdline else "worker" if "workers.worker" in cmdline else "frontend"].append(child)
+    return roles
+
+
+def cpu_s(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    """User + system CPU seconds of each role's processes (and of this client process)."""
+    out = {role: sum(sum(p.cpu_times()[:2]) for p in procs) for role, procs in roles.items()}
+    out["client"] = sum(os.times()[:2])
+    return out
+
+
 def p95(values: list[float]) -> float:
     return statistics.quantiles(values, n=20)[-1] if len(values) > 1 else values[0]
 
@@ -104,30 +127,50 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per transport, alternating")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--drafter", default="mtp")
+    parser.add_argument("--model", choices=("builtin", "inert"), default="builtin",
+                        help="inert: the built-in target grown with inert parameters, so a token costs the "
+                             "worker what a larger model's would (labelled inert-grown, not a trained model)")
+    parser.add_argument("--inert-intermediate", type=int, default=4096)
+    parser.add_argument("--inert-extra-layers", type=int, default=6)
+    parser.add_argument("--inert-dir", default="/tmp/gmlx-bench-inert")
     args = parser.parse_args()
 
+    model_folder, model = None, "gmlx-builtin"
+    if args.model == "inert":
+        from bench_models import grow_inert
+
+        model_folder = grow_inert(Path(args.inert_dir) / f"inert-grown-{args.inert_intermediate}-"
+                                  f"{args.inert_extra_layers}", args.inert_intermediate, args.inert_extra_layers)
+        model = model_folder.name
+        if args.drafter == "mtp":  # the built-in head reads hidden states the inert parameters leave unchanged
+            from gmlx.config import BUILTIN_MTP_DIR
+
+            args.drafter = f"mtp:{BUILTIN_MTP_DIR}"
     port = free_port()
-    server = Server("--http-port", str(port), drafter=args.drafter)
+    server = Server("--http-port", str(port), drafter=args.drafter, model=model_folder)
     try:
         deadline_s = time.monotonic() + 60
         while not any("http ready" in line for line in server.stdout_lines):
             assert time.monotonic() < deadline_s, server.log()
             time.sleep(0.1)
-        model = "gmlx-builtin"
         transports = {
             "zmq": lambda prompt: zmq_request(server.address, prompt, args.max_tokens),
             "http": lambda prompt: http_request(port, model, prompt, args.max_tokens),
         }
         asyncio.run(run_round(transports["zmq"], args.concurrency, 1))  # warm-up: compile, caches
         asyncio.run(run_round(transports["http"], args.concurrency, 1))
-        totals = {name: {"wall_s": 0.0, "tokens": 0, "ttft_s": []} for name in transports}
+        roles = server_processes(server)
+        totals = {name: {"wall_s": 0.0, "tokens": 0, "ttft_s": [], "cpu_s": {}} for name in transports}
         texts: dict[str, set[str]] = {}  # prompt -> every text it got, over both transports
         for round_index in range(args.rounds):
             order = ("zmq", "http") if round_index % 2 == 0 else ("http", "zmq")
             for name in order:
+                cpu_before = cpu_s(roles)
                 wall_s, results = asyncio.run(run_round(transports[name], args.concurrency,
                                                         args.requests_per_client))
                 total = totals[name]
+                for role, seconds in cpu_s(roles).items():
+                    total["cpu_s"][role] = total["cpu_s"].get(role, 0.0) + seconds - cpu_before[role]
                 total["wall_s"] += wall_s
                 total["tokens"] += sum(n for _, _, n, _ in results)
                 total["ttft_s"] += [t for _, t, _, _ in results]
@@ -136,17 +179,24 @@ def main() -> None:
                 print(f"round {round_index} {name}: {sum(n for _, _, n, _ in results) / wall_s:.1f} tok/s",
                       flush=True)
         report = {name: {"tok_per_s": t["tokens"] / t["wall_s"], "p95_ttft_ms": 1000 * p95(t["ttft_s"]),
-                         "median_ttft_ms": 1000 * statistics.median(t["ttft_s"]), "num_requests": len(t["ttft_s"])}
+                         "median_ttft_ms": 1000 * statistics.median(t["ttft_s"]), "num_requests": len(t["ttft_s"]),
+                         "cpu_ms_per_token": {role: round(1000 * s / t["tokens"], 4) for role, s in t["cpu_s"].items()}}
                   for name, t in totals.items()}
     finally:
         server.terminate()
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
                          text=True).stdout.strip() or platform.processor()
-    print(json.dumps({"cpu": cpu, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+    print(json.dumps({"cpu": cpu, "model": model, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                       "drafter": args.drafter, **report,
                       "is_text_equal": all(len(v) == 1 for v in texts.values()),  # greedy: one text per prompt
                       "tok_per_s_ratio_http_over_zmq": report["http"]["tok_per_s"] / report["zmq"]["tok_per_s"],
-                      "p95_ttft_diff_ms": report["http"]["p95_ttft_ms"] - report["zmq"]["p95_ttft_ms"]}, indent=1))
+                      "p95_ttft_diff_ms": report["http"]["p95_ttft_ms"] - report["zmq"]["p95_ttft_ms"],
+                      "gateway_cpu_share": gateway_share(report["http"]["cpu_ms_per_token"])}, indent=1))
+
+
+def gateway_share(cpu_ms: dict[str, float]) -> float:
+    """The gateway's part of the server's CPU per token over HTTP (front-end + worker + gateway)."""
+    return cpu_ms["gateway"] / (cpu_ms["gateway"] + cpu_ms["frontend"] + cpu_ms["worker"])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import anyio
 import click
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -79,45 +80,38 @@ def model_id_for(model_path: str | None) -> str:
 
 
 class _Relay:
-    """One request's chunks, pumped from ipc.client by a task of its own. Cancelling that plain
-    asyncio task makes the client send CANCEL, even when Starlette cancels the response's scope."""
+    """One request's chunks from ipc.client's generator. Closing it (or cancelling a pending
+    next) runs the generator's cleanup, which sends CANCEL for a request still running."""
 
     def __init__(self, client: AsyncClient, args: oai.GenerateArgs):
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(client, args))
-
-    async def _pump(self, client: AsyncClient, args: oai.GenerateArgs) -> None:
-        try:
-            async for chunk in client.generate(**args.client_kwargs()):
-                self._queue.put_nowait(chunk)
-            self._queue.put_nowait(_END)
-        except (RequestError, TimeoutError) as e:
-            self._queue.put_nowait(e)
+        self._chunks = client.generate(**args.client_kwargs())
 
     async def next(self):
         """The next chunk, or _END; raises what the client raised."""
-        item = await self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            return _END
 
-    def cancel(self) -> None:
-        if not self._task.done():
-            self._task.cancel()
+    async def next_or_gone(self, disconnected: asyncio.Task):
+        """next(), unless the HTTP client disconnects first (then ClientGone)."""
+        item = asyncio.ensure_future(self.next())
+        await asyncio.wait({item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if item.done():
+            return item.result()
+        item.cancel()
+        await asyncio.wait({item})  # the generator's cleanup has run once this returns
+        raise ClientGone()
+
+    async def close(self) -> None:
+        # Shielded: Starlette cancels a stream's scope when its connection drops, and the
+        # CANCEL must still go out.
+        with anyio.CancelScope(shield=True):
+            await self._chunks.aclose()
 
 
 class ClientGone(Exception):
     pass
-
-
-async def _next_or_gone(relay: _Relay, disconnected: asyncio.Task):
-    """relay.next(), unless the HTTP client disconnects first (then ClientGone)."""
-    item = asyncio.ensure_future(relay.next())
-    await asyncio.wait({item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-    if item.done():
-        return item.result()
-    item.cancel()
-    raise ClientGone()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -228,7 +222,7 @@ class Gateway:
         is_streaming = False
         try:
             try:
-                first = await _next_or_gone(relay, disconnected)
+                first = await relay.next_or_gone(disconnected)
             except RequestError as e:
                 status, error_type = (400, "invalid_request_error") if e.field else (503, "server_busy")
                 self.metrics.rejected.labels(endpoint, str(status)).inc()
@@ -251,7 +245,7 @@ class Gateway:
         finally:
             if not is_streaming:
                 disconnected.cancel()
-                relay.cancel()
+                await relay.close()
                 self.metrics.in_flight.dec()
 
     async def _collect(self, relay: _Relay, shape: oai.ResponseShape, first, disconnected, endpoint: str) -> Response:
@@ -264,7 +258,7 @@ class Gateway:
                 last_s = now_s
                 if chunk.finish_reason is not None:
                     break
-                chunk = await _next_or_gone(relay, disconnected)
+                chunk = await relay.next_or_gone(disconnected)
         except (RequestError, TimeoutError) as e:
             self.metrics.requests.labels(endpoint, "error").inc()
             return error_response(500, f"the request failed: {e}", "server_error")
@@ -284,7 +278,7 @@ class Gateway:
                 last_s = now_s
                 if chunk.finish_reason is None:
                     if chunk.text:
-                        yield _sse(shape.chunk(chunk.text, None))
+                        yield shape.text_event(chunk.text)
                     chunk = await relay.next()
                     continue
                 usage = oai.usage_of(chunk.stats)
@@ -301,7 +295,7 @@ class Gateway:
             yield _sse(oai.error_body(f"the request failed: {e}", "server_error"))
             yield "data: [DONE]\n\n"
         finally:
-            relay.cancel()  # a closed connection lands here: the client API sends CANCEL
+            await relay.close()  # a closed connection lands here: the client API sends CANCEL
             self.metrics.in_flight.dec()
             if finish == "cancelled":
                 self.metrics.requests.labels(endpoint, "cancelled").inc()

@@ -7,6 +7,7 @@ comes back with the `*_chunk` / `*_response` builders.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -191,6 +192,14 @@ class ResponseShape:
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.created = int(time.time())
+        # A mid-stream event differs from the next only in its text: render the rest once.
+        marker = "\x00"
+        rendered = json.dumps(self.chunk(marker, None), separators=(",", ":"))
+        self._event_head, self._event_tail = rendered.split(json.dumps(marker))  # exactly one marker
+
+    def text_event(self, text: str) -> str:
+        """The server-sent event of a mid-stream chunk with non-empty text."""
+        return f"data: {self._event_head}{json.dumps(text)}{self._event_tail}\n\n"
 
     def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
