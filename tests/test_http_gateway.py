@@ -300,3 +300,33 @@ def test_bearer_token_and_unreachable_server(server, tmp_path):
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_serve_refuses_an_open_http_address_without_a_token():
+    cmd = [sys.executable, "-m", "workers.cli_serve", "--workers", "0", "--http", "http://0.0.0.0:8000"]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=repo_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--http-api-key-file" in done.stderr, done.stderr
+
+
+def test_a_killed_gateway_is_restarted(server, oai):
+    import psutil
+
+    gateways = [c for c in psutil.Process(server.proc.pid).children() if "workers.http_gateway" in " ".join(c.cmdline())]
+    assert len(gateways) == 1
+    gateways[0].kill()
+    gateways[0].wait(10)
+    deadline_s = time.monotonic() + 60
+    while http_get_or_none(server.http_url + "/health") != 200:
+        assert time.monotonic() < deadline_s, server.log()
+        time.sleep(0.2)
+    want_text, _ = zmq_text(server, prompt=PROMPT, max_tokens=8)
+    assert oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text \
+        == want_text
+    assert "restarting it" in server.log()
+
+
+def http_get_or_none(url: str) -> int | None:
+    try:
+        return http_get(url)[0]
+    except OSError:
+        return None
