@@ -207,6 +207,9 @@ def test_bad_parameters_get_openai_errors(server, oai):
     with pytest.raises(openai.NotFoundError) as info:
         oai.completions.create(model="no-such-model", prompt=PROMPT)
     assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.APIStatusError) as info:  # the ZeroMQ side's 1 MiB message limit
+        oai.completions.create(model=MODEL_ID, prompt="x" * (1 << 20))
+    assert info.value.status_code == 413 and "bytes" in info.value.body["message"]
 
 
 def test_metrics_count_what_clients_saw(server):

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ipc.client import AsyncClient, RequestError
+from ipc.messages import MAX_MESSAGE_BYTES
 from workers import http_openai as oai
 from workers.http_metrics import CONTENT_TYPE, GatewayMetrics
 
@@ -202,10 +203,7 @@ class Gateway:
         if (denied := self._check_auth(request)) is not None:
             return denied
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise oai.BadRequest(f"the body is not JSON: {e}") from None
+            body = await _read_json(request)
             if kind == "chat":
                 args = oai.parse_chat(body, self._render_chat, default_max_tokens=self._max_context_tokens)
             else:
@@ -324,6 +322,20 @@ class Gateway:
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_path or str(BUILTIN_TARGET_DIR))
         return self._tokenizer
+
+
+async def _read_json(request: Request):
+    """The body as JSON, read no further than the ZeroMQ side's message limit."""
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise oai.BadRequest(f"the body is over {MAX_MESSAGE_BYTES} bytes, the server's message limit",
+                                 status=413)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise oai.BadRequest(f"the body is not JSON: {e}") from None
 
 
 def _sse(obj: dict) -> str:
