@@ -90,9 +90,12 @@ class _Relay:
     async def next(self):
         """The next chunk, or _END; raises what the client raised."""
         try:
-            return await self._chunks.__anext__()
+            chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
             return _END
+        if chunk.finish_reason == "error":  # OpenAI has no such finish reason: it is an error reply
+            raise RequestError("the request failed on the server", request_id=chunk.request_id)
+        return chunk
 
     async def next_or_gone(self, disconnected: asyncio.Task):
         """next(), unless the HTTP client disconnects first (then ClientGone)."""
@@ -257,11 +260,13 @@ class Gateway:
                 if chunk.finish_reason is not None:
                     break
                 chunk = await relay.next_or_gone(disconnected)
+            if chunk is _END:
+                raise RequestError("the stream ended without a finish reason")
         except (RequestError, TimeoutError) as e:
             self.metrics.requests.labels(endpoint, "error").inc()
             return error_response(500, f"the request failed: {e}", "server_error")
-        usage = oai.usage_of(chunk.stats if chunk is not _END else None)
-        self._count_finished(endpoint, chunk.finish_reason if chunk is not _END else "error", usage)
+        usage = oai.usage_of(chunk.stats)
+        self._count_finished(endpoint, chunk.finish_reason, usage)
         return JSONResponse(shape.response("".join(texts), oai.finish_reason_of(chunk.finish_reason), usage))
 
     async def _events(self, relay: _Relay, shape: oai.ResponseShape, args: oai.GenerateArgs, first, endpoint: str):

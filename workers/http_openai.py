@@ -171,8 +171,8 @@ def _short(value) -> str:
 
 
 def finish_reason_of(gmlx_reason: str | None) -> str | None:
-    """gmlx's "stop" / "length" map one to one; "cancelled" only reaches a client that is gone."""
-    return gmlx_reason if gmlx_reason in ("stop", "length") else None if gmlx_reason is None else "stop"
+    """gmlx's "stop" / "length" map one to one; "cancelled" (a drain that ran out of time) is a stop."""
+    return gmlx_reason if gmlx_reason in (None, "stop", "length") else "stop"
 
 
 def usage_of(stats: dict | None) -> dict:
