@@ -333,3 +333,52 @@ def http_get_or_none(url: str) -> int | None:
         return http_get(url)[0]
     except OSError:
         return None
+
+
+# --- request parsing and event shapes, without a server -----------------------------------
+
+
+def test_parse_completion_fields_and_refusals():
+    from workers import http_openai as o
+
+    args = o.parse_completion({"model": "m", "prompt": ["hi"], "stop": "\n", "seed": 3, "top_k": 5, "min_p": 0.1,
+                               "stream": True, "stream_options": {"include_usage": True}, "user": "ignored"})
+    assert (args.prompt, args.token_ids, args.stop, args.seed, args.top_k, args.min_p) == ("hi", None, ("\n",), 3, 5, 0.1)
+    assert args.is_stream and args.is_usage_chunk and args.max_tokens == 16 and args.temperature == 1.0
+    assert o.parse_completion({"model": "m", "prompt": [1, 2, 3]}).token_ids == (1, 2, 3)
+    bad = [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "n": 3}, "n"),
+           ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a"}, "model"),
+           ({"model": "m", "prompt": "a", "max_tokens": "9"}, "max_tokens"),
+           ({"model": "m", "prompt": "a", "stop": ["", "x"]}, "stop"),
+           ({"model": "m", "prompt": "a", "speculate": "yes"}, "speculate"),
+           ({"model": "m", "prompt": "a", "temperature": True}, "temperature")]
+    for body, param in bad:
+        with pytest.raises(o.BadRequest) as info:
+            o.parse_completion(body)
+        assert info.value.param == param and info.value.status == 400, body
+
+
+def test_parse_chat_renders_text_parts():
+    from workers import http_openai as o
+
+    seen = []
+    args = o.parse_chat({"model": "m", "max_completion_tokens": 7, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        lambda messages: seen.append(messages) or [4, 5], default_max_tokens=100)
+    assert seen == [[{"role": "user", "content": "ab"}]]
+    assert args.token_ids == (4, 5) and args.prompt is None and args.max_tokens == 7
+    with pytest.raises(o.BadRequest) as info:
+        o.parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                     lambda m: [1], default_max_tokens=100)
+    assert info.value.param == "messages"
+
+
+def test_cached_event_equals_the_rendered_chunk():
+    from workers import http_openai as o
+
+    for kind in ("completion", "chat"):
+        shape = o.ResponseShape(kind, "m\u00e9", "r7")
+        for text in ("plain", 'quote " and \\ and \n', "\x00", "\u2603"):
+            event = shape.text_event(text)
+            assert event.startswith("data: ") and event.endswith("\n\n")
+            assert json.loads(event[len("data: "):]) == shape.chunk(text, None)
