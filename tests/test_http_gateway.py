@@ -346,6 +346,8 @@ def test_parse_completion_fields_and_refusals():
     assert (args.prompt, args.token_ids, args.stop, args.seed, args.top_k, args.min_p) == ("hi", None, ("\n",), 3, 5, 0.1)
     assert args.is_stream and args.is_usage_chunk and args.max_tokens == 16 and args.temperature == 1.0
     assert o.parse_completion({"model": "m", "prompt": [1, 2, 3]}).token_ids == (1, 2, 3)
+    plain = o.parse_completion({"model": "m", "prompt": "a", "speculate": False})
+    assert "speculate" not in plain.client_kwargs() and plain.client_kwargs(can_pin_plain=True)["speculate"] is False
     bad = [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "n": 3}, "n"),
            ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a"}, "model"),
            ({"model": "m", "prompt": "a", "max_tokens": "9"}, "max_tokens"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import ipaddress
 import json
 import logging
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_MODEL_ID = "gmlx-builtin"
 _END = object()
+# The per-request `speculate` switch is being added to the wire protocol beside this work:
+# forward it once ipc.client's generate() takes it, and accept it without effect until then.
+_CAN_PIN_PLAIN = "speculate" in inspect.signature(AsyncClient.generate).parameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +89,7 @@ class _Relay:
     next) runs the generator's cleanup, which sends CANCEL for a request still running."""
 
     def __init__(self, client: AsyncClient, args: oai.GenerateArgs):
-        self._chunks = client.generate(**args.client_kwargs())
+        self._chunks = client.generate(**args.client_kwargs(_CAN_PIN_PLAIN))
 
     async def next(self):
         """The next chunk, or _END; raises what the client raised."""
