@@ -90,9 +90,19 @@ async def http_request(port: int, model: str, prompt: str, max_tokens: int) -> t
 
 
 async def run_round(make_request, concurrency: int, requests_per_client: int):
+    """Closed loop: each client sends its requests back to back. `make_request` is one
+    transport for all clients, or a list of them, one per client (the mixed rounds).
+    Results: (prompt, ttft_s, num_tokens, text, duration_s) per request."""
+    makers = make_request if isinstance(make_request, list) else [make_request] * concurrency
+
     async def one_client(i: int):
-        prompts = [PROMPTS[(i + j) % len(PROMPTS)] for j in range(requests_per_client)]
-        return [(prompt, *(await make_request(prompt))) for prompt in prompts]
+        results = []
+        for j in range(requests_per_client):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            start_s = time.perf_counter()
+            ttft_s, num_tokens, text = await makers[i](prompt)
+            results.append((prompt, ttft_s, num_tokens, text, time.perf_counter() - start_s))
+        return results
 
     start_s = time.perf_counter()
     per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
@@ -105,7 +115,8 @@ def server_processes(server: Server) -> dict[str, list[psutil.Process]]:
     roles: dict[str, list[psutil.Process]] = {"frontend": [root], "worker": [], "gateway": []}
     for child in root.children(recursive=True):
         cmdline = " ".join(child.cmdline())
-        roles["gateway" if "http_gateway" in cmdline else "worker" if "workers.worker" in cmdline else "frontend"].append(child)
+        role = "gateway" if "http_gateway" in cmdline else "worker" if "workers.worker" in cmdline else "frontend"
+        roles[role].append(child)
     return roles
 
 
@@ -126,6 +137,8 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per transport, alternating")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--mixed-rounds", type=int, default=2,
+                        help="then rounds with half the clients on each transport at once")
     parser.add_argument("--drafter", default="mtp")
     parser.add_argument("--model", choices=("builtin", "inert"), default="builtin",
                         help="inert: the built-in target grown with inert parameters, so a token costs the "
@@ -172,16 +185,16 @@ def main() -> None:
                 for role, seconds in cpu_s(roles).items():
                     total["cpu_s"][role] = total["cpu_s"].get(role, 0.0) + seconds - cpu_before[role]
                 total["wall_s"] += wall_s
-                total["tokens"] += sum(n for _, _, n, _ in results)
-                total["ttft_s"] += [t for _, t, _, _ in results]
-                for prompt, _, _, text in results:
+                total["tokens"] += sum(r[2] for r in results)
+                total["ttft_s"] += [r[1] for r in results]
+                for prompt, _, _, text, _ in results:
                     texts.setdefault(prompt, set()).add(text)
-                print(f"round {round_index} {name}: {sum(n for _, _, n, _ in results) / wall_s:.1f} tok/s",
-                      flush=True)
+                print(f"round {round_index} {name}: {sum(r[2] for r in results) / wall_s:.1f} tok/s", flush=True)
         report = {name: {"tok_per_s": t["tokens"] / t["wall_s"], "p95_ttft_ms": 1000 * p95(t["ttft_s"]),
                          "median_ttft_ms": 1000 * statistics.median(t["ttft_s"]), "num_requests": len(t["ttft_s"]),
                          "cpu_ms_per_token": {role: round(1000 * s / t["tokens"], 4) for role, s in t["cpu_s"].items()}}
                   for name, t in totals.items()}
+        report["mixed"] = mixed_rounds(transports, args, texts)
     finally:
         server.terminate()
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
@@ -192,6 +205,27 @@ def main() -> None:
                       "tok_per_s_ratio_http_over_zmq": report["http"]["tok_per_s"] / report["zmq"]["tok_per_s"],
                       "p95_ttft_diff_ms": report["http"]["p95_ttft_ms"] - report["zmq"]["p95_ttft_ms"],
                       "gateway_cpu_share": gateway_share(report["http"]["cpu_ms_per_token"])}, indent=1))
+
+
+def mixed_rounds(transports: dict, args, texts: dict) -> dict:
+    """Half the clients over ZeroMQ, half over HTTP, in the same rounds: both halves share one
+    batch and one machine state, so their per-request numbers compare under identical load."""
+    names = [("zmq", "http")[i % 2] for i in range(args.concurrency)]
+    by_name = {name: [] for name in transports}
+    for _ in range(args.mixed_rounds):
+        _, results = asyncio.run(run_round([transports[n] for n in names], args.concurrency,
+                                           args.requests_per_client))
+        for i, result in enumerate(results):  # results come client by client
+            by_name[names[i // args.requests_per_client]].append(result)
+            texts.setdefault(result[0], set()).add(result[3])
+    out = {name: {"request_tok_per_s": statistics.mean(r[2] / r[4] for r in rs),
+                  "p95_ttft_ms": 1000 * p95([r[1] for r in rs]),
+                  "median_ttft_ms": 1000 * statistics.median(r[1] for r in rs), "num_requests": len(rs)}
+           for name, rs in by_name.items()}
+    out["request_tok_per_s_ratio_http_over_zmq"] = out["http"]["request_tok_per_s"] / out["zmq"]["request_tok_per_s"]
+    out["p95_ttft_diff_ms"] = out["http"]["p95_ttft_ms"] - out["zmq"]["p95_ttft_ms"]
+    out["median_ttft_diff_ms"] = out["http"]["median_ttft_ms"] - out["zmq"]["median_ttft_ms"]
+    return out
 
 
 def gateway_share(cpu_ms: dict[str, float]) -> float:
