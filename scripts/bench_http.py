@@ -10,7 +10,8 @@ their ratio, p95 time to first token (send -> first chunk with text) of each, an
 time each server process spent per token (psutil): on a busy machine throughput swings
 between rounds, while the gateway's CPU per token is its cost measured directly.
 The HTTP side uses a bare asyncio HTTP/1.1 reader, so what it adds over ZeroMQ is the
-gateway's cost, not a client library's.
+gateway's cost, not a client library's; each load client keeps one connection (a DEALER
+socket, a kept-alive HTTP connection) for all its requests.
 """
 
 from __future__ import annotations
@@ -41,67 +42,90 @@ PROMPTS = ("def parse_args(argv):", "class Node:\n    def __init__(self", "impor
            "if __name__ == '__main__':", "try:\n    import json\nexcept")
 
 
-async def zmq_request(address: str, prompt: str, max_tokens: int) -> tuple[float, int, str]:
-    """(ttft_s, num_tokens, text) of one streamed request over ZeroMQ."""
-    async with AsyncClient(address, timeout_s=120) as client:
-        start_s, ttft_s, num_tokens, texts = time.perf_counter(), None, 0, []
-        async for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=0.0):
-            if ttft_s is None and chunk.text:
-                ttft_s = time.perf_counter() - start_s
-            num_tokens += len(chunk.token_ids)
-            texts.append(chunk.text)
-    return ttft_s, num_tokens, "".join(texts)
+class ZmqTransport:
+    """Streamed requests over ZeroMQ, one AsyncClient (one DEALER socket) per load client."""
+
+    def __init__(self, address: str, max_tokens: int):
+        self.address, self.max_tokens = address, max_tokens
+
+    async def open(self):
+        client = AsyncClient(self.address, timeout_s=120)
+
+        async def request(prompt: str) -> tuple[float, int, str]:
+            start_s, ttft_s, num_tokens, texts = time.perf_counter(), None, 0, []
+            async for chunk in client.generate(prompt, max_tokens=self.max_tokens, temperature=0.0):
+                if ttft_s is None and chunk.text:
+                    ttft_s = time.perf_counter() - start_s
+                num_tokens += len(chunk.token_ids)
+                texts.append(chunk.text)
+            return ttft_s, num_tokens, "".join(texts)
+
+        return request, client.close
 
 
-async def http_request(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float, int, str]:
-    """The same over HTTP: POST /v1/completions with stream, read the SSE events as they come."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
-    start_s = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-    await writer.drain()
-    status = await reader.readline()
-    assert b" 200 " in status, status
-    while (await reader.readline()) not in (b"\r\n", b""):
-        pass  # headers: uvicorn streams with chunked transfer encoding
-    ttft_s, texts, num_tokens, pending = None, [], 0, b""
-    while True:
-        size = int((await reader.readline()).strip(), 16)
-        if size == 0:
-            break
-        pending += await reader.readexactly(size)
-        await reader.readexactly(2)
-        while b"\n\n" in pending:
-            event, pending = pending.split(b"\n\n", 1)
-            data = event[len(b"data: "):]
-            if data == b"[DONE]":
-                continue
-            obj = json.loads(data)
-            text = obj["choices"][0]["text"]
-            if ttft_s is None and text:
-                ttft_s = time.perf_counter() - start_s
-            texts.append(text)
-            if obj.get("usage"):
-                num_tokens = obj["usage"]["completion_tokens"]
-    writer.close()
-    return ttft_s, num_tokens, "".join(texts)
+class HttpTransport:
+    """The same over HTTP: POST /v1/completions with stream on one kept-alive connection per
+    load client, the SSE events read as they come."""
+
+    def __init__(self, port: int, model: str, max_tokens: int):
+        self.port, self.model, self.max_tokens = port, model, max_tokens
+
+    async def open(self):
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def request(prompt: str) -> tuple[float, int, str]:
+            body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
+                               "temperature": 0, "stream": True}).encode()
+            start_s = time.perf_counter()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            status = await reader.readline()
+            assert b" 200 " in status, status
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass  # headers: uvicorn streams with chunked transfer encoding
+            ttft_s, texts, num_tokens, pending = None, [], 0, b""
+            while True:
+                size = int((await reader.readline()).strip(), 16)
+                if size == 0:
+                    await reader.readline()  # the blank line after the last chunk
+                    break
+                pending += await reader.readexactly(size)
+                await reader.readexactly(2)
+                while b"\n\n" in pending:
+                    event, pending = pending.split(b"\n\n", 1)
+                    data = event[len(b"data: "):]
+                    if data == b"[DONE]":
+                        continue
+                    obj = json.loads(data)
+                    text = obj["choices"][0]["text"]
+                    if ttft_s is None and text:
+                        ttft_s = time.perf_counter() - start_s
+                    texts.append(text)
+                    if obj.get("usage"):
+                        num_tokens = obj["usage"]["completion_tokens"]
+            return ttft_s, num_tokens, "".join(texts)
+
+        return request, writer.close
 
 
-async def run_round(make_request, concurrency: int, requests_per_client: int):
-    """Closed loop: each client sends its requests back to back. `make_request` is one
-    transport for all clients, or a list of them, one per client (the mixed rounds).
+async def run_round(transport, concurrency: int, requests_per_client: int):
+    """Closed loop: each client opens its connection, then sends its requests back to back.
+    `transport` serves all clients, or is a list of them, one per client (the mixed rounds).
     Results: (prompt, ttft_s, num_tokens, text, duration_s) per request."""
-    makers = make_request if isinstance(make_request, list) else [make_request] * concurrency
+    transports = transport if isinstance(transport, list) else [transport] * concurrency
 
     async def one_client(i: int):
+        request, close = await transports[i].open()
         results = []
-        for j in range(requests_per_client):
-            prompt = PROMPTS[(i + j) % len(PROMPTS)]
-            start_s = time.perf_counter()
-            ttft_s, num_tokens, text = await makers[i](prompt)
-            results.append((prompt, ttft_s, num_tokens, text, time.perf_counter() - start_s))
+        try:
+            for j in range(requests_per_client):
+                prompt = PROMPTS[(i + j) % len(PROMPTS)]
+                start_s = time.perf_counter()
+                ttft_s, num_tokens, text = await request(prompt)
+                results.append((prompt, ttft_s, num_tokens, text, time.perf_counter() - start_s))
+        finally:
+            close()
         return results
 
     start_s = time.perf_counter()
@@ -166,10 +190,8 @@ def main() -> None:
         while not any("http ready" in line for line in server.stdout_lines):
             assert time.monotonic() < deadline_s, server.log()
             time.sleep(0.1)
-        transports = {
-            "zmq": lambda prompt: zmq_request(server.address, prompt, args.max_tokens),
-            "http": lambda prompt: http_request(port, model, prompt, args.max_tokens),
-        }
+        transports = {"zmq": ZmqTransport(server.address, args.max_tokens),
+                      "http": HttpTransport(port, model, args.max_tokens)}
         asyncio.run(run_round(transports["zmq"], args.concurrency, 1))  # warm-up: compile, caches
         asyncio.run(run_round(transports["http"], args.concurrency, 1))
         roles = server_processes(server)
