@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -139,6 +140,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._client: AsyncClient | None = None
         self._tokenizer = None
+        self._tokenizer_loader: threading.Thread | None = None
         self._max_context_tokens = _max_context_tokens(config.model_path)
 
     @property
@@ -312,7 +314,11 @@ class Gateway:
         self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
-        tokenizer = self._chat_tokenizer()
+        try:
+            tokenizer = self._chat_tokenizer()
+        except (OSError, ValueError) as e:  # a model folder transformers cannot read
+            raise oai.BadRequest(f"the model's tokenizer cannot be loaded: {e}", status=500,
+                                 error_type="server_error") from None
         if not getattr(tokenizer, "chat_template", None):
             raise oai.BadRequest(f"model {self.config.model_id!r} has no chat template; use /v1/completions",
                                  "messages")
@@ -323,7 +329,16 @@ class Gateway:
         # The template writes any BOS itself, so the text is encoded without adding special tokens.
         return list(tokenizer.encode(text, add_special_tokens=False))
 
+    def preload_tokenizer(self) -> None:
+        """Load the chat tokenizer off the event loop (transformers takes seconds to import),
+        so the first chat request does not wait for it."""
+        self._tokenizer_loader = threading.Thread(target=self._chat_tokenizer, name="tokenizer-preload", daemon=True)
+        self._tokenizer_loader.start()
+
     def _chat_tokenizer(self):
+        loader = self._tokenizer_loader
+        if loader is not None and loader is not threading.current_thread():
+            loader.join()  # one import at a time: transformers' lazy modules break under concurrent imports
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -366,6 +381,7 @@ def serve_gateway(config: GatewayConfig) -> None:
     import uvicorn
 
     gateway = Gateway(config)
+    gateway.preload_tokenizer()
     logger.info("HTTP gateway on http://%s:%d for %s", config.host, config.port, config.server_address)
     uvicorn.run(gateway.make_app(), host=config.host, port=config.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)
