@@ -127,7 +127,7 @@ def _make_gateway(http_url: str | None, http_port: int | None, api_key_file: str
         http_url = f"http://127.0.0.1:{http_port}"
     if http_url is None:
         return None
-    from workers.http_gateway import GatewayConfig, parse_http_url, read_api_key
+    from workers.http_config import GatewayConfig, parse_http_url, read_api_key
     from workers.http_process import GatewayProcess
 
     try:
