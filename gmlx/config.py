@@ -130,6 +130,11 @@ def is_input_major_enabled() -> bool:
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def http_api_key() -> str | None:
+    raw = os.environ.get("GMLX_HTTP_API_KEY")
+    return raw.strip() if raw and raw.strip() else None
+
+
 def log_level() -> str:
     level = os.environ.get("GMLX_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if level not in _LOG_LEVELS:

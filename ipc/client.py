@@ -325,6 +325,8 @@ class AsyncClient:
                 target.queue.put_nowait(msg)
 
     async def _next(self, stream: _Stream):
+        if not stream.queue.empty():  # wait_for makes a task per call: skip it when a reply is waiting
+            return stream.queue.get_nowait()
         try:
             return await asyncio.wait_for(stream.queue.get(), self.timeout_s)
         except asyncio.TimeoutError:

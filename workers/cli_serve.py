@@ -83,8 +83,15 @@ def _check_drafter(drafter: str) -> str:
               help="Accepted requests waiting for a worker; past it GENERATE is answered 'busy'.")
 @click.option("--worker-secret-file", type=click.Path(dir_okay=False), default=None,
               help="Owner-only file with the worker link's secret (default: a fresh one, path logged).")
+@click.option("--http", "http_url", default=None,
+              help="Also serve the OpenAI-compatible HTTP API at this URL (http://HOST:PORT); off by default.")
+@click.option("--http-port", type=click.IntRange(1, 65535), default=None,
+              help="Shorthand for --http http://127.0.0.1:PORT.")
+@click.option("--http-api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="File whose first line is the HTTP bearer token (else GMLX_HTTP_API_KEY).")
 def serve(model, drafter, address, num_workers, speculative_width_cap, config_file, worker_address,
-          drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file, max_pending_requests) -> None:
+          drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file, max_pending_requests,
+          http_url, http_port, http_api_key_file) -> None:
     """Serve a model: a front-end at ADDRESS and N decode workers."""
     from workers.frontend import Frontend, FrontendConfig
     from workers.supervisor import WorkerSpec
@@ -101,6 +108,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
         raise click.UsageError(insecure_bind_message(address))
     if speculative_width_cap is None:
         speculative_width_cap = entry.get("speculative_width_cap")
+    gateway = _make_gateway(http_url, http_port, http_api_key_file, model_path)
     _configure_logging()
     if supervise:
         from workers.supervisor import supervise_frontend
@@ -108,7 +116,10 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
         command = _frontend_command(model_path, drafter, address, num_workers, speculative_width_cap,
                                     worker_address, drain_timeout_s)
         command += ["--max-pending-requests", str(max_pending_requests)]
-        for option, value in (("--curve-dir", curve_dir), ("--worker-secret-file", worker_secret_file)):
+        if gateway is not None:  # the gateway runs beside the (re)started front-end, as its child
+            command += ["--http", gateway.http_url]
+        for option, value in (("--curve-dir", curve_dir), ("--worker-secret-file", worker_secret_file),
+                              ("--http-api-key-file", http_api_key_file)):
             if value is not None:
                 command += [option, os.path.abspath(os.path.expanduser(value))]
         sys.exit(supervise_frontend(command + (["--insecure"] if insecure else [])))
@@ -124,11 +135,16 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     def on_ready(bound_address: str) -> None:
         click.echo(f"gmlx serve ready at {bound_address} (workers: {num_workers}, drafter: {drafter})")
         sys.stdout.flush()
+        if gateway is not None:
+            gateway.start(bound_address)
 
     try:
         code = frontend.run(on_ready)
     except ValueError as e:  # an address that cannot be bound
         raise click.UsageError(str(e)) from None
+    finally:
+        if gateway is not None:  # after the drain: streams still finishing reach their HTTP clients
+            gateway.stop()
     sys.exit(code)
 
 
@@ -158,6 +174,32 @@ def _frontend_command(model_path, drafter, address, num_workers, speculative_wid
     if speculative_width_cap is not None:
         cmd += ["--speculative-width-cap", str(speculative_width_cap)]
     return cmd
+
+
+def _make_gateway(http_url: str | None, http_port: int | None, api_key_file: str | None, model_path: str | None):
+    """The HTTP gateway to start once the front-end is ready, or None without --http."""
+    if http_url is not None and http_port is not None:
+        raise click.BadParameter("give --http or --http-port, not both", param_hint="--http-port")
+    if http_port is not None:
+        http_url = f"http://127.0.0.1:{http_port}"
+    if http_url is None:
+        return None
+    from workers.http_config import GatewayConfig, parse_http_url, read_api_key
+    from workers.http_process import GatewayProcess
+
+    try:
+        host, port = parse_http_url(http_url)
+        api_key = read_api_key(api_key_file)
+        GatewayConfig(server_address="", host=host, port=port, api_key=api_key).validate()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--http") from None
+
+    def on_ready(url: str) -> None:
+        click.echo(f"gmlx http ready at {url}/v1")
+        sys.stdout.flush()
+
+    path = model_path and os.path.abspath(os.path.expanduser(model_path))
+    return GatewayProcess(http_url, host, port, path, api_key, on_ready)
 
 
 def _configure_logging() -> None:

@@ -63,6 +63,13 @@ def merge_worker_stats(parts: dict[int, dict]) -> dict:
             elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "acceptance_rate":
                 merged[key] = merged.get(key, 0) + value
     merged["acceptance_rate"] = merged["num_accepted"] / merged["num_drafted"] if merged["num_drafted"] else None
-    merged["workers"] = [{"worker_id": worker_id, **{k: parts[worker_id].get(k) for k in _PER_WORKER_KEYS}}
-                         for worker_id in sorted(parts)]
+    merged["workers"] = [{"worker_id": worker_id, **_per_worker(parts[worker_id])} for worker_id in sorted(parts)]
     return merged
+
+
+def _per_worker(stats: dict) -> dict:
+    """The settings and every engine counter of one worker (the HTTP gateway's /metrics labels them)."""
+    out = {k: stats.get(k) for k in _PER_WORKER_KEYS}
+    out.update((k, v) for k, v in stats.items()
+               if k.startswith("num_") and isinstance(v, int) and not isinstance(v, bool))
+    return out

@@ -1,0 +1,386 @@
+"""The OpenAI-compatible HTTP gateway end to end: a real `gmlx serve --http-port` process with
+its gateway on loopback, the official `openai` package as the client, the built-in model.
+
+HTTP answers are checked against the same server's ZeroMQ answers (which test_serving_e2e
+checks against solo in-process decoding)."""
+
+import faulthandler
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ipc.client import Client
+from serving_support import BUILTIN_TARGET, REPO_ROOT, Server, free_port, repo_env
+
+TEST_TIMEOUT_S = 150  # hard: a hung socket must fail the run, not stall it
+MODEL_ID = "builtin-chat"
+# The built-in model ships no chat template (it is a code model): this copy gets a plain one.
+CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}### assistant\n{% endif %}")
+PROMPT = "def parse_args(argv):"
+
+
+@pytest.fixture(autouse=True)
+def hard_timeout():
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("models") / MODEL_ID
+    shutil.copytree(BUILTIN_TARGET, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+def wait_for_line(server: Server, needle: str, timeout_s: float = 60.0) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not any(needle in line for line in server.stdout_lines):
+        if time.monotonic() > deadline_s or server.proc.poll() is not None:
+            raise RuntimeError(f"no {needle!r} line in {timeout_s} s:\n{server.log()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    port = free_port()
+    srv = Server("--http-port", str(port), model=chat_model_dir, drafter="ngram")
+    wait_for_line(srv, "http ready")
+    srv.http_url = f"http://127.0.0.1:{port}"
+    yield srv
+    code = srv.terminate()
+    assert code == 0, srv.log()
+
+
+@pytest.fixture
+def oai(server):
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    yield client
+    client.close()
+
+
+def zmq_text(server, **kwargs) -> tuple[str, str]:
+    with Client(server.address, timeout_s=60) as client:
+        chunks = list(client.generate(**kwargs))
+    return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+
+def http_get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def scrape(server) -> dict:
+    """name -> list of (labels, value) from /metrics, parsed by prometheus_client's parser."""
+    status, body = http_get(server.http_url + "/metrics")
+    assert status == 200, body
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def test_health_and_models(server, oai):
+    status, body = http_get(server.http_url + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    assert [model.id for model in oai.models.list()] == [MODEL_ID]
+    assert http_get(server.http_url + "/v1/nothing-here")[0] == 404
+
+
+def test_completion_equals_zmq_stream_or_not(server, oai):
+    want_text, _ = zmq_text(server, prompt=PROMPT, max_tokens=24)
+    done = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert done.choices[0].text == want_text
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 24 and done.usage.prompt_tokens > 0
+    events = list(oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24, temperature=0, stream=True))
+    assert len(events) > 1
+    assert "".join(e.choices[0].text for e in events) == want_text
+    assert [e.choices[0].finish_reason for e in events] == [None] * (len(events) - 1) + ["length"]
+    assert events[-1].usage.completion_tokens == 24
+    # Seeded sampling: the same tokens over either link.
+    want_text, _ = zmq_text(server, prompt=PROMPT, max_tokens=16, temperature=0.8, top_k=20, seed=7)
+    done = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0.8, seed=7,
+                                  extra_body={"top_k": 20, "speculate": True})
+    assert done.choices[0].text == want_text
+
+
+def test_raw_stream_ends_with_done(server):
+    body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(server.http_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in r.read().decode().split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    usage_only = json.loads(events[-2][len("data: "):])
+    assert usage_only["choices"] == [] and usage_only["usage"]["completion_tokens"] == 8
+
+
+def test_chat_equals_zmq_stream_or_not(server, oai, chat_model_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os"}]
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want_text, _ = zmq_text(server, token_ids=tokenizer.encode(text, add_special_tokens=False), max_tokens=20)
+    done = oai.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20, temperature=0)
+    assert done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == want_text
+    assert done.usage.completion_tokens == 20
+    events = list(oai.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20, temperature=0,
+                                              stream=True))
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == want_text
+    assert events[-1].choices[0].finish_reason == "length" and events[-1].usage.total_tokens > 20
+
+
+def test_stop_string(server, oai):
+    full = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    done = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert done.choices[0].text == full[:full.index(stop)]
+    assert done.choices[0].finish_reason == "stop"
+    events = list(oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop,
+                                         stream=True))
+    assert "".join(e.choices[0].text for e in events) == full[:full.index(stop)]
+    assert events[-1].choices[0].finish_reason == "stop"
+
+
+def test_closing_the_stream_cancels_on_the_server(server, oai):
+    with Client(server.address, timeout_s=30) as zmq_client:
+        num_cancelled = zmq_client.stats()["num_cancelled"]
+        stream = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=900, temperature=0, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()  # drops the connection mid-stream
+        deadline_s = time.monotonic() + 20
+        while ((stats := zmq_client.stats())["num_cancelled"] == num_cancelled or stats["num_frontend_requests"]
+               or stats["num_active"]):
+            assert time.monotonic() < deadline_s, stats
+            time.sleep(0.05)
+        assert stats["num_cancelled"] == num_cancelled + 1
+
+
+def test_bad_parameters_get_openai_errors(server, oai):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL_ID, prompt=PROMPT, top_p=5)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "top_p" and info.value.body["type"] == "invalid_request_error"
+    assert "top_p" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL_ID, prompt=PROMPT, n=2)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:  # checked by the front-end, named there
+        oai.completions.create(model=MODEL_ID, prompt=PROMPT, extra_body={"min_p": 1.5})
+    assert info.value.body["param"] == "min_p"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=MODEL_ID, messages=[], stream=True)
+    assert info.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="no-such-model", prompt=PROMPT)
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.APIStatusError) as info:  # the ZeroMQ side's 1 MiB message limit
+        oai.completions.create(model=MODEL_ID, prompt="x" * (1 << 20))
+    assert info.value.status_code == 413 and "bytes" in info.value.body["message"]
+
+
+def test_metrics_count_what_clients_saw(server):
+    before = scrape(server)
+    jobs = [dict(max_tokens=8 + 4 * i, stream=i % 2 == 0) for i in range(6)]
+    jobs[1]["stop"] = ["\n"]
+    seen = {"finish": [], "tokens": 0, "mid_scrape": None}
+    lock = threading.Lock()
+
+    def run(job: dict) -> None:
+        with openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", timeout=60, max_retries=0) as c:
+            if job["stream"]:
+                events = list(c.completions.create(model=MODEL_ID, prompt=PROMPT, temperature=0, stream=True,
+                                                   **{k: v for k, v in job.items() if k != "stream"}))
+                finish, usage = events[-1].choices[0].finish_reason, events[-1].usage
+            else:
+                done = c.completions.create(model=MODEL_ID, prompt=PROMPT, temperature=0,
+                                            **{k: v for k, v in job.items() if k != "stream"})
+                finish, usage = done.choices[0].finish_reason, done.usage
+        with lock:
+            seen["finish"].append(finish)
+            seen["tokens"] += usage.completion_tokens
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    seen["mid_scrape"] = scrape(server)  # during the load: must parse, gauges present
+    for t in threads:
+        t.join(60)
+    assert len(seen["finish"]) == len(jobs)
+    after = scrape(server)
+    assert "gmlx_http_requests_in_flight" in seen["mid_scrape"]
+    assert value(after, "gmlx_http_requests_in_flight") == 0
+    for reason in ("stop", "length"):
+        delta = (value(after, "gmlx_http_requests_total", endpoint="completions", finish_reason=reason)
+                 - value(before, "gmlx_http_requests_total", endpoint="completions", finish_reason=reason))
+        assert delta == seen["finish"].count(reason), reason
+    assert value(after, "gmlx_http_generation_tokens_total") - value(before, "gmlx_http_generation_tokens_total") \
+        == seen["tokens"]
+    assert value(after, "gmlx_http_time_to_first_token_seconds_count") \
+        - value(before, "gmlx_http_time_to_first_token_seconds_count") == len(jobs)
+    assert value(after, "gmlx_engine_requests_total") - value(before, "gmlx_engine_requests_total") == len(jobs)
+    assert value(after, "gmlx_engine_rounds_total") > value(before, "gmlx_engine_rounds_total")
+    assert value(after, "gmlx_workers") == 1
+    assert {lab["loop"] for lab, _ in after["gmlx_engine_rounds_total"]} >= {"scalar", "batch", "gated", "capture"}
+
+
+def run_gateway(*args: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "workers.http_gateway", *args]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env={**repo_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_listening(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answered (401 and all)
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline_s, proc.communicate()
+            time.sleep(0.1)
+
+
+def test_bearer_token_and_unreachable_server(server, tmp_path):
+    # Off loopback without a token: refused before binding, naming the option to use.
+    proc = run_gateway("--server", server.address, "--http", "http://0.0.0.0:1")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--http-api-key-file" in err
+    # A token from a file: required on every /v1 route; a front-end that never answers is a 503.
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    url = f"http://127.0.0.1:{free_port()}"
+    dead_address = f"tcp://127.0.0.1:{free_port()}"
+    proc = run_gateway("--server", dead_address, "--http", url, "--http-api-key-file", str(key_file),
+                       "--timeout-s", "1")
+    try:
+        wait_listening(url, proc)
+        with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=30) as c:
+            with pytest.raises(openai.AuthenticationError):
+                c.models.list()
+        with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=30) as c:
+            assert [m.id for m in c.models.list()] == ["gmlx-builtin"]
+            with pytest.raises(openai.APIStatusError) as info:
+                c.completions.create(model="gmlx-builtin", prompt=PROMPT, max_tokens=4)
+        assert info.value.status_code == 503 and info.value.body["type"] == "server_unavailable"
+        assert http_get(url + "/health")[0] == 503
+        assert http_get(url + "/metrics")[0] == 401
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def test_serve_refuses_an_open_http_address_without_a_token():
+    cmd = [sys.executable, "-m", "workers.cli_serve", "--workers", "0", "--http", "http://0.0.0.0:8000"]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=repo_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--http-api-key-file" in done.stderr, done.stderr
+
+
+def test_a_killed_gateway_is_restarted(server, oai):
+    import psutil
+
+    gateways = [c for c in psutil.Process(server.proc.pid).children() if "workers.http_gateway" in " ".join(c.cmdline())]
+    assert len(gateways) == 1
+    gateways[0].kill()
+    gateways[0].wait(10)
+    deadline_s = time.monotonic() + 60
+    while http_get_or_none(server.http_url + "/health") != 200:
+        assert time.monotonic() < deadline_s, server.log()
+        time.sleep(0.2)
+    want_text, _ = zmq_text(server, prompt=PROMPT, max_tokens=8)
+    assert oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text \
+        == want_text
+    assert "restarting it" in server.log()
+
+
+def http_get_or_none(url: str) -> int | None:
+    try:
+        return http_get(url)[0]
+    except OSError:
+        return None
+
+
+# --- request parsing and event shapes, without a server -----------------------------------
+
+
+def test_parse_completion_fields_and_refusals():
+    from workers import http_openai as o
+
+    args = o.parse_completion({"model": "m", "prompt": ["hi"], "stop": "\n", "seed": 3, "top_k": 5, "min_p": 0.1,
+                               "stream": True, "stream_options": {"include_usage": True}, "user": "ignored"})
+    assert (args.prompt, args.token_ids, args.stop, args.seed, args.top_k, args.min_p) == ("hi", None, ("\n",), 3, 5, 0.1)
+    assert args.is_stream and args.is_usage_chunk and args.max_tokens == 16 and args.temperature == 1.0
+    assert o.parse_completion({"model": "m", "prompt": [1, 2, 3]}).token_ids == (1, 2, 3)
+    plain = o.parse_completion({"model": "m", "prompt": "a", "speculate": False})
+    assert "speculate" not in plain.client_kwargs() and plain.client_kwargs(can_pin_plain=True)["speculate"] is False
+    bad = [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "n": 3}, "n"),
+           ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a"}, "model"),
+           ({"model": "m", "prompt": "a", "max_tokens": "9"}, "max_tokens"),
+           ({"model": "m", "prompt": "a", "stop": ["", "x"]}, "stop"),
+           ({"model": "m", "prompt": "a", "speculate": "yes"}, "speculate"),
+           ({"model": "m", "prompt": "a", "temperature": True}, "temperature")]
+    for body, param in bad:
+        with pytest.raises(o.BadRequest) as info:
+            o.parse_completion(body)
+        assert info.value.param == param and info.value.status == 400, body
+
+
+def test_parse_chat_renders_text_parts():
+    from workers import http_openai as o
+
+    seen = []
+    args = o.parse_chat({"model": "m", "max_completion_tokens": 7, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        lambda messages: seen.append(messages) or [4, 5], default_max_tokens=100)
+    assert seen == [[{"role": "user", "content": "ab"}]]
+    assert args.token_ids == (4, 5) and args.prompt is None and args.max_tokens == 7
+    with pytest.raises(o.BadRequest) as info:
+        o.parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                     lambda m: [1], default_max_tokens=100)
+    assert info.value.param == "messages"
+
+
+def test_cached_event_equals_the_rendered_chunk():
+    from workers import http_openai as o
+
+    for kind in ("completion", "chat"):
+        shape = o.ResponseShape(kind, "m\u00e9", "r7")
+        for text in ("plain", 'quote " and \\ and \n', "\x00", "\u2603"):
+            event = shape.text_event(text)
+            assert event.startswith("data: ") and event.endswith("\n\n")
+            assert json.loads(event[len("data: "):]) == shape.chunk(text, None)

@@ -1,0 +1,369 @@
+"""The OpenAI-compatible HTTP gateway: a sibling process of the front-end that speaks gmlx's
+ZeroMQ protocol to it through ipc.client's AsyncClient (docs/http.md).
+
+A process of its own keeps HTTP parsing out of the front-end's hot loop and lets the gateway
+be restarted without touching requests of ZeroMQ clients. `gmlx serve --http URL` starts it;
+`python -m workers.http_gateway --server ADDR --http URL` runs it against any server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import anyio
+import click
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ipc.client import AsyncClient, RequestError
+from ipc.messages import MAX_MESSAGE_BYTES
+from workers import http_openai as oai
+from workers.http_config import GatewayConfig, model_id_for, parse_http_url, read_api_key
+from workers.http_metrics import CONTENT_TYPE, GatewayMetrics
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+# The per-request `speculate` switch is being added to the wire protocol beside this work:
+# forward it once ipc.client's generate() takes it, and accept it without effect until then.
+_CAN_PIN_PLAIN = "speculate" in inspect.signature(AsyncClient.generate).parameters
+
+
+class _Relay:
+    """One request's chunks from ipc.client's generator. Closing it (or cancelling a pending
+    next) runs the generator's cleanup, which sends CANCEL for a request still running."""
+
+    def __init__(self, client: AsyncClient, args: oai.GenerateArgs):
+        self._chunks = client.generate(**args.client_kwargs(_CAN_PIN_PLAIN))
+
+    async def next(self):
+        """The next chunk, or _END; raises what the client raised."""
+        try:
+            chunk = await self._chunks.__anext__()
+        except StopAsyncIteration:
+            return _END
+        if chunk.finish_reason == "error":  # OpenAI has no such finish reason: it is an error reply
+            raise RequestError("the request failed on the server", request_id=chunk.request_id)
+        return chunk
+
+    async def next_or_gone(self, disconnected: asyncio.Task):
+        """next(), unless the HTTP client disconnects first (then ClientGone)."""
+        item = asyncio.ensure_future(self.next())
+        await asyncio.wait({item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if item.done():
+            return item.result()
+        item.cancel()
+        await asyncio.wait({item})  # the generator's cleanup has run once this returns
+        raise ClientGone()
+
+    async def close(self) -> None:
+        # Shielded: Starlette cancels a stream's scope when its connection drops, and the
+        # CANCEL must still go out.
+        with anyio.CancelScope(shield=True):
+            await self._chunks.aclose()
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(oai.error_body(message, error_type, param, code), status_code=status)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        config.validate()
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self._client: AsyncClient | None = None
+        self._tokenizer = None
+        self._tokenizer_loader: threading.Thread | None = None
+        self._max_context_tokens = _max_context_tokens(config.model_path)
+
+    @property
+    def client(self) -> AsyncClient:
+        if self._client is None:  # made inside the running loop: zmq.asyncio binds to it
+            self._client = AsyncClient(self.config.server_address, timeout_s=self.config.timeout_s)
+        return self._client
+
+    def make_app(self) -> Starlette:
+        routes = [Route("/health", self.health), Route("/metrics", self.metrics_page),
+                  Route("/v1/models", self.models), Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+        return Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    # --- plain endpoints ----------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        try:
+            stats = await asyncio.wait_for(self.client.stats(), 5.0)
+        except (TimeoutError, asyncio.TimeoutError, RequestError) as e:
+            return JSONResponse({"status": "unavailable", "reason": str(e) or "no reply"}, status_code=503)
+        if not stats.get("num_workers"):
+            return JSONResponse({"status": "unavailable", "reason": "no worker is ready"}, status_code=503)
+        return JSONResponse({"status": "ok", "num_workers": stats["num_workers"]})
+
+    async def metrics_page(self, request: Request) -> Response:
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        try:
+            stats = await asyncio.wait_for(self.client.stats(), 5.0)
+        except (TimeoutError, asyncio.TimeoutError, RequestError) as e:
+            logger.warning("metrics without engine counters: %s", e)
+            stats = None
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        card = {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "gmlx",
+                "max_model_len": self._max_context_tokens}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _not_found(self, request: Request, exc) -> Response:
+        return error_response(404, f"no route {request.url.path}", "invalid_request_error", code="not_found")
+
+    async def _not_allowed(self, request: Request, exc) -> Response:
+        return error_response(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
+
+    def _check_auth(self, request: Request) -> Response | None:
+        if self.config.api_key is None:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
+            return None
+        return error_response(401, "a valid bearer token is required (Authorization: Bearer KEY)",
+                              "authentication_error", code="invalid_api_key")
+
+    # --- generation ---------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        endpoint = "chat" if kind == "chat" else "completions"
+        started_s = time.monotonic()
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        try:
+            body = await _read_json(request)
+            if kind == "chat":
+                args = oai.parse_chat(body, self._render_chat, default_max_tokens=self._max_context_tokens)
+            else:
+                args = oai.parse_completion(body)
+            if args.model != self.config.model_id:
+                raise oai.BadRequest(f"model {args.model!r} is not served here (this server has "
+                                     f"{self.config.model_id!r})", "model", 404, code="model_not_found")
+        except oai.BadRequest as e:
+            self.metrics.rejected.labels(endpoint, str(e.status)).inc()
+            return error_response(e.status, str(e), e.error_type, e.param, e.code)
+        self.metrics.in_flight.inc()
+        relay = _Relay(self.client, args)
+        disconnected = asyncio.ensure_future(_wait_disconnect(request))
+        is_streaming = False
+        try:
+            try:
+                first = await relay.next_or_gone(disconnected)
+            except RequestError as e:
+                status, error_type = (400, "invalid_request_error") if e.field else (503, "server_busy")
+                self.metrics.rejected.labels(endpoint, str(status)).inc()
+                return error_response(status, str(e), error_type, e.field)
+            except TimeoutError as e:
+                self.metrics.rejected.labels(endpoint, "503").inc()
+                return error_response(503, f"the gmlx server did not answer: {e}", "server_unavailable")
+            shape = oai.ResponseShape(kind, args.model, first.request_id if first is not _END else "0")
+            self.metrics.ttft_s.observe(time.monotonic() - started_s)
+            if args.is_stream:
+                disconnected.cancel()  # from here StreamingResponse watches the connection
+                is_streaming = True
+                return StreamingResponse(self._events(relay, shape, args, first, endpoint),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._collect(relay, shape, first, disconnected, endpoint)
+        except ClientGone:
+            self.metrics.requests.labels(endpoint, "cancelled").inc()
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        finally:
+            if not is_streaming:
+                disconnected.cancel()
+                await relay.close()
+                self.metrics.in_flight.dec()
+
+    async def _collect(self, relay: _Relay, shape: oai.ResponseShape, first, disconnected, endpoint: str) -> Response:
+        texts, chunk, last_s = [], first, time.monotonic()
+        try:
+            while chunk is not _END:
+                texts.append(chunk.text)
+                now_s = time.monotonic()
+                self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
+                last_s = now_s
+                if chunk.finish_reason is not None:
+                    break
+                chunk = await relay.next_or_gone(disconnected)
+            if chunk is _END:
+                raise RequestError("the stream ended without a finish reason")
+        except (RequestError, TimeoutError) as e:
+            self.metrics.requests.labels(endpoint, "error").inc()
+            return error_response(500, f"the request failed: {e}", "server_error")
+        usage = oai.usage_of(chunk.stats)
+        self._count_finished(endpoint, chunk.finish_reason, usage)
+        return JSONResponse(shape.response("".join(texts), oai.finish_reason_of(chunk.finish_reason), usage))
+
+    async def _events(self, relay: _Relay, shape: oai.ResponseShape, args: oai.GenerateArgs, first, endpoint: str):
+        """The server-sent events of one stream, ending with `data: [DONE]`."""
+        chunk, last_s, finish = first, time.monotonic(), "cancelled"
+        try:
+            if shape.kind == "chat":  # OpenAI's first chat chunk carries the role
+                yield _sse(shape.chunk("", None, is_first=True))
+            while chunk is not _END:
+                now_s = time.monotonic()
+                self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
+                last_s = now_s
+                if chunk.finish_reason is None:
+                    if chunk.text:
+                        yield shape.text_event(chunk.text)
+                    chunk = await relay.next()
+                    continue
+                usage = oai.usage_of(chunk.stats)
+                yield _sse(shape.chunk(chunk.text, oai.finish_reason_of(chunk.finish_reason), usage))
+                if args.is_usage_chunk:
+                    yield _sse(shape.usage_chunk(usage))
+                finish = chunk.finish_reason
+                self._count_finished(endpoint, finish, usage)
+                break
+            yield "data: [DONE]\n\n"
+        except (RequestError, TimeoutError) as e:
+            finish = "error"
+            self.metrics.requests.labels(endpoint, "error").inc()
+            yield _sse(oai.error_body(f"the request failed: {e}", "server_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            await relay.close()  # a closed connection lands here: the client API sends CANCEL
+            self.metrics.in_flight.dec()
+            if finish == "cancelled":
+                self.metrics.requests.labels(endpoint, "cancelled").inc()
+
+    def _count_finished(self, endpoint: str, finish_reason: str, usage: dict) -> None:
+        self.metrics.requests.labels(endpoint, finish_reason).inc()
+        self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            tokenizer = self._chat_tokenizer()
+        except (OSError, ValueError) as e:  # a model folder transformers cannot read
+            raise oai.BadRequest(f"the model's tokenizer cannot be loaded: {e}", status=500,
+                                 error_type="server_error") from None
+        if not getattr(tokenizer, "chat_template", None):
+            raise oai.BadRequest(f"model {self.config.model_id!r} has no chat template; use /v1/completions",
+                                 "messages")
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may raise on roles or orders it does not accept
+            raise oai.BadRequest(f"messages cannot be rendered with the chat template: {e}", "messages") from None
+        # The template writes any BOS itself, so the text is encoded without adding special tokens.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def preload_tokenizer(self) -> None:
+        """Load the chat tokenizer off the event loop (transformers takes seconds to import),
+        so the first chat request does not wait for it."""
+        self._tokenizer_loader = threading.Thread(target=self._chat_tokenizer, name="tokenizer-preload", daemon=True)
+        self._tokenizer_loader.start()
+
+    def _chat_tokenizer(self):
+        loader = self._tokenizer_loader
+        if loader is not None and loader is not threading.current_thread():
+            loader.join()  # one import at a time: transformers' lazy modules break under concurrent imports
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from gmlx.config import BUILTIN_TARGET_DIR
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_path or str(BUILTIN_TARGET_DIR))
+        return self._tokenizer
+
+
+async def _read_json(request: Request):
+    """The body as JSON, read no further than the ZeroMQ side's message limit."""
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise oai.BadRequest(f"the body is over {MAX_MESSAGE_BYTES} bytes, the server's message limit",
+                                 status=413)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise oai.BadRequest(f"the body is not JSON: {e}") from None
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _max_context_tokens(model_path: str | None) -> int:
+    """The model's context from its config.json (the engine stops a request there anyway)."""
+    from gmlx.config import BUILTIN_TARGET_DIR
+
+    try:
+        with open(os.path.join(model_path or str(BUILTIN_TARGET_DIR), "config.json")) as f:
+            return int(json.load(f).get("max_position_embeddings", 4096))
+    except (OSError, ValueError, TypeError):
+        return 4096
+
+
+def serve_gateway(config: GatewayConfig) -> None:
+    import uvicorn
+
+    gateway = Gateway(config)
+    gateway.preload_tokenizer()
+    logger.info("HTTP gateway on http://%s:%d for %s", config.host, config.port, config.server_address)
+    uvicorn.run(gateway.make_app(), host=config.host, port=config.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--server", "server_address", required=True, help="The front-end's client address (tcp://...).")
+@click.option("--http", "http_url", default="http://127.0.0.1:8000", show_default=True, help="Where to listen.")
+@click.option("--model", "model_path", default=None, help="The served model folder (default: built-in).")
+@click.option("--http-api-key-file", default=None, help="File whose first line is the bearer token.")
+@click.option("--timeout-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Longest wait for one reply of the front-end.")
+def main(server_address, http_url, model_path, http_api_key_file, timeout_s) -> None:
+    """Serve the OpenAI-compatible HTTP API in front of a running gmlx server."""
+    from gmlx.config import log_level
+
+    logging.basicConfig(level=log_level(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [http] %(name)s: %(message)s")
+    try:
+        host, port = parse_http_url(http_url)
+        config = GatewayConfig(server_address=server_address, host=host, port=port, model_path=model_path,
+                               model_id=model_id_for(model_path), api_key=read_api_key(http_api_key_file),
+                               timeout_s=timeout_s)
+        config.validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    serve_gateway(config)
+
+
+if __name__ == "__main__":
+    main()

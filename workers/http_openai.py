@@ -1,0 +1,234 @@
+"""OpenAI request bodies -> gmlx generate arguments, and gmlx chunks -> OpenAI response objects.
+
+No sockets and no HTTP here: the gateway (workers/http_gateway.py) parses a body with
+`parse_completion` / `parse_chat`, sends `GenerateArgs` through ipc.client, and shapes what
+comes back with the `*_chunk` / `*_response` builders.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+# Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
+_UNSUPPORTED_IF_SET = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+                       "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
+                       "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                       "tools": (None, []), "response_format": (None, {"type": "text"})}
+
+
+class BadRequest(ValueError):
+    """A request the gateway refuses; `param` names the body field, `status` the HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.error_type = error_type
+        self.code = code
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateArgs:
+    """What one OpenAI request asks of ipc.client's generate."""
+
+    model: str
+    prompt: str | None
+    token_ids: tuple[int, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    is_stream: bool
+    is_usage_chunk: bool  # stream_options.include_usage: a last chunk with usage and no choices
+    is_speculate: bool  # gmlx extra: False pins the row to plain decoding where the client can say so
+
+    def client_kwargs(self, can_pin_plain: bool = False) -> dict:
+        """generate()'s arguments; `speculate` only for a client whose generate() takes it."""
+        kwargs = dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
+                      max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                      min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None)
+        if can_pin_plain:
+            kwargs["speculate"] = self.is_speculate
+        return kwargs
+
+
+def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
+    """POST /v1/completions: `prompt` is a string, a list of one string, or a list of token ids."""
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return _common(body, prompt, None, default_max_tokens)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return _common(body, None, tuple(prompt), default_max_tokens)
+    raise BadRequest(f"prompt must be a string or a list of token ids (one prompt per request), got {_short(prompt)}",
+                     "prompt")
+
+
+def parse_chat(body, render, default_max_tokens: int) -> GenerateArgs:
+    """POST /v1/chat/completions; `render(messages)` returns the prompt's token ids."""
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text ones can be rendered
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    if "max_completion_tokens" in body and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    args = _common(body, None, (), default_max_tokens)
+    plain = [{"role": msg["role"], "content": _text_of(msg["content"])} for msg in messages]
+    token_ids = tuple(render(plain))
+    return GenerateArgs(**{**_fields(args), "token_ids": token_ids})
+
+
+def _common(body: dict, prompt, token_ids, default_max_tokens: int) -> GenerateArgs:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model must be a non-empty string", "model")
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise BadRequest(f"n must be 1 (one choice per request), got {_short(n)}", "n")
+    for name, allowed in _UNSUPPORTED_IF_SET.items():
+        if name in body and body[name] not in allowed:
+            raise BadRequest(f"{name} is not supported by gmlx, got {_short(body[name])}", name)
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"stop must be a non-empty string or a list of them, got {_short(body.get('stop'))}", "stop")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    return GenerateArgs(
+        model=model, prompt=prompt, token_ids=token_ids,
+        max_tokens=_get(body, "max_tokens", default_max_tokens, _is_int, "an integer"),
+        temperature=_get(body, "temperature", 1.0, _is_number, "a number"),  # OpenAI's default, not gmlx's
+        top_p=_get(body, "top_p", 1.0, _is_number, "a number"),
+        top_k=_get(body, "top_k", 0, _is_int, "an integer"),
+        min_p=_get(body, "min_p", 0.0, _is_number, "a number"),
+        seed=_get(body, "seed", None, _is_int, "an integer"),
+        stop=tuple(stop),
+        is_stream=_get(body, "stream", False, _is_bool, "a boolean"),
+        is_usage_chunk=bool(stream_options.get("include_usage")),
+        is_speculate=_get(body, "speculate", True, _is_bool, "a boolean"),
+    )
+
+
+def _fields(args: GenerateArgs) -> dict:
+    return {name: getattr(args, name) for name in GenerateArgs.__slots__}
+
+
+def _get(body: dict, name: str, default, is_ok, kind: str):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_ok(value):
+        raise BadRequest(f"{name} must be {kind}, got {_short(value)}", name)
+    return value
+
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _text_of(content) -> str:
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def finish_reason_of(gmlx_reason: str | None) -> str | None:
+    """gmlx's "stop" / "length" map one to one; "cancelled" (a drain that ran out of time) is a stop."""
+    return gmlx_reason if gmlx_reason in (None, "stop", "length") else "stop"
+
+
+def usage_of(stats: dict | None) -> dict:
+    stats = stats or {}
+    prompt_tokens = int(stats.get("prompt_tokens", 0))
+    completion_tokens = int(stats.get("generated_tokens", 0))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseShape:
+    """The ids and envelope of one response, for the completion or the chat flavour."""
+
+    def __init__(self, kind: str, model: str, request_id: str):
+        assert kind in ("completion", "chat")
+        self.kind = kind
+        self.model = model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.created = int(time.time())
+        # A mid-stream event differs from the next only in its text: render the rest once.
+        marker = "\x00"
+        rendered = json.dumps(self.chunk(marker, None), separators=(",", ":"))
+        self._event_head, self._event_tail = rendered.split(json.dumps(marker))  # exactly one marker
+
+    def text_event(self, text: str) -> str:
+        """The server-sent event of a mid-stream chunk with non-empty text."""
+        return f"data: {self._event_head}{json.dumps(text)}{self._event_tail}\n\n"
+
+    def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def chunk(self, text: str, finish_reason: str | None, usage: dict | None = None, is_first: bool = False) -> dict:
+        """One server-sent event's object."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if is_first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice], usage)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice], usage)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._envelope(obj, [], usage)
+
+    def response(self, text: str, finish_reason: str | None, usage: dict) -> dict:
+        """The whole answer of a request that did not stream."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return self._envelope("chat.completion", [choice], usage)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice], usage)
