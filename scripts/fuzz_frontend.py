@@ -1,4 +1,4 @@
-"""Fuzz a live `gmlx serve` with named classes of client frames (tests/frames.py).
+"""Fuzz a live `gmlx serve` with named classes of client frames (scripts/frames.py).
 
 Each frame is followed by a STATS probe; the replies before the probe's answer are the
 frame's. Prints a table of class -> outcomes and first-reply times, and the totals that
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_REPO_ROOT), str(_REPO_ROOT / "tests")]  # this checkout's ipc/, not an installed one
+sys.path[:0] = [str(_REPO_ROOT), str(_REPO_ROOT / "scripts")]  # this checkout's ipc/, not an installed one
 
 import zmq  # noqa: E402
 

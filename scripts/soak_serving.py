@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_REPO_ROOT), str(_REPO_ROOT / "tests")]
+sys.path[:0] = [str(_REPO_ROOT), str(_REPO_ROOT / "scripts")]
 
 import psutil  # noqa: E402
 

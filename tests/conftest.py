@@ -14,8 +14,7 @@ from mlx.utils import tree_flatten
 from gmlx.models import random_model
 from gmlx.models.loader import load_model
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/serving_support.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts/schedules.py (shared with the fuzzer)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # schedules, serving_support, frames: shared with scripts
 
 
 def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:

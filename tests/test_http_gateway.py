@@ -314,7 +314,7 @@ def test_serve_refuses_an_open_http_address_without_a_token():
 def test_a_killed_gateway_is_restarted(server, oai):
     import psutil
 
-    gateways = [c for c in psutil.Process(server.proc.pid).children() if "workers.http_gateway" in " ".join(c.cmdline())]
+    gateways = [c for c in psutil.Process(server.proc.pid).children(recursive=True) if "workers.http_gateway" in " ".join(c.cmdline())]
     assert len(gateways) == 1
     gateways[0].kill()
     gateways[0].wait(10)

@@ -1,5 +1,5 @@
 """Property-based fuzzing of a live front-end: random valid-looking and mutated frames
-from every named class (tests/frames.py), each followed by a STATS probe. The server must
+from every named class (scripts/frames.py), each followed by a STATS probe. The server must
 answer every frame, refuse the hostile ones, serve the valid ones, and stay up."""
 
 import faulthandler
