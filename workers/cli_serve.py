@@ -94,8 +94,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     if model_path is not None and not os.path.isdir(os.path.expanduser(model_path)):
         raise click.BadParameter(f"{model_path!r} is not a model folder", param_hint="--model")
     drafter = _check_drafter(drafter or entry.get("drafter", "none"))
-    from ipc.auth import is_loopback
-    from workers.frontend import insecure_bind_message
+    from ipc.auth import insecure_bind_message, is_loopback
 
     if not is_loopback(address) and curve_dir is None and not insecure:
         raise click.UsageError(insecure_bind_message(address))
