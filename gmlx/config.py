@@ -157,7 +157,10 @@ class EngineConfig:
     speculative_width_cap: int | None = None  # None = drafter default, 0 = uncapped, N
     num_draft_tokens: int | None = None  # None = the drafter's default depth
     max_num_rows: int = 64  # decode rows in flight; more requests queue
-    prefill_chunk_tokens: int = 256  # tokens of one prompt prefilled per step
+    prefill_chunk_tokens: int = 256  # most prompt tokens prefilled per step
+    # Prefill time per step while rows decode, so an arrival stalls them a bounded time:
+    # 0 = off (always prefill_chunk_tokens), None = twice the measured decode round, x = x s.
+    prefill_budget_s: float | None = 0.0
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)

@@ -57,6 +57,7 @@ class Engine:
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
         self._is_resume_decided = False  # a gated batch passed the resume check at its settle round
+        self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
 
     @classmethod
     def load(cls, engine_config: EngineConfig) -> Engine:
@@ -126,10 +127,10 @@ class Engine:
         """Run one round; returns each request's new tokens (and final outputs)."""
         if self.batch is not None and self.batch.is_scalar and self.queue and config.is_preempt_enabled():
             # Preempting for a waiter that cannot join yet would drop speculation for nothing.
-            if self.queue.can_join_next_drain():
+            if self.queue.can_join_next_drain(self._prefill_budget_s()):
                 self._preempt()
             else:
-                self.queue.prefill_ahead()
+                self.queue.prefill_ahead(self._prefill_budget_s())
         if self.batch is None or not self.batch.is_scalar:
             self._admit()
         if self.batch is not None:
@@ -155,7 +156,7 @@ class Engine:
 
     def _admit(self) -> None:
         num_rows = 0 if self.batch is None else self.batch.num_rows
-        prefilled = self.queue.drain(self.config.max_num_rows - num_rows)
+        prefilled = self.queue.drain(self.config.max_num_rows - num_rows, self._prefill_budget_s())
         joining = []
         for item in prefilled:
             request = item.request
@@ -190,6 +191,15 @@ class Engine:
             hidden = mx.stack([p.hidden for p in joining])
             self.drafter.add_rows(self.batch, new_rows, hidden if self.drafter.needs_hidden else None)
 
+    def _prefill_budget_s(self) -> float | None:
+        """Prefill time allowed this step: None (a whole chunk) when no row decodes."""
+        budget_s = self.config.prefill_budget_s
+        if self.batch is None or budget_s == 0:
+            return None
+        if budget_s is None:  # twice a decode round: the worst gap stays near 3x the median
+            return None if self._round_s is None else 2.0 * self._round_s
+        return budget_s
+
     def _preempt(self) -> None:
         # The scalar round's verified tokens went out at the end of that round; what is left
         # is its bonus, pending and delivered, with every other token in the KV.
@@ -220,6 +230,12 @@ class Engine:
     # --- rounds ------------------------------------------------------------------------
 
     def _run_round(self) -> None:
+        start_s = time.perf_counter()
+        self._run_round_inner()
+        elapsed_s = time.perf_counter() - start_s
+        self._round_s = elapsed_s if self._round_s is None else 0.8 * self._round_s + 0.2 * elapsed_s
+
+    def _run_round_inner(self) -> None:
         batch = self.batch
         cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
         # A lookahead no row has budget for would be a whole wasted forward at every finish.

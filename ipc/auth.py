@@ -153,3 +153,9 @@ def read_worker_secret(path: str | Path) -> str:
     if len(secret) < 16:
         raise ValueError(f"worker secret file {path}: the secret is shorter than 16 characters")
     return secret
+
+
+def insecure_bind_message(address: str) -> str:
+    return (f"refusing to serve {address} without authentication: it is not a loopback address. "
+            "Make CURVE keys with `gmlx keys DIR` and pass --curve-dir DIR (clients use the same DIR), "
+            "or pass --insecure to serve it unauthenticated")

@@ -341,3 +341,10 @@ def field_of(message: str) -> str | None:
 
 
 _REQUEST_FIELDS = frozenset(Generate.__struct_fields__)
+
+
+def readable_ref(frames: list[bytes]) -> str | None:
+    """The `ref` of a GENERATE or STATS that failed to decode, when it can be read cheaply."""
+    if len(frames) != 2 or bytes(frames[0]) not in (Generate.TAG, StatsRequest.TAG):
+        return None
+    return peek_ref(frames[1])

@@ -38,7 +38,7 @@ def _load_model_entry(config_file: str | None, model: str | None) -> dict:
                                  "pick one with --model ID", param_hint="--model")
     else:
         entry = dict(next(iter(models.values()), {}))
-    unknown = set(entry) - {"path", "drafter", "speculative_width_cap"}
+    unknown = set(entry) - {"path", "drafter", "speculative_width_cap", "prefill_budget_ms"}
     if unknown:
         raise click.BadParameter(f"unknown keys {sorted(unknown)} in [models]", param_hint="--config")
     cap = entry.get("speculative_width_cap")
@@ -79,6 +79,9 @@ def _check_drafter(drafter: str) -> str:
 @click.option("--curve-dir", type=click.Path(file_okay=False), default=None,
               help="`gmlx keys` folder: clients must authenticate with CURVE (needed off loopback).")
 @click.option("--insecure", is_flag=True, help="Serve a non-loopback address without authentication.")
+@click.option("--prefill-budget-ms", default=None,
+              help="Prefill time per round while rows decode: 'auto' (2x a decode round), N ms, or 0 (off, "
+                   "the default: fixed 256-token chunks). TOML: prefill_budget_ms.")
 @click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Accepted requests waiting for a worker; past it GENERATE is answered 'busy'.")
 @click.option("--worker-secret-file", type=click.Path(dir_okay=False), default=None,
@@ -90,8 +93,8 @@ def _check_drafter(drafter: str) -> str:
 @click.option("--http-api-key-file", type=click.Path(dir_okay=False), default=None,
               help="File whose first line is the HTTP bearer token (else GMLX_HTTP_API_KEY).")
 def serve(model, drafter, address, num_workers, speculative_width_cap, config_file, worker_address,
-          drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file, max_pending_requests,
-          http_url, http_port, http_api_key_file) -> None:
+          drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file, prefill_budget_ms,
+          max_pending_requests, http_url, http_port, http_api_key_file) -> None:
     """Serve a model: a front-end at ADDRESS and N decode workers."""
     from workers.frontend import Frontend, FrontendConfig
     from workers.supervisor import WorkerSpec
@@ -101,13 +104,21 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
     if model_path is not None and not os.path.isdir(os.path.expanduser(model_path)):
         raise click.BadParameter(f"{model_path!r} is not a model folder", param_hint="--model")
     drafter = _check_drafter(drafter or entry.get("drafter", "none"))
-    from ipc.auth import is_loopback
-    from workers.frontend import insecure_bind_message
+    from ipc.auth import insecure_bind_message, is_loopback
 
     if not is_loopback(address) and curve_dir is None and not insecure:
         raise click.UsageError(insecure_bind_message(address))
     if speculative_width_cap is None:
         speculative_width_cap = entry.get("speculative_width_cap")
+    if prefill_budget_ms is None and "prefill_budget_ms" in entry:
+        prefill_budget_ms = str(entry["prefill_budget_ms"])
+    if prefill_budget_ms is not None:
+        from workers.worker import parse_prefill_budget
+
+        try:
+            parse_prefill_budget(prefill_budget_ms)
+        except click.BadParameter as e:
+            raise click.BadParameter(e.message, param_hint="--prefill-budget-ms") from None
     gateway = _make_gateway(http_url, http_port, http_api_key_file, model_path)
     _configure_logging()
     if supervise:
@@ -116,6 +127,8 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
         command = _frontend_command(model_path, drafter, address, num_workers, speculative_width_cap,
                                     worker_address, drain_timeout_s)
         command += ["--max-pending-requests", str(max_pending_requests)]
+        if prefill_budget_ms is not None:
+            command += ["--prefill-budget-ms", prefill_budget_ms]
         if gateway is not None:  # the gateway runs beside the (re)started front-end, as its child
             command += ["--http", gateway.http_url]
         for option, value in (("--curve-dir", curve_dir), ("--worker-secret-file", worker_secret_file),
@@ -124,7 +137,8 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
                 command += [option, os.path.abspath(os.path.expanduser(value))]
         sys.exit(supervise_frontend(command + (["--insecure"] if insecure else [])))
     spec = WorkerSpec(model_path=model_path and os.path.abspath(os.path.expanduser(model_path)),
-                      drafter=drafter, speculative_width_cap=speculative_width_cap)
+                      drafter=drafter, speculative_width_cap=speculative_width_cap,
+                      prefill_budget_ms=prefill_budget_ms)
     config = FrontendConfig(address=address, worker_address=worker_address, num_workers=num_workers,
                             drain_timeout_s=drain_timeout_s, curve_dir=curve_dir, is_insecure=insecure,
                             worker_secret_file=worker_secret_file, max_pending_requests=max_pending_requests)

@@ -27,7 +27,8 @@ import zmq
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
-from ipc.auth import ServerAuth, default_secret_path, is_loopback, read_worker_secret, write_worker_secret
+from ipc.auth import (ServerAuth, default_secret_path, insecure_bind_message, is_loopback, read_worker_secret,
+                      write_worker_secret)
 from ipc.bus import RequestBus, reclaim_stale_segments
 from ipc.sockets import bind_router, bind_sub_beside, recv_all, recv_all_bounded
 from workers.streams import ClientRequest, Phase
@@ -216,7 +217,7 @@ class Frontend:
                 raise m.WireError(f"{type(msg).__name__} is not a client message", field="type")
         except m.WireError as e:
             self.num_rejected += 1
-            self._reply(client_id, m.Error(message=str(e), ref=_readable_ref(frames), field=e.field))
+            self._reply(client_id, m.Error(message=str(e), ref=m.readable_ref(frames), field=e.field))
             return
         try:
             if isinstance(msg, m.Generate):
@@ -460,19 +461,6 @@ class Frontend:
                          num_cancelled=self.num_cancelled,
                          model=self._model_path)
             self._reply(query.client_id, m.StatsReply(ref=query.ref, stats=stats))
-
-
-def insecure_bind_message(address: str) -> str:
-    return (f"refusing to serve {address} without authentication: it is not a loopback address. "
-            "Make CURVE keys with `gmlx keys DIR` and pass --curve-dir DIR (clients use the same DIR), "
-            "or pass --insecure to serve it unauthenticated")
-
-
-def _readable_ref(frames: list[bytes]) -> str | None:
-    """The `ref` of a GENERATE or STATS that failed to decode, when it can be read cheaply."""
-    if len(frames) != 2 or bytes(frames[0]) not in (m.Generate.TAG, m.StatsRequest.TAG):
-        return None
-    return m.peek_ref(frames[1])
 
 
 def _import_tokenizer_lib() -> None:

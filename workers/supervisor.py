@@ -55,11 +55,14 @@ class WorkerSpec:
     drafter: str = "none"
     speculative_width_cap: int | None = None
     secret_file: str | None = None  # the worker link's shared secret (owner-only file)
+    prefill_budget_ms: str | None = None  # "auto" or milliseconds; None = the engine's default (off)
 
     def command(self, connect_address: str) -> list[str]:
         cmd = [sys.executable, "-m", "workers.worker", "--connect", connect_address, "--drafter", self.drafter]
         if self.secret_file is not None:
             cmd += ["--secret-file", self.secret_file]
+        if self.prefill_budget_ms is not None:
+            cmd += ["--prefill-budget-ms", self.prefill_budget_ms]
         if self.model_path is not None:
             cmd += ["--model", self.model_path]
         if self.speculative_width_cap is not None:

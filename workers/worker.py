@@ -243,6 +243,21 @@ class Worker:
         self._context.term()
 
 
+def parse_prefill_budget(value: str | None):
+    """--prefill-budget-ms: False (not given), None ('auto'), or seconds (0 = off)."""
+    if value is None:
+        return False
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected 'auto' or milliseconds, got {value!r}") from None
+    if not ms >= 0 or ms == float("inf"):
+        raise click.BadParameter(f"must be >= 0 milliseconds, got {value!r}")
+    return ms / 1000
+
+
 def _vocab_size(engine) -> int:
     """The model's vocabulary: token ids must lie below it."""
     target = getattr(engine, "target", None)
@@ -255,11 +270,13 @@ def _vocab_size(engine) -> int:
 @click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
 @click.option("--speculative-width-cap", type=click.IntRange(min=0), default=None,
               help="Speculate only while at most N rows decode (0 = uncapped).")
+@click.option("--prefill-budget-ms", default=None, callback=lambda ctx, param, v: parse_prefill_budget(v),
+              help="Prefill time per round while rows decode: 'auto' (2x a decode round), N ms, or 0 (off).")
 @click.option("--secret-file", default=None, type=click.Path(dir_okay=False),
               help="Owner-only file with the worker secret (default: where a front-end of this user "
                    "bound at --connect keeps it; the front-end logs the path).")
 def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None,
-         secret_file: str | None) -> None:
+         prefill_budget_ms, secret_file: str | None) -> None:
     """Run one decode worker for a gmlx front-end."""
     from gmlx.config import EngineConfig, log_level
 
@@ -275,7 +292,8 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
         secret = read_worker_secret(secret_file or default_secret_path(connect_address))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--secret-file") from None
-    config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap)
+    config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap,
+                          **({} if prefill_budget_ms is False else {"prefill_budget_s": prefill_budget_ms}))
     try:
         engine = Engine.load(config)
     except ValueError as e:

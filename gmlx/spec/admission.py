@@ -8,6 +8,7 @@ from the prefill and is handed back to join the batch.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -17,6 +18,9 @@ from gmlx.cache.ragged import RaggedKVCache, make_ragged_cache
 from gmlx.models.loader import LoadedModel
 from gmlx.request import Request, RequestStatus
 from gmlx.sampling import SamplingRows, sample
+
+MIN_CHUNK_TOKENS = 4  # a time budget never shrinks a chunk below this: prefill must progress
+FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,24 @@ class InjectionQueue:
         self.prompt_cache = prompt_cache
         self.waiting: collections.deque[Request] = collections.deque()
         self._caches: dict[str, list[RaggedKVCache]] = {}  # request id -> partial prefill
+        self._last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of the last timed chunk
+
+    def token_budget(self, budget_s: float | None) -> int:
+        """Prompt tokens one drain may prefill: chunk_tokens, or under a time budget the last
+        timed chunk scaled by budget / its time (at most x2 or /2 a step: the cost per token
+        has a fixed part and grows with the prefix, so a ratio tracks it better than a rate)."""
+        if budget_s is None:
+            return self.chunk_tokens
+        if self._last_chunk is None:
+            tokens = FIRST_BUDGETED_TOKENS
+        else:
+            last_tokens, last_s = self._last_chunk
+            scale = min(2.0, max(0.5, budget_s / max(last_s, 1e-6)))
+            tokens = int(last_tokens * scale)
+        return max(min(MIN_CHUNK_TOKENS, self.chunk_tokens), min(self.chunk_tokens, tokens))
+
+    def _measured(self, num_tokens: int, start_s: float) -> None:
+        self._last_chunk = (num_tokens, time.perf_counter() - start_s)
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -49,31 +71,33 @@ class InjectionQueue:
                 return request
         return None
 
-    def can_join_next_drain(self) -> bool:
+    def can_join_next_drain(self, budget_s: float | None = None) -> bool:
         """True when the first waiter's prompt completes within one drain's budget, so a
         preempt for it lets it join at once (a longer one is prefilled ahead first)."""
         request = self.waiting[0]
         if request.request_id not in self._caches:
             self._caches[request.request_id] = self._start(request)
-        return request.num_prompt_tokens - request.num_prefilled <= self.chunk_tokens
+        return request.num_prompt_tokens - request.num_prefilled <= self.token_budget(budget_s)
 
-    def prefill_ahead(self) -> None:
+    def prefill_ahead(self, budget_s: float | None = None) -> None:
         """Spend one chunk on the first waiter without finishing its prompt (the running
         stream keeps speculating meanwhile)."""
-        assert not self.can_join_next_drain()
+        assert not self.can_join_next_drain(budget_s)
         request = self.waiting[0]
         caches = self._caches[request.request_id]
         request.status = RequestStatus.PREFILLING
-        start = request.num_prefilled
-        chunk = mx.array(request.prompt_token_ids[start : start + self.chunk_tokens], dtype=mx.int32)[None]
+        start_s, start = time.perf_counter(), request.num_prefilled
+        num_tokens = self.token_budget(budget_s)
+        chunk = mx.array(request.prompt_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
         self.target.body(chunk, caches)
-        request.num_prefilled += self.chunk_tokens
+        request.num_prefilled += num_tokens
         mx.eval([c.keys for c in caches])
+        self._measured(num_tokens, start_s)
 
-    def drain(self, max_new_rows: int) -> list[Prefilled]:
-        """Prefill up to one chunk budget of waiting prompts, in arrival order."""
+    def drain(self, max_new_rows: int, budget_s: float | None = None) -> list[Prefilled]:
+        """Prefill up to one budget of waiting prompts (token_budget(budget_s)), in arrival order."""
         done: list[Prefilled] = []
-        budget = self.chunk_tokens
+        budget = self.token_budget(budget_s)
         while self.waiting and budget > 0 and len(done) < max_new_rows:
             request = self.waiting[0]
             caches = self._caches.get(request.request_id)
@@ -82,7 +106,7 @@ class InjectionQueue:
             request.status = RequestStatus.PREFILLING
             remaining = request.num_prompt_tokens - request.num_prefilled
             num_tokens = min(budget, remaining)
-            start = request.num_prefilled
+            start_s, start = time.perf_counter(), request.num_prefilled
             chunk = mx.array(request.prompt_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
             hidden = self.target.body(chunk, caches)  # (1, T, D)
             request.num_prefilled += num_tokens
@@ -90,10 +114,12 @@ class InjectionQueue:
             if request.num_prefilled < request.num_prompt_tokens:
                 mx.eval([c.keys for c in caches])
                 self._caches[request.request_id] = caches
+                self._measured(num_tokens, start_s)
                 continue
             self.waiting.popleft()
             self._caches.pop(request.request_id, None)
             done.append(self._finish(request, caches, hidden[:, -1:, :]))
+            self._measured(num_tokens, start_s)
         return done
 
     def _start(self, request: Request) -> list[RaggedKVCache]:

@@ -1,0 +1,78 @@
+"""How much a long arrival stalls a running stream: its inter-token gaps around the arrival.
+
+One stream decodes alone; after a warm-up a long prompt arrives and is prefilled beside it.
+Reports the running stream's median and worst inter-token gap (from its first token after
+the arrival until the newcomer's first token, plus the same span of steady decoding before),
+and the arrival's own time to first token, for fixed 256-token chunks and for a time budget
+per round (EngineConfig.prefill_budget_s, serve --prefill-budget-ms), side by side in one run.
+
+    python scripts/bench_prefill_gap.py                       # 1,500-token arrival, built-in model
+    python scripts/bench_prefill_gap.py --prompt-tokens 3000 --drafter mtp
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO_ROOT))
+
+import gmlx  # noqa: F401,E402  (BLAS before mlx)
+from gmlx.config import EngineConfig  # noqa: E402
+from gmlx.drafters import make_drafter  # noqa: E402
+from gmlx.engine import Engine  # noqa: E402
+from gmlx.models.loader import load_model  # noqa: E402
+from gmlx.request import SamplingParams  # noqa: E402
+
+
+def measure(target, drafter_kind: str, budget_s: float | None, prompt_tokens: int, warmup_steps: int) -> dict:
+    config = EngineConfig(prefill_budget_s=budget_s, max_context_tokens=prompt_tokens + 512)
+    engine = Engine(target, make_drafter(drafter_kind, target), config)
+    text = Path(statistics.__file__).read_text()
+    tokens = target.tokenizer.encode(text)
+    engine.add_request(tokens[:16], SamplingParams(max_tokens=100_000), request_id="running")
+    stamps, arrival_step, joined_step, arrival_s, first_token_s = [], None, None, None, None
+    for step in range(100_000):
+        if step == warmup_steps:
+            engine.add_request(tokens[100:100 + prompt_tokens], SamplingParams(max_tokens=8), request_id="long")
+            arrival_step, arrival_s = len(stamps), time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if any(o.request_id == "running" and o.new_token_ids for o in outputs):
+            stamps.append(now)
+        if joined_step is None and any(o.request_id == "long" and o.new_token_ids for o in outputs):
+            joined_step, first_token_s = len(stamps), now
+        if joined_step is not None and len(stamps) > joined_step + 4:
+            break
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    before = gaps[max(0, arrival_step - 40):arrival_step - 1]
+    during = gaps[arrival_step - 1:joined_step + 1]
+    return {"median_ms": statistics.median(before) * 1000, "worst_ms": max(during) * 1000,
+            "num_gaps_during": len(during), "ttft_ms": (first_token_s - arrival_s) * 1000}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--drafter", default="none")
+    parser.add_argument("--warmup-steps", type=int, default=60)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    target = load_model(args.model)
+    print("| prefill | arrival tokens | median gap before ms | worst gap until joined ms | worst / median | "
+          "arrival's first token ms |")
+    print("|---|---|---|---|---|---|")
+    for name, budget_s in (("fixed 256-token chunks", 0), ("time budget (auto, 2x round)", None),
+                           ("time budget 20 ms", 0.02)):
+        r = measure(target, args.drafter, budget_s, args.prompt_tokens, args.warmup_steps)
+        print(f"| {name} | {args.prompt_tokens} | {r['median_ms']:.1f} | {r['worst_ms']:.1f} | "
+              f"{r['worst_ms'] / r['median_ms']:.2f} ({r['num_gaps_during']} gaps) | {r['ttft_ms']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

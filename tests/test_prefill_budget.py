@@ -1,0 +1,58 @@
+"""Prefill chunks sized by a time budget per round: a long arrival is prefilled in pieces
+that fit the budget while a stream decodes, and every output still equals solo decoding."""
+
+import subprocess
+import sys
+
+import pytest
+
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.request import SamplingParams
+from gmlx.spec import admission
+from schedules import SoloReference
+from serving_support import REPO_ROOT, repo_env
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_target):
+    return SoloReference(builtin_target)
+
+
+# "auto" follows measured round times, so only its outputs are checked; under a 0.1 ms
+# budget every chunk runs over, so sizes halve down to the minimum on any CPU.
+@pytest.mark.parametrize("budget_s, is_chunk_bounded", [(None, False), (0.0001, True)])
+def test_a_long_arrival_is_prefilled_within_the_budget(builtin_target, reference, code_prompts, budget_s,
+                                                       is_chunk_bounded):
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_budget_s=budget_s))
+    long_prompt = [t for p in code_prompts for t in p][:600]
+    prompts = {"A": code_prompts[3], "B": long_prompt}
+    params = {"A": SamplingParams(max_tokens=80), "B": SamplingParams(max_tokens=10, temperature=0.7, seed=2)}
+    engine.add_request(prompts["A"], params["A"], request_id="A")
+    got = {"A": [], "B": []}
+    chunk_sizes = []
+    for step in range(100_000):
+        if step == 3:
+            engine.add_request(prompts["B"], params["B"], request_id="B")
+        # Only while A decodes: with nobody decoding, a whole chunk stalls no one.
+        before = engine.requests["B"].num_prefilled if "B" in engine.requests and "A" in engine.requests else None
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+        if before is not None and "B" in engine.requests and engine.requests["B"].num_prefilled > before:
+            chunk_sizes.append(engine.requests["B"].num_prefilled - before)
+        if not engine.has_unfinished():
+            break
+    assert chunk_sizes
+    if is_chunk_bounded:  # sized by time, not the fixed chunk
+        assert max(chunk_sizes) < engine.config.prefill_chunk_tokens, chunk_sizes
+        assert all(b <= a for a, b in zip(chunk_sizes, chunk_sizes[1:])), chunk_sizes  # each over budget: halves
+        assert chunk_sizes[-2] == admission.MIN_CHUNK_TOKENS, chunk_sizes
+    for request_id in got:
+        assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
+
+
+def test_serve_refuses_a_malformed_budget():
+    cmd = [sys.executable, "-m", "workers.cli_serve", "--prefill-budget-ms", "soon"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=repo_env(), cwd=REPO_ROOT)
+    assert out.returncode == 2 and "--prefill-budget-ms" in out.stderr
