@@ -101,11 +101,16 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 def doctor(as_json) -> None:
-    """Report the BLAS in use, the sgemv interposer and the MLX device."""
+    """Report the BLAS in use, the sgemv interposer, the MLX device and the CPU kernels."""
     from gmlx.platform.blas import describe_blas, format_blas_report
+    from gmlx.platform.cpu_kernels import format_status, status
 
     report = describe_blas()
-    click.echo(json.dumps(report, indent=2) if as_json else format_blas_report(report))
+    kernels = status()
+    if as_json:
+        click.echo(json.dumps({**report, "cpu_kernels": kernels}, indent=2))
+    else:
+        click.echo(format_blas_report(report) + "\n" + format_status(kernels))
 
 
 def _fail(exc: Exception) -> None:

@@ -26,6 +26,9 @@ ENV_VARS = {
     "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
     "GMLX_INPUT_MAJOR_WEIGHTS": "1 (default) stores a model's Linear weights input-major on the CPU backend when the interposer routes that layout (its one-row kernel reads them front to back; results checked bit-identical at load); 0 keeps mlx-lm's layout",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
+    "GMLX_CPU_KERNELS": "1 (default) runs a model's 4- and 8-bit QuantizedLinear/QuantizedEmbedding products of 1-16 rows in gmlx's C++ kernels on the CPU backend (when built); 0 leaves them to mlx",
+    "GMLX_CPU_KERNELS_ISA": "forces the kernels' instruction set: avx512, avx2 or portable (default: the best this CPU has)",
+    "GMLX_CPU_KERNELS_THREADS": "threads of the kernels' pool (default: every CPU the process may use)",
 }
 
 
@@ -102,6 +105,25 @@ def is_cpu_fusion_enabled() -> bool:
 
 def is_input_major_enabled() -> bool:
     return _env_flag("GMLX_INPUT_MAJOR_WEIGHTS", True)
+
+
+def is_cpu_kernels_enabled() -> bool:
+    return _env_flag("GMLX_CPU_KERNELS", True)
+
+
+def cpu_kernels_isa() -> str | None:
+    raw = os.environ.get("GMLX_CPU_KERNELS_ISA")
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value not in ("avx512", "avx2", "portable"):
+        raise ValueError(f"GMLX_CPU_KERNELS_ISA={raw!r}: expected avx512, avx2 or portable")
+    return value
+
+
+def cpu_kernels_threads() -> int | None:
+    """GMLX_CPU_KERNELS_THREADS; None (or 0) = every CPU the process may use."""
+    return _env_int("GMLX_CPU_KERNELS_THREADS") or None
 
 
 def log_level() -> str:
