@@ -1,7 +1,9 @@
 #include "qmm_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -15,6 +17,20 @@ namespace gmlx_kernels {
 namespace {
 
 constexpr int kLanes = 16;  // the canonical number of lane sums per output
+constexpr int64_t kBlockBytes = 16 << 10;  // x bytes of one K block: half of L1
+
+// One kernel call: rows [0, kRows) of x block `x` (row stride x_stride, first element e0)
+// against output n's weights over elements [e0, e1); lane sums in/out at acc[r * 16].
+struct Span {
+  const uint32_t* w_row;
+  const float* scales;  // output n's, per group
+  const float* biases;
+  const float* x;
+  int64_t x_stride;
+  int64_t e0, e1;
+  int group_size;
+  float* acc;  // (rows, 16)
+};
 
 // ---------------------------------------------------------------- portable
 
@@ -25,43 +41,33 @@ inline float unpack_portable(const uint32_t* w_row, int64_t e) {
   return static_cast<float>((w_row[e / kPerWord] >> (kBits * (e % kPerWord))) & kMask);
 }
 
-inline float reduce_lanes(float* lanes) {
+// The canonical lane tree: 16 -> 8 (l + l+8) -> 4 -> 2 -> 1; the SIMD paths store their
+// lanes and end here too.
+inline float reduce_lanes(const float* lanes) {
+  float t[kLanes];
+  std::memcpy(t, lanes, sizeof(t));
   for (int width = kLanes / 2; width >= 1; width /= 2) {
-    for (int i = 0; i < width; ++i) lanes[i] = lanes[i] + lanes[i + width];
+    for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
   }
-  return lanes[0];
+  return t[0];
 }
 
 template <int kBits>
-void output_portable(const QmmArgs& a, int64_t n) {
-  const int64_t words_per_row = a.num_inputs * kBits / 32;
-  const int64_t num_groups = a.num_inputs / a.group_size;
-  const uint32_t* w_row = a.w + n * words_per_row;
-  for (int64_t r = 0; r < a.num_rows; ++r) {
-    const float* x = a.x + r * a.num_inputs;
-    float lanes[kLanes] = {};
-    for (int64_t g = 0; g < num_groups; ++g) {
-      const float scale = a.scales[n * num_groups + g];
-      const float bias = a.biases[n * num_groups + g];
-      for (int64_t e = g * a.group_size; e < (g + 1) * a.group_size; ++e) {
-        const float weight = std::fma(unpack_portable<kBits>(w_row, e), scale, bias);
-        lanes[e % kLanes] = std::fma(x[e], weight, lanes[e % kLanes]);
-      }
+void span_portable(const Span& s, int64_t num_rows) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* lanes = s.acc + r * kLanes;
+    const float* x = s.x + r * s.x_stride - s.e0;
+    for (int64_t e = s.e0; e < s.e1; ++e) {
+      const int64_t g = e / s.group_size;
+      const float weight = std::fma(unpack_portable<kBits>(s.w_row, e), s.scales[g], s.biases[g]);
+      lanes[e % kLanes] = std::fma(x[e], weight, lanes[e % kLanes]);
     }
-    a.y[r * a.num_outputs + n] = reduce_lanes(lanes);
   }
 }
 
 #if GMLX_X86
 
 // ---------------------------------------------------------------- AVX2
-
-GMLX_AVX2 inline float reduce8_avx2(__m256 t8) {
-  __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
-  __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));  // lanes {0+2, 1+3}
-  __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
-  return _mm_cvtss_f32(t1);
-}
 
 // Eight weights starting at element e (a multiple of 8) as floats, dequantized.
 template <int kBits>
@@ -78,44 +84,34 @@ GMLX_AVX2 inline __m256 weights8_avx2(const uint32_t* w_row, int64_t e, __m256 s
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, bias);
 }
 
-// kRows rows starting at row0, output n. Two registers hold the sixteen lanes.
+// Two registers hold a row's sixteen lanes: lo = lanes 0-7, hi = lanes 8-15.
 template <int kBits, int kRows>
-GMLX_AVX2 void block_avx2(const QmmArgs& a, int64_t n, int64_t row0) {
-  const int64_t words_per_row = a.num_inputs * kBits / 32;
-  const int64_t num_groups = a.num_inputs / a.group_size;
-  const uint32_t* w_row = a.w + n * words_per_row;
-  const float* x = a.x + row0 * a.num_inputs;
+GMLX_AVX2 void span_avx2(const Span& s) {
   __m256 lo[kRows], hi[kRows];
-  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const __m256 scale = _mm256_set1_ps(a.scales[n * num_groups + g]);
-    const __m256 bias = _mm256_set1_ps(a.biases[n * num_groups + g]);
-    for (int64_t e = g * a.group_size; e < (g + 1) * a.group_size; e += kLanes) {
-      const __m256 w_lo = weights8_avx2<kBits>(w_row, e, scale, bias);
-      const __m256 w_hi = weights8_avx2<kBits>(w_row, e + 8, scale, bias);
+  for (int r = 0; r < kRows; ++r) {
+    lo[r] = _mm256_loadu_ps(s.acc + r * kLanes);
+    hi[r] = _mm256_loadu_ps(s.acc + r * kLanes + 8);
+  }
+  for (int64_t g = s.e0 / s.group_size; g < s.e1 / s.group_size; ++g) {
+    const __m256 scale = _mm256_set1_ps(s.scales[g]);
+    const __m256 bias = _mm256_set1_ps(s.biases[g]);
+    for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
+      const __m256 w_lo = weights8_avx2<kBits>(s.w_row, e, scale, bias);
+      const __m256 w_hi = weights8_avx2<kBits>(s.w_row, e + 8, scale, bias);
+      const float* x = s.x + (e - s.e0);
       for (int r = 0; r < kRows; ++r) {
-        const float* xr = x + r * a.num_inputs + e;
-        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w_lo, lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w_hi, hi[r]);
+        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride), w_lo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride + 8), w_hi, hi[r]);
       }
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    a.y[(row0 + r) * a.num_outputs + n] = reduce8_avx2(_mm256_add_ps(lo[r], hi[r]));
+    _mm256_storeu_ps(s.acc + r * kLanes, lo[r]);
+    _mm256_storeu_ps(s.acc + r * kLanes + 8, hi[r]);
   }
 }
 
 // ---------------------------------------------------------------- AVX-512
-
-GMLX_AVX512 inline float reduce16_avx512(__m512 acc) {
-  const __m256 lo = _mm512_castps512_ps256(acc);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
-  const __m256 t8 = _mm256_add_ps(lo, hi);
-  __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
-  __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-  __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
-  return _mm_cvtss_f32(t1);
-}
 
 template <int kBits>
 GMLX_AVX512 inline __m512 weights16_avx512(const uint32_t* w_row, int64_t e, __m512 scale, __m512 bias) {
@@ -134,24 +130,21 @@ GMLX_AVX512 inline __m512 weights16_avx512(const uint32_t* w_row, int64_t e, __m
 }
 
 template <int kBits, int kRows>
-GMLX_AVX512 void block_avx512(const QmmArgs& a, int64_t n, int64_t row0) {
-  const int64_t words_per_row = a.num_inputs * kBits / 32;
-  const int64_t num_groups = a.num_inputs / a.group_size;
-  const uint32_t* w_row = a.w + n * words_per_row;
-  const float* x = a.x + row0 * a.num_inputs;
+GMLX_AVX512 void span_avx512(const Span& s) {
   __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const __m512 scale = _mm512_set1_ps(a.scales[n * num_groups + g]);
-    const __m512 bias = _mm512_set1_ps(a.biases[n * num_groups + g]);
-    for (int64_t e = g * a.group_size; e < (g + 1) * a.group_size; e += kLanes) {
-      const __m512 weights = weights16_avx512<kBits>(w_row, e, scale, bias);
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_loadu_ps(s.acc + r * kLanes);
+  for (int64_t g = s.e0 / s.group_size; g < s.e1 / s.group_size; ++g) {
+    const __m512 scale = _mm512_set1_ps(s.scales[g]);
+    const __m512 bias = _mm512_set1_ps(s.biases[g]);
+    for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
+      const __m512 weights = weights16_avx512<kBits>(s.w_row, e, scale, bias);
+      const float* x = s.x + (e - s.e0);
       for (int r = 0; r < kRows; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * a.num_inputs + e), weights, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * s.x_stride), weights, acc[r]);
       }
     }
   }
-  for (int r = 0; r < kRows; ++r) a.y[(row0 + r) * a.num_outputs + n] = reduce16_avx512(acc[r]);
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(s.acc + r * kLanes, acc[r]);
 }
 
 GMLX_AVX2 float sum_floats_avx2(const float* data, int64_t num_floats) {
@@ -162,7 +155,9 @@ GMLX_AVX2 float sum_floats_avx2(const float* data, int64_t num_floats) {
     s2 = _mm256_add_ps(s2, _mm256_loadu_ps(data + i + 16));
     s3 = _mm256_add_ps(s3, _mm256_loadu_ps(data + i + 24));
   }
-  return reduce8_avx2(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
 }
 
 GMLX_AVX512 float sum_floats_avx512(const float* data, int64_t num_floats) {
@@ -173,52 +168,89 @@ GMLX_AVX512 float sum_floats_avx512(const float* data, int64_t num_floats) {
     s2 = _mm512_add_ps(s2, _mm512_loadu_ps(data + i + 32));
     s3 = _mm512_add_ps(s3, _mm512_loadu_ps(data + i + 48));
   }
-  return reduce16_avx512(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 
-// Runs rows [0, num_rows) of output n in blocks of up to kMaxRows.
-template <int kBits, int kMaxRows, template <int, int> class Block>
-void rows_of_output(const QmmArgs& a, int64_t n) {
-  int64_t row0 = 0;
-  for (; row0 + kMaxRows <= a.num_rows; row0 += kMaxRows) Block<kBits, kMaxRows>::run(a, n, row0);
-  switch (a.num_rows - row0) {
+#endif  // GMLX_X86
+
+// Rows [0, num_rows) of one span in blocks of up to kMaxRows rows.
+template <int kBits, int kMaxRows, template <int, int> class Kernel>
+void span_rows(Span s, int64_t num_rows) {
+  int64_t row = 0;
+  for (; row + kMaxRows <= num_rows; row += kMaxRows) {
+    Kernel<kBits, kMaxRows>::run(s);
+    s.x += kMaxRows * s.x_stride;
+    s.acc += kMaxRows * kLanes;
+  }
+  switch (num_rows - row) {
     case 0: break;
-#define GMLX_CASE(R) case R: if constexpr (R < kMaxRows) Block<kBits, R>::run(a, n, row0); break;
+#define GMLX_CASE(R) case R: if constexpr (R < kMaxRows) Kernel<kBits, R>::run(s); break;
     GMLX_CASE(1) GMLX_CASE(2) GMLX_CASE(3) GMLX_CASE(4) GMLX_CASE(5) GMLX_CASE(6) GMLX_CASE(7)
 #undef GMLX_CASE
   }
 }
 
+#if GMLX_X86
 template <int kBits, int kRows>
-struct Avx2Block {
-  static void run(const QmmArgs& a, int64_t n, int64_t row0) { block_avx2<kBits, kRows>(a, n, row0); }
+struct Avx2Kernel {
+  static void run(const Span& s) { span_avx2<kBits, kRows>(s); }
 };
 template <int kBits, int kRows>
-struct Avx512Block {
-  static void run(const QmmArgs& a, int64_t n, int64_t row0) { block_avx512<kBits, kRows>(a, n, row0); }
+struct Avx512Kernel {
+  static void run(const Span& s) { span_avx512<kBits, kRows>(s); }
 };
-
-#endif  // GMLX_X86
+#endif
 
 template <int kBits>
-void outputs_with_bits(const QmmArgs& a, int64_t begin, int64_t end, Isa isa) {
-  for (int64_t n = begin; n < end; ++n) {
+void run_span(const Span& s, int64_t num_rows, Isa isa) {
 #if GMLX_X86
-    // AVX2 keeps 4 rows (8 registers of sums) per pass, AVX-512 8 rows (8 of 32).
-    if (isa == Isa::kAvx512) { rows_of_output<kBits, 8, Avx512Block>(a, n); continue; }
-    if (isa == Isa::kAvx2) { rows_of_output<kBits, 4, Avx2Block>(a, n); continue; }
+  // AVX2 keeps 4 rows (8 of 16 registers) per pass, AVX-512 8 rows (8 of 32).
+  if (isa == Isa::kAvx512) return span_rows<kBits, 8, Avx512Kernel>(s, num_rows);
+  if (isa == Isa::kAvx2) return span_rows<kBits, 4, Avx2Kernel>(s, num_rows);
 #endif
-    output_portable<kBits>(a, n);
-  }
+  span_portable<kBits>(s, num_rows);
 }
 
 }  // namespace
 
-void qmm_outputs(const QmmArgs& args, int64_t begin, int64_t end, Isa isa) {
-  if (args.bits == 4) {
-    outputs_with_bits<4>(args, begin, end, isa);
-  } else {
-    outputs_with_bits<8>(args, begin, end, isa);
+int64_t inputs_per_block(int64_t num_rows, int64_t num_inputs, int group_size) {
+  int64_t fit = kBlockBytes / static_cast<int64_t>(sizeof(float)) / std::max<int64_t>(1, num_rows);
+  int64_t block = std::max<int64_t>(group_size, fit / group_size * group_size);
+  return std::min(block, num_inputs);
+}
+
+void block_rows(const QmmArgs& a, int64_t block, float* x_blocked) {
+  for (int64_t start = 0; start < a.num_inputs; start += block) {
+    const int64_t len = std::min(block, a.num_inputs - start);
+    for (int64_t r = 0; r < a.num_rows; ++r) {
+      std::memcpy(x_blocked + start * a.num_rows + r * len, a.x + r * a.num_inputs + start, len * sizeof(float));
+    }
+  }
+}
+
+void qmm_outputs(const QmmArgs& a, const float* x_blocked, int64_t block, int64_t begin, int64_t end, Isa isa) {
+  const int64_t num_groups = a.num_inputs / a.group_size;
+  const int64_t words_per_row = a.num_inputs * a.bits / 32;
+  const int64_t lanes_per_output = a.num_rows * kLanes;
+  thread_local std::vector<float> acc;  // (outputs, rows, 16) lane sums across K blocks
+  acc.assign((end - begin) * lanes_per_output, 0.0f);
+  for (int64_t start = 0; start < a.num_inputs; start += block) {
+    const int64_t len = std::min(block, a.num_inputs - start);
+    for (int64_t n = begin; n < end; ++n) {
+      Span s{a.w + n * words_per_row, a.scales + n * num_groups, a.biases + n * num_groups,
+             x_blocked + start * a.num_rows, len, start, start + len, a.group_size,
+             acc.data() + (n - begin) * lanes_per_output};
+      if (a.bits == 4) {
+        run_span<4>(s, a.num_rows, isa);
+      } else {
+        run_span<8>(s, a.num_rows, isa);
+      }
+    }
+  }
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t r = 0; r < a.num_rows; ++r) {
+      a.y[r * a.num_outputs + n] = reduce_lanes(acc.data() + (n - begin) * lanes_per_output + r * kLanes);
+    }
   }
 }
 

@@ -27,8 +27,15 @@ struct QmmArgs {
   int bits;
 };
 
-// Computes outputs [begin, end) of every row with the given instruction set.
-void qmm_outputs(const QmmArgs& args, int64_t begin, int64_t end, Isa isa);
+// x is read in K blocks that stay in L1 while a chunk of outputs uses them, each block
+// stored rows-contiguous (rows at a 4 KiB stride would share cache sets).
+int64_t inputs_per_block(int64_t num_rows, int64_t num_inputs, int group_size);
+// x_blocked[offset(b) + r * len(b) + i] = x[r, b * block + i], offset(b) = b * block * rows.
+void block_rows(const QmmArgs& args, int64_t block, float* x_blocked);
+
+// Computes outputs [begin, end) (at most kMaxOutputsPerCall) of every row.
+constexpr int64_t kMaxOutputsPerCall = 16;
+void qmm_outputs(const QmmArgs& args, const float* x_blocked, int64_t block, int64_t begin, int64_t end, Isa isa);
 
 // Sums num_floats floats (a multiple of 64) with wide loads; for the DRAM read rate.
 float sum_floats(const float* data, int64_t num_floats, Isa isa);

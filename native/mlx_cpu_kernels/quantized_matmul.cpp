@@ -21,7 +21,7 @@ namespace {
 std::atomic<Isa> g_isa{best_isa()};
 
 // Outputs per chunk a thread takes: a few KB of weights each, many chunks per thread.
-constexpr int64_t kOutputsPerChunk = 16;
+constexpr int64_t kOutputsPerChunk = kMaxOutputsPerCall;
 
 // The array's elements in row-major order: its own data when already so, else a copy.
 template <typename T>
@@ -35,6 +35,8 @@ const T* row_major_data(const mx::array& a, std::vector<T>& copy) {
 
 struct QmmJob {
   QmmArgs args;
+  const float* x_blocked;
+  int64_t block;
   Isa isa;
 };
 
@@ -42,7 +44,7 @@ void run_qmm_chunk(void* context, int64_t chunk) {
   auto* job = static_cast<QmmJob*>(context);
   int64_t begin = chunk * kOutputsPerChunk;
   int64_t end = std::min(begin + kOutputsPerChunk, job->args.num_outputs);
-  qmm_outputs(job->args, begin, end, job->isa);
+  qmm_outputs(job->args, job->x_blocked, job->block, begin, end, job->isa);
 }
 
 Isa parse_isa(const std::string& name) {
@@ -109,6 +111,15 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     job.args.group_size = group_size;
     job.args.bits = bits;
     job.isa = g_isa.load();
+    job.block = inputs_per_block(job.args.num_rows, job.args.num_inputs, group_size);
+    std::vector<float> x_blocked;
+    if (job.block == job.args.num_inputs) {
+      job.x_blocked = job.args.x;  // one block: already rows-contiguous
+    } else {
+      x_blocked.resize(job.args.num_rows * job.args.num_inputs);
+      block_rows(job.args, job.block, x_blocked.data());
+      job.x_blocked = x_blocked.data();
+    }
     int64_t num_chunks = (job.args.num_outputs + kOutputsPerChunk - 1) / kOutputsPerChunk;
     pool().run(run_qmm_chunk, &job, num_chunks);
   });
