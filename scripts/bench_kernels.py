@@ -1,0 +1,119 @@
+"""Kernel-only table: gmlx's quantized CPU kernel against mlx's quantized_matmul and the
+float32 product through the BLAS, per weight shape and row count, in GB/s of weight bytes
+read, beside this machine's DRAM read rate measured in the same run.
+
+    python scripts/bench_kernels.py
+    python scripts/bench_kernels.py --shapes 4096x4096 --rows 1,8 --bits 8 --group-size 64
+    python scripts/bench_kernels.py --threads 1
+
+Shapes are outputs x inputs (an nn.Linear weight). Each measurement evaluates one product
+on each of several copies of the weights (at least --min-bytes in all, beyond the
+caches) in one mx.eval, best of --reps, so every call reads its weights from DRAM and
+the per-eval overhead is shared. Quantized bytes count the packed weights plus the float32
+scales and biases (gmlx keeps them float32 on CPU). Both of the kernels' instruction sets
+run where the CPU has them (GMLX_CPU_KERNELS_ISA forces one in gmlx itself). The DRAM rate
+is the kernels' own threaded read of a 512 MiB buffer, measured before every shape.
+Prints a markdown table and one JSON line.
+"""
+
+import argparse
+import json
+import platform
+import time
+
+import gmlx  # noqa: F401  (the fast BLAS loads before mlx)
+import mlx.core as mx
+
+from gmlx.platform import cpu_kernels
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    num_outputs, num_inputs = (int(v) for v in text.lower().split("x"))
+    return num_outputs, num_inputs
+
+
+def best_time_s(make_outputs, reps: int) -> float:
+    mx.eval(make_outputs())  # warm up
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        mx.eval(make_outputs())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas):
+    weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
+    packed = mx.quantize(weight, group_size=group_size, bits=bits)
+    quantized_bytes = sum(a.nbytes for a in packed)
+    float_bytes = weight.nbytes
+    num_copies = max(2, -(-min_bytes // quantized_bytes))
+    # Distinct copies (x + 0 would alias): perturb each so MLX keeps them apart.
+    q_copies = [(packed[0] + 0 * i, packed[1] + i * 1e-9, packed[2]) for i in range(num_copies)]
+    num_float_copies = max(2, -(-min_bytes // float_bytes))
+    f_copies = [weight + i * 1e-9 for i in range(num_float_copies)]
+    mx.eval(q_copies, f_copies)
+    ext = cpu_kernels.extension()
+    rows = []
+    for num_rows in num_rows_list:
+        x = mx.random.normal((num_rows, num_inputs), key=mx.random.key(num_rows))  # (M, K)
+        mx.eval(x)
+        row = {"shape": f"{num_outputs}x{num_inputs}", "rows": num_rows}
+        for isa in isas:
+            ext.set_isa(isa)
+            t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits)
+                                     for w, s, b in q_copies], reps) / num_copies
+            row[f"gmlx_{isa}_ms"], row[f"gmlx_{isa}_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+        t = best_time_s(lambda: [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
+                                 for w, s, b in q_copies], reps) / num_copies
+        row["mlx_ms"], row["mlx_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+        t = best_time_s(lambda: [x @ w.T for w in f_copies], reps) / num_float_copies
+        row["fp32_ms"], row["fp32_gbs"] = 1e3 * t, float_bytes / t / 1e9
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="576x576,1536x576,576x1536,4096x4096")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--min-bytes", type=int, default=96 << 20)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: every CPU)")
+    args = parser.parse_args()
+    if not cpu_kernels.is_built():
+        raise SystemExit(f"gmlx CPU kernels unavailable: {cpu_kernels.status()['reason']}")
+    ext = cpu_kernels.extension()
+    ext.set_num_threads(args.threads)
+    order = ["avx2", "avx512"]
+    isas = [isa for isa in reversed(order) if ext.best_isa() in order and order.index(isa) <= order.index(ext.best_isa())]
+    results, dram = [], []
+    for shape in args.shapes.split(","):
+        dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
+        results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
+                                 args.group_size, args.min_bytes, args.reps, isas)
+    ext.set_isa(ext.best_isa())
+    dram_gbs = max(dram)
+    print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
+          f"{args.bits}-bit, group {args.group_size}; DRAM read {dram_gbs:.1f} GB/s "
+          f"(per shape: {', '.join(f'{d:.1f}' for d in dram)})\n")
+    header = ["shape (out x in)", "rows"] + [f"gmlx {isa} ms (GB/s, of DRAM)" for isa in isas]
+    header += ["mlx qmm ms (GB/s)", "fp32 BLAS ms (GB/s)", "gmlx / mlx", "gmlx / fp32"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    best = isas[0]
+    for r in results:
+        cells = [r["shape"], str(r["rows"])]
+        cells += [f"{r[f'gmlx_{isa}_ms']:.3f} ({r[f'gmlx_{isa}_gbs']:.1f}, {r[f'gmlx_{isa}_gbs'] / dram_gbs:.2f})"
+                  for isa in isas]
+        cells += [f"{r['mlx_ms']:.3f} ({r['mlx_gbs']:.2f})", f"{r['fp32_ms']:.3f} ({r['fp32_gbs']:.1f})",
+                  f"{r['mlx_ms'] / r[f'gmlx_{best}_ms']:.1f}x", f"{r['fp32_ms'] / r[f'gmlx_{best}_ms']:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+    print(json.dumps({"dram_gbs": dram_gbs, "threads": ext.num_threads(), "bits": args.bits,
+                      "group_size": args.group_size, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
