@@ -20,16 +20,20 @@ constexpr int kLanes = 16;  // the canonical number of lane sums per output
 constexpr int64_t kBlockBytes = 16 << 10;  // x bytes of one K block: half of L1
 
 // One kernel call: rows [0, kRows) of x block `x` (row stride x_stride, first element e0)
-// against output n's weights over elements [e0, e1); lane sums in/out at acc[r * 16].
+// against the weights of kCols consecutive outputs over elements [e0, e1); lane sums in
+// and out at acc[c * acc_stride + r * 16].
 struct Span {
-  const uint32_t* w_row;
-  const float* scales;  // output n's, per group
+  const uint32_t* w_row;  // the first output's packed row
+  int64_t w_stride;  // words per output
+  const float* scales;  // the first output's, per group
   const float* biases;
+  int64_t group_stride;  // groups per output
   const float* x;
   int64_t x_stride;
   int64_t e0, e1;
   int group_size;
-  float* acc;  // (rows, 16)
+  float* acc;
+  int64_t acc_stride;  // floats per output: rows * 16
 };
 
 // ---------------------------------------------------------------- portable
@@ -84,30 +88,40 @@ GMLX_AVX2 inline __m256 weights8_avx2(const uint32_t* w_row, int64_t e, __m256 s
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, bias);
 }
 
-// Two registers hold a row's sixteen lanes: lo = lanes 0-7, hi = lanes 8-15.
-template <int kBits, int kRows>
+// Two registers hold a row's sixteen lanes: lo = lanes 0-7, hi = lanes 8-15. Several
+// outputs at once give the fma chains (one per lane) independent neighbours.
+template <int kBits, int kRows, int kCols>
 GMLX_AVX2 void span_avx2(const Span& s) {
-  __m256 lo[kRows], hi[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    lo[r] = _mm256_loadu_ps(s.acc + r * kLanes);
-    hi[r] = _mm256_loadu_ps(s.acc + r * kLanes + 8);
+  __m256 lo[kCols][kRows], hi[kCols][kRows];
+  for (int c = 0; c < kCols; ++c) {
+    for (int r = 0; r < kRows; ++r) {
+      lo[c][r] = _mm256_loadu_ps(s.acc + c * s.acc_stride + r * kLanes);
+      hi[c][r] = _mm256_loadu_ps(s.acc + c * s.acc_stride + r * kLanes + 8);
+    }
   }
   for (int64_t g = s.e0 / s.group_size; g < s.e1 / s.group_size; ++g) {
-    const __m256 scale = _mm256_set1_ps(s.scales[g]);
-    const __m256 bias = _mm256_set1_ps(s.biases[g]);
+    __m256 scale[kCols], bias[kCols];
+    for (int c = 0; c < kCols; ++c) {
+      scale[c] = _mm256_set1_ps(s.scales[c * s.group_stride + g]);
+      bias[c] = _mm256_set1_ps(s.biases[c * s.group_stride + g]);
+    }
     for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
-      const __m256 w_lo = weights8_avx2<kBits>(s.w_row, e, scale, bias);
-      const __m256 w_hi = weights8_avx2<kBits>(s.w_row, e + 8, scale, bias);
       const float* x = s.x + (e - s.e0);
-      for (int r = 0; r < kRows; ++r) {
-        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride), w_lo, lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride + 8), w_hi, hi[r]);
+      for (int c = 0; c < kCols; ++c) {
+        const __m256 w_lo = weights8_avx2<kBits>(s.w_row + c * s.w_stride, e, scale[c], bias[c]);
+        const __m256 w_hi = weights8_avx2<kBits>(s.w_row + c * s.w_stride, e + 8, scale[c], bias[c]);
+        for (int r = 0; r < kRows; ++r) {
+          lo[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride), w_lo, lo[c][r]);
+          hi[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride + 8), w_hi, hi[c][r]);
+        }
       }
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    _mm256_storeu_ps(s.acc + r * kLanes, lo[r]);
-    _mm256_storeu_ps(s.acc + r * kLanes + 8, hi[r]);
+  for (int c = 0; c < kCols; ++c) {
+    for (int r = 0; r < kRows; ++r) {
+      _mm256_storeu_ps(s.acc + c * s.acc_stride + r * kLanes, lo[c][r]);
+      _mm256_storeu_ps(s.acc + c * s.acc_stride + r * kLanes + 8, hi[c][r]);
+    }
   }
 }
 
@@ -129,22 +143,31 @@ GMLX_AVX512 inline __m512 weights16_avx512(const uint32_t* w_row, int64_t e, __m
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, bias);
 }
 
-template <int kBits, int kRows>
+template <int kBits, int kRows, int kCols>
 GMLX_AVX512 void span_avx512(const Span& s) {
-  __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_loadu_ps(s.acc + r * kLanes);
+  __m512 acc[kCols][kRows];
+  for (int c = 0; c < kCols; ++c) {
+    for (int r = 0; r < kRows; ++r) acc[c][r] = _mm512_loadu_ps(s.acc + c * s.acc_stride + r * kLanes);
+  }
   for (int64_t g = s.e0 / s.group_size; g < s.e1 / s.group_size; ++g) {
-    const __m512 scale = _mm512_set1_ps(s.scales[g]);
-    const __m512 bias = _mm512_set1_ps(s.biases[g]);
+    __m512 scale[kCols], bias[kCols];
+    for (int c = 0; c < kCols; ++c) {
+      scale[c] = _mm512_set1_ps(s.scales[c * s.group_stride + g]);
+      bias[c] = _mm512_set1_ps(s.biases[c * s.group_stride + g]);
+    }
     for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
-      const __m512 weights = weights16_avx512<kBits>(s.w_row, e, scale, bias);
       const float* x = s.x + (e - s.e0);
+      __m512 weights[kCols];
+      for (int c = 0; c < kCols; ++c) weights[c] = weights16_avx512<kBits>(s.w_row + c * s.w_stride, e, scale[c], bias[c]);
       for (int r = 0; r < kRows; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * s.x_stride), weights, acc[r]);
+        const __m512 xr = _mm512_loadu_ps(x + r * s.x_stride);  // one load for every output
+        for (int c = 0; c < kCols; ++c) acc[c][r] = _mm512_fmadd_ps(xr, weights[c], acc[c][r]);
       }
     }
   }
-  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(s.acc + r * kLanes, acc[r]);
+  for (int c = 0; c < kCols; ++c) {
+    for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(s.acc + c * s.acc_stride + r * kLanes, acc[c][r]);
+  }
 }
 
 GMLX_AVX2 float sum_floats_avx2(const float* data, int64_t num_floats) {
@@ -173,42 +196,66 @@ GMLX_AVX512 float sum_floats_avx512(const float* data, int64_t num_floats) {
 
 #endif  // GMLX_X86
 
-// Rows [0, num_rows) of one span in blocks of up to kMaxRows rows.
-template <int kBits, int kMaxRows, template <int, int> class Kernel>
+// Rows [0, num_rows) of a span of kCols outputs, in blocks of up to kMaxRows rows.
+template <int kBits, int kMaxRows, int kCols, template <int, int, int> class Kernel>
 void span_rows(Span s, int64_t num_rows) {
   int64_t row = 0;
   for (; row + kMaxRows <= num_rows; row += kMaxRows) {
-    Kernel<kBits, kMaxRows>::run(s);
+    Kernel<kBits, kMaxRows, kCols>::run(s);
     s.x += kMaxRows * s.x_stride;
     s.acc += kMaxRows * kLanes;
   }
   switch (num_rows - row) {
     case 0: break;
-#define GMLX_CASE(R) case R: if constexpr (R < kMaxRows) Kernel<kBits, R>::run(s); break;
+#define GMLX_CASE(R) case R: if constexpr (R < kMaxRows) Kernel<kBits, R, kCols>::run(s); break;
     GMLX_CASE(1) GMLX_CASE(2) GMLX_CASE(3) GMLX_CASE(4) GMLX_CASE(5) GMLX_CASE(6) GMLX_CASE(7)
 #undef GMLX_CASE
   }
 }
 
 #if GMLX_X86
-template <int kBits, int kRows>
+template <int kBits, int kRows, int kCols>
 struct Avx2Kernel {
-  static void run(const Span& s) { span_avx2<kBits, kRows>(s); }
+  static void run(const Span& s) { span_avx2<kBits, kRows, kCols>(s); }
 };
-template <int kBits, int kRows>
+template <int kBits, int kRows, int kCols>
 struct Avx512Kernel {
-  static void run(const Span& s) { span_avx512<kBits, kRows>(s); }
+  static void run(const Span& s) { span_avx512<kBits, kRows, kCols>(s); }
 };
 #endif
 
+// Outputs taken together per kernel call for a row count: enough independent fma chains
+// to cover the fma latency, few enough sums to stay in registers.
+int columns_per_span(Isa isa, int64_t num_rows) {
+  if (isa == Isa::kAvx512) return num_rows <= 2 ? 4 : 2;
+  if (isa == Isa::kAvx2) return num_rows == 1 ? 4 : num_rows == 2 ? 2 : 1;
+  return 1;
+}
+
+// Runs a span of `num_cols` (1, 2 or 4) outputs.
 template <int kBits>
-void run_span(const Span& s, int64_t num_rows, Isa isa) {
+void run_span(const Span& s, int64_t num_rows, int num_cols, Isa isa) {
 #if GMLX_X86
-  // AVX2 keeps 4 rows (8 of 16 registers) per pass, AVX-512 8 rows (8 of 32).
-  if (isa == Isa::kAvx512) return span_rows<kBits, 8, Avx512Kernel>(s, num_rows);
-  if (isa == Isa::kAvx2) return span_rows<kBits, 4, Avx2Kernel>(s, num_rows);
+  // AVX-512 keeps up to 8 rows per pass (16 of 32 registers at 2 outputs), AVX2 4 rows.
+  if (isa == Isa::kAvx512) {
+    if (num_cols == 4) return span_rows<kBits, 2, 4, Avx512Kernel>(s, num_rows);
+    if (num_cols == 2) return span_rows<kBits, 8, 2, Avx512Kernel>(s, num_rows);
+    return span_rows<kBits, 8, 1, Avx512Kernel>(s, num_rows);
+  }
+  if (isa == Isa::kAvx2) {
+    if (num_cols == 4) return span_rows<kBits, 1, 4, Avx2Kernel>(s, num_rows);
+    if (num_cols == 2) return span_rows<kBits, 2, 2, Avx2Kernel>(s, num_rows);
+    return span_rows<kBits, 4, 1, Avx2Kernel>(s, num_rows);
+  }
 #endif
-  span_portable<kBits>(s, num_rows);
+  for (int c = 0; c < num_cols; ++c) {
+    Span one = s;
+    one.w_row += c * s.w_stride;
+    one.scales += c * s.group_stride;
+    one.biases += c * s.group_stride;
+    one.acc += c * s.acc_stride;
+    span_portable<kBits>(one, num_rows);
+  }
 }
 
 }  // namespace
@@ -234,17 +281,20 @@ void qmm_outputs(const QmmArgs& a, const float* x_blocked, int64_t block, int64_
   const int64_t lanes_per_output = a.num_rows * kLanes;
   thread_local std::vector<float> acc;  // (outputs, rows, 16) lane sums across K blocks
   acc.assign((end - begin) * lanes_per_output, 0.0f);
+  const int wide = columns_per_span(isa, a.num_rows);
   for (int64_t start = 0; start < a.num_inputs; start += block) {
     const int64_t len = std::min(block, a.num_inputs - start);
-    for (int64_t n = begin; n < end; ++n) {
-      Span s{a.w + n * words_per_row, a.scales + n * num_groups, a.biases + n * num_groups,
-             x_blocked + start * a.num_rows, len, start, start + len, a.group_size,
-             acc.data() + (n - begin) * lanes_per_output};
+    for (int64_t n = begin; n < end;) {
+      const int num_cols = n + wide <= end ? wide : 1;
+      Span s{a.w + n * words_per_row, words_per_row, a.scales + n * num_groups, a.biases + n * num_groups,
+             num_groups, x_blocked + start * a.num_rows, len, start, start + len, a.group_size,
+             acc.data() + (n - begin) * lanes_per_output, lanes_per_output};
       if (a.bits == 4) {
-        run_span<4>(s, a.num_rows, isa);
+        run_span<4>(s, a.num_rows, num_cols, isa);
       } else {
-        run_span<8>(s, a.num_rows, isa);
+        run_span<8>(s, a.num_rows, num_cols, isa);
       }
+      n += num_cols;
     }
   }
   for (int64_t n = begin; n < end; ++n) {
