@@ -5,6 +5,14 @@ read, beside this machine's DRAM read rate measured in the same run.
     python scripts/bench_kernels.py
     python scripts/bench_kernels.py --shapes 4096x4096 --rows 1,8 --bits 8 --group-size 64
     python scripts/bench_kernels.py --threads 1
+    python scripts/bench_kernels.py --decode-only --tokens 128 --reps 3
+
+--decode adds (and --decode-only runs only) plain greedy decoding through gmlx's engine,
+width 1, of a random-weight llama of SmolLM2-135M's shape (576 hidden, 30 layers, tied
+49152-token embeddings) quantized to 4 bits, group 32 (the layout a GGUF Q4_1 arrives
+in), with the kernels on and off (GMLX_CPU_KERNELS), the two models' runs alternating
+in one process; tok/s after the first token and weight bytes read per second against
+the DRAM rate measured between the runs.
 
 Shapes are outputs x inputs (an nn.Linear weight). Each measurement evaluates one product
 on each of several copies of the weights (at least --min-bytes in all, beyond the
@@ -73,6 +81,95 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
     return rows
 
 
+SMOLLM2_135M_SHAPE = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                          max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5)
+
+
+def make_quantized_smollm2_shape(folder, bits: int, group_size: int):
+    """A random llama of SmolLM2-135M's shape, quantized, saved as an mlx-lm folder."""
+    import shutil
+    from pathlib import Path
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from gmlx.config import BUILTIN_TARGET_DIR
+
+    folder = Path(folder)
+    mx.random.seed(0)
+    config = dict(model_type="llama", **SMOLLM2_135M_SHAPE)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    nn.quantize(model, group_size=group_size, bits=bits)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (BUILTIN_TARGET_DIR / name).exists():
+            shutil.copy(BUILTIN_TARGET_DIR / name, folder / name)
+
+
+def decode_tok_per_s(engine, num_tokens: int) -> tuple[float, list[int]]:
+    from gmlx.request import SamplingParams
+
+    engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=num_tokens))
+    tokens, first_at, reason = [], None, None
+    while reason is None:
+        for output in engine.step():
+            tokens.extend(output.new_token_ids)
+            reason = output.finish_reason
+        if first_at is None and tokens:
+            first_at = time.perf_counter()
+    return (len(tokens) - 1) / (time.perf_counter() - first_at), tokens
+
+
+def measure_decode(bits, group_size, num_tokens, reps) -> dict:
+    import tempfile
+
+    from gmlx.config import EngineConfig, env_overrides
+    from gmlx.engine import Engine
+    from gmlx.models.loader import load_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        make_quantized_smollm2_shape(folder, bits, group_size)
+        engines = {}
+        for mode, flag in (("kernels", "1"), ("mlx", "0")):
+            with env_overrides({"GMLX_CPU_KERNELS": flag}):
+                target = load_model(folder)
+            engines[mode] = Engine(target, None, EngineConfig(prompt_cache_bytes=0))
+        weight_bytes = sum(v.nbytes for _, v in tree_flatten_params(engines["kernels"].target.model))
+    rates = {mode: [] for mode in engines}
+    tokens, dram = {}, []
+    for _ in range(reps):
+        for mode, engine in engines.items():
+            rate, tokens[mode] = decode_tok_per_s(engine, num_tokens)
+            rates[mode].append(rate)
+        dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 3))
+    best = {mode: max(r) for mode, r in rates.items()}
+    return {"tok_per_s": best, "all_tok_per_s": rates, "weight_bytes": weight_bytes, "dram_gbs": max(dram),
+            "num_tokens": {m: len(t) for m, t in tokens.items()}, "same_tokens": tokens["kernels"] == tokens["mlx"]}
+
+
+def tree_flatten_params(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def print_decode(d: dict, bits: int, group_size: int) -> None:
+    on, off = d["tok_per_s"]["kernels"], d["tok_per_s"]["mlx"]
+    print(f"\nDecode, SmolLM2-135M shape, random weights, {bits}-bit group {group_size}, width 1, "
+          f"{d['num_tokens']['kernels']} tokens; weights {d['weight_bytes'] / 1e6:.1f} MB; DRAM {d['dram_gbs']:.1f} GB/s\n")
+    print("| products in | tok/s (best) | all reps | weight GB/s | of DRAM |")
+    print("|---|---|---|---|---|")
+    for mode, rate in (("gmlx kernels", on), ("mlx quantized_matmul", off)):
+        reps = d["all_tok_per_s"]["kernels" if mode.startswith("gmlx") else "mlx"]
+        gbs = rate * d["weight_bytes"] / 1e9
+        print(f"| {mode} | {rate:.1f} | {', '.join(f'{r:.1f}' for r in reps)} | {gbs:.2f} | {gbs / d['dram_gbs']:.2f} |")
+    print(f"\nkernels / mlx: {on / off:.2f}x; same greedy tokens: {d['same_tokens']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="576x576,1536x576,576x1536,4096x4096")
@@ -82,6 +179,9 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=96 << 20)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: every CPU)")
+    parser.add_argument("--decode", action="store_true", help="add the decode comparison")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode comparison")
+    parser.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
     args = parser.parse_args()
     if not cpu_kernels.is_built():
         raise SystemExit(f"gmlx CPU kernels unavailable: {cpu_kernels.status()['reason']}")
@@ -89,6 +189,12 @@ def main() -> None:
     ext.set_num_threads(args.threads)
     order = ["avx2", "avx512"]
     isas = [isa for isa in reversed(order) if ext.best_isa() in order and order.index(isa) <= order.index(ext.best_isa())]
+    if args.decode or args.decode_only:
+        decode = measure_decode(args.bits, args.group_size, args.tokens, args.reps)
+        print_decode(decode, args.bits, args.group_size)
+        print(json.dumps({"decode": decode}))
+        if args.decode_only:
+            return
     results, dram = [], []
     for shape in args.shapes.split(","):
         dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
