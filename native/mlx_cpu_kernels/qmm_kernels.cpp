@@ -56,15 +56,28 @@ inline float reduce_lanes(const float* lanes) {
   return t[0];
 }
 
+// Where element e's x sits in a block and which lane sums it (see qmm_kernels.h).
+template <int kBits>
+inline int64_t x_position(int64_t e) {
+  if constexpr (kBits == 4) return e / 32 * 32 + e % 2 * 16 + e % 32 / 2;
+  return e;
+}
+template <int kBits>
+inline int lane_of(int64_t e) {
+  if constexpr (kBits == 4) return static_cast<int>(e % 32 / 2);
+  return static_cast<int>(e % kLanes);
+}
+
 template <int kBits>
 void span_portable(const Span& s, int64_t num_rows) {
   for (int64_t r = 0; r < num_rows; ++r) {
     float* lanes = s.acc + r * kLanes;
-    const float* x = s.x + r * s.x_stride - s.e0;
+    const float* x = s.x + r * s.x_stride;
     for (int64_t e = s.e0; e < s.e1; ++e) {
       const int64_t g = e / s.group_size;
       const float weight = std::fma(unpack_portable<kBits>(s.w_row, e), s.scales[g], s.biases[g]);
-      lanes[e % kLanes] = std::fma(x[e], weight, lanes[e % kLanes]);
+      const int lane = lane_of<kBits>(e);
+      lanes[lane] = std::fma(x[x_position<kBits>(e - s.e0)], weight, lanes[lane]);
     }
   }
 }
@@ -73,18 +86,10 @@ void span_portable(const Span& s, int64_t num_rows) {
 
 // ---------------------------------------------------------------- AVX2
 
-// Eight weights starting at element e (a multiple of 8) as floats, dequantized.
-template <int kBits>
+// Eight 8-bit weights starting at element e (a multiple of 8) as floats, dequantized.
 GMLX_AVX2 inline __m256 weights8_avx2(const uint32_t* w_row, int64_t e, __m256 scale, __m256 bias) {
-  __m256i q;
-  if constexpr (kBits == 4) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w_row[e / 8])), shifts),
-                         _mm256_set1_epi32(0xF));
-  } else {
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w_row) + e;
-    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  }
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w_row) + e;
+  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, bias);
 }
 
@@ -105,14 +110,39 @@ GMLX_AVX2 void span_avx2(const Span& s) {
       scale[c] = _mm256_set1_ps(s.scales[c * s.group_stride + g]);
       bias[c] = _mm256_set1_ps(s.biases[c * s.group_stride + g]);
     }
-    for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
-      const float* x = s.x + (e - s.e0);
-      for (int c = 0; c < kCols; ++c) {
-        const __m256 w_lo = weights8_avx2<kBits>(s.w_row + c * s.w_stride, e, scale[c], bias[c]);
-        const __m256 w_hi = weights8_avx2<kBits>(s.w_row + c * s.w_stride, e + 8, scale[c], bias[c]);
-        for (int r = 0; r < kRows; ++r) {
-          lo[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride), w_lo, lo[c][r]);
-          hi[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride + 8), w_hi, hi[c][r]);
+    if constexpr (kBits == 4) {
+      // 32 weights from 16 bytes: low nibbles are the even elements, high the odd ones;
+      // x comes even-then-odd per 32 (block_rows), lanes 0-7 from bytes 0-7.
+      for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += 32) {
+        const float* x = s.x + (e - s.e0);
+        for (int c = 0; c < kCols; ++c) {
+          const uint8_t* bytes = reinterpret_cast<const uint8_t*>(s.w_row + c * s.w_stride) + e / 2;
+          const __m256i v_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+          const __m256i v_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8)));
+          const __m256i mask = _mm256_set1_epi32(0xF);
+          const __m256 even_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v_lo, mask)), scale[c], bias[c]);
+          const __m256 odd_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v_lo, 4)), scale[c], bias[c]);
+          const __m256 even_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v_hi, mask)), scale[c], bias[c]);
+          const __m256 odd_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v_hi, 4)), scale[c], bias[c]);
+          for (int r = 0; r < kRows; ++r) {
+            const float* xr = x + r * s.x_stride;
+            lo[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), even_lo, lo[c][r]);
+            lo[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), odd_lo, lo[c][r]);
+            hi[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), even_hi, hi[c][r]);
+            hi[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), odd_hi, hi[c][r]);
+          }
+        }
+      }
+    } else {
+      for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
+        const float* x = s.x + (e - s.e0);
+        for (int c = 0; c < kCols; ++c) {
+          const __m256 w_lo = weights8_avx2(s.w_row + c * s.w_stride, e, scale[c], bias[c]);
+          const __m256 w_hi = weights8_avx2(s.w_row + c * s.w_stride, e + 8, scale[c], bias[c]);
+          for (int r = 0; r < kRows; ++r) {
+            lo[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride), w_lo, lo[c][r]);
+            hi[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * s.x_stride + 8), w_hi, hi[c][r]);
+          }
         }
       }
     }
@@ -127,19 +157,10 @@ GMLX_AVX2 void span_avx2(const Span& s) {
 
 // ---------------------------------------------------------------- AVX-512
 
-template <int kBits>
+// Sixteen 8-bit weights starting at element e (a multiple of 16) as floats, dequantized.
 GMLX_AVX512 inline __m512 weights16_avx512(const uint32_t* w_row, int64_t e, __m512 scale, __m512 bias) {
-  __m512i q;
-  if constexpr (kBits == 4) {
-    const __m512i word_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    const __m128i two_words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w_row + e / 8));
-    q = _mm512_permutexvar_epi32(word_of_lane, _mm512_castsi128_si512(two_words));
-    q = _mm512_and_si512(_mm512_srlv_epi32(q, shifts), _mm512_set1_epi32(0xF));
-  } else {
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w_row) + e;
-    q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  }
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w_row) + e;
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, bias);
 }
 
@@ -155,13 +176,35 @@ GMLX_AVX512 void span_avx512(const Span& s) {
       scale[c] = _mm512_set1_ps(s.scales[c * s.group_stride + g]);
       bias[c] = _mm512_set1_ps(s.biases[c * s.group_stride + g]);
     }
-    for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
-      const float* x = s.x + (e - s.e0);
-      __m512 weights[kCols];
-      for (int c = 0; c < kCols; ++c) weights[c] = weights16_avx512<kBits>(s.w_row + c * s.w_stride, e, scale[c], bias[c]);
-      for (int r = 0; r < kRows; ++r) {
-        const __m512 xr = _mm512_loadu_ps(x + r * s.x_stride);  // one load for every output
-        for (int c = 0; c < kCols; ++c) acc[c][r] = _mm512_fmadd_ps(xr, weights[c], acc[c][r]);
+    if constexpr (kBits == 4) {
+      // 32 weights from 16 bytes: low nibbles the even elements, high the odd ones.
+      for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += 32) {
+        const float* x = s.x + (e - s.e0);
+        __m512 even[kCols], odd[kCols];
+        for (int c = 0; c < kCols; ++c) {
+          const uint8_t* bytes = reinterpret_cast<const uint8_t*>(s.w_row + c * s.w_stride) + e / 2;
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+          even[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))), scale[c], bias[c]);
+          odd[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), scale[c], bias[c]);
+        }
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 x_even = _mm512_loadu_ps(x + r * s.x_stride);
+          const __m512 x_odd = _mm512_loadu_ps(x + r * s.x_stride + 16);
+          for (int c = 0; c < kCols; ++c) {
+            acc[c][r] = _mm512_fmadd_ps(x_even, even[c], acc[c][r]);
+            acc[c][r] = _mm512_fmadd_ps(x_odd, odd[c], acc[c][r]);
+          }
+        }
+      }
+    } else {
+      for (int64_t e = g * s.group_size; e < (g + 1) * s.group_size; e += kLanes) {
+        const float* x = s.x + (e - s.e0);
+        __m512 weights[kCols];
+        for (int c = 0; c < kCols; ++c) weights[c] = weights16_avx512(s.w_row + c * s.w_stride, e, scale[c], bias[c]);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 xr = _mm512_loadu_ps(x + r * s.x_stride);  // one load for every output
+          for (int c = 0; c < kCols; ++c) acc[c][r] = _mm512_fmadd_ps(xr, weights[c], acc[c][r]);
+        }
       }
     }
   }
@@ -270,7 +313,13 @@ void block_rows(const QmmArgs& a, int64_t block, float* x_blocked) {
   for (int64_t start = 0; start < a.num_inputs; start += block) {
     const int64_t len = std::min(block, a.num_inputs - start);
     for (int64_t r = 0; r < a.num_rows; ++r) {
-      std::memcpy(x_blocked + start * a.num_rows + r * len, a.x + r * a.num_inputs + start, len * sizeof(float));
+      float* dst = x_blocked + start * a.num_rows + r * len;
+      const float* src = a.x + r * a.num_inputs + start;
+      if (a.bits == 4) {
+        for (int64_t i = 0; i < len; ++i) dst[x_position<4>(i)] = src[i];
+      } else {
+        std::memcpy(dst, src, len * sizeof(float));
+      }
     }
   }
 }

@@ -113,8 +113,8 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     job.isa = g_isa.load();
     job.block = inputs_per_block(job.args.num_rows, job.args.num_inputs, group_size);
     std::vector<float> x_blocked;
-    if (job.block == job.args.num_inputs) {
-      job.x_blocked = job.args.x;  // one block: already rows-contiguous
+    if (job.block == job.args.num_inputs && bits == 8) {
+      job.x_blocked = job.args.x;  // one block, in order: already as the kernels read it
     } else {
       x_blocked.resize(job.args.num_rows * job.args.num_inputs);
       block_rows(job.args, job.block, x_blocked.data());
