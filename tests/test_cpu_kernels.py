@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gmlx import config
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
@@ -103,9 +104,12 @@ def test_unsupported_formats_are_named(bits, group_size, message):
         cpu_kernels.quantized_matmul(mx.zeros((1, 64)), w, scales, biases, group_size, bits)
 
 
-def test_forcing_an_unknown_isa_is_refused(ext):
+def test_forcing_an_unknown_isa_is_refused(ext, monkeypatch):
     with pytest.raises(ValueError, match="sse9"):
         ext.set_isa("sse9")
+    monkeypatch.setenv("GMLX_CPU_KERNELS_ISA", "sse9")
+    with pytest.raises(ValueError, match="GMLX_CPU_KERNELS_ISA='sse9'"):
+        config.cpu_kernels_isa()
 
 
 def test_read_bandwidth_is_positive(ext):
