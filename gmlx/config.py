@@ -26,7 +26,7 @@ ENV_VARS = {
     "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
     "GMLX_INPUT_MAJOR_WEIGHTS": "1 (default) stores a model's Linear weights input-major on the CPU backend when the interposer routes that layout (its one-row kernel reads them front to back; results checked bit-identical at load); 0 keeps mlx-lm's layout",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
-    "GMLX_CPU_KERNELS": "1 (default) runs a model's affine 4/8-bit QuantizedLinear and tied QuantizedEmbedding products of 1-16 rows in gmlx's CPU kernels on the CPU backend, when built (gmlx doctor says); 0 leaves them to mlx",
+    "GMLX_CPU_KERNELS": "1 (default) runs a model's affine 4/8-bit QuantizedLinear and tied QuantizedEmbedding products in gmlx's CPU kernels (per-row results independent of the row count) on the CPU backend, when built (gmlx doctor says); 0 leaves them to mlx",
     "GMLX_CPU_KERNELS_ISA": "forces the kernels' instruction set: avx512, avx2 or portable (default: the best this CPU has; all give the same bits)",
     "GMLX_CPU_KERNELS_THREADS": "threads of the kernels' pool (default: every CPU the process may use)",
 }

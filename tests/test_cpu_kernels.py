@@ -87,6 +87,17 @@ def test_rows_are_independent_of_row_count_threads_and_isa(bits, group_size, num
                 assert mx.array_equal(tail, full[: row + 1]).item(), (num_threads, isa, row)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_sized_calls_give_each_row_its_decode_bits(bits, ext):
+    """Rows past 16 (prefill, wide batches) run the same order: each row equals the row alone."""
+    w, scales, biases = make_weights(48, 256, bits, 64, seed=5)
+    x = mx.random.normal((37, 256), key=mx.random.key(6))  # (M, K)
+    full = cpu_kernels.quantized_matmul(x, w, scales, biases, 64, bits)
+    for row in (0, 17, 36):
+        alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, 64, bits)
+        assert mx.array_equal(alone, full[row : row + 1]).item(), row
+
+
 def test_leading_dims_and_strided_inputs(ext):
     w, scales, biases = make_weights(40, 128, 4, 32)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(3))  # (B, T, K)
@@ -153,6 +164,24 @@ def test_loaded_quantized_model_uses_kernels_and_decodes_like_mlx(tiny_quantized
     plain = Engine(mlx_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
     for prompt in code_prompts[:6]:
         assert greedy_tokens(kernels, prompt) == greedy_tokens(plain, prompt)
+
+
+def test_wide_plain_batch_equals_each_row_alone(tiny_quantized_target, code_prompts):
+    """20 rows decoding together (more than a verify's 16) give each row its solo tokens."""
+    module = tiny_quantized_target.model.model.layers[0].mlp.down_proj
+    x = mx.random.normal((20, 1, module.scales.shape[1] * module.group_size), key=mx.random.key(9))  # (B, T, K)
+    together = module(x)
+    assert all(mx.array_equal(module(x[i : i + 1]), together[i : i + 1]).item() for i in range(20))
+    engine = Engine(tiny_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    reference = SoloReference(tiny_quantized_target)
+    params = SamplingParams(max_tokens=12)
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(code_prompts[:20])}
+    got = {i: [] for i in ids.values()}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[ids[output.request_id]].extend(output.new_token_ids)
+    for i, tokens in got.items():
+        assert tokens == reference.tokens(code_prompts[i], params)[0], i
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])

@@ -3,10 +3,13 @@
 On the CPU backend, MLX's `quantized_matmul` dequantizes slowly: a 4096x4096 4-bit
 product of one row took longer than the same product in float32 through the BLAS.
 At load, modules of exactly `nn.QuantizedLinear` and `nn.QuantizedEmbedding` (its
-`as_linear`, the tied output head) become subclasses that send products of up to
-MAX_KERNEL_ROWS rows to gmlx.platform.cpu_kernels; larger ones (prefill) stay in mlx.
-The kernels sum in another order than mlx, so a probe at load checks each weight shape
-against dequantize + float32 matmul within a tolerance before any module is swapped.
+`as_linear`, the tied output head) become subclasses whose products run in
+gmlx.platform.cpu_kernels at every row count: a row's bits then never depend on how many
+rows share the call (a batch of 20 decode rows must give each row what it gets alone,
+and mlx's own product at some row counts would not), and mlx's CPU product is slower at
+every row count measured. The kernels sum in another order than mlx, so a probe at load
+checks each weight shape against dequantize + float32 matmul within a tolerance before
+any module is swapped.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from gmlx.platform import cpu_kernels
-from gmlx.platform.cpu_kernels import MAX_KERNEL_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +34,12 @@ def _kernel_product(module: nn.Module, x: mx.array) -> mx.array:
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size // x.shape[-1] > MAX_KERNEL_ROWS:
-            return super().__call__(x)
         y = _kernel_product(self, x)  # (..., out)
         return y + self["bias"] if "bias" in self else y
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        if x.size // x.shape[-1] > MAX_KERNEL_ROWS:
-            return super().as_linear(x)
         return _kernel_product(self, x)  # (..., num_embeddings)
 
 

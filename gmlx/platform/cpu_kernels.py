@@ -1,7 +1,7 @@
 """gmlx's CPU decode kernels (native/mlx_cpu_kernels), an MLX extension built at install.
 
-The extension adds one MLX op, a few-row product with affine-quantized weights
-(4 or 8 bits, group size 32/64/128) that reads the weights once for all rows, runs
+The extension adds one MLX op, a product with affine-quantized weights (4 or 8 bits,
+group size 32/64/128) built for decode's few rows, that reads the weights once for all rows, runs
 AVX-512 or AVX2 chosen at run time and spreads output columns over a thread pool. Each
 output element is summed in a fixed order, so a row's result does not depend on how
 many rows or threads share the call (what keeps speculative verification lossless).
@@ -19,7 +19,6 @@ from gmlx import config
 
 logger = logging.getLogger(__name__)
 
-MAX_KERNEL_ROWS = 16  # more rows (prefill) go to mx.quantized_matmul
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
