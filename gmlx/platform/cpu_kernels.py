@@ -35,6 +35,12 @@ def _load() -> tuple[ModuleType | None, str]:
     if ext.MLX_VERSION != mx.__version__:
         # MLX keeps no C++ ABI across releases: a mismatched build could crash.
         return None, f"built against mlx {ext.MLX_VERSION}, running mlx {mx.__version__} (reinstall gmlx)"
+    try:
+        # nanobind passes mx.array between modules only when both share its ABI.
+        w, scales, biases = mx.quantize(mx.ones((1, 32)), group_size=32, bits=4)
+        mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
+    except TypeError as exc:
+        return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
     isa = config.cpu_kernels_isa()
     if isa is not None:
         ext.set_isa(isa)  # ValueError naming the ISA when this CPU lacks it
