@@ -168,13 +168,14 @@ def tree_flatten_params(model):
 def print_decode(d: dict, bits: int, group_size: int) -> None:
     on, off = d["tok_per_s"]["kernels"], d["tok_per_s"]["mlx"]
     print(f"\nDecode, SmolLM2-135M shape, random weights, {bits}-bit group {group_size}, width 1, "
-          f"{d['num_tokens']['kernels']} tokens; weights {d['weight_bytes'] / 1e6:.1f} MB; DRAM {d['dram_gbs']:.1f} GB/s\n")
+          f"{d['num_tokens']['kernels']} tokens; weights {d['weight_bytes'] / 1e6:.1f} MB; "
+          f"DRAM {d['dram_gbs']:.1f} GB/s\n")
     print("| products in | tok/s (best) | all reps | weight GB/s | of DRAM |")
     print("|---|---|---|---|---|")
-    for mode, rate in (("gmlx kernels", on), ("mlx quantized_matmul", off)):
-        reps = d["all_tok_per_s"]["kernels" if mode.startswith("gmlx") else "mlx"]
+    for label, mode in (("gmlx kernels", "kernels"), ("mlx quantized_matmul", "mlx")):
+        rate, reps = d["tok_per_s"][mode], ", ".join(f"{r:.1f}" for r in d["all_tok_per_s"][mode])
         gbs = rate * d["weight_bytes"] / 1e9
-        print(f"| {mode} | {rate:.1f} | {', '.join(f'{r:.1f}' for r in reps)} | {gbs:.2f} | {gbs / d['dram_gbs']:.2f} |")
+        print(f"| {label} | {rate:.1f} | {reps} | {gbs:.2f} | {gbs / d['dram_gbs']:.2f} |")
     print(f"\nkernels / mlx: {on / off:.2f}x; same greedy tokens: {d['same_tokens']}")
 
 
@@ -199,8 +200,7 @@ def main() -> None:
         raise SystemExit(f"gmlx CPU kernels unavailable: {cpu_kernels.status()['reason']}")
     ext = cpu_kernels.extension()
     ext.set_num_threads(args.threads)
-    order = ["avx2", "avx512"]
-    isas = [isa for isa in reversed(order) if ext.best_isa() in order and order.index(isa) <= order.index(ext.best_isa())]
+    isas = {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(ext.best_isa(), ["portable"])
     if args.decode or args.decode_only:
         decode = measure_decode(args.bits, args.group_size, args.tokens, args.reps)
         print_decode(decode, args.bits, args.group_size)

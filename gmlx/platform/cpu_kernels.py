@@ -34,7 +34,8 @@ def _load() -> tuple[ModuleType | None, str]:
         return None, f"not built ({exc})"
     if ext.MLX_VERSION != mx.__version__:
         # MLX keeps no C++ ABI across releases: a mismatched build could crash.
-        return None, f"built against mlx {ext.MLX_VERSION}, running mlx {mx.__version__} (reinstall gmlx)"
+        return None, (f"built against mlx {ext.MLX_VERSION}, running mlx {mx.__version__} "
+                      "(reinstall gmlx with --no-build-isolation to build against this mlx)")
     try:
         # nanobind passes mx.array between modules only when both share its ABI.
         w, scales, biases = mx.quantize(mx.ones((1, 32)), group_size=32, bits=4)

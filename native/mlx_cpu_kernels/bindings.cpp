@@ -19,7 +19,7 @@ NB_MODULE(_cpu_kernels, m) {
         "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output");
   m.def("set_num_threads", &gmlx_kernels::set_num_threads, "num_threads"_a,
         "Size the kernels' thread pool (< 1: one per CPU this process may use)");
-  m.def("num_threads", [] { return gmlx_kernels::pool().num_threads(); });
+  m.def("num_threads", &gmlx_kernels::pool_num_threads);
   m.def("default_num_threads", &gmlx_kernels::default_num_threads);
   m.def("set_isa", &gmlx_kernels::set_isa, "name"_a, "Force 'avx512', 'avx2' or 'portable'");
   m.def("isa", &gmlx_kernels::current_isa);

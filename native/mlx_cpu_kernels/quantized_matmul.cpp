@@ -121,7 +121,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       job.x_blocked = x_blocked.data();
     }
     int64_t num_chunks = (job.args.num_outputs + kOutputsPerChunk - 1) / kOutputsPerChunk;
-    pool().run(run_qmm_chunk, &job, num_chunks);
+    run_on_pool(run_qmm_chunk, &job, num_chunks);
   });
 }
 
@@ -165,7 +165,7 @@ double read_bandwidth(int64_t num_bytes, int num_passes) {
   double best_s = 1e30;
   for (int pass = 0; pass < std::max(1, num_passes); ++pass) {
     auto start = std::chrono::steady_clock::now();
-    pool().run(run_sum_chunk, &job, num_chunks);
+    run_on_pool(run_sum_chunk, &job, num_chunks);
     std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
     best_s = std::min(best_s, elapsed.count());
   }

@@ -113,10 +113,15 @@ int default_num_threads() {
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
-ThreadPool& pool() {
+void run_on_pool(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks) {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool) g_pool = std::make_unique<ThreadPool>(default_num_threads());
-  return *g_pool;
+  g_pool->run(fn, context, num_chunks);
+}
+
+int pool_num_threads() {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  return g_pool ? g_pool->num_threads() : default_num_threads();
 }
 
 void set_num_threads(int num_threads) {

@@ -46,8 +46,10 @@ class ThreadPool {
   bool is_stopping_ = false;
 };
 
-// The process-wide pool; resizing joins the old workers first.
-ThreadPool& pool();
+// The process-wide pool. A job holds it, so resizing waits for the job and then joins
+// the old workers.
+void run_on_pool(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks);
+int pool_num_threads();
 void set_num_threads(int num_threads);
 int default_num_threads();
 
