@@ -98,6 +98,18 @@ def test_prefill_sized_calls_give_each_row_its_decode_bits(bits, ext):
         assert mx.array_equal(alone, full[row : row + 1]).item(), row
 
 
+def test_back_to_back_threaded_calls_all_complete(ext):
+    """Thousands of small two-thread jobs in a row: a late worker must never touch the next job."""
+    ext.set_num_threads(2)
+    w, scales, biases = make_weights(64, 64, 4, 32, seed=11)  # 4 chunks of outputs per call
+    xs = [mx.random.normal((1, 64), key=mx.random.key(i)) for i in range(8)]
+    expected = [cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4) for x in xs]
+    mx.eval(expected)
+    for i in range(3000):
+        got = cpu_kernels.quantized_matmul(xs[i % 8], w, scales, biases, 32, 4)
+        assert mx.array_equal(got, expected[i % 8]).item(), i
+
+
 def test_leading_dims_and_strided_inputs(ext):
     w, scales, biases = make_weights(40, 128, 4, 32)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(3))  # (B, T, K)

@@ -1,4 +1,4 @@
-"""Quantized products of decode-sized inputs in gmlx's CPU kernels.
+"""A model's affine-quantized products in gmlx's CPU kernels.
 
 On the CPU backend, MLX's `quantized_matmul` dequantizes slowly: a 4096x4096 4-bit
 product of one row took longer than the same product in float32 through the BLAS.

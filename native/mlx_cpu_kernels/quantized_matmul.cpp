@@ -67,6 +67,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   }
   const int num_inputs = x.shape(-1);
   const int num_outputs = w.shape(0);
+  if (num_inputs == 0) throw std::invalid_argument("quantized_matmul: x has no inputs (last dim 0)");
   if (w.dtype() != mx::uint32 || static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(num_inputs) * bits) {
     throw std::invalid_argument("quantized_matmul: w must be uint32 (out, K * bits / 32) for x (..., K)");
   }
@@ -96,7 +97,11 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.set_input_array(scales);
   encoder.set_input_array(biases);
   encoder.set_output_array(y);
-  encoder.dispatch([x, w, scales, biases, y_data = y.data<float>(), group_size = group_size_, bits = bits_]() {
+  // Graph-detached copies, as mlx's own CPU ops capture: an owning copy could drop a
+  // graph node's last reference on the scheduler thread while the main thread edits it.
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                    scales = mx::array::unsafe_weak_copy(scales), biases = mx::array::unsafe_weak_copy(biases),
+                    y_data = y.data<float>(), group_size = group_size_, bits = bits_]() {
     std::vector<float> x_copy, scales_copy, biases_copy;
     std::vector<uint32_t> w_copy;
     QmmJob job;

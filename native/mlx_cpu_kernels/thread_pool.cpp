@@ -20,6 +20,8 @@ namespace {
 // gap between two products of a decode step, short enough to free the core soon after.
 constexpr auto kSpinTime = std::chrono::microseconds(200);
 
+constexpr uint64_t kClosedChunk = 0xFFFFFFFFu;  // above any chunk count: nothing to claim
+
 uint64_t generation_of(uint64_t ticket) { return ticket >> 32; }
 int64_t chunk_of(uint64_t ticket) { return static_cast<int64_t>(ticket & 0xFFFFFFFFu); }
 }  // namespace
@@ -42,7 +44,8 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::take_chunks(uint64_t generation) {
   // The job's fields are read before each claim; a claim that succeeds proves the job
-  // was still running then, so they were this job's (the next job waits for it to end).
+  // was still open then, so they were this job's: the caller closes a job's ticket
+  // before it writes the next job's fields, and publishes a ticket only after them.
   for (;;) {
     ChunkFn fn = fn_.load(std::memory_order_acquire);
     void* context = context_.load(std::memory_order_acquire);
@@ -97,6 +100,9 @@ void ThreadPool::run(ChunkFn fn, void* context, int64_t num_chunks) {
   take_chunks(generation);
   // Only chunks count: a worker that has not woken yet holds nothing up.
   while (num_done_.load(std::memory_order_acquire) != num_chunks) GMLX_PAUSE();
+  // Close the job before the next one's fields are written: a late worker that reads
+  // those fields must not find this job's ticket still claimable under them.
+  ticket_.store((generation << 32) | kClosedChunk, std::memory_order_release);
 }
 
 namespace {
