@@ -135,6 +135,25 @@ def http_api_key() -> str | None:
     return raw.strip() if raw and raw.strip() else None
 
 
+def is_cpu_kernels_enabled() -> bool:
+    return _env_flag("GMLX_CPU_KERNELS", True)
+
+
+def cpu_kernels_isa() -> str | None:
+    raw = os.environ.get("GMLX_CPU_KERNELS_ISA")
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value not in ("avx512", "avx2", "portable"):
+        raise ValueError(f"GMLX_CPU_KERNELS_ISA={raw!r}: expected avx512, avx2 or portable")
+    return value
+
+
+def cpu_kernels_threads() -> int | None:
+    """GMLX_CPU_KERNELS_THREADS; None (or 0) = every CPU the process may use."""
+    return _env_int("GMLX_CPU_KERNELS_THREADS") or None
+
+
 def log_level() -> str:
     level = os.environ.get("GMLX_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if level not in _LOG_LEVELS:

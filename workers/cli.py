@@ -103,7 +103,7 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 def doctor(as_json) -> None:
-    """Report the BLAS in use, the sgemv interposer and the MLX device."""
+    """Report the CPU, the BLAS core chosen and why, the interposer, the MLX device and the CPU kernels."""
     ensure_fast_blas()
     from gmlx.platform.doctor import describe_platform, format_report
 

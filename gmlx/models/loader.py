@@ -15,9 +15,15 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import BUILTIN_TARGET_DIR, is_cpu_fusion_enabled, is_input_major_enabled
+from gmlx.config import (
+    BUILTIN_TARGET_DIR,
+    is_cpu_fusion_enabled,
+    is_cpu_kernels_enabled,
+    is_input_major_enabled,
+)
 from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
+from gmlx.platform.cpu_quantized import use_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +76,8 @@ def load_model(path: str | Path | None) -> LoadedModel:
             fuse_cpu_ops(model)
         if is_input_major_enabled():
             store_weights_input_major(model)
+        if is_cpu_kernels_enabled():
+            use_cpu_kernels(model)
     mx.eval(model.parameters())
     body = model.model
     if getattr(model, "lm_head", None) is not None and not config.get("tie_word_embeddings", False):

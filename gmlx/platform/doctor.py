@@ -1,5 +1,6 @@
 """`gmlx doctor`: what this machine runs gmlx with, in words: the CPU, the BLAS and the
-core OpenBLAS runs (detected, chosen, why, measured), the interposer, the MLX device.
+core OpenBLAS runs (detected, chosen, why, measured), the interposer, the MLX device and
+the CPU kernel extension.
 This module must not import mlx at import time.
 """
 
@@ -23,6 +24,9 @@ def describe_platform(measure: bool = True) -> dict:
     import mlx.core as mx
 
     d["mlx_device"] = str(mx.default_device())
+    from gmlx.platform import cpu_kernels
+
+    d["cpu_kernels"] = cpu_kernels.status()
     return d
 
 
@@ -30,7 +34,9 @@ def format_report(d: dict) -> str:
     cpu = d["cpu"]
     lines = [f"CPU: {cpu['model']} ({cpu['machine']}; {', '.join(cpu['features']) or 'no vector extensions named'})",
              f"MLX device: {d['mlx_device']}"]
-    return "\n".join(lines + [format_blas_report(d)])
+    from gmlx.platform import cpu_kernels
+
+    return "\n".join(lines + [format_blas_report(d), cpu_kernels.format_status(d["cpu_kernels"])])
 
 
 def format_blas_report(d: dict) -> str:

@@ -1,0 +1,101 @@
+"""gmlx's CPU decode kernels (native/mlx_cpu_kernels), an MLX extension built at install.
+
+The extension adds one MLX op, a product with affine-quantized weights (4 or 8 bits,
+group size 32/64/128) built for decode's few rows, that reads the weights once for all rows, runs
+AVX-512 or AVX2 chosen at run time and spreads output columns over a thread pool. Each
+output element is summed in a fixed order, so a row's result does not depend on how
+many rows or threads share the call (what keeps speculative verification lossless).
+When the extension is not built, or was built against another mlx release, gmlx runs
+on MLX's own ops; `status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+from gmlx import config
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    """(the extension module, "") or (None, why it is unavailable)."""
+    try:
+        import mlx.core as mx  # first: the extension binds mlx.core's array type
+
+        from gmlx.platform import _cpu_kernels as ext
+    except ImportError as exc:
+        return None, f"not built ({exc})"
+    if ext.MLX_VERSION != mx.__version__:
+        # MLX keeps no C++ ABI across releases: a mismatched build could crash.
+        return None, (f"built against mlx {ext.MLX_VERSION}, running mlx {mx.__version__} "
+                      "(reinstall gmlx with --no-build-isolation to build against this mlx)")
+    try:
+        # nanobind passes mx.array between modules only when both share its ABI.
+        w, scales, biases = mx.quantize(mx.ones((1, 32)), group_size=32, bits=4)
+        mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
+    except TypeError as exc:
+        return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
+    isa = config.cpu_kernels_isa()
+    if isa is not None:
+        ext.set_isa(isa)  # ValueError naming the ISA when this CPU lacks it
+    num_threads = config.cpu_kernels_threads()
+    if num_threads is not None:
+        ext.set_num_threads(num_threads)
+    return ext, ""
+
+
+def is_built() -> bool:
+    """Is the extension built and loadable against this mlx (whatever GMLX_CPU_KERNELS says)?"""
+    return _load()[0] is not None
+
+
+def is_available() -> bool:
+    """Are the fast quantized CPU kernels built, loadable and switched on (GMLX_CPU_KERNELS)?
+
+    A compute-format chooser asks this before preferring 4-bit weights on the CPU.
+    """
+    return config.is_cpu_kernels_enabled() and is_built()
+
+
+def extension() -> ModuleType:
+    ext, reason = _load()
+    if ext is None:
+        raise RuntimeError(f"gmlx CPU kernels unavailable: {reason}")
+    return ext
+
+
+def can_run(bits: int, group_size: int, mode: str = "affine") -> bool:
+    return mode == "affine" and bits in SUPPORTED_BITS and group_size in SUPPORTED_GROUP_SIZES
+
+
+def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
+    """x @ dequantize(w, scales, biases, group_size, bits).T, x float32 (..., K); float32 out."""
+    return extension().quantized_matmul(x, w, scales, biases, group_size, bits)
+
+
+def read_bandwidth_gbs(num_bytes: int = 512 << 20, num_passes: int = 5) -> float:
+    """DRAM read rate: the best of num_passes threaded sums over a num_bytes buffer."""
+    return extension().read_bandwidth(num_bytes, num_passes)
+
+
+def status() -> dict:
+    """What `gmlx doctor` reports about the kernels."""
+    ext, reason = _load()
+    report = {"built": ext is not None, "enabled": config.is_cpu_kernels_enabled(), "reason": reason or None}
+    if ext is not None:
+        report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads())
+    return report
+
+
+def format_status(report: dict) -> str:
+    if not report["built"]:
+        return f"cpu kernels: unavailable, {report['reason']}; quantized products run in mlx"
+    state = "on" if report["enabled"] else "off (GMLX_CPU_KERNELS=0)"
+    return f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}), {report['num_threads']} threads"

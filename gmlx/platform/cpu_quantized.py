@@ -1,0 +1,82 @@
+"""A model's affine-quantized products in gmlx's CPU kernels.
+
+On the CPU backend, MLX's `quantized_matmul` dequantizes slowly: a 4096x4096 4-bit
+product of one row took longer than the same product in float32 through the BLAS.
+At load, modules of exactly `nn.QuantizedLinear` and `nn.QuantizedEmbedding` (its
+`as_linear`, the tied output head) become subclasses whose products run in
+gmlx.platform.cpu_kernels at every row count: a row's bits then never depend on how many
+rows share the call (a batch of 20 decode rows must give each row what it gets alone,
+and mlx's own product at some row counts would not), and mlx's CPU product is slower at
+every row count measured. The kernels sum in another order than mlx, so a probe at load
+checks each weight shape against dequantize + float32 matmul within a tolerance before
+any module is swapped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from gmlx.platform import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+# Largest |kernel - reference| accepted at the probe, relative to the largest |reference|.
+_PROBE_RTOL = 1e-4
+
+
+def _kernel_product(module: nn.Module, x: mx.array) -> mx.array:
+    return cpu_kernels.quantized_matmul(
+        x, module["weight"], module["scales"], module["biases"], module.group_size, module.bits)
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _kernel_product(self, x)  # (..., out)
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _kernel_product(self, x)  # (..., num_embeddings)
+
+
+_SWAPS = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
+
+
+def _is_swappable(module: nn.Module) -> bool:
+    if type(module) not in _SWAPS or not cpu_kernels.can_run(module.bits, module.group_size, module.mode):
+        return False
+    biases = module.get("biases")
+    return (biases is not None and module["weight"].dtype == mx.uint32
+            and module["scales"].dtype == mx.float32 and biases.dtype == mx.float32)
+
+
+def _is_close(module: nn.Module) -> bool:
+    """Does the kernel match dequantize + float32 matmul on a probe for this module?"""
+    weight = mx.dequantize(module["weight"], module["scales"], module["biases"],
+                           group_size=module.group_size, bits=module.bits)  # (out, K)
+    x = mx.random.normal((1, 3, weight.shape[1]), key=mx.random.key(weight.shape[1]))  # (B, T, K)
+    expected = x @ weight.T
+    error = mx.abs(_kernel_product(module, x) - expected).max()
+    return (error <= _PROBE_RTOL * mx.maximum(mx.abs(expected).max(), 1.0)).item()
+
+
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Swap the model's affine 4/8-bit quantized modules for kernel-backed ones; how many.
+
+    0 (the model untouched) when the kernels are unavailable or a probe disagrees.
+    """
+    if not cpu_kernels.is_built():
+        return 0
+    modules = [m for _, m in model.named_modules() if _is_swappable(m)]
+    probes = {(type(m), m["weight"].shape, m.bits, m.group_size): m for m in modules}
+    for key, module in probes.items():
+        if not _is_close(module):
+            logger.warning("not using the CPU kernels: a %s product disagrees with mlx's dequantize", key[1])
+            return 0
+    for module in modules:
+        module.__class__ = _SWAPS[type(module)]
+    return len(modules)

@@ -1,0 +1,29 @@
+// Python bindings of gmlx's CPU decode kernels (module gmlx.platform._cpu_kernels).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/version.h"
+#include "quantized_matmul.h"
+#include "thread_pool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_cpu_kernels, m) {
+  m.doc() = "gmlx CPU decode kernels for MLX (few-row quantized products)";
+  // The loader compares this with mlx.__version__: the C++ ABI is only kept per release.
+  m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
+                          std::to_string(MLX_VERSION_PATCH);
+  m.def("quantized_matmul", &gmlx_kernels::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output");
+  m.def("set_num_threads", &gmlx_kernels::set_num_threads, "num_threads"_a,
+        "Size the kernels' thread pool (< 1: one per CPU this process may use)");
+  m.def("num_threads", &gmlx_kernels::pool_num_threads);
+  m.def("default_num_threads", &gmlx_kernels::default_num_threads);
+  m.def("set_isa", &gmlx_kernels::set_isa, "name"_a, "Force 'avx512', 'avx2' or 'portable'");
+  m.def("isa", &gmlx_kernels::current_isa);
+  m.def("best_isa", &gmlx_kernels::best_isa_name);
+  m.def("read_bandwidth", &gmlx_kernels::read_bandwidth, "num_bytes"_a, "num_passes"_a,
+        "GB/s of the best of num_passes threaded sums over a num_bytes buffer");
+}

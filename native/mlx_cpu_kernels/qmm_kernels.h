@@ -1,0 +1,50 @@
+// Few-row products with MLX's affine-quantized weights: y = x @ dequantize(w).T.
+//
+// Every output element is summed in one fixed order, whatever the row count, the
+// thread count or the instruction set: sixteen lane sums, each taking its k in k order
+// (acc = fma(x, fma(q, scale, bias), acc)), then a fixed pairwise tree over the lanes.
+// 8 bits: lane l takes the k with k % 16 == l. 4 bits: lane l takes k = 32t + 2l and
+// 32t + 2l + 1 (a byte's two nibbles), so x is stored even-then-odd per 32 in a block.
+// The AVX-512 path holds the sixteen lanes in one register, the AVX2 path in two, the
+// portable path in an array, so all three give the same bits.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace gmlx_kernels {
+
+enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+struct QmmArgs {
+  const float* x;  // (num_rows, num_inputs) row-major
+  const uint32_t* w;  // (num_outputs, num_inputs * bits / 32) packed, low bits first
+  const float* scales;  // (num_outputs, num_inputs / group_size)
+  const float* biases;  // (num_outputs, num_inputs / group_size)
+  float* y;  // (num_rows, num_outputs) row-major
+  int64_t num_rows;
+  int64_t num_inputs;
+  int64_t num_outputs;
+  int group_size;
+  int bits;
+};
+
+// x is read in K blocks that stay in L1 while a chunk of outputs uses them, each block
+// stored rows-contiguous (rows at a 4 KiB stride would share cache sets).
+int64_t inputs_per_block(int64_t num_rows, int64_t num_inputs, int group_size);
+// x_blocked[offset(b) + r * len(b) + p(i)] = x[r, b * block + i], offset(b) = b * block * rows,
+// p(i) = i for 8 bits, i's place in its 32 even-then-odd for 4 bits.
+void block_rows(const QmmArgs& args, int64_t block, float* x_blocked);
+
+// Computes outputs [begin, end) (at most kMaxOutputsPerCall) of every row.
+constexpr int64_t kMaxOutputsPerCall = 16;
+void qmm_outputs(const QmmArgs& args, const float* x_blocked, int64_t block, int64_t begin, int64_t end, Isa isa);
+
+// Sums num_floats floats (a multiple of 64) with wide loads; for the DRAM read rate.
+float sum_floats(const float* data, int64_t num_floats, Isa isa);
+
+Isa best_isa();  // what this CPU runs
+bool is_isa_supported(Isa isa);
+const char* isa_name(Isa isa);
+
+}  // namespace gmlx_kernels

@@ -1,0 +1,182 @@
+#include "quantized_matmul.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmm_kernels.h"
+#include "thread_pool.h"
+
+namespace gmlx_kernels {
+
+namespace {
+
+std::atomic<Isa> g_isa{best_isa()};
+
+// Outputs per chunk a thread takes: a few KB of weights each, many chunks per thread.
+constexpr int64_t kOutputsPerChunk = kMaxOutputsPerCall;
+
+// The array's elements in row-major order: its own data when already so, else a copy.
+template <typename T>
+const T* row_major_data(const mx::array& a, std::vector<T>& copy) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  copy.resize(a.size());
+  const T* src = a.data<T>();
+  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(i, a.shape(), a.strides())];
+  return copy.data();
+}
+
+struct QmmJob {
+  QmmArgs args;
+  const float* x_blocked;
+  int64_t block;
+  Isa isa;
+};
+
+void run_qmm_chunk(void* context, int64_t chunk) {
+  auto* job = static_cast<QmmJob*>(context);
+  int64_t begin = chunk * kOutputsPerChunk;
+  int64_t end = std::min(begin + kOutputsPerChunk, job->args.num_outputs);
+  qmm_outputs(job->args, job->x_blocked, job->block, begin, end, job->isa);
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "avx512") return Isa::kAvx512;
+  if (name == "avx2") return Isa::kAvx2;
+  if (name == "portable") return Isa::kPortable;
+  throw std::invalid_argument("isa " + name + ": expected avx512, avx2 or portable");
+}
+
+}  // namespace
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size " + std::to_string(group_size) + ": expected 32, 64 or 128");
+  }
+  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
+    throw std::invalid_argument("quantized_matmul: x needs >= 1 dims, w, scales and biases 2");
+  }
+  const int num_inputs = x.shape(-1);
+  const int num_outputs = w.shape(0);
+  if (num_inputs == 0) throw std::invalid_argument("quantized_matmul: x has no inputs (last dim 0)");
+  if (w.dtype() != mx::uint32 || static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(num_inputs) * bits) {
+    throw std::invalid_argument("quantized_matmul: w must be uint32 (out, K * bits / 32) for x (..., K)");
+  }
+  const mx::Shape group_shape = {num_outputs, num_inputs / group_size};
+  if (num_inputs % group_size != 0 || scales.shape() != group_shape || biases.shape() != group_shape) {
+    throw std::invalid_argument("quantized_matmul: scales and biases must be (out, K / group_size)");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = num_outputs;
+  return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits),
+                   {as_f32(x), w, as_f32(scales), as_f32(biases)});
+}
+
+void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  auto& y = outputs[0];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(y);
+  // Graph-detached copies, as mlx's own CPU ops capture: an owning copy could drop a
+  // graph node's last reference on the scheduler thread while the main thread edits it.
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                    scales = mx::array::unsafe_weak_copy(scales), biases = mx::array::unsafe_weak_copy(biases),
+                    y_data = y.data<float>(), group_size = group_size_, bits = bits_]() {
+    std::vector<float> x_copy, scales_copy, biases_copy;
+    std::vector<uint32_t> w_copy;
+    QmmJob job;
+    job.args.x = row_major_data<float>(x, x_copy);
+    job.args.w = row_major_data<uint32_t>(w, w_copy);
+    job.args.scales = row_major_data<float>(scales, scales_copy);
+    job.args.biases = row_major_data<float>(biases, biases_copy);
+    job.args.y = y_data;
+    job.args.num_inputs = x.shape(-1);
+    job.args.num_rows = x.size() / x.shape(-1);
+    job.args.num_outputs = w.shape(0);
+    job.args.group_size = group_size;
+    job.args.bits = bits;
+    job.isa = g_isa.load();
+    job.block = inputs_per_block(job.args.num_rows, job.args.num_inputs, group_size);
+    std::vector<float> x_blocked;
+    if (job.block == job.args.num_inputs && bits == 8) {
+      job.x_blocked = job.args.x;  // one block, in order: already as the kernels read it
+    } else {
+      x_blocked.resize(job.args.num_rows * job.args.num_inputs);
+      block_rows(job.args, job.block, x_blocked.data());
+      job.x_blocked = x_blocked.data();
+    }
+    int64_t num_chunks = (job.args.num_outputs + kOutputsPerChunk - 1) / kOutputsPerChunk;
+    run_on_pool(run_qmm_chunk, &job, num_chunks);
+  });
+}
+
+void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxQuantizedMatmul runs on the CPU only");
+}
+
+bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+void set_isa(const std::string& name) {
+  Isa isa = parse_isa(name);
+  if (!is_isa_supported(isa)) throw std::invalid_argument("isa " + name + ": this CPU does not support it");
+  g_isa.store(isa);
+}
+
+std::string current_isa() { return isa_name(g_isa.load()); }
+std::string best_isa_name() { return isa_name(best_isa()); }
+
+namespace {
+struct SumJob {
+  const float* data;
+  int64_t floats_per_chunk;
+  Isa isa;
+  std::vector<float> sums;  // one per chunk, so the compiler cannot drop the loads
+};
+void run_sum_chunk(void* context, int64_t chunk) {
+  auto* job = static_cast<SumJob*>(context);
+  job->sums[chunk] = sum_floats(job->data + chunk * job->floats_per_chunk, job->floats_per_chunk, job->isa);
+}
+}  // namespace
+
+double read_bandwidth(int64_t num_bytes, int num_passes) {
+  constexpr int64_t kChunkBytes = 1 << 20;
+  int64_t num_chunks = std::max<int64_t>(1, num_bytes / kChunkBytes);
+  std::vector<float> buffer(num_chunks * kChunkBytes / sizeof(float), 1.0f);  // touched: pages mapped
+  SumJob job{buffer.data(), kChunkBytes / static_cast<int64_t>(sizeof(float)), g_isa.load(),
+             std::vector<float>(num_chunks)};
+  double best_s = 1e30;
+  for (int pass = 0; pass < std::max(1, num_passes); ++pass) {
+    auto start = std::chrono::steady_clock::now();
+    run_on_pool(run_sum_chunk, &job, num_chunks);
+    std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+    best_s = std::min(best_s, elapsed.count());
+  }
+  volatile float sink = job.sums[0];
+  (void)sink;
+  return static_cast<double>(num_chunks * kChunkBytes) / best_s / 1e9;
+}
+
+}  // namespace gmlx_kernels

@@ -1,0 +1,39 @@
+// The MLX primitive and op around the few-row quantized product (qmm_kernels.h).
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace gmlx_kernels {
+
+namespace mx = mlx::core;
+
+// y = x @ dequantize(w, scales, biases).T for float32 x (..., K); scales and biases
+// float32 (out, K / group_size); bits 4 or 8; group size 32, 64 or 128.
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits);
+
+class QuantizedMatmul : public mx::Primitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxQuantizedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+// The instruction set the kernels use; set_isa refuses one this CPU lacks.
+void set_isa(const std::string& name);
+std::string current_isa();
+std::string best_isa_name();
+
+// DRAM read rate: GB/s of the best of num_passes sums over a num_bytes buffer, on the pool.
+double read_bandwidth(int64_t num_bytes, int num_passes);
+
+}  // namespace gmlx_kernels

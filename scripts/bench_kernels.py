@@ -1,0 +1,238 @@
+"""Kernel-only table: gmlx's quantized CPU kernel against mlx's quantized_matmul and the
+float32 product through the BLAS, per weight shape and row count, in GB/s of weight bytes
+read, beside this machine's DRAM read rate measured in the same run.
+
+    python scripts/bench_kernels.py
+    python scripts/bench_kernels.py --shapes 4096x4096 --rows 1,8 --bits 8 --group-size 64
+    python scripts/bench_kernels.py --threads 1
+    python scripts/bench_kernels.py --decode-only --tokens 128 --reps 3
+    python scripts/bench_kernels.py --cpu-time --threads 1
+
+--cpu-time times the products in CPU seconds of this process instead of wall seconds
+(with --threads 1: the kernels' work per call, which a shared, oversubscribed box does
+not inflate the way it inflates wall time; GB/s then means bytes per CPU second).
+
+--decode adds (and --decode-only runs only) plain greedy decoding through gmlx's engine,
+width 1, of a random-weight llama of SmolLM2-135M's shape (576 hidden, 30 layers, tied
+49152-token embeddings) quantized to 4 bits, group 32 (the layout a GGUF Q4_1 arrives
+in), with the kernels on and off (GMLX_CPU_KERNELS), the two models' runs alternating
+in one process; tok/s after the first token and weight bytes read per second against
+the DRAM rate measured between the runs.
+
+Shapes are outputs x inputs (an nn.Linear weight). Each measurement evaluates one product
+on each of several copies of the weights (at least --min-bytes in all, beyond the
+caches) in one mx.eval, best of --reps, so every call reads its weights from DRAM and
+the per-eval overhead is shared. Quantized bytes count the packed weights plus the float32
+scales and biases (gmlx keeps them float32 on CPU). Both of the kernels' instruction sets
+run where the CPU has them (GMLX_CPU_KERNELS_ISA forces one in gmlx itself). The DRAM rate
+is the kernels' own threaded read of a 512 MiB buffer, measured before every shape.
+Prints a markdown table and one JSON line.
+"""
+
+import argparse
+import json
+import platform
+import time
+
+import gmlx  # noqa: F401  (the fast BLAS loads before mlx)
+import mlx.core as mx
+
+from gmlx.platform import cpu_kernels
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    num_outputs, num_inputs = (int(v) for v in text.lower().split("x"))
+    return num_outputs, num_inputs
+
+
+CLOCK = time.perf_counter  # time.process_time with --cpu-time
+
+
+def best_time_s(make_outputs, reps: int) -> float:
+    mx.eval(make_outputs())  # warm up
+    best = float("inf")
+    for _ in range(reps):
+        start = CLOCK()
+        mx.eval(make_outputs())
+        best = min(best, CLOCK() - start)
+    return best
+
+
+def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas):
+    weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
+    packed = mx.quantize(weight, group_size=group_size, bits=bits)
+    quantized_bytes = sum(a.nbytes for a in packed)
+    float_bytes = weight.nbytes
+    num_copies = max(2, -(-min_bytes // quantized_bytes))
+    # Distinct copies (x + 0 would alias): perturb each so MLX keeps them apart.
+    q_copies = [(packed[0] + 0 * i, packed[1] + i * 1e-9, packed[2]) for i in range(num_copies)]
+    num_float_copies = max(2, -(-min_bytes // float_bytes))
+    f_copies = [weight + i * 1e-9 for i in range(num_float_copies)]
+    mx.eval(q_copies, f_copies)
+    ext = cpu_kernels.extension()
+    rows = []
+    for num_rows in num_rows_list:
+        x = mx.random.normal((num_rows, num_inputs), key=mx.random.key(num_rows))  # (M, K)
+        mx.eval(x)
+        row = {"shape": f"{num_outputs}x{num_inputs}", "rows": num_rows}
+        for isa in isas:
+            ext.set_isa(isa)
+            t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits)
+                                     for w, s, b in q_copies], reps) / num_copies
+            row[f"gmlx_{isa}_ms"], row[f"gmlx_{isa}_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+        t = best_time_s(lambda: [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
+                                 for w, s, b in q_copies], reps) / num_copies
+        row["mlx_ms"], row["mlx_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+        t = best_time_s(lambda: [x @ w.T for w in f_copies], reps) / num_float_copies
+        row["fp32_ms"], row["fp32_gbs"] = 1e3 * t, float_bytes / t / 1e9
+        rows.append(row)
+    return rows
+
+
+SMOLLM2_135M_SHAPE = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                          max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5)
+
+
+def make_quantized_smollm2_shape(folder, bits: int, group_size: int):
+    """A random llama of SmolLM2-135M's shape, quantized, saved as an mlx-lm folder."""
+    import shutil
+    from pathlib import Path
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from gmlx.config import BUILTIN_TARGET_DIR
+
+    folder = Path(folder)
+    mx.random.seed(0)
+    config = dict(model_type="llama", **SMOLLM2_135M_SHAPE)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    nn.quantize(model, group_size=group_size, bits=bits)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (BUILTIN_TARGET_DIR / name).exists():
+            shutil.copy(BUILTIN_TARGET_DIR / name, folder / name)
+
+
+def decode_tok_per_s(engine, num_tokens: int) -> tuple[float, list[int]]:
+    from gmlx.request import SamplingParams
+
+    engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=num_tokens))
+    tokens, first_at, reason = [], None, None
+    while reason is None:
+        for output in engine.step():
+            tokens.extend(output.new_token_ids)
+            reason = output.finish_reason
+        if first_at is None and tokens:
+            first_at = time.perf_counter()
+    return (len(tokens) - 1) / (time.perf_counter() - first_at), tokens
+
+
+def measure_decode(bits, group_size, num_tokens, reps) -> dict:
+    import tempfile
+
+    from gmlx.config import EngineConfig, env_overrides
+    from gmlx.engine import Engine
+    from gmlx.models.loader import load_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        make_quantized_smollm2_shape(folder, bits, group_size)
+        engines = {}
+        for mode, flag in (("kernels", "1"), ("mlx", "0")):
+            with env_overrides({"GMLX_CPU_KERNELS": flag}):
+                target = load_model(folder)
+            engines[mode] = Engine(target, None, EngineConfig(prompt_cache_bytes=0))
+        weight_bytes = sum(v.nbytes for _, v in tree_flatten_params(engines["kernels"].target.model))
+    rates = {mode: [] for mode in engines}
+    tokens, dram = {}, []
+    for _ in range(reps):
+        for mode, engine in engines.items():
+            rate, tokens[mode] = decode_tok_per_s(engine, num_tokens)
+            rates[mode].append(rate)
+        dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 3))
+    best = {mode: max(r) for mode, r in rates.items()}
+    return {"tok_per_s": best, "all_tok_per_s": rates, "weight_bytes": weight_bytes, "dram_gbs": max(dram),
+            "num_tokens": {m: len(t) for m, t in tokens.items()}, "same_tokens": tokens["kernels"] == tokens["mlx"]}
+
+
+def tree_flatten_params(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def print_decode(d: dict, bits: int, group_size: int) -> None:
+    on, off = d["tok_per_s"]["kernels"], d["tok_per_s"]["mlx"]
+    print(f"\nDecode, SmolLM2-135M shape, random weights, {bits}-bit group {group_size}, width 1, "
+          f"{d['num_tokens']['kernels']} tokens; weights {d['weight_bytes'] / 1e6:.1f} MB; "
+          f"DRAM {d['dram_gbs']:.1f} GB/s\n")
+    print("| products in | tok/s (best) | all reps | weight GB/s | of DRAM |")
+    print("|---|---|---|---|---|")
+    for label, mode in (("gmlx kernels", "kernels"), ("mlx quantized_matmul", "mlx")):
+        rate, reps = d["tok_per_s"][mode], ", ".join(f"{r:.1f}" for r in d["all_tok_per_s"][mode])
+        gbs = rate * d["weight_bytes"] / 1e9
+        print(f"| {label} | {rate:.1f} | {reps} | {gbs:.2f} | {gbs / d['dram_gbs']:.2f} |")
+    print(f"\nkernels / mlx: {on / off:.2f}x; same greedy tokens: {d['same_tokens']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="576x576,1536x576,576x1536,4096x4096")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--min-bytes", type=int, default=96 << 20)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: every CPU)")
+    parser.add_argument("--cpu-time", action="store_true", help="time products in process CPU seconds")
+    parser.add_argument("--decode", action="store_true", help="add the decode comparison")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode comparison")
+    parser.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
+    args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
+    if not cpu_kernels.is_built():
+        raise SystemExit(f"gmlx CPU kernels unavailable: {cpu_kernels.status()['reason']}")
+    ext = cpu_kernels.extension()
+    ext.set_num_threads(args.threads)
+    isas = {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(ext.best_isa(), ["portable"])
+    if args.decode or args.decode_only:
+        decode = measure_decode(args.bits, args.group_size, args.tokens, args.reps)
+        print_decode(decode, args.bits, args.group_size)
+        print(json.dumps({"decode": decode}))
+        if args.decode_only:
+            return
+    results, dram = [], []
+    for shape in args.shapes.split(","):
+        dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
+        results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
+                                 args.group_size, args.min_bytes, args.reps, isas)
+    ext.set_isa(ext.best_isa())
+    dram_gbs = max(dram)
+    print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
+          f"{'CPU' if args.cpu_time else 'wall'} time; "
+          f"{args.bits}-bit, group {args.group_size}; DRAM read {dram_gbs:.1f} GB/s "
+          f"(per shape: {', '.join(f'{d:.1f}' for d in dram)})\n")
+    header = ["shape (out x in)", "rows"] + [f"gmlx {isa} ms (GB/s, of DRAM)" for isa in isas]
+    header += ["mlx qmm ms (GB/s)", "fp32 BLAS ms (GB/s)", "gmlx / mlx", "gmlx / fp32"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    best = isas[0]
+    for r in results:
+        cells = [r["shape"], str(r["rows"])]
+        cells += [f"{r[f'gmlx_{isa}_ms']:.3f} ({r[f'gmlx_{isa}_gbs']:.1f}, {r[f'gmlx_{isa}_gbs'] / dram_gbs:.2f})"
+                  for isa in isas]
+        cells += [f"{r['mlx_ms']:.3f} ({r['mlx_gbs']:.2f})", f"{r['fp32_ms']:.3f} ({r['fp32_gbs']:.1f})",
+                  f"{r['mlx_ms'] / r[f'gmlx_{best}_ms']:.1f}x", f"{r['fp32_ms'] / r[f'gmlx_{best}_ms']:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+    print(json.dumps({"dram_gbs": dram_gbs, "threads": ext.num_threads(), "bits": args.bits, "cpu_time": args.cpu_time,
+                      "group_size": args.group_size, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

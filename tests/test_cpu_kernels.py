@@ -1,0 +1,209 @@
+"""gmlx's CPU kernels: the quantized product's layout, row/thread/ISA independence, tolerance
+against mlx, and whole-engine identity (speculative and batched equal plain) with them on."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gmlx import config
+from gmlx.config import EngineConfig, env_overrides
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.platform.cpu_quantized import KernelQuantizedEmbedding, KernelQuantizedLinear
+from gmlx.models.loader import load_model
+from gmlx.platform import cpu_kernels
+from gmlx.request import SamplingParams
+from schedules import SoloReference, check_schedule, make_schedule
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.is_built(), reason=f"gmlx CPU kernels not built: {cpu_kernels.status()['reason']}")
+
+@pytest.fixture
+def ext():
+    """The extension, with its thread count and ISA restored after the test."""
+    ext = cpu_kernels.extension()
+    num_threads, isa = ext.num_threads(), ext.isa()
+    yield ext
+    ext.set_num_threads(num_threads)
+    ext.set_isa(isa)
+
+
+def supported_isas(ext) -> list[str]:
+    order = ["portable", "avx2", "avx512"]
+    return order[: order.index(ext.best_isa()) + 1]
+
+
+def make_weights(num_outputs, num_inputs, bits, group_size, seed=0):
+    weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(seed))  # (N, K)
+    return mx.quantize(weight, group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_one_hot_rows_read_mlx_dequantized_weights(bits, group_size, ext):
+    """x = e_k picks column k of the dequantized weights: checks packing order and the affine map."""
+    num_outputs, num_inputs = 24, 2 * group_size
+    w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size)
+    expected = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T  # (K, N)
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        for start in range(0, num_inputs, 16):
+            x = mx.eye(num_inputs)[start : start + 16]  # (16, K) one-hot rows
+            got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
+            assert mx.allclose(got, expected[start : start + 16], rtol=1e-6, atol=1e-6).item(), (isa, start)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bits=st.sampled_from([4, 8]),
+    group_size=st.sampled_from([32, 64, 128]),
+    num_groups=st.integers(1, 5),
+    num_outputs=st.integers(1, 70),
+    num_rows=st.integers(1, 16),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_are_independent_of_row_count_threads_and_isa(bits, group_size, num_groups, num_outputs,
+                                                           num_rows, seed, ext):
+    num_inputs = group_size * num_groups
+    w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed)
+    x = 4.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
+    ext.set_num_threads(1)
+    ext.set_isa(ext.best_isa())
+    full = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits)  # (M, N)
+    reference = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
+    assert mx.allclose(full, reference, rtol=1e-4, atol=1e-4 * num_inputs).item()
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        for isa in supported_isas(ext):
+            ext.set_isa(isa)
+            assert mx.array_equal(cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits), full).item()
+            for row in {0, num_rows // 2, num_rows - 1}:
+                # the row alone, and the row last in a shorter call
+                alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, group_size, bits)
+                assert mx.array_equal(alone, full[row : row + 1]).item(), (num_threads, isa, row)
+                tail = cpu_kernels.quantized_matmul(x[: row + 1], w, scales, biases, group_size, bits)
+                assert mx.array_equal(tail, full[: row + 1]).item(), (num_threads, isa, row)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_sized_calls_give_each_row_its_decode_bits(bits, ext):
+    """Rows past 16 (prefill, wide batches) run the same order: each row equals the row alone."""
+    w, scales, biases = make_weights(48, 256, bits, 64, seed=5)
+    x = mx.random.normal((37, 256), key=mx.random.key(6))  # (M, K)
+    full = cpu_kernels.quantized_matmul(x, w, scales, biases, 64, bits)
+    for row in (0, 17, 36):
+        alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, 64, bits)
+        assert mx.array_equal(alone, full[row : row + 1]).item(), row
+
+
+def test_back_to_back_threaded_calls_all_complete(ext):
+    """Thousands of small two-thread jobs in a row: a late worker must never touch the next job."""
+    ext.set_num_threads(2)
+    w, scales, biases = make_weights(64, 64, 4, 32, seed=11)  # 4 chunks of outputs per call
+    xs = [mx.random.normal((1, 64), key=mx.random.key(i)) for i in range(8)]
+    expected = [cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4) for x in xs]
+    mx.eval(expected)
+    for i in range(3000):
+        got = cpu_kernels.quantized_matmul(xs[i % 8], w, scales, biases, 32, 4)
+        assert mx.array_equal(got, expected[i % 8]).item(), i
+
+
+def test_leading_dims_and_strided_inputs(ext):
+    w, scales, biases = make_weights(40, 128, 4, 32)
+    x = mx.random.normal((2, 3, 128), key=mx.random.key(3))  # (B, T, K)
+    flat = cpu_kernels.quantized_matmul(x.reshape(6, 128), w, scales, biases, 32, 4)
+    assert mx.array_equal(cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4), flat.reshape(2, 3, 40)).item()
+    transposed = mx.random.normal((128, 5), key=mx.random.key(4)).T  # a strided (5, K) view
+    expected = cpu_kernels.quantized_matmul(mx.array(transposed.tolist()), w, scales, biases, 32, 4)
+    assert mx.array_equal(cpu_kernels.quantized_matmul(transposed, w, scales, biases, 32, 4), expected).item()
+
+
+@pytest.mark.parametrize("bits, group_size, message", [(3, 32, "bits 3"), (4, 16, "group_size 16")])
+def test_unsupported_formats_are_named(bits, group_size, message):
+    w, scales, biases = make_weights(8, 64, 4, 32)
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.quantized_matmul(mx.zeros((1, 64)), w, scales, biases, group_size, bits)
+
+
+def test_forcing_an_unknown_isa_is_refused(ext, monkeypatch):
+    with pytest.raises(ValueError, match="sse9"):
+        ext.set_isa("sse9")
+    monkeypatch.setenv("GMLX_CPU_KERNELS_ISA", "sse9")
+    with pytest.raises(ValueError, match="GMLX_CPU_KERNELS_ISA='sse9'"):
+        config.cpu_kernels_isa()
+
+
+def test_read_bandwidth_is_positive(ext):
+    assert cpu_kernels.read_bandwidth_gbs(16 << 20, 2) > 0.1
+
+
+# ------------------------------------------------------------- the engine with the kernels on
+
+
+def num_kernel_modules(target) -> int:
+    return sum(type(m) in (KernelQuantizedLinear, KernelQuantizedEmbedding) for _, m in target.model.named_modules())
+
+
+@pytest.fixture(scope="module")
+def mlx_quantized_target(tiny_quantized_target):
+    """The same tiny 4-bit folder loaded with the kernels off: products in mlx."""
+    with env_overrides({"GMLX_CPU_KERNELS": "0"}):
+        return load_model(tiny_quantized_target.path)
+
+
+def greedy_tokens(engine, prompt, max_tokens=24):
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
+    out, reason = [], None
+    while reason is None:
+        for output in engine.step():
+            assert output.request_id == request_id
+            out.extend(output.new_token_ids)
+            reason = output.finish_reason
+    return out
+
+
+def test_loaded_quantized_model_uses_kernels_and_decodes_like_mlx(tiny_quantized_target, mlx_quantized_target,
+                                                                  code_prompts):
+    assert num_kernel_modules(tiny_quantized_target) == 2 * 7 + 2  # per layer 7 projections; embed, lm_head
+    assert num_kernel_modules(mlx_quantized_target) == 0
+    prompt = mx.array([code_prompts[0][:8]])
+    hidden_on, logits_on = tiny_quantized_target.forward(prompt, None)
+    hidden_off, logits_off = mlx_quantized_target.forward(prompt, None)
+    assert mx.allclose(logits_on, logits_off, rtol=1e-3, atol=1e-3).item()
+    kernels = Engine(tiny_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    plain = Engine(mlx_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    for prompt in code_prompts[:6]:
+        assert greedy_tokens(kernels, prompt) == greedy_tokens(plain, prompt)
+
+
+def test_wide_plain_batch_equals_each_row_alone(tiny_quantized_target, code_prompts):
+    """20 rows decoding together (more than a verify's 16) give each row its solo tokens."""
+    module = tiny_quantized_target.model.model.layers[0].mlp.down_proj
+    x = mx.random.normal((20, 1, module.scales.shape[1] * module.group_size), key=mx.random.key(9))  # (B, T, K)
+    together = module(x)
+    assert all(mx.array_equal(module(x[i : i + 1]), together[i : i + 1]).item() for i in range(20))
+    engine = Engine(tiny_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    reference = SoloReference(tiny_quantized_target)
+    params = SamplingParams(max_tokens=12)
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(code_prompts[:20])}
+    got = {i: [] for i in ids.values()}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[ids[output.request_id]].extend(output.new_token_ids)
+    for i, tokens in got.items():
+        assert tokens == reference.tokens(code_prompts[i], params)[0], i
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_speculative_and_batched_equal_plain_with_kernels(kind, tiny_quantized_target, code_prompts):
+    target = tiny_quantized_target
+    drafter = make_drafter(kind if kind == "ngram" else f"draft:{target.path}", target)
+    engine = Engine(target, drafter, EngineConfig())
+    reference = SoloReference(target)
+    num_spec_rounds = 0
+    for seed in range(6):
+        schedule = make_schedule(500 + seed, target.vocab_size, code_prompts, max_requests=6)
+        num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
+    assert num_spec_rounds > 0
