@@ -145,11 +145,12 @@ def test_frontend_process_maps_no_blas():
         pytest.skip("no system BLAS loaded here to look for")
     server = Server(drafter="none")
     try:
-        frontend_maps = mapped_files(server.proc.pid)
+        frontend_maps = mapped_files(server.frontend_pid())
+        supervisor_maps = mapped_files(server.proc.pid)
         worker_maps = [mapped_files(pid) for pid in server.worker_pids()]
     finally:
         assert server.terminate() == 0
     real_blas = os.path.realpath(blas_path)
-    assert real_blas not in frontend_maps and str(INTERPOSER_PATH) not in frontend_maps
-    assert "libmlx" not in frontend_maps
+    for maps in (frontend_maps, supervisor_maps):
+        assert real_blas not in maps and str(INTERPOSER_PATH) not in maps and "libmlx" not in maps
     assert worker_maps and all(real_blas in maps for maps in worker_maps)  # the check can see a BLAS
