@@ -1,7 +1,8 @@
 """The socket-free engine core: add a request, abort one, step -> each request's new tokens.
 
 One step is one decode round of the running generation, preceded by the injection drain
-when the generation has an admission boundary. The loop a round runs in:
+when the generation has an admission boundary. The batch's mode (spec/batch.py BatchMode)
+picks the loop a round runs in (Loop):
   scalar  - one request speculating alone (no admission boundary: waiters preempt it)
   batch   - speculating rows within the width cap
   gated   - plain decode over the cap, next forward dispatched ahead (no drafter work)
@@ -29,7 +30,7 @@ from gmlx.models.loader import LoadedModel, load_model
 from gmlx.platform.blas import ensure_fast_blas
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
-from gmlx.spec.batch import DecodeBatch
+from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
 from gmlx.spec.speculative import capture_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
@@ -119,10 +120,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
-        if self.batch is not None and self.batch.is_scalar and self.queue:
+        if self.batch is not None and not self.batch.has_boundary and self.queue:
             if config.is_preempt_enabled():
                 self._preempt()
-        if self.batch is None or not self.batch.is_scalar:
+        if self.batch is None or self.batch.has_boundary:
             self._admit()
         if self.batch is not None:
             self._run_round()
@@ -163,12 +164,15 @@ class Engine:
         pending = mx.array([p.first_token for p in joining], dtype=mx.int32)
         requests = [p.request for p in joining]
         if self.batch is None:
-            self.batch = DecodeBatch(requests, merged, pending, self.config.is_batch_draft_coupled)
+            if self.drafter is None:
+                mode = BatchMode.PLAIN
+            elif len(requests) == 1 and not self.queue:
+                mode = BatchMode.SCALAR  # a lone request with nobody waiting speculates alone
+            else:
+                mode = BatchMode.ARMED
+            self.batch = DecodeBatch(requests, merged, pending, mode, self.config.is_batch_draft_coupled)
             new_rows = list(range(len(requests)))
-            # A lone request with nobody waiting speculates in the scalar loop.
-            self.batch.is_scalar = self.drafter is not None and len(requests) == 1 and not self.queue
-            self.batch.is_armed = self.drafter is not None
-            if self.batch.is_armed:
+            if mode.is_armed:
                 self.drafter.reset()
         else:
             first = self.batch.num_rows
@@ -178,7 +182,7 @@ class Engine:
         cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
         if self.drafter is not None and not admission.is_within_cap(cap, self.batch.num_rows):
             self._gate()
-        elif self.batch.is_armed:
+        elif self.batch.mode.is_armed:
             hidden = mx.stack([p.hidden for p in joining])
             self.drafter.add_rows(self.batch, new_rows, hidden if self.drafter.needs_hidden else None)
 
@@ -186,9 +190,7 @@ class Engine:
         # The scalar round's verified tokens went out at the end of that round; what is left
         # is its bonus, pending and delivered, with every other token in the KV.
         batch = self.batch
-        assert batch.is_settled
-        batch.is_scalar = False
-        batch.is_armed = False
+        batch.preempt()
         self.drafter.reset()
         for request in batch.requests:
             request.is_preempted = True
@@ -197,51 +199,69 @@ class Engine:
 
     def _gate(self) -> None:
         """Over the cap: plain decoding from here; with resume off the gate latches."""
-        self.batch.was_gated = True
-        if self.batch.is_armed:
-            self.batch.is_armed = False
+        if self.batch.gate():
             self.drafter.reset()
             self.counters["num_gates"] += 1
             self._event("gate")
+
+    def _arm(self) -> list[list[int]]:
+        """A preempted batch's first round after the drain: capture, then speculate."""
+        tokens = self._capture()
+        self.batch.arm()
+        return tokens
+
+    def _resume(self) -> list[list[int]]:
+        """A gated batch back within the cap (and settled): capture, then speculate again."""
+        tokens = self._capture()
+        self.batch.resume()
+        self.counters["num_resumes"] += 1
+        self._event("resume")
+        return tokens
+
+    def _capture(self) -> list[list[int]]:
+        # The drafter's cold start needs fresh hidden state for every surviving row.
+        tokens, hidden = capture_round(self.target, self.batch)
+        self.drafter.reset()
+        self.drafter.add_rows(self.batch, list(range(self.batch.num_rows)),
+                              hidden if self.drafter.needs_hidden else None)
+        self._event("capture")
+        return tokens
 
     # --- rounds ------------------------------------------------------------------------
 
     def _run_round(self) -> None:
         batch = self.batch
         cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        is_over_cap = batch.mode is not BatchMode.PLAIN and not admission.is_within_cap(cap, batch.num_rows)
+        if is_over_cap:
+            self._gate()
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
         is_worth_lookahead = any(self._budget(r) - r.num_generated > 1 for r in batch.requests)
-        if self.drafter is None:
-            loop, tokens = "plain", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
-        elif not admission.is_within_cap(cap, batch.num_rows):
-            self._gate()
-            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
-        elif batch.is_armed:
-            loop = "scalar" if batch.is_scalar else "batch"
-            result = speculative_round(self.target, batch, self.drafter, self.drafter.num_draft_tokens)
-            tokens = result.tokens_by_row
-            self._count_verify(result)
-        elif batch.was_gated and not admission.can_resume(batch.requests):
-            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
-        elif not batch.is_settled:
-            loop, tokens = "settle", plain_round(self.target, batch, dispatch_next=False)
-        else:
-            loop, (tokens, hidden) = "capture", capture_round(self.target, batch)
-            self.drafter.reset()
-            self.drafter.add_rows(batch, list(range(batch.num_rows)), hidden if self.drafter.needs_hidden else None)
-            batch.is_armed = True
-            if batch.was_gated:
-                self.counters["num_resumes"] += 1
-                self._event("resume")
-            self._event("capture")
+        match batch.mode:
+            case BatchMode.PLAIN:
+                loop, tokens = Loop.PLAIN, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
+            case BatchMode.SCALAR | BatchMode.ARMED:
+                loop = Loop.SCALAR if batch.mode is BatchMode.SCALAR else Loop.BATCH
+                result = speculative_round(self.target, batch, self.drafter, self.drafter.num_draft_tokens)
+                tokens = result.tokens_by_row
+                self._count_verify(result)
+            case BatchMode.GATED if is_over_cap or not admission.can_resume(batch.requests):
+                loop, tokens = Loop.GATED, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
+            case BatchMode.GATED | BatchMode.UNARMED if not batch.is_settled:
+                # The gated round's lookahead already sits in the KV: read it before capturing.
+                loop, tokens = Loop.SETTLE, plain_round(self.target, batch, dispatch_next=False)
+            case BatchMode.GATED:
+                loop, tokens = Loop.CAPTURE, self._resume()
+            case BatchMode.UNARMED:
+                loop, tokens = Loop.CAPTURE, self._arm()
         self.counters["num_rounds"] += 1
-        self.counters[f"num_{loop}_rounds"] += 1
-        if loop in ("scalar", "batch"):
+        self.counters[f"num_{loop.value}_rounds"] += 1
+        if loop.is_speculative:
             self.counters["num_spec_rounds"] += 1
         keep = []
         for i, (request, row_tokens) in enumerate(zip(batch.requests, tokens)):
             request.num_rounds += 1
-            request.num_rounds_by_loop[loop] = request.num_rounds_by_loop.get(loop, 0) + 1
+            request.num_rounds_by_loop[loop.value] = request.num_rounds_by_loop.get(loop.value, 0) + 1
             if self._deliver(request, row_tokens):
                 keep.append(i)
             else:
@@ -264,7 +284,7 @@ class Engine:
             self.batch = None
             return
         self.batch.keep_rows(rows)
-        if self.batch.is_armed:
+        if self.batch.mode.is_armed:
             self.drafter.keep_rows(rows)
 
     # --- delivery ----------------------------------------------------------------------

@@ -26,7 +26,7 @@ class VerifyResult:
 
 def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draft: int) -> VerifyResult:
     """Draft k, verify [pending, drafts] in one target forward, keep the matching prefix."""
-    assert batch.is_settled and batch.is_armed
+    assert batch.is_settled and batch.mode.is_armed
     drafts = drafter.propose(batch, num_draft)  # (B, k)
     verify_in = mx.concatenate([batch.pending[:, None], drafts], axis=1)  # (B, k+1)
     positions = batch.positions(num_draft + 1, first_offset=1)
