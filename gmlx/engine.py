@@ -166,25 +166,28 @@ class Engine:
         if self.batch is None:
             if self.drafter is None:
                 mode = BatchMode.PLAIN
-            elif len(requests) == 1 and not self.queue:
+            elif len(requests) == 1 and not self.queue and requests[0].params.speculate:
                 mode = BatchMode.SCALAR  # a lone request with nobody waiting speculates alone
             else:
                 mode = BatchMode.ARMED
             self.batch = DecodeBatch(requests, merged, pending, mode, self.config.is_batch_draft_coupled)
-            new_rows = list(range(len(requests)))
+            first = 0
             if mode.is_armed:
                 self.drafter.reset()
         else:
             first = self.batch.num_rows
             self.batch.append_rows(requests, merged, pending)
-            new_rows = list(range(first, first + len(requests)))
         self._event("admit", num_new=len(requests))
         cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
-        if self.drafter is not None and not admission.is_within_cap(cap, self.batch.num_rows):
+        if self.drafter is not None and not admission.is_within_cap(cap, self.batch.num_draft_rows):
             self._gate()
         elif self.batch.mode.is_armed:
-            hidden = mx.stack([p.hidden for p in joining])
-            self.drafter.add_rows(self.batch, new_rows, hidden if self.drafter.needs_hidden else None)
+            # The drafter holds the speculating rows only; the joining ones come last there too.
+            draft_rows = self.batch.draft_rows
+            new_rows = [j for j, i in enumerate(draft_rows) if i >= first]
+            if new_rows:
+                hidden = mx.stack([joining[draft_rows[j] - first].hidden for j in new_rows])
+                self.drafter.add_rows(self.batch.draft_view, new_rows, hidden if self.drafter.needs_hidden else None)
 
     def _preempt(self) -> None:
         # The scalar round's verified tokens went out at the end of that round; what is left
@@ -222,8 +225,10 @@ class Engine:
         # The drafter's cold start needs fresh hidden state for every surviving row.
         tokens, hidden = capture_round(self.target, self.batch)
         self.drafter.reset()
-        self.drafter.add_rows(self.batch, list(range(self.batch.num_rows)),
-                              hidden if self.drafter.needs_hidden else None)
+        view = self.batch.draft_view
+        if view.num_rows:
+            hidden = hidden if view is self.batch else hidden[view.index]
+            self.drafter.add_rows(view, list(range(view.num_rows)), hidden if self.drafter.needs_hidden else None)
         self._event("capture")
         return tokens
 
@@ -232,7 +237,7 @@ class Engine:
     def _run_round(self) -> None:
         batch = self.batch
         cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
-        is_over_cap = batch.mode is not BatchMode.PLAIN and not admission.is_within_cap(cap, batch.num_rows)
+        is_over_cap = batch.mode is not BatchMode.PLAIN and not admission.is_within_cap(cap, batch.num_draft_rows)
         if is_over_cap:
             self._gate()
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
@@ -242,10 +247,10 @@ class Engine:
                 loop, tokens = Loop.PLAIN, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
             case BatchMode.SCALAR | BatchMode.ARMED:
                 loop = Loop.SCALAR if batch.mode is BatchMode.SCALAR else Loop.BATCH
-                result = speculative_round(self.target, batch, self.drafter, self.drafter.num_draft_tokens)
+                result = speculative_round(self.target, batch, self.drafter, self._draft_depths())
                 tokens = result.tokens_by_row
                 self._count_verify(result)
-            case BatchMode.GATED if is_over_cap or not admission.can_resume(batch.requests):
+            case BatchMode.GATED if is_over_cap or not admission.can_resume(batch.draft_requests):
                 loop, tokens = Loop.GATED, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
             case BatchMode.GATED | BatchMode.UNARMED if not batch.is_settled:
                 # The gated round's lookahead already sits in the KV: read it before capturing.
@@ -268,14 +273,19 @@ class Engine:
                 self._retire(request, batch.caches, i)
         self._keep_rows(keep)
 
+    def _draft_depths(self) -> list[int]:
+        """Each row's k this round; opt-out rows decode plain (k = 0)."""
+        k = self.drafter.num_draft_tokens
+        return [k if r.params.speculate else 0 for r in self.batch.requests]
+
     def _count_verify(self, result) -> None:
-        self.counters["num_drafted"] += result.num_drafted * len(result.num_accepted)
+        self.counters["num_drafted"] += sum(result.num_drafted)
         self.counters["num_accepted"] += sum(result.num_accepted)
-        for request, accepted in zip(self.batch.requests, result.num_accepted):
-            request.num_drafted += result.num_drafted
+        for request, accepted, drafted in zip(self.batch.requests, result.num_accepted, result.num_drafted):
+            request.num_drafted += drafted
             request.num_accepted += accepted
             by_pos = request.accepted_by_position
-            by_pos.extend([0] * (result.num_drafted - len(by_pos)))
+            by_pos.extend([0] * (drafted - len(by_pos)))
             for j in range(accepted):
                 by_pos[j] += 1
 
@@ -283,9 +293,15 @@ class Engine:
         if not rows:
             self.batch = None
             return
+        # The drafter's row j is the batch's draft_rows[j]: map the kept rows into its numbering.
+        draft_index = {i: j for j, i in enumerate(self.batch.draft_rows)}
         self.batch.keep_rows(rows)
         if self.batch.mode.is_armed:
-            self.drafter.keep_rows(rows)
+            draft_rows = [draft_index[i] for i in rows if i in draft_index]
+            if draft_rows:
+                self.drafter.keep_rows(draft_rows)
+            else:
+                self.drafter.reset()
 
     # --- delivery ----------------------------------------------------------------------
 

@@ -127,3 +127,53 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path, builtin_target
 def test_unknown_drafter_is_named(builtin_target):
     with pytest.raises(ValueError, match="medusa"):
         make_drafter("medusa", builtin_target)
+
+
+class RecordingDrafter:
+    """Wraps a real drafter and records, per propose call, which requests it drafted for."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.kind, self.needs_hidden = inner.kind, inner.needs_hidden
+        self.num_draft_tokens, self.default_width_cap = inner.num_draft_tokens, inner.default_width_cap
+        self.drafted_for: list[tuple[str, ...]] = []
+
+    def propose(self, batch, num_tokens):
+        self.drafted_for.append(tuple(r.request_id for r in batch.requests))
+        return self.inner.propose(batch, num_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_opt_out_rows_never_draft_nor_hold_the_batch_back(kind, builtin_target, reference, code_prompts,
+                                                          monkeypatch):
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "1")  # only the opt-outs make this batch wider than the cap
+    drafter = RecordingDrafter(make_drafter(kind, builtin_target))
+    engine = Engine(builtin_target, drafter, EngineConfig(prefill_chunk_tokens=4096))
+    requests = {"spec": (code_prompts[0], SamplingParams(max_tokens=30)),
+                "out1": (code_prompts[1], SamplingParams(max_tokens=30, speculate=False)),
+                "out2": (code_prompts[2], SamplingParams(max_tokens=24, temperature=0.8, seed=9, speculate=False))}
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=request_id)
+    got = {request_id: [] for request_id in requests}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    assert drafter.drafted_for and all(ids == ("spec",) for ids in drafter.drafted_for)
+    assert engine.counters["num_gated_rounds"] == 0 and engine.counters["num_batch_rounds"] > 0
+    for request_id, (prompt, params) in requests.items():
+        assert got[request_id] == reference.tokens(prompt, params)[0], request_id
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_random_schedules_with_opt_outs_equal_plain(kind, engines, reference, code_prompts):
+    totals = {}
+    for i in range(SCHEDULES_PER_CHUNK):
+        schedule = make_schedule(9000 + 100 * DRAFTERS.index(kind) + i, engines[kind].target.vocab_size,
+                                 code_prompts, max_requests=8, opt_out_rate=0.4)
+        result = check_schedule(engines[kind], reference, schedule)
+        for key, value in result.counters.items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["num_spec_rounds"] > 0 and totals["num_drafted"] > 0

@@ -42,12 +42,14 @@ class DraftModelDrafter:
                 cache.select_rows(rows)
 
     def propose(self, batch, num_tokens: int) -> mx.array:
-        # Roll each row back to one token behind the target, then feed [last KV token, pending]:
-        # a uniform two-token input whatever each row accepted last round.
+        # Roll each row back to num_back tokens behind the target, then feed those tokens and
+        # the pending one: a uniform input whatever each row accepted last round. num_back is 1
+        # unless a row skipped drafting (k = 0 rounds) and its draft KV lags the target's.
         lengths = batch.lengths
-        self._trim_to([n - 1 for n in lengths])
-        last = [r.token_at(n - 1) for r, n in zip(batch.requests, lengths)]
-        tokens = mx.concatenate([mx.array(last, dtype=mx.int32)[:, None], batch.pending[:, None]], axis=1)
+        num_back = max([1] + [n - have for n, have in zip(lengths, self.caches[0].lengths)])
+        self._trim_to([n - num_back for n in lengths])
+        history = [[r.token_at(n - num_back + j) for j in range(num_back)] for r, n in zip(batch.requests, lengths)]
+        tokens = mx.concatenate([mx.array(history, dtype=mx.int32), batch.pending[:, None]], axis=1)  # (B, num_back+1)
         positions = batch.positions(num_tokens, first_offset=1)
         drafts = []
         for j in range(num_tokens):

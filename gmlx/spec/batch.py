@@ -140,7 +140,59 @@ class DecodeBatch:
         """How drafters sample: coupled to each row's noise, or greedy (the spec's batch loop)."""
         return self.sampling if self.mode is BatchMode.SCALAR or self.is_draft_coupled else self._greedy_sampling
 
+    @property
+    def draft_requests(self) -> list[Request]:
+        return [self.requests[i] for i in self.draft_rows]
+
+    @property
+    def num_draft_rows(self) -> int:
+        """Rows that speculate: the width the cap is checked against (opt-out rows never count)."""
+        return len(self.draft_rows)
+
+    @property
+    def draft_view(self) -> DecodeBatch | DraftRows:
+        """What the drafter sees: the speculating rows only (the batch itself when all speculate)."""
+        return self if self._draft_view is None else self._draft_view
+
     def _refresh_sampling(self) -> None:
         seeds = [r.seed for r in self.requests]
         self.sampling = SamplingRows.make([r.params for r in self.requests], seeds)
         self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
+        self.draft_rows = [i for i, r in enumerate(self.requests) if r.params.speculate]
+        is_all = len(self.draft_rows) == len(self.requests)
+        self._draft_view = None if is_all else DraftRows(self, self.draft_rows)
+
+
+class DraftRows:
+    """The speculating rows of a batch, shaped like a batch for the drafters (row j = batch
+    row rows[j]); opt-out rows (SamplingParams.speculate=False) are never shown to a drafter."""
+
+    def __init__(self, batch: DecodeBatch, rows: list[int]):
+        self.batch = batch
+        self.rows = rows
+        self.index = mx.array(rows, dtype=mx.int32)
+        self.requests = [batch.requests[i] for i in rows]
+        seeds = [r.seed for r in self.requests]
+        self._sampling = SamplingRows.make([r.params for r in self.requests], seeds)
+        self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def pending(self) -> mx.array:
+        return self.batch.pending[self.index]  # (Bd,)
+
+    @property
+    def lengths(self) -> list[int]:
+        lengths = self.batch.lengths
+        return [lengths[i] for i in self.rows]
+
+    def positions(self, num_tokens: int, first_offset: int = 0) -> mx.array:
+        return self.batch.positions(num_tokens, first_offset)[self.index]  # (Bd, T)
+
+    @property
+    def draft_sampling(self) -> SamplingRows:
+        is_coupled = self.batch.mode is BatchMode.SCALAR or self.batch.is_draft_coupled
+        return self._sampling if is_coupled else self._greedy_sampling
