@@ -156,3 +156,4 @@ class EngineConfig:
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)
+    is_adaptive_depth: bool = True  # each row drafts k in 0..num_draft_tokens from its live acceptance

@@ -31,6 +31,7 @@ from gmlx.platform.blas import ensure_fast_blas
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
+from gmlx.spec.depth import DepthPolicy
 from gmlx.spec.speculative import capture_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class Engine:
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
+        # None: every speculating row drafts the drafter's k each round (fixed depth).
+        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens)
+                             if drafter is not None and engine_config.is_adaptive_depth else None)
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
 
@@ -139,6 +143,7 @@ class Engine:
         stats["acceptance_rate"] = (
             self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
         )
+        stats["draft_depth"] = self.depth_policy.describe() if self.depth_policy is not None else None
         stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
             stats.update(self.prompt_cache.stats())
@@ -274,14 +279,17 @@ class Engine:
         self._keep_rows(keep)
 
     def _draft_depths(self) -> list[int]:
-        """Each row's k this round; opt-out rows decode plain (k = 0)."""
-        k = self.drafter.num_draft_tokens
-        return [k if r.params.speculate else 0 for r in self.batch.requests]
+        """Each row's k this round: from its live acceptance (or the drafter's fixed k); opt-out rows 0."""
+        policy, k = self.depth_policy, self.drafter.num_draft_tokens
+        return [(k if policy is None else policy.depth(r.request_id)) if r.params.speculate else 0
+                for r in self.batch.requests]
 
     def _count_verify(self, result) -> None:
         self.counters["num_drafted"] += sum(result.num_drafted)
         self.counters["num_accepted"] += sum(result.num_accepted)
         for request, accepted, drafted in zip(self.batch.requests, result.num_accepted, result.num_drafted):
+            if self.depth_policy is not None and request.params.speculate:
+                self.depth_policy.observe(request.request_id, drafted, accepted)
             request.num_drafted += drafted
             request.num_accepted += accepted
             by_pos = request.accepted_by_position
@@ -334,6 +342,8 @@ class Engine:
         request.finish_time_s = time.perf_counter()
         self.counters["num_finished"] += 1
         del self.requests[request.request_id]
+        if self.depth_policy is not None:
+            self.depth_policy.forget(request.request_id)
         output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), request.error)
         self._outputs.append(output)
         return output
