@@ -25,6 +25,7 @@ ENV_VARS = {
     "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls and x @ W.T or x @ W calls of 2-8 rows to the interposer's streaming kernels (bit-identical to sgemm) on Linux; 0 turns it off",
     "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
     "GMLX_INPUT_MAJOR_WEIGHTS": "1 (default) stores a model's Linear weights input-major on the CPU backend when the interposer routes that layout (its one-row kernel reads them front to back; results checked bit-identical at load); 0 keeps mlx-lm's layout",
+    "GMLX_CALIBRATE": "auto (default) measures target and drafter costs once per model, drafter and machine and caches them (sets the width cap and draft depths); measure re-measures; off uses the drafter's fixed cap",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
 }
 
@@ -127,6 +128,18 @@ def cache_dir() -> Path:
         return Path(raw)
     base = os.environ.get("XDG_CACHE_HOME", "").strip()
     return (Path(base) if base else Path.home() / ".cache") / "gmlx"
+
+
+CALIBRATE_MODES = ("auto", "measure", "off")
+
+
+def calibrate_mode() -> str:
+    """GMLX_CALIBRATE: auto (default) uses the cached speculation cost table or measures it,
+    measure re-measures, off skips it."""
+    raw = os.environ.get("GMLX_CALIBRATE", "").strip().lower() or "auto"
+    if raw not in CALIBRATE_MODES:
+        raise ValueError(f"GMLX_CALIBRATE={raw!r}: expected one of {', '.join(CALIBRATE_MODES)}")
+    return raw
 
 
 def is_interposer_enabled() -> bool:

@@ -31,7 +31,8 @@ from gmlx.platform.blas import ensure_fast_blas
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
-from gmlx.spec.depth import DepthPolicy
+from gmlx.spec.calibration import CostTable, load_or_measure
+from gmlx.spec.depth import PRIOR_ACCEPTANCE, DepthPolicy
 from gmlx.spec.speculative import capture_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ _STAT_KEYS = (
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig):
+    def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, cost_table: CostTable | None = None):
         self.target = target
         self.drafter = drafter
         self.config = engine_config
@@ -55,8 +56,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
         # None: every speculating row drafts the drafter's k each round (fixed depth).
-        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens)
+        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens, table=cost_table)
                              if drafter is not None and engine_config.is_adaptive_depth else None)
+        self.cost_table = cost_table  # measured round costs: the width cap and depths when set
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
 
@@ -65,7 +67,7 @@ class Engine:
         ensure_fast_blas()  # a no-op after an entry point's call; else it warns that mlx came first
         target = load_model(engine_config.model_path)
         drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
-        return cls(target, drafter, engine_config)
+        return cls(target, drafter, engine_config, load_or_measure(target, drafter, engine_config.max_num_rows))
 
     @property
     def tokenizer(self):
@@ -138,12 +140,14 @@ class Engine:
         stats = dict(self.counters)
         stats["num_active"] = 0 if self.batch is None else self.batch.num_rows
         stats["num_queued"] = len(self.queue)
-        stats["width_cap"] = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        stats["width_cap"] = self._width_cap()
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
         stats["acceptance_rate"] = (
             self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
         )
         stats["draft_depth"] = self.depth_policy.describe() if self.depth_policy is not None else None
+        stats["calibration"] = (self.cost_table.describe(self._acceptance_prior(), self.config.max_num_rows)
+                                if self.cost_table is not None else None)
         stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
             stats.update(self.prompt_cache.stats())
@@ -183,8 +187,7 @@ class Engine:
             first = self.batch.num_rows
             self.batch.append_rows(requests, merged, pending)
         self._event("admit", num_new=len(requests))
-        cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
-        if self.drafter is not None and not admission.is_within_cap(cap, self.batch.num_draft_rows):
+        if self.drafter is not None and not admission.is_within_cap(self._width_cap(), self.batch.num_draft_rows):
             self._gate()
         elif self.batch.mode.is_armed:
             # The drafter holds the speculating rows only; the joining ones come last there too.
@@ -241,8 +244,8 @@ class Engine:
 
     def _run_round(self) -> None:
         batch = self.batch
-        cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
-        is_over_cap = batch.mode is not BatchMode.PLAIN and not admission.is_within_cap(cap, batch.num_draft_rows)
+        is_over_cap = (batch.mode is not BatchMode.PLAIN
+                       and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
         if is_over_cap:
             self._gate()
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
@@ -278,10 +281,19 @@ class Engine:
                 self._retire(request, batch.caches, i)
         self._keep_rows(keep)
 
+    def _width_cap(self) -> int:
+        calibrated = None
+        if self.cost_table is not None:
+            calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows)
+        return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
+
+    def _acceptance_prior(self) -> float:
+        return self.depth_policy.prior_acceptance if self.depth_policy is not None else PRIOR_ACCEPTANCE
+
     def _draft_depths(self) -> list[int]:
         """Each row's k this round: from its live acceptance (or the drafter's fixed k); opt-out rows 0."""
-        policy, k = self.depth_policy, self.drafter.num_draft_tokens
-        return [(k if policy is None else policy.depth(r.request_id)) if r.params.speculate else 0
+        policy, k, width = self.depth_policy, self.drafter.num_draft_tokens, self.batch.num_draft_rows
+        return [(k if policy is None else policy.depth(r.request_id, width)) if r.params.speculate else 0
                 for r in self.batch.requests]
 
     def _count_verify(self, result) -> None:

@@ -18,6 +18,7 @@ class DraftModelDrafter:
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
         self.draft = load_model(path)
+        self.path = str(path)  # part of the calibration's cache key
         if self.draft.vocab_size != target.vocab_size or _vocab(self.draft) != _vocab(target):
             raise ValueError(
                 f"drafter draft:{path}: its vocabulary ({self.draft.vocab_size} tokens) does not "

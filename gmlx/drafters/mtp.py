@@ -22,6 +22,7 @@ class MTPDrafter:
                 f"{self.head.args.vocab_size}, target has {target.hidden_size} / {target.vocab_size}"
             )
         self.target = target
+        self.path = str(path)  # part of the calibration's cache key
         self.num_draft_tokens = num_draft_tokens or 3
         self.hidden: mx.array | None = None  # (B, 1, D): each row's hidden behind its pending token
 

@@ -9,15 +9,16 @@ whose drafts do not pay stops drafting. The costs come from the start-up calibra
 
 The acceptance a is per request, smoothed: decayed counts of accepted and tried drafts plus a
 prior, which is the drafter's acceptance over every row so far. A row at k = 0 tries nothing,
-so its counts decay toward the prior and it probes again after a while.
+so its counts decay toward the prior and it probes again after a while. A new row drafts at
+least one token in its first round whatever the prior says.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_PRIOR_ACCEPTANCE = 0.6  # before any row has drafted: a typical first-draft agreement
-_PRIOR_WEIGHT = 4.0  # the prior counts as this many tried drafts
+PRIOR_ACCEPTANCE = 0.6  # before any row has drafted: a typical first-draft agreement
+_PRIOR_WEIGHT = 2.0  # the prior counts as this many tried drafts
 _DECAY = 0.8  # per round: about the last five rounds carry a row's estimate
 
 
@@ -54,6 +55,7 @@ class _RowEstimate:
 class DepthPolicy:
     k_max: int
     costs: DraftCosts = field(default_factory=DraftCosts)
+    table: object = None  # a calibration.CostTable: measured costs per width replace `costs`
     _rows: dict[str, _RowEstimate] = field(default_factory=dict)
     _num_accepted: int = 0  # over every row: the prior of a new row
     _num_tried: int = 0
@@ -63,14 +65,21 @@ class DepthPolicy:
 
     @property
     def prior_acceptance(self) -> float:
-        return (self._num_accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (self._num_tried + _PRIOR_WEIGHT)
+        return (self._num_accepted + PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (self._num_tried + _PRIOR_WEIGHT)
 
     def acceptance(self, request_id: str) -> float:
         row = self._rows.get(request_id) or _RowEstimate()
         return (row.num_accepted + self.prior_acceptance * _PRIOR_WEIGHT) / (row.num_tried + _PRIOR_WEIGHT)
 
-    def depth(self, request_id: str) -> int:
-        return best_depth(self.acceptance(request_id), self.k_max, self.costs)
+    def depth(self, request_id: str, width: int = 1) -> int:
+        """This round's k for the row, in a batch of `width` speculating rows."""
+        acceptance = self.acceptance(request_id)
+        if self.table is not None:
+            k = self.table.best_depth(width, acceptance, self.k_max)
+        else:
+            k = best_depth(acceptance, self.k_max, self.costs)
+        # A row's first round drafts at least once, so its acceptance is measured, not assumed.
+        return max(k, 1) if request_id not in self._rows and self.k_max else k
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """After a verify round; num_drafted = 0 for a row that decoded plain in it."""
@@ -86,6 +95,6 @@ class DepthPolicy:
         self._rows.pop(request_id, None)
 
     def describe(self) -> dict:
-        return {"k_max": self.k_max, "prior_acceptance": round(self.prior_acceptance, 4),
-                "verify_per_position": self.costs.verify_per_position,
-                "draft_per_token": self.costs.draft_per_token}
+        costs = {} if self.table is not None else {"verify_per_position": self.costs.verify_per_position,
+                                                   "draft_per_token": self.costs.draft_per_token}
+        return {"k_max": self.k_max, "prior_acceptance": round(self.prior_acceptance, 4), **costs}
