@@ -255,7 +255,8 @@ class Engine:
                 loop, tokens = Loop.PLAIN, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
             case BatchMode.SCALAR | BatchMode.ARMED:
                 loop = Loop.SCALAR if batch.mode is BatchMode.SCALAR else Loop.BATCH
-                result = speculative_round(self.target, batch, self.drafter, self._draft_depths())
+                is_stochastic = self.config.is_stochastic_acceptance and self.drafter.has_distribution
+                result = speculative_round(self.target, batch, self.drafter, self._draft_depths(), is_stochastic)
                 tokens = result.tokens_by_row
                 self._count_verify(result)
             case BatchMode.GATED if is_over_cap or not admission.can_resume(batch.draft_requests):

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
 from gmlx.models.loader import load_model
-from gmlx.sampling import sample
+from gmlx.sampling import probabilities, sample
 
 _PREFILL_CHUNK_TOKENS = 512
 
@@ -15,6 +15,7 @@ class DraftModelDrafter:
     kind = "draft"
     default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = False
+    has_distribution = True  # propose_with_probs: stochastic acceptance can use it
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
         self.draft = load_model(path)
@@ -43,6 +44,10 @@ class DraftModelDrafter:
                 cache.select_rows(rows)
 
     def propose(self, batch, num_tokens: int) -> mx.array:
+        return self.propose_with_probs(batch, num_tokens, with_probs=False)[0]
+
+    def propose_with_probs(self, batch, num_tokens: int, with_probs: bool = True):
+        """Drafts (B, k) and, with_probs, the distributions (B, k, V) they were drawn from."""
         # Roll each row back to num_back tokens behind the target, then feed those tokens and
         # the pending one: a uniform input whatever each row accepted last round. num_back is 1
         # unless a row skipped drafting (k = 0 rounds) and its draft KV lags the target's.
@@ -52,12 +57,14 @@ class DraftModelDrafter:
         history = [[r.token_at(n - num_back + j) for j in range(num_back)] for r, n in zip(batch.requests, lengths)]
         tokens = mx.concatenate([mx.array(history, dtype=mx.int32), batch.pending[:, None]], axis=1)  # (B, num_back+1)
         positions = batch.positions(num_tokens, first_offset=1)
-        drafts = []
+        drafts, probs = [], []
         for j in range(num_tokens):
             logits = self.draft.head(self.draft.body(tokens, self.caches)[:, -1:, :])  # (B, 1, V)
             tokens = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
             drafts.append(tokens)
-        return mx.concatenate(drafts, axis=1)
+            if with_probs:
+                probs.append(probabilities(logits, batch.draft_sampling))
+        return mx.concatenate(drafts, axis=1), (mx.concatenate(probs, axis=1) if with_probs else None)
 
     def on_verified(self, batch, num_accepted, hidden) -> None:
         pass
