@@ -189,7 +189,7 @@ class RandomDepths:
         self.engine, self.k_max, self.rng = engine, k_max, random.Random(seed)
         self.depths_by_round: dict[int, list[int]] = {}
 
-    def depth(self, request_id):
+    def depth(self, request_id, width):
         k = self.rng.randint(0, self.k_max)
         self.depths_by_round.setdefault(self.engine.counters["num_rounds"], []).append(k)
         return k

@@ -49,17 +49,27 @@ class DraftModelDrafter:
     def propose_with_probs(self, batch, num_tokens: int, with_probs: bool = True):
         """Drafts (B, k) and, with_probs, the distributions (B, k, V) they were drawn from."""
         # Roll each row back to num_back tokens behind the target, then feed those tokens and
-        # the pending one: a uniform input whatever each row accepted last round. num_back is 1
-        # unless a row skipped drafting (k = 0 rounds) and its draft KV lags the target's.
+        # the pending one. num_back is 1 unless the row skipped drafting (k = 0 rounds) and its
+        # draft KV lags the target's; rows feeding fewer tokens are padded on the right, read at
+        # their pending token's slot and trimmed back, so the junk after it is never attended.
         lengths = batch.lengths
-        num_back = max([1] + [n - have for n, have in zip(lengths, self.caches[0].lengths)])
-        self._trim_to([n - num_back for n in lengths])
-        history = [[r.token_at(n - num_back + j) for j in range(num_back)] for r, n in zip(batch.requests, lengths)]
-        tokens = mx.concatenate([mx.array(history, dtype=mx.int32), batch.pending[:, None]], axis=1)  # (B, num_back+1)
+        num_back = [max(1, n - have) for n, have in zip(lengths, self.caches[0].lengths)]
+        width = max(num_back) + 1
+        self._trim_to([n - b for n, b in zip(lengths, num_back)])
+        history = [[r.token_at(n - b + j) for j in range(b)] + [0] * (width - b)
+                   for r, n, b in zip(batch.requests, lengths, num_back)]
+        slot = mx.array(num_back, dtype=mx.int32)  # where each row's pending token goes
+        tokens = mx.where(mx.arange(width)[None, :] == slot[:, None], batch.pending[:, None],
+                          mx.array(history, dtype=mx.int32))  # (B, width)
         positions = batch.positions(num_tokens, first_offset=1)
         drafts, probs = [], []
         for j in range(num_tokens):
-            logits = self.draft.head(self.draft.body(tokens, self.caches)[:, -1:, :])  # (B, 1, V)
+            hidden = self.draft.body(tokens, self.caches)  # (B, T, D)
+            if j == 0:
+                hidden = hidden[mx.arange(batch.num_rows), slot][:, None, :]  # (B, 1, D)
+                for cache in self.caches:
+                    cache.trim_rows([width - 1 - b for b in num_back])
+            logits = self.draft.head(hidden[:, -1:, :])  # (B, 1, V)
             tokens = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
             drafts.append(tokens)
             if with_probs:
