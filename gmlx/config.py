@@ -115,6 +115,18 @@ def cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "gmlx"
 
 
+CALIBRATE_MODES = ("auto", "measure", "off")
+
+
+def calibrate_mode() -> str:
+    """GMLX_CALIBRATE: auto (default) uses the cached speculation cost table or measures it,
+    measure re-measures, off skips it."""
+    raw = os.environ.get("GMLX_CALIBRATE", "").strip().lower() or "auto"
+    if raw not in CALIBRATE_MODES:
+        raise ValueError(f"GMLX_CALIBRATE={raw!r}: expected one of {', '.join(CALIBRATE_MODES)}")
+    return raw
+
+
 def is_interposer_enabled() -> bool:
     return _env_flag("GMLX_SGEMV_INTERPOSER", True)
 
@@ -183,3 +195,5 @@ class EngineConfig:
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)
+    is_adaptive_depth: bool = True  # each row drafts k in 0..num_draft_tokens from its live acceptance
+    is_stochastic_acceptance: bool = False  # accept drafts with min(1, p/q) (mtp, draft); False: exact match

@@ -1,11 +1,13 @@
 """The socket-free engine core: add a request, abort one, step -> each request's new tokens.
 
 One step is one decode round of the running generation, preceded by the injection drain
-when the generation has an admission boundary. The loop a round runs in:
+when the generation has an admission boundary. The batch's mode (spec/batch.py BatchMode)
+picks the loop a round runs in (Loop):
   scalar  - one request speculating alone (no admission boundary: waiters preempt it)
   batch   - speculating rows within the width cap
   gated   - plain decode over the cap, next forward dispatched ahead (no drafter work)
-  settle  - reads the dispatched-ahead lookahead without a successor (before a capture)
+  settle  - reads the dispatched-ahead lookahead without a successor (before a capture; a
+            gated batch decides to resume once, before it pays for this round)
   capture - one-position verify with the hidden state kept; the drafter cold-starts from it
   plain   - no drafter loaded
 """
@@ -30,7 +32,9 @@ from gmlx.models.loader import LoadedModel, load_model, resolve_model_path
 from gmlx.platform.blas import ensure_fast_blas
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
-from gmlx.spec.batch import DecodeBatch
+from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
+from gmlx.spec.calibration import CostTable, load_or_measure
+from gmlx.spec.depth import PRIOR_ACCEPTANCE, DepthPolicy
 from gmlx.spec.speculative import capture_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
@@ -43,7 +47,7 @@ _STAT_KEYS = (
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig):
+    def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, cost_table: CostTable | None = None):
         config.validate_settings()
         self.target = target
         self.drafter = drafter
@@ -54,9 +58,12 @@ class Engine:
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
+        # None: every speculating row drafts the drafter's k each round (fixed depth).
+        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens, table=cost_table)
+                             if drafter is not None and engine_config.is_adaptive_depth else None)
+        self.cost_table = cost_table  # measured round costs: the width cap and depths when set
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
-        self._is_resume_decided = False  # a gated batch passed the resume check at its settle round
         self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
 
     @classmethod
@@ -66,7 +73,7 @@ class Engine:
         check_model_config(resolve_model_path(engine_config.model_path))
         target = load_model(engine_config.model_path)
         drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
-        return cls(target, drafter, engine_config)
+        return cls(target, drafter, engine_config, load_or_measure(target, drafter, engine_config.max_num_rows))
 
     @property
     def tokenizer(self):
@@ -125,13 +132,13 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
-        if self.batch is not None and self.batch.is_scalar and self.queue and config.is_preempt_enabled():
+        if self.batch is not None and not self.batch.has_boundary and self.queue and config.is_preempt_enabled():
             # Preempting for a waiter that cannot join yet would drop speculation for nothing.
             if self.queue.can_join_next_drain(self._prefill_budget_s()):
                 self._preempt()
             else:
                 self.queue.prefill_ahead(self._prefill_budget_s())
-        if self.batch is None or not self.batch.is_scalar:
+        if self.batch is None or self.batch.has_boundary:
             self._admit()
         if self.batch is not None:
             self._run_round()
@@ -142,11 +149,14 @@ class Engine:
         stats = dict(self.counters)
         stats["num_active"] = 0 if self.batch is None else self.batch.num_rows
         stats["num_queued"] = len(self.queue)
-        stats["width_cap"] = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        stats["width_cap"] = self._width_cap()
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
         stats["acceptance_rate"] = (
             self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
         )
+        stats["draft_depth"] = self.depth_policy.describe() if self.depth_policy is not None else None
+        stats["calibration"] = (self.cost_table.describe(self._acceptance_prior(), self.config.max_num_rows)
+                                if self.cost_table is not None else None)
         stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
             stats.update(self.prompt_cache.stats())
@@ -172,24 +182,29 @@ class Engine:
         pending = mx.array([p.first_token for p in joining], dtype=mx.int32)
         requests = [p.request for p in joining]
         if self.batch is None:
-            self.batch = DecodeBatch(requests, merged, pending, self.config.is_batch_draft_coupled)
-            new_rows = list(range(len(requests)))
-            # A lone request with nobody waiting speculates in the scalar loop.
-            self.batch.is_scalar = self.drafter is not None and len(requests) == 1 and not self.queue
-            self.batch.is_armed = self.drafter is not None
-            if self.batch.is_armed:
+            if self.drafter is None:
+                mode = BatchMode.PLAIN
+            elif len(requests) == 1 and not self.queue and requests[0].params.speculate:
+                mode = BatchMode.SCALAR  # a lone request with nobody waiting speculates alone
+            else:
+                mode = BatchMode.ARMED
+            self.batch = DecodeBatch(requests, merged, pending, mode, self.config.is_batch_draft_coupled)
+            first = 0
+            if mode.is_armed:
                 self.drafter.reset()
         else:
             first = self.batch.num_rows
             self.batch.append_rows(requests, merged, pending)
-            new_rows = list(range(first, first + len(requests)))
         self._event("admit", num_new=len(requests))
-        cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
-        if self.drafter is not None and not admission.is_within_cap(cap, self.batch.num_rows):
+        if self.drafter is not None and not admission.is_within_cap(self._width_cap(), self.batch.num_draft_rows):
             self._gate()
-        elif self.batch.is_armed:
-            hidden = mx.stack([p.hidden for p in joining])
-            self.drafter.add_rows(self.batch, new_rows, hidden if self.drafter.needs_hidden else None)
+        elif self.batch.mode.is_armed:
+            # The drafter holds the speculating rows only; the joining ones come last there too.
+            draft_rows = self.batch.draft_rows
+            new_rows = [j for j, i in enumerate(draft_rows) if i >= first]
+            if new_rows:
+                hidden = mx.stack([joining[draft_rows[j] - first].hidden for j in new_rows])
+                self.drafter.add_rows(self.batch.draft_view, new_rows, hidden if self.drafter.needs_hidden else None)
 
     def _prefill_budget_s(self) -> float | None:
         """Prefill time allowed this step: None (a whole chunk) when no row decodes."""
@@ -204,9 +219,7 @@ class Engine:
         # The scalar round's verified tokens went out at the end of that round; what is left
         # is its bonus, pending and delivered, with every other token in the KV.
         batch = self.batch
-        assert batch.is_settled
-        batch.is_scalar = False
-        batch.is_armed = False
+        batch.preempt()
         self.drafter.reset()
         for request in batch.requests:
             request.is_preempted = True
@@ -217,15 +230,37 @@ class Engine:
         """Over the cap: plain decoding from here; with resume off the gate latches."""
         # A batch just preempted is disarmed but not yet gated: its gate counts too, so
         # every later resume has a gate to match.
-        is_new_gate = self.batch.is_armed or not self.batch.was_gated
-        self.batch.was_gated = True
-        self._is_resume_decided = False
-        if self.batch.is_armed:
-            self.batch.is_armed = False
+        is_new_gate = self.batch.mode not in (BatchMode.GATED, BatchMode.RESUMING)
+        if self.batch.gate():
             self.drafter.reset()
         if is_new_gate:
             self.counters["num_gates"] += 1
             self._event("gate")
+
+    def _arm(self) -> list[list[int]]:
+        """A preempted batch's first round after the drain: capture, then speculate."""
+        tokens = self._capture()
+        self.batch.arm()
+        return tokens
+
+    def _resume(self) -> list[list[int]]:
+        """A gated batch back within the cap (and settled): capture, then speculate again."""
+        tokens = self._capture()
+        self.batch.resume()
+        self.counters["num_resumes"] += 1
+        self._event("resume")
+        return tokens
+
+    def _capture(self) -> list[list[int]]:
+        # The drafter's cold start needs fresh hidden state for every surviving row.
+        tokens, hidden = capture_round(self.target, self.batch)
+        self.drafter.reset()
+        view = self.batch.draft_view
+        if view.num_rows:
+            hidden = hidden if view is self.batch else hidden[view.index]
+            self.drafter.add_rows(view, list(range(view.num_rows)), hidden if self.drafter.needs_hidden else None)
+        self._event("capture")
+        return tokens
 
     # --- rounds ------------------------------------------------------------------------
 
@@ -237,68 +272,88 @@ class Engine:
 
     def _run_round_inner(self) -> None:
         batch = self.batch
-        cap = admission.width_cap(self.config.speculative_width_cap, self.drafter)
+        is_over_cap = (batch.mode is not BatchMode.PLAIN
+                       and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
+        if is_over_cap:
+            self._gate()
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
         is_worth_lookahead = any(self._budget(r) - r.num_generated > 1 for r in batch.requests)
-        if self.drafter is None:
-            loop, tokens = "plain", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
-        elif not admission.is_within_cap(cap, batch.num_rows):
-            self._gate()
-            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
-        elif batch.is_armed:
-            loop = "scalar" if batch.is_scalar else "batch"
-            result = speculative_round(self.target, batch, self.drafter, self.drafter.num_draft_tokens)
-            tokens = result.tokens_by_row
-            self._count_verify(result)
-        elif batch.was_gated and not self._is_resume_decided and not admission.can_resume(batch.requests):
-            loop, tokens = "gated", plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
-        elif not batch.is_settled:
-            # Decided here, once: the settle round is paid only for a capture that follows.
-            self._is_resume_decided = batch.was_gated
-            loop, tokens = "settle", plain_round(self.target, batch, dispatch_next=False)
-        else:
-            self._is_resume_decided = False
-            loop, (tokens, hidden) = "capture", capture_round(self.target, batch)
-            self.drafter.reset()
-            self.drafter.add_rows(batch, list(range(batch.num_rows)), hidden if self.drafter.needs_hidden else None)
-            batch.is_armed = True
-            if batch.was_gated:
-                self.counters["num_resumes"] += 1
-                self._event("resume")
-            self._event("capture")
+        match batch.mode:
+            case BatchMode.PLAIN:
+                loop, tokens = Loop.PLAIN, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
+            case BatchMode.SCALAR | BatchMode.ARMED:
+                loop = Loop.SCALAR if batch.mode is BatchMode.SCALAR else Loop.BATCH
+                is_stochastic = self.config.is_stochastic_acceptance and self.drafter.has_distribution
+                result = speculative_round(self.target, batch, self.drafter, self._draft_depths(), is_stochastic)
+                tokens = result.tokens_by_row
+                self._count_verify(result)
+            case BatchMode.GATED if is_over_cap or not admission.can_resume(batch.draft_requests):
+                loop, tokens = Loop.GATED, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
+            case BatchMode.GATED | BatchMode.RESUMING | BatchMode.UNARMED if not batch.is_settled:
+                # Decided once, here: the settle round is paid only for a capture that follows.
+                if batch.mode is BatchMode.GATED:
+                    batch.begin_resume()
+                # The gated round's lookahead already sits in the KV: read it before capturing.
+                loop, tokens = Loop.SETTLE, plain_round(self.target, batch, dispatch_next=False)
+            case BatchMode.GATED | BatchMode.RESUMING:
+                loop, tokens = Loop.CAPTURE, self._resume()
+            case BatchMode.UNARMED:
+                loop, tokens = Loop.CAPTURE, self._arm()
         self.counters["num_rounds"] += 1
-        self.counters[f"num_{loop}_rounds"] += 1
-        if loop in ("scalar", "batch"):
+        self.counters[f"num_{loop.value}_rounds"] += 1
+        if loop.is_speculative:
             self.counters["num_spec_rounds"] += 1
         keep = []
         for i, (request, row_tokens) in enumerate(zip(batch.requests, tokens)):
             request.num_rounds += 1
-            request.num_rounds_by_loop[loop] = request.num_rounds_by_loop.get(loop, 0) + 1
+            request.num_rounds_by_loop[loop.value] = request.num_rounds_by_loop.get(loop.value, 0) + 1
             if self._deliver(request, row_tokens):
                 keep.append(i)
             else:
                 self._retire(request, batch.caches, i)
         self._keep_rows(keep)
 
+    def _width_cap(self) -> int:
+        calibrated = None
+        if self.cost_table is not None:
+            calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows)
+        return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
+
+    def _acceptance_prior(self) -> float:
+        return self.depth_policy.prior_acceptance if self.depth_policy is not None else PRIOR_ACCEPTANCE
+
+    def _draft_depths(self) -> list[int]:
+        """Each row's k this round: from its live acceptance (or the drafter's fixed k); opt-out rows 0."""
+        policy, k, width = self.depth_policy, self.drafter.num_draft_tokens, self.batch.num_draft_rows
+        return [(k if policy is None else policy.depth(r.request_id, width)) if r.params.speculate else 0
+                for r in self.batch.requests]
+
     def _count_verify(self, result) -> None:
-        self.counters["num_drafted"] += result.num_drafted * len(result.num_accepted)
+        self.counters["num_drafted"] += sum(result.num_drafted)
         self.counters["num_accepted"] += sum(result.num_accepted)
-        for request, accepted in zip(self.batch.requests, result.num_accepted):
-            request.num_drafted += result.num_drafted
+        for request, accepted, drafted in zip(self.batch.requests, result.num_accepted, result.num_drafted):
+            if self.depth_policy is not None and request.params.speculate:
+                self.depth_policy.observe(request.request_id, drafted, accepted)
+            request.num_drafted += drafted
             request.num_accepted += accepted
             by_pos = request.accepted_by_position
-            by_pos.extend([0] * (result.num_drafted - len(by_pos)))
+            by_pos.extend([0] * (drafted - len(by_pos)))
             for j in range(accepted):
                 by_pos[j] += 1
 
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
             self.batch = None
-            self._is_resume_decided = False
             return
+        # The drafter's row j is the batch's draft_rows[j]: map the kept rows into its numbering.
+        draft_index = {i: j for j, i in enumerate(self.batch.draft_rows)}
         self.batch.keep_rows(rows)
-        if self.batch.is_armed:
-            self.drafter.keep_rows(rows)
+        if self.batch.mode.is_armed:
+            draft_rows = [draft_index[i] for i in rows if i in draft_index]
+            if draft_rows:
+                self.drafter.keep_rows(draft_rows)
+            else:
+                self.drafter.reset()
 
     # --- delivery ----------------------------------------------------------------------
 
@@ -331,6 +386,8 @@ class Engine:
         request.finish_time_s = time.perf_counter()
         self.counters["num_finished"] += 1
         del self.requests[request.request_id]
+        if self.depth_policy is not None:
+            self.depth_policy.forget(request.request_id)
         output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), request.error)
         self._outputs.append(output)
         return output

@@ -27,6 +27,17 @@ def _mix32(x: mx.array) -> mx.array:
 
 def gumbel_noise(seeds: mx.array, positions: mx.array, vocab_size: int) -> mx.array:
     """Noise (N, V) for N (seed, position) pairs; seeds are uint64 split into two lanes."""
+    return -mx.log(-mx.log(uniform_noise(seeds, positions, vocab_size)))
+
+
+# Streams besides the Gumbel one, for stochastic acceptance: a stream is a position offset
+# no real position reaches, so each (seed, position) still draws each stream's noise once.
+ACCEPT_STREAM, RESIDUAL_STREAM = 1 << 30, 2 << 30
+
+
+def uniform_noise(seeds: mx.array, positions: mx.array, vocab_size: int, stream: int = 0) -> mx.array:
+    """Uniform noise in (0, 1), (N, V), a hash of (seed, position + stream, index) only."""
+    positions = positions.astype(mx.uint32) + mx.array(stream, dtype=mx.uint32)
     seed_lo = (seeds & 0xFFFFFFFF).astype(mx.uint32)
     seed_hi = (seeds >> 32).astype(mx.uint32)
     golden = mx.array(_GOLDEN, dtype=mx.uint32)
@@ -34,8 +45,7 @@ def gumbel_noise(seeds: mx.array, positions: mx.array, vocab_size: int) -> mx.ar
     key = _mix32(key ^ (positions.astype(mx.uint32) * mx.array(0x27D4EB2F, dtype=mx.uint32)))
     vocab = mx.arange(vocab_size, dtype=mx.uint32) * golden
     bits = _mix32(key[:, None] + vocab[None, :])  # (N, V)
-    uniform = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -mx.log(-mx.log(uniform))
+    return ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,18 @@ def sample(logits: mx.array, rows: SamplingRows, positions: mx.array) -> mx.arra
     noise = gumbel_noise(seeds, positions.reshape(-1), vocab).reshape(batch, num_pos, vocab)
     sampled = mx.argmax(scaled + noise, axis=-1).astype(mx.int32)
     return mx.where(rows.temperature[:, None] == 0.0, greedy, sampled)
+
+
+def probabilities(logits: mx.array, rows: SamplingRows) -> mx.array:
+    """The distribution `sample` draws from, (B, T, V): softmax of the filtered, scaled logits;
+    one-hot on the argmax for greedy rows."""
+    greedy = mx.argmax(logits, axis=-1)  # (B, T)
+    one_hot = (mx.arange(logits.shape[-1])[None, None, :] == greedy[..., None]).astype(mx.float32)
+    if rows.is_all_greedy:
+        return one_hot
+    temperature = mx.maximum(rows.temperature, 1e-6)[:, None, None]
+    probs = mx.softmax(_filter(logits.astype(mx.float32) / temperature, rows), axis=-1)
+    return mx.where(rows.temperature[:, None, None] == 0.0, one_hot, probs)
 
 
 def _filter(scaled: mx.array, rows: SamplingRows) -> mx.array:

@@ -12,6 +12,8 @@ Sections:
   widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
   coupling the batch loop at temperature 0.8: coupled drafting against greedy drafting
   gated    a gated round (drafter loaded, over the cap) against a plain engine, width 4
+  depth    per-row adaptive draft depth against the drafter's fixed k and plain, uncapped, at
+           --depth-widths (the engine's start-up calibration table is used when --calibrate)
 """
 
 from __future__ import annotations
@@ -163,6 +165,36 @@ def bench_gated(target, drafter_spec, prompts, params, repeats, width=4):
     return dict(width=width, drafter=drafter_spec, cost_ratio=median_ratio(pairs))
 
 
+def bench_depth(target, drafter_specs, prompts, params, repeats, widths, is_calibrated):
+    """Aggregate tok/s at each width: adaptive depth and fixed k, each over plain, side by side."""
+    from gmlx.spec.calibration import load_or_measure
+
+    out = []
+    for d in drafter_specs:
+        drafter_fixed, drafter_adaptive = make_drafter(d, target), make_drafter(d, target)
+        table = load_or_measure(target, drafter_adaptive, 64) if is_calibrated else None
+        engines = {"plain": engine_for(target, "none"),
+                   "fixed": Engine(target, drafter_fixed, EngineConfig(prompt_cache_bytes=0, is_adaptive_depth=False)),
+                   "adaptive": Engine(target, drafter_adaptive, EngineConfig(prompt_cache_bytes=0), cost_table=table)}
+        for width in widths:
+            rows = []
+            for r in range(repeats):
+                batch = [prompts[(r * width + i) % len(prompts)] for i in range(width)]
+                with env_overrides({"GMLX_MTP_WIDTH_CAP": "0"}):  # the depth model alone decides
+                    rates = {name: decode_tok_per_s(e, batch, params) for name, e in engines.items()}
+                rows.append(rates)
+            out.append(dict(
+                drafter=d, width=width,
+                adaptive_over_plain=median_ratio([(x["adaptive"][0], x["plain"][0]) for x in rows]),
+                fixed_over_plain=median_ratio([(x["fixed"][0], x["plain"][0]) for x in rows]),
+                adaptive_over_fixed=median_ratio([(x["adaptive"][0], x["fixed"][0]) for x in rows]),
+                adaptive_drafts_per_spec_round=statistics.median(
+                    x["adaptive"][1]["num_drafted"] / max(x["adaptive"][1]["num_spec_rounds"], 1) / width for x in rows),
+                fixed_acceptance=statistics.median(acceptance(x["fixed"][1]) for x in rows)))
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="builtin,inert")
@@ -174,6 +206,9 @@ def main() -> None:
     parser.add_argument("--inert-dir", default=str(Path(tempfile.gettempdir()) / "gmlx-bench-inert"))
     parser.add_argument("--inert-intermediate", type=int, default=8192)
     parser.add_argument("--inert-extra-layers", type=int, default=12)
+    parser.add_argument("--depth-widths", default="1,4")
+    parser.add_argument("--drafters", default=",".join(DRAFTERS))
+    parser.add_argument("--calibrate", action="store_true", help="depth: use the start-up calibration table")
     args = parser.parse_args()
     params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=1)
     sections = args.sections.split(",")
@@ -187,7 +222,7 @@ def main() -> None:
         prompts = heldout_prompts(target.tokenizer, 16, 64)
         # The built-in draft model and MTP head are trained for the built-in target; the
         # inert-grown target computes the same function, so they are honest drafters for it.
-        specs = [f"{d}:{_weights_for(d)}" if name == "inert" and d != "ngram" else d for d in DRAFTERS]
+        specs = [f"{d}:{_weights_for(d)}" if name == "inert" and d != "ngram" else d for d in args.drafters.split(",")]
         result = {}
         if "verify" in sections:
             result["verify"] = bench_verify_cost(target, args.repeats)
@@ -204,6 +239,9 @@ def main() -> None:
             result["coupling"] = bench_coupling(target, specs, prompts, params, args.repeats)
         if "gated" in sections:
             result["gated"] = bench_gated(target, specs[0], prompts, params, args.repeats)
+        if "depth" in sections:
+            widths = [int(w) for w in args.depth_widths.split(",")]
+            result["depth"] = bench_depth(target, specs, prompts, params, args.repeats, widths, args.calibrate)
         report[label] = result
         print(f"## {label}", flush=True)
         print(json.dumps(result, indent=1), flush=True)

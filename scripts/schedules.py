@@ -39,7 +39,9 @@ class ScheduleResult:
 
 
 def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_requests: int = 6,
-                  caps=(0, 1, 2, 4), temperatures=(0.0, 0.8)) -> Schedule:
+                  caps=(0, 1, 2, 4), temperatures=(0.0, 0.8), opt_out_rate: float = 0.0) -> Schedule:
+    """A random schedule; opt_out_rate is the share of requests with speculate=False (drawn only
+    when > 0, so the schedules of a seed without opt-outs stay what they were)."""
     rng = random.Random(seed)
     arrivals, round_index = [], 0
     for _ in range(rng.randint(1, max_requests)):
@@ -55,6 +57,7 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
             top_p=rng.choice((1.0, 0.9)) if temperature else 1.0,
             top_k=rng.choice((0, 0, 20)) if temperature else 0,
             seed=rng.randrange(2**31),
+            speculate=not (opt_out_rate > 0 and rng.random() < opt_out_rate),
         )
         cancel = rng.randint(0, 10) if rng.random() < 0.1 else None
         arrivals.append(Arrival(round_index, tuple(prompt), params, cancel))

@@ -2,6 +2,12 @@ from gmlx.platform.blas import ensure_fast_blas
 
 ensure_fast_blas()  # the fast BLAS (and its core choice) must come before mlx
 
+import os  # noqa: E402
+
+# Engines started by tests (and their child processes) keep the drafters' fixed width caps unless
+# a test asks for the start-up calibration: measured costs on a shared box would make runs differ.
+os.environ.setdefault("GMLX_CALIBRATE", "off")
+
 import json
 import random
 import sys

@@ -88,6 +88,7 @@ def test_staggered_batch_equals_alone(temperature, builtin_target, code_prompts)
         ([1, 2], SamplingParams(top_k=-1), "top_k"),
         ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
         ([1, 10**9], SamplingParams(), "token_ids"),
+        ([1, 2], SamplingParams(speculate=1), "speculate"),
     ],
 )
 def test_bad_input_names_the_field_and_others_keep_going(token_ids, params, field, builtin_target, code_prompts):

@@ -127,3 +127,111 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path, builtin_target
 def test_unknown_drafter_is_named(builtin_target):
     with pytest.raises(ValueError, match="medusa"):
         make_drafter("medusa", builtin_target)
+
+
+class RecordingDrafter:
+    """Wraps a real drafter and records, per propose call, which requests it drafted for."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.kind, self.needs_hidden = inner.kind, inner.needs_hidden
+        self.num_draft_tokens, self.default_width_cap = inner.num_draft_tokens, inner.default_width_cap
+        self.drafted_for: list[tuple[str, ...]] = []
+
+    def propose(self, batch, num_tokens):
+        self.drafted_for.append(tuple(r.request_id for r in batch.requests))
+        return self.inner.propose(batch, num_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_opt_out_rows_never_draft_nor_hold_the_batch_back(kind, builtin_target, reference, code_prompts,
+                                                          monkeypatch):
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "1")  # only the opt-outs make this batch wider than the cap
+    drafter = RecordingDrafter(make_drafter(kind, builtin_target))
+    engine = Engine(builtin_target, drafter, EngineConfig(prefill_chunk_tokens=4096))
+    requests = {"spec": (code_prompts[0], SamplingParams(max_tokens=30)),
+                "out1": (code_prompts[1], SamplingParams(max_tokens=30, speculate=False)),
+                "out2": (code_prompts[2], SamplingParams(max_tokens=24, temperature=0.8, seed=9, speculate=False))}
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=request_id)
+    got = {request_id: [] for request_id in requests}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    assert drafter.drafted_for and all(ids == ("spec",) for ids in drafter.drafted_for)
+    assert engine.counters["num_gated_rounds"] == 0 and engine.counters["num_batch_rounds"] > 0
+    for request_id, (prompt, params) in requests.items():
+        assert got[request_id] == reference.tokens(prompt, params)[0], request_id
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_random_schedules_with_opt_outs_equal_plain(kind, engines, reference, code_prompts):
+    totals = {}
+    for i in range(SCHEDULES_PER_CHUNK):
+        schedule = make_schedule(9000 + 100 * DRAFTERS.index(kind) + i, engines[kind].target.vocab_size,
+                                 code_prompts, max_requests=8, opt_out_rate=0.4)
+        result = check_schedule(engines[kind], reference, schedule)
+        for key, value in result.counters.items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["num_spec_rounds"] > 0 and totals["num_drafted"] > 0
+
+
+class RandomDepths:
+    """A depth policy drawing every row's k in 0..k_max at random each round, so verify rounds
+    mix depths far more than live acceptance would; records the depths of each round."""
+
+    def __init__(self, engine, k_max, seed):
+        import random
+
+        self.engine, self.k_max, self.rng = engine, k_max, random.Random(seed)
+        self.depths_by_round: dict[int, list[int]] = {}
+
+    def depth(self, request_id, width):
+        k = self.rng.randint(0, self.k_max)
+        self.depths_by_round.setdefault(self.engine.counters["num_rounds"], []).append(k)
+        return k
+
+    def observe(self, request_id, num_drafted, num_accepted):
+        assert 0 <= num_accepted <= num_drafted <= self.k_max
+
+    def forget(self, request_id):
+        pass
+
+    def describe(self):
+        return {"k_max": self.k_max}
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_ragged_depth_schedules_equal_plain(kind, builtin_target, reference, code_prompts):
+    engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig(prefill_chunk_tokens=64))
+    engine.depth_policy = depths = RandomDepths(engine, k_max=4, seed=DRAFTERS.index(kind))
+    for i in range(SCHEDULES_PER_CHUNK):
+        schedule = make_schedule(12_000 + 100 * DRAFTERS.index(kind) + i, builtin_target.vocab_size, code_prompts,
+                                 max_requests=8, opt_out_rate=0.2)
+        check_schedule(engine, reference, schedule)
+    num_ragged = sum(len(set(ks)) > 1 for ks in depths.depths_by_round.values())
+    assert num_ragged > 20 and engine.counters["num_accepted"] > 0
+
+
+def test_adaptive_depth_stops_drafting_what_is_never_accepted(builtin_target, reference, code_prompts):
+    """n-gram lookup on random-token prompts proposes tokens the model never picks: the rows'
+    depth falls to 0 after a few rounds instead of paying for k drafts every round."""
+    import random
+
+    rng = random.Random(3)
+    engine = Engine(builtin_target, make_drafter("ngram", builtin_target), EngineConfig())
+    params = SamplingParams(max_tokens=40)
+    prompt = [rng.randrange(builtin_target.vocab_size) for _ in range(16)]
+    request_id = engine.add_request(prompt, params)
+    got, depths = [], []
+    while engine.has_unfinished():
+        if engine.batch is not None:
+            depths.append(engine.depth_policy.depth(request_id))
+        for output in engine.step():
+            got.extend(output.new_token_ids)
+    assert got == reference.tokens(prompt, params)[0]
+    assert depths[0] > 0 and depths[-1] == 0
+    assert engine.counters["num_drafted"] < 4 * engine.counters["num_rounds"] / 2

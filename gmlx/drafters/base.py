@@ -12,6 +12,7 @@ class Drafter(Protocol):
     num_draft_tokens: int  # default draft depth k
     default_width_cap: int  # speculate while at most this many rows decode (0 = uncapped)
     needs_hidden: bool  # wants the target's hidden state at each row's last verified position
+    has_distribution: bool  # offers propose_with_probs (batch, k) -> (drafts (B, k), probs (B, k, V))
 
     def reset(self) -> None:
         """Forget every row (gate, preempt). Must do no MLX work."""

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
 from gmlx.models.loader import load_model
-from gmlx.sampling import sample
+from gmlx.sampling import probabilities, sample
 
 _PREFILL_CHUNK_TOKENS = 512
 
@@ -15,9 +15,11 @@ class DraftModelDrafter:
     kind = "draft"
     default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = False
+    has_distribution = True  # propose_with_probs: stochastic acceptance can use it
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
         self.draft = load_model(path)
+        self.path = str(path)  # part of the calibration's cache key
         if self.draft.vocab_size != target.vocab_size or _vocab(self.draft) != _vocab(target):
             raise ValueError(
                 f"drafter draft:{path}: its vocabulary ({self.draft.vocab_size} tokens) does not "
@@ -42,19 +44,37 @@ class DraftModelDrafter:
                 cache.select_rows(rows)
 
     def propose(self, batch, num_tokens: int) -> mx.array:
-        # Roll each row back to one token behind the target, then feed [last KV token, pending]:
-        # a uniform two-token input whatever each row accepted last round.
+        return self.propose_with_probs(batch, num_tokens, with_probs=False)[0]
+
+    def propose_with_probs(self, batch, num_tokens: int, with_probs: bool = True):
+        """Drafts (B, k) and, with_probs, the distributions (B, k, V) they were drawn from."""
+        # Roll each row back to num_back tokens behind the target, then feed those tokens and
+        # the pending one. num_back is 1 unless the row skipped drafting (k = 0 rounds) and its
+        # draft KV lags the target's; rows feeding fewer tokens are padded on the right, read at
+        # their pending token's slot and trimmed back, so the junk after it is never attended.
         lengths = batch.lengths
-        self._trim_to([n - 1 for n in lengths])
-        last = [r.token_at(n - 1) for r, n in zip(batch.requests, lengths)]
-        tokens = mx.concatenate([mx.array(last, dtype=mx.int32)[:, None], batch.pending[:, None]], axis=1)
+        num_back = [max(1, n - have) for n, have in zip(lengths, self.caches[0].lengths)]
+        width = max(num_back) + 1
+        self._trim_to([n - b for n, b in zip(lengths, num_back)])
+        history = [[r.token_at(n - b + j) for j in range(b)] + [0] * (width - b)
+                   for r, n, b in zip(batch.requests, lengths, num_back)]
+        slot = mx.array(num_back, dtype=mx.int32)  # where each row's pending token goes
+        tokens = mx.where(mx.arange(width)[None, :] == slot[:, None], batch.pending[:, None],
+                          mx.array(history, dtype=mx.int32))  # (B, width)
         positions = batch.positions(num_tokens, first_offset=1)
-        drafts = []
+        drafts, probs = [], []
         for j in range(num_tokens):
-            logits = self.draft.head(self.draft.body(tokens, self.caches)[:, -1:, :])  # (B, 1, V)
+            hidden = self.draft.body(tokens, self.caches)  # (B, T, D)
+            if j == 0:
+                hidden = hidden[mx.arange(batch.num_rows), slot][:, None, :]  # (B, 1, D)
+                for cache in self.caches:
+                    cache.trim_rows([width - 1 - b for b in num_back])
+            logits = self.draft.head(hidden[:, -1:, :])  # (B, 1, V)
             tokens = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
             drafts.append(tokens)
-        return mx.concatenate(drafts, axis=1)
+            if with_probs:
+                probs.append(probabilities(logits, batch.draft_sampling))
+        return mx.concatenate(drafts, axis=1), (mx.concatenate(probs, axis=1) if with_probs else None)
 
     def on_verified(self, batch, num_accepted, hidden) -> None:
         pass

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from gmlx.sampling import sample
+from gmlx.sampling import probabilities, sample
 
 
 class MTPDrafter:
     kind = "mtp"
     default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = True
+    has_distribution = True  # propose_with_probs: stochastic acceptance can use it
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
         from gmlx.models.mtp_head import load_mtp_head
@@ -22,6 +23,7 @@ class MTPDrafter:
                 f"{self.head.args.vocab_size}, target has {target.hidden_size} / {target.vocab_size}"
             )
         self.target = target
+        self.path = str(path)  # part of the calibration's cache key
         self.num_draft_tokens = num_draft_tokens or 3
         self.hidden: mx.array | None = None  # (B, 1, D): each row's hidden behind its pending token
 
@@ -40,17 +42,23 @@ class MTPDrafter:
             self.hidden = self.hidden[mx.array(rows, dtype=mx.int32)] if rows else None
 
     def propose(self, batch, num_tokens: int) -> mx.array:
+        return self.propose_with_probs(batch, num_tokens, with_probs=False)[0]
+
+    def propose_with_probs(self, batch, num_tokens: int, with_probs: bool = True):
+        """Drafts (B, k) and, with_probs, the distributions (B, k, V) they were drawn from."""
         assert self.hidden is not None and self.hidden.shape[0] == batch.num_rows
         embed = self.target.body.embed_tokens
         hidden, token = self.hidden, batch.pending[:, None]  # (B, 1, D), (B, 1)
         positions = batch.positions(num_tokens, first_offset=1)  # draft j sits at KV length + j
-        drafts = []
+        drafts, probs = [], []
         for j in range(num_tokens):
             hidden = self.head(hidden, token, embed)
             logits = self.target.head(hidden)  # (B, 1, V)
             token = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
             drafts.append(token)
-        return mx.concatenate(drafts, axis=1)
+            if with_probs:
+                probs.append(probabilities(logits, batch.draft_sampling))
+        return mx.concatenate(drafts, axis=1), (mx.concatenate(probs, axis=1) if with_probs else None)
 
     def on_verified(self, batch, num_accepted, hidden) -> None:
         rows = mx.arange(hidden.shape[0])

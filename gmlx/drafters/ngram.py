@@ -9,6 +9,7 @@ class NgramDrafter:
     kind = "ngram"
     default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = False
+    has_distribution = False  # point proposals: exact-match acceptance only
 
     def __init__(self, num_draft_tokens: int | None = None, max_ngram: int = 3):
         self.num_draft_tokens = num_draft_tokens or 4

@@ -139,13 +139,16 @@ class InjectionQueue:
         return Prefilled(request, caches, int(token.item()), last_hidden[0, 0])
 
 
-def width_cap(configured: int | None, drafter) -> int:
-    """The cap in force this round: env override, else the model's, else the drafter's default."""
+def width_cap(configured: int | None, drafter, calibrated: int | None = None) -> int:
+    """The cap in force this round: env override, else the model's, else the calibration's
+    (spec/calibration.py), else the drafter's default."""
     override = config.width_cap_override()
     if override is not None:
         return override
     if configured is not None:
         return configured
+    if calibrated is not None:
+        return calibrated
     return drafter.default_width_cap if drafter is not None else 0
 
 

@@ -8,6 +8,8 @@ pending token is delivered, so the KV holds every delivered token except the bon
 
 from __future__ import annotations
 
+import enum
+
 import mlx.core as mx
 
 from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches
@@ -17,17 +19,56 @@ from gmlx.sampling import SamplingRows
 _GREEDY = SamplingParams()
 
 
+class BatchMode(enum.Enum):
+    """What the drafter holds and which rounds the batch may run (the spec's state diagram).
+
+    PLAIN    no drafter loaded: pipelined plain rounds, for good
+    SCALAR   one request speculating alone; no admission boundary (a waiter preempts it)
+    ARMED    the batch loop speculating: the drafter holds every speculating row
+    UNARMED  preempted from SCALAR: the drafter was reset; a capture round arms it again
+    GATED    over the cap (or resume off): plain rounds, no drafter work; resume re-arms it
+    RESUMING a gated batch that passed the resume check: its settle round runs, then a
+             capture re-arms it (decided once, so a settle round is never paid for nothing)
+    """
+
+    PLAIN = "plain"
+    SCALAR = "scalar"
+    ARMED = "armed"
+    UNARMED = "unarmed"
+    GATED = "gated"
+    RESUMING = "resuming"
+
+    @property
+    def is_armed(self) -> bool:
+        return self in (BatchMode.SCALAR, BatchMode.ARMED)
+
+
+class Loop(enum.Enum):
+    """The kind of one round; `num_{value}_rounds` are public counters."""
+
+    SCALAR = "scalar"  # a SCALAR batch's speculative round
+    BATCH = "batch"  # an ARMED batch's speculative round
+    GATED = "gated"  # plain, next forward dispatched ahead, no drafter work
+    SETTLE = "settle"  # plain, reads the lookahead without a successor (before a capture)
+    CAPTURE = "capture"  # one-position verify keeping the hidden state the drafter cold-starts from
+    PLAIN = "plain"  # no drafter loaded
+
+    @property
+    def is_speculative(self) -> bool:
+        return self in (Loop.SCALAR, Loop.BATCH)
+
+
 class DecodeBatch:
     def __init__(self, requests: list[Request], caches: list[RaggedKVCache], pending: mx.array,
-                 is_draft_coupled: bool = True):
+                 mode: BatchMode, is_draft_coupled: bool = True):
         assert caches[0].num_rows == len(requests) == pending.shape[0]
+        assert mode in (BatchMode.PLAIN, BatchMode.SCALAR, BatchMode.ARMED), "a batch forms plain or armed"
+        assert mode is not BatchMode.SCALAR or len(requests) == 1
         self.requests = requests
         self.caches = caches  # one per target layer
         self.pending = pending  # (B,) int32
         self.is_delivered = [True] * len(requests)
-        self.is_scalar = False  # the single-request loop: no injection boundary
-        self.is_armed = False  # the drafter holds valid state for every row
-        self.was_gated = False  # gated at least once since the batch formed (resume latch)
+        self.mode = mode
         self.is_draft_coupled = is_draft_coupled  # batch-loop drafts sample with the row's own noise
         self._refresh_sampling()
 
@@ -43,6 +84,41 @@ class DecodeBatch:
     @property
     def is_settled(self) -> bool:
         return all(self.is_delivered)
+
+    @property
+    def has_boundary(self) -> bool:
+        """Whether the injection drain runs before this batch's rounds (all but SCALAR)."""
+        return self.mode is not BatchMode.SCALAR
+
+    # --- the mode's verbs; the engine does the drafter's side of each ---------------------
+
+    def preempt(self) -> None:
+        """SCALAR -> UNARMED: the lone stream becomes a batch-loop row; its drafter state is dropped."""
+        # The scalar round's verified tokens went out; only its delivered bonus is pending.
+        assert self.mode is BatchMode.SCALAR and self.is_settled
+        self.mode = BatchMode.UNARMED
+
+    def gate(self) -> bool:
+        """Over the cap -> GATED; True when this disarmed the drafter (its state must go)."""
+        assert self.mode is not BatchMode.PLAIN and self.mode is not BatchMode.SCALAR
+        was_armed = self.mode.is_armed
+        self.mode = BatchMode.GATED
+        return was_armed
+
+    def arm(self) -> None:
+        """UNARMED -> ARMED: a preempted batch's capture round cold-started the drafter."""
+        assert self.mode is BatchMode.UNARMED and self.is_settled
+        self.mode = BatchMode.ARMED
+
+    def begin_resume(self) -> None:
+        """GATED -> RESUMING: back within the cap with budget left; settle, then capture."""
+        assert self.mode is BatchMode.GATED
+        self.mode = BatchMode.RESUMING
+
+    def resume(self) -> None:
+        """GATED or RESUMING -> ARMED: the capture round cold-started the drafter."""
+        assert self.mode in (BatchMode.GATED, BatchMode.RESUMING) and self.is_settled
+        self.mode = BatchMode.ARMED
 
     def positions(self, num_tokens: int, first_offset: int = 0) -> mx.array:
         """Absolute positions (B, T) starting at each row's KV length + first_offset."""
@@ -70,9 +146,61 @@ class DecodeBatch:
     @property
     def draft_sampling(self) -> SamplingRows:
         """How drafters sample: coupled to each row's noise, or greedy (the spec's batch loop)."""
-        return self.sampling if self.is_scalar or self.is_draft_coupled else self._greedy_sampling
+        return self.sampling if self.mode is BatchMode.SCALAR or self.is_draft_coupled else self._greedy_sampling
+
+    @property
+    def draft_requests(self) -> list[Request]:
+        return [self.requests[i] for i in self.draft_rows]
+
+    @property
+    def num_draft_rows(self) -> int:
+        """Rows that speculate: the width the cap is checked against (opt-out rows never count)."""
+        return len(self.draft_rows)
+
+    @property
+    def draft_view(self) -> DecodeBatch | DraftRows:
+        """What the drafter sees: the speculating rows only (the batch itself when all speculate)."""
+        return self if self._draft_view is None else self._draft_view
 
     def _refresh_sampling(self) -> None:
         seeds = [r.seed for r in self.requests]
         self.sampling = SamplingRows.make([r.params for r in self.requests], seeds)
         self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
+        self.draft_rows = [i for i, r in enumerate(self.requests) if r.params.speculate]
+        is_all = len(self.draft_rows) == len(self.requests)
+        self._draft_view = None if is_all else DraftRows(self, self.draft_rows)
+
+
+class DraftRows:
+    """The speculating rows of a batch, shaped like a batch for the drafters (row j = batch
+    row rows[j]); opt-out rows (SamplingParams.speculate=False) are never shown to a drafter."""
+
+    def __init__(self, batch: DecodeBatch, rows: list[int]):
+        self.batch = batch
+        self.rows = rows
+        self.index = mx.array(rows, dtype=mx.int32)
+        self.requests = [batch.requests[i] for i in rows]
+        seeds = [r.seed for r in self.requests]
+        self._sampling = SamplingRows.make([r.params for r in self.requests], seeds)
+        self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def pending(self) -> mx.array:
+        return self.batch.pending[self.index]  # (Bd,)
+
+    @property
+    def lengths(self) -> list[int]:
+        lengths = self.batch.lengths
+        return [lengths[i] for i in self.rows]
+
+    def positions(self, num_tokens: int, first_offset: int = 0) -> mx.array:
+        return self.batch.positions(num_tokens, first_offset)[self.index]  # (Bd, T)
+
+    @property
+    def draft_sampling(self) -> SamplingRows:
+        is_coupled = self.batch.mode is BatchMode.SCALAR or self.batch.is_draft_coupled
+        return self._sampling if is_coupled else self._greedy_sampling

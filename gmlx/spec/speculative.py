@@ -15,34 +15,85 @@ import mlx.core as mx
 from gmlx.models.loader import LoadedModel
 from gmlx.sampling import sample
 from gmlx.spec.batch import DecodeBatch
+from gmlx.spec.rejection import stochastic_accept
 
 
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     tokens_by_row: list[list[int]]  # accepted drafts then the bonus, per row
     num_accepted: list[int]  # drafts accepted per row
-    num_drafted: int  # drafts proposed per row
+    num_drafted: list[int]  # drafts proposed per row (its own k; 0 for a row that decodes plain)
 
 
-def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draft: int) -> VerifyResult:
-    """Draft k, verify [pending, drafts] in one target forward, keep the matching prefix."""
-    assert batch.is_settled and batch.is_armed
-    drafts = drafter.propose(batch, num_draft)  # (B, k)
+def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draft_by_row: list[int],
+                      is_stochastic: bool = False) -> VerifyResult:
+    """Each row drafts its own k, all verify [pending, drafts] in one target forward, each keeps
+    its matching prefix.
+
+    Ragged k is padded: the drafter proposes max(k) for its rows and every row verifies max(k)+1
+    positions, but row i accepts at most k_i drafts and its KV is trimmed back past them. The
+    causal mask makes the padding invisible to the positions a row keeps, so exactness is that
+    of the fixed-k round. A row with k = 0 decodes plain (its bonus is the target's next token).
+    is_stochastic: accept by rejection sampling (rejection.py) with a drafter that has_distribution.
+    """
+    assert batch.is_settled and batch.mode.is_armed
+    assert len(num_draft_by_row) == batch.num_rows
+    num_draft = max(num_draft_by_row, default=0)
+    view = batch.draft_view
+    assert all(num_draft_by_row[i] == 0 for i in _opt_out_rows(batch)), "opt-out rows never draft"
+    draft_probs = None
+    if num_draft == 0:
+        is_stochastic = False
+        drafts = mx.zeros((batch.num_rows, 0), dtype=mx.int32)
+    elif view is batch:
+        drafts, draft_probs = _propose(drafter, batch, num_draft, is_stochastic)  # (B, k), (B, k, V)
+    else:
+        # Opt-out rows verify the padding only: their own pending token repeated.
+        view_drafts, view_probs = _propose(drafter, view, num_draft, is_stochastic)
+        drafts = mx.repeat(batch.pending[:, None], num_draft, axis=1)  # (B, k)
+        drafts[view.index] = view_drafts
+        if is_stochastic:
+            draft_probs = mx.zeros((batch.num_rows, num_draft, view_probs.shape[-1]), dtype=view_probs.dtype)
+            draft_probs[view.index] = view_probs
     verify_in = mx.concatenate([batch.pending[:, None], drafts], axis=1)  # (B, k+1)
     positions = batch.positions(num_draft + 1, first_offset=1)
     hidden, logits = target.forward(verify_in, batch.caches)  # (B, k+1, D), (B, k+1, V)
     targets = sample(logits, batch.sampling, positions)  # (B, k+1)
-    matches = (drafts == targets[:, :num_draft]).astype(mx.int32)
-    accepted = mx.cumprod(matches, axis=1).sum(axis=1)  # (B,)
-    mx.eval(targets, accepted)
-    target_rows, num_accepted = targets.tolist(), accepted.tolist()
+    rows = mx.arange(batch.num_rows)
+    if is_stochastic:
+        accepted, batch.pending = stochastic_accept(logits, targets, drafts, draft_probs, num_draft_by_row,
+                                                    batch.sampling, positions)
+        # Accepted drafts need not be the target's own samples: emit the drafts, then the next token.
+        emitted = mx.concatenate([drafts, batch.pending[:, None]], axis=1)  # (B, k+1)
+        emitted = mx.where(mx.arange(num_draft + 1)[None, :] == accepted[:, None], batch.pending[:, None], emitted)
+    else:
+        is_own = mx.arange(num_draft)[None, :] < mx.array(num_draft_by_row, dtype=mx.int32)[:, None]  # (B, k)
+        matches = ((drafts == targets[:, :num_draft]) & is_own).astype(mx.int32)
+        accepted = mx.cumprod(matches, axis=1).sum(axis=1)  # (B,)
+        batch.pending, emitted = targets[rows, accepted], targets
+    mx.eval(emitted, accepted, batch.pending)
+    target_rows, num_accepted = emitted.tolist(), accepted.tolist()
     for cache in batch.caches:
         cache.trim_rows([num_draft - a for a in num_accepted])
-    rows = mx.arange(batch.num_rows)
-    batch.pending = targets[rows, accepted]
-    drafter.on_verified(batch, num_accepted, hidden if drafter.needs_hidden else None)
+    if view.num_rows:
+        if view is not batch:
+            hidden = hidden[view.index]
+            num_view_accepted = [num_accepted[i] for i in view.rows]
+        else:
+            num_view_accepted = num_accepted
+        drafter.on_verified(view, num_view_accepted, hidden if drafter.needs_hidden else None)
     tokens = [row[: a + 1] for row, a in zip(target_rows, num_accepted)]
-    return VerifyResult(tokens, num_accepted, num_draft)
+    return VerifyResult(tokens, num_accepted, list(num_draft_by_row))
+
+
+def _propose(drafter, rows, num_draft: int, is_stochastic: bool):
+    if is_stochastic:
+        return drafter.propose_with_probs(rows, num_draft)
+    return drafter.propose(rows, num_draft), None
+
+
+def _opt_out_rows(batch: DecodeBatch) -> list[int]:
+    return [i for i, r in enumerate(batch.requests) if not r.params.speculate]
 
 
 def plain_round(target: LoadedModel, batch: DecodeBatch, dispatch_next: bool) -> list[list[int]]:

@@ -1,0 +1,210 @@
+"""Start-up calibration: what a target forward and a draft step cost on this machine, and from
+that, per batch width, the draft depth and the width cap that maximize expected tokens/s.
+
+Measured once per (model, drafter, machine) and cached as JSON under gmlx.config.cache_dir();
+GMLX_CALIBRATE=measure re-measures, off skips it (the drafter's fixed cap and the default
+cost model then apply). A config's speculative_width_cap or GMLX_MTP_WIDTH_CAP still wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from gmlx import config
+from gmlx.cache.ragged import make_ragged_cache
+from gmlx.platform.blas_select import cpu_model_name
+from gmlx.spec.depth import expected_tokens
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+_CONTEXT_TOKENS = 64  # KV each calibration row holds: a short-context decode
+_NUM_REPEATS = 3  # the fastest of this many timings: the box's noise only ever adds time
+_MAX_WIDTH = 16  # wider batches are extrapolated from the widest two measured
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Seconds per round piece at measured widths; interpolated linearly in between."""
+
+    widths: tuple[int, ...]  # ascending
+    verify_s: tuple[tuple[float, ...], ...]  # [w][p-1]: a target forward of p positions per row
+    draft_s: tuple[float, ...]  # [w]: one draft step of the drafter over w rows
+
+    def __post_init__(self):
+        assert list(self.widths) == sorted(set(self.widths)) and self.widths[0] >= 1, self.widths
+        assert len(self.verify_s) == len(self.draft_s) == len(self.widths)
+
+    @property
+    def k_max(self) -> int:
+        return len(self.verify_s[0]) - 1
+
+    def _at(self, width: int, values) -> float:
+        widths = self.widths
+        if width <= widths[0]:
+            return values[0]
+        for i in range(1, len(widths)):
+            if width <= widths[i]:
+                share = (width - widths[i - 1]) / (widths[i] - widths[i - 1])
+                return values[i - 1] + share * (values[i] - values[i - 1])
+        if len(widths) == 1:
+            return values[0] * width / widths[0]
+        slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
+        return values[-1] + slope * (width - widths[-1])
+
+    def round_s(self, width: int, depth: int) -> float:
+        """One round at this width where every row drafts `depth`: drafting plus the verify."""
+        verify = self._at(width, [row[depth] for row in self.verify_s])
+        return verify + depth * self._at(width, self.draft_s)
+
+    def tokens_per_s(self, width: int, depth: int, acceptance: float) -> float:
+        return width * expected_tokens(acceptance, depth) / self.round_s(width, depth)
+
+    def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
+        """The depth in 0..k_max with the most expected tokens/s at this width (ties: shallower)."""
+        top = self.k_max if k_max is None else min(k_max, self.k_max)
+        return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance), -k))
+
+    def width_cap(self, acceptance: float, max_rows: int) -> int:
+        """Speculate while at most this many rows decode (0 = at every width up to max_rows):
+        the widest width up to which drafting beats plain decoding at every width."""
+        cap = 0
+        for width in range(1, max_rows + 1):
+            if self.best_depth(width, acceptance) == 0:
+                return max(cap, 1)  # never below 1: a lone row's k = 0 is plain decoding anyway
+            cap = width
+        return 0
+
+    def describe(self, acceptance: float, max_rows: int) -> dict:
+        return {
+            "widths": list(self.widths),
+            "verify_ms": [[round(s * 1e3, 3) for s in row] for row in self.verify_s],
+            "draft_ms": [round(s * 1e3, 3) for s in self.draft_s],
+            "acceptance": round(acceptance, 4),
+            "best_depth": [self.best_depth(w, acceptance) for w in self.widths],  # per width
+            "width_cap": self.width_cap(acceptance, max_rows),
+        }
+
+
+def load_or_measure(target, drafter, max_rows: int) -> CostTable | None:
+    """The cached table for this model, drafter and machine, measured now if there is none."""
+    mode = config.calibrate_mode()
+    if drafter is None or mode == "off":
+        return None
+    key = _cache_key(target, drafter, max_rows)
+    table = None if mode == "measure" else _read_cache(key)
+    if table is None:
+        start_s = time.perf_counter()
+        table = measure(target, drafter, max_rows)
+        logger.info("calibrated %s + %s drafter in %.1f s", target.path, drafter.kind, time.perf_counter() - start_s)
+        _write_cache(key, table)
+    return table
+
+
+def measure(target, drafter, max_rows: int) -> CostTable:
+    """Time target forwards of 1..k_max+1 positions and one draft step at widths 1, 2, 4, ..."""
+    from gmlx.request import Request, SamplingParams
+    from gmlx.spec.batch import BatchMode, DecodeBatch
+
+    k_max = drafter.num_draft_tokens
+    widths = [w for w in (1, 2, 4, 8, 16) if w <= min(max_rows, _MAX_WIDTH)]
+    verify_s, draft_s = [], []
+    for width in widths:
+        tokens = mx.array([[(7 * i + 3 * j) % target.vocab_size for j in range(_CONTEXT_TOKENS)]
+                           for i in range(width)], dtype=mx.int32)  # (W, C)
+        caches = make_ragged_cache(target.num_layers, width)
+        hidden = target.body(tokens, caches)  # (W, C, D)
+        mx.eval(hidden, [c.keys for c in caches])
+        row = []
+        for num_positions in range(1, k_max + 2):
+            verify_in = tokens[:, :num_positions]
+            row.append(_fastest_s(lambda: target.forward(verify_in, caches),
+                                  lambda: [c.trim_rows([num_positions] * width) for c in caches]))
+        verify_s.append(tuple(row))
+        requests = [Request(f"calibration-{i}", tokens[i].tolist(), SamplingParams(), i) for i in range(width)]
+        batch = DecodeBatch(requests, caches, tokens[:, -1], BatchMode.ARMED)
+        drafter.reset()
+        drafter.add_rows(batch, list(range(width)), hidden[:, -1, :] if drafter.needs_hidden else None)
+        one = _fastest_s(lambda: drafter.propose(batch, 1))
+        two = _fastest_s(lambda: drafter.propose(batch, 2))
+        draft_s.append(max(two - one, one / 2, 0.0))  # the marginal step; a one-step floor for noise
+        drafter.reset()
+    return CostTable(tuple(widths), _monotone(verify_s), tuple(_suffix_min(draft_s)))
+
+
+def _suffix_min(values: list[float]) -> list[float]:
+    out, best = [], float("inf")
+    for value in reversed(values):
+        best = min(best, value)
+        out.append(best)
+    return out[::-1]
+
+
+def _monotone(verify_s: list[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
+    """More rows or positions never cost less, and noise only adds time: each cell becomes the
+    fastest timing at any width and depth at least its own."""
+    rows = [_suffix_min(list(row)) for row in verify_s]
+    columns = [_suffix_min([row[p] for row in rows]) for p in range(len(rows[0]))]
+    return tuple(tuple(columns[p][w] for p in range(len(rows[0]))) for w in range(len(rows)))
+
+
+def _fastest_s(run, undo=lambda: None) -> float:
+    best = float("inf")
+    for _ in range(_NUM_REPEATS + 1):  # the first call warms up (graph build, allocations)
+        start_s = time.perf_counter()
+        mx.eval(run())
+        elapsed = time.perf_counter() - start_s
+        undo()
+        best = min(best, elapsed)
+    return best
+
+
+def _cache_key(target, drafter, max_rows: int) -> str:
+    parts = [cpu_model_name(), str(os.cpu_count()), mx.__version__, str(CACHE_VERSION), drafter.kind,
+             str(drafter.num_draft_tokens), str(min(max_rows, _MAX_WIDTH)), os.environ.get("OPENBLAS_CORETYPE", "")]
+    folder = Path(target.path)
+    for path in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+        try:
+            stat = path.stat()
+            parts.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{path}:missing")
+    parts.append(str(getattr(drafter, "path", "")))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _cache_path() -> Path:
+    return config.cache_dir() / "spec_calibration.json"
+
+
+def _read_cache(key: str) -> CostTable | None:
+    try:
+        entry = json.loads(_cache_path().read_text()).get(key)
+        return CostTable(tuple(entry["widths"]), tuple(tuple(r) for r in entry["verify_s"]), tuple(entry["draft_s"]))
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, AssertionError):
+        return None
+
+
+def _write_cache(key: str, table: CostTable) -> None:
+    path = _cache_path()
+    try:
+        entries = json.loads(path.read_text()) if path.exists() else {}
+        entries = entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {"cpu": cpu_model_name(), **asdict(table)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)  # atomic: concurrent starts never read half a file
+    except OSError as exc:
+        logger.info("could not cache the speculation calibration at %s: %s", path, exc)

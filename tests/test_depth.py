@@ -1,0 +1,109 @@
+"""Draft depth and width cap from measured costs: the expected-throughput model, the
+calibration's cache, and the engine using a cost table."""
+
+import pytest
+
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.spec import calibration
+from gmlx.spec.calibration import CostTable
+from gmlx.spec.depth import DepthPolicy, DraftCosts, best_depth, expected_tokens
+from schedules import SoloReference, check_schedule, make_schedule
+
+# Width 1: verifying more positions is nearly free and drafts are cheap (memory-bound decode);
+# width 4: every position costs a full forward (compute-bound), so drafting cannot pay there.
+SYNTHETIC = CostTable(widths=(1, 4), verify_s=((1.0, 1.05, 1.10, 1.15), (1.0, 2.0, 3.0, 4.0)), draft_s=(0.02, 0.1))
+
+
+def test_expected_tokens_counts_the_bonus():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+@pytest.mark.parametrize("acceptance, width, expected_k", [
+    (0.8, 1, 3),  # rates 1, 1.68, 2.14, 2.44 tokens per unit
+    (0.2, 1, 1),  # rates 1, 1.12, 1.09, 1.03
+    (0.05, 1, 0),  # drafts that are never taken are not worth even 7%
+    (0.8, 4, 0),  # 1.8 tokens for 2.1 units: plain is faster
+])
+def test_synthetic_cost_table_picks_the_expected_depth(acceptance, width, expected_k):
+    assert SYNTHETIC.best_depth(width, acceptance) == expected_k
+
+
+def test_synthetic_cost_table_sets_the_width_cap():
+    # Interpolated, width 3 still gains from one draft (1.8 tokens for 1.76 units); width 4 does not.
+    assert SYNTHETIC.width_cap(0.8, max_rows=64) == 3
+    assert SYNTHETIC.width_cap(0.8, max_rows=2) == 0  # it pays at every width the engine can reach
+    assert SYNTHETIC.width_cap(0.01, max_rows=64) == 1  # never below one row
+
+
+def test_default_cost_model_without_a_table():
+    costs = DraftCosts(verify_per_position=0.1, draft_per_token=0.1)
+    assert best_depth(0.6, 3, costs) == 2  # 1.96 / 1.4 beats 2.18 / 1.6 and 1.6 / 1.2
+    assert best_depth(0.1, 3, costs) == 0
+
+
+def test_depth_policy_learns_each_rows_acceptance():
+    policy = DepthPolicy(k_max=3, table=SYNTHETIC)
+    assert policy.depth("new", 4) == 1  # its first round probes, though the prior says 0 at width 4
+    policy.observe("new", 1, 0)
+    assert policy.depth("new", 4) == 0 and policy.depth("new", 1) == SYNTHETIC.best_depth(1, policy.acceptance("new"))
+    for _ in range(12):
+        policy.observe("good", 3, 3)
+        policy.observe("bad", 3, 0)
+    # A rejected first draft is one tried draft a round: "bad" learns more slowly than "good".
+    assert policy.acceptance("good") > 0.8 > 0.3 > policy.acceptance("bad")
+    assert policy.depth("good", 1) == 3 and policy.depth("bad", 1) == 1 and policy.depth("bad", 4) == 0
+    for _ in range(40):  # at k = 0 nothing is tried: the estimate drifts back to the prior, a probe follows
+        policy.observe("bad", 0, 0)
+    assert policy.acceptance("bad") == pytest.approx(policy.prior_acceptance, abs=0.05)
+    policy.forget("good")
+    assert policy.acceptance("good") == policy.prior_acceptance
+
+
+def test_engine_uses_the_table_and_settings_still_win(builtin_target, monkeypatch):
+    monkeypatch.delenv("GMLX_MTP_WIDTH_CAP", raising=False)
+    drafter = make_drafter("mtp", builtin_target)
+    engine = Engine(builtin_target, drafter, EngineConfig(), cost_table=SYNTHETIC)
+    for _ in range(10):  # the drafter's acceptance so far (the prior of the cap's model) is high
+        engine.depth_policy.observe("earlier", 3, 3)
+    stats = engine.stats()
+    prior = engine.depth_policy.prior_acceptance
+    assert stats["width_cap"] == SYNTHETIC.width_cap(prior, 64) == 3 != drafter.default_width_cap
+    assert stats["calibration"]["best_depth"] == [SYNTHETIC.best_depth(w, prior) for w in (1, 4)]
+    engine.depth_policy.observe("any", 0, 0)  # past its probing round
+    assert engine.depth_policy.depth("any", 1) == SYNTHETIC.best_depth(1, prior)
+    assert Engine(builtin_target, drafter, EngineConfig(speculative_width_cap=7),
+                  cost_table=SYNTHETIC).stats()["width_cap"] == 7
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "5")
+    assert engine.stats()["width_cap"] == 5
+
+
+def test_engine_with_a_table_equals_plain(builtin_target, code_prompts):
+    """Depths and gates chosen by the table (k = 0 at width 4) keep every stream exact."""
+    reference = SoloReference(builtin_target)
+    engine = Engine(builtin_target, make_drafter("draft", builtin_target), EngineConfig(prefill_chunk_tokens=64),
+                    cost_table=SYNTHETIC)
+    totals = {}
+    for seed in range(6):
+        schedule = make_schedule(20_000 + seed, builtin_target.vocab_size, code_prompts, max_requests=6)
+        result = check_schedule(engine, reference, schedule)
+        for key, value in result.counters.items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["num_spec_rounds"] > 0
+
+
+def test_calibration_is_measured_once_then_read_from_the_cache(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GMLX_CALIBRATE", "auto")
+    drafter = make_drafter("ngram", tiny_target)
+    table = calibration.load_or_measure(tiny_target, drafter, max_rows=4)
+    assert table.widths == (1, 2, 4) and table.k_max == drafter.num_draft_tokens
+    for row in table.verify_s:  # more positions never cost less
+        assert list(row) == sorted(row) and all(s > 0 for s in row)
+    assert (tmp_path / "spec_calibration.json").exists()
+    assert calibration.load_or_measure(tiny_target, drafter, max_rows=4) == table
+    monkeypatch.setenv("GMLX_CALIBRATE", "off")
+    assert calibration.load_or_measure(tiny_target, drafter, max_rows=4) is None
