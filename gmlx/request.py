@@ -17,6 +17,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p * p(top token); 0 = off
     seed: int | None = None  # None = the engine draws one
     stop: tuple[str, ...] = ()  # stop strings, matched on text outside the engine core
+    speculate: bool = True  # False: this row never drafts (plain decoding inside any batch)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -41,6 +42,8 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.speculate, bool):
+            raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -65,7 +68,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_CANCELLED = 5
-    FINISHED_ERROR = 6
 
     @property
     def is_finished(self) -> bool:
@@ -80,7 +82,6 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_CANCELLED: "cancelled",
-    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

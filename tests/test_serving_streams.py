@@ -16,7 +16,7 @@ def tokenizers():
 
 
 def make_request(decoder, stop=()) -> ClientRequest:
-    payload = BusPayload([1, 2, 3], 64, 0.0, 1.0, 0, 0.0, None)
+    payload = BusPayload([1, 2, 3], m.Sampling())
     return ClientRequest("r1", "ref", b"client", payload, TextStream(decoder, stop), "model", has_stop=bool(stop),
                          phase=Phase.INJECTED)
 
