@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
@@ -52,15 +53,10 @@ class _Lost:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    token_ids: list[int]  # this chunk's new tokens, in order
-    text: str  # this chunk's new text
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
-    stats: dict | None = None  # on the last chunk
-    request_id: str = ""
-    seq: int = 0
-    emitted_at_ns: int | None = None  # server CLOCK_MONOTONIC when the worker sent the round
+class Chunk(m.Chunk, frozen=True):
+    """The wire's CHUNK (token_ids, text, finish_reason, stats, request_id, seq, emitted_at_ns)
+    as the caller gets it, stamped with when it arrived."""
+
     received_at_ns: int = 0  # this process's CLOCK_MONOTONIC when the chunk arrived
 
 
@@ -141,8 +137,7 @@ class _Router:
 
 
 def _to_chunk(msg: m.Chunk) -> Chunk:
-    return Chunk(msg.token_ids, msg.text, msg.finish_reason, msg.stats, msg.request_id, msg.seq,
-                 msg.emitted_at_ns, time.monotonic_ns())
+    return Chunk(**msgspec.structs.asdict(msg), received_at_ns=time.monotonic_ns())
 
 
 def _generate_message(ref: str, prompt, token_ids, messages, stop, **sampling) -> list[bytes]:
