@@ -160,4 +160,5 @@ class Request:
             "rounds_by_loop": dict(self.num_rounds_by_loop),
             "is_preempted": self.is_preempted,
             "seed": self.seed,
+            "speculate": self.params.speculate,  # echoed like the seed: shows what the engine was asked
         }

@@ -195,9 +195,9 @@ def test_speculate_false_streams_the_same_tokens(server, engine):
     sampled = solo(engine, prompt_ids, max_tokens=24, temperature=0.8, seed=5)
     with Client(server.address, timeout_s=60) as client:
         for speculate in (False, True):
-            got = [t for c in client.generate(token_ids=prompt_ids, max_tokens=24, speculate=speculate)
-                   for t in c.token_ids]
-            assert got == want
+            chunks = list(client.generate(token_ids=prompt_ids, max_tokens=24, speculate=speculate))
+            assert [t for c in chunks for t in c.token_ids] == want
+            assert chunks[-1].stats["speculate"] is speculate  # the worker's engine got the flag
             got = [t for c in client.generate(token_ids=prompt_ids, max_tokens=24, temperature=0.8, seed=5,
                                               speculate=speculate) for t in c.token_ids]
             assert got == sampled
