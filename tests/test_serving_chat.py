@@ -132,9 +132,14 @@ def test_the_wire_sampling_fields_are_the_engines():
 
 
 def test_the_http_gateway_forwards_speculate():
-    from workers import http_gateway
+    import inspect
 
-    assert http_gateway._CAN_PIN_PLAIN
+    from workers import http_gateway, http_openai
+
+    kwargs = http_openai.parse_completion({"model": "m", "prompt": "x", "speculate": False}).client_kwargs(
+        http_gateway._CAN_PIN_PLAIN)
+    assert kwargs["speculate"] is False
+    inspect.signature(AsyncClient.generate).bind(None, **kwargs)  # the client takes every argument
 
 
 # --- a real server ---------------------------------------------------------------------
