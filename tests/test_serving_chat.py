@@ -4,7 +4,6 @@ and a real `gmlx serve` whose streams are checked against solo in-process decodi
 import asyncio
 import faulthandler
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,12 @@ import zmq
 from ipc import messages as m
 from ipc.bus import BusPayload, RequestBus
 from ipc.client import AsyncClient, Client, RequestError
-from serving_support import BUILTIN_TARGET, REPO_ROOT, Server, repo_env
+from serving_support import BUILTIN_TARGET, REPO_ROOT, Server, make_chat_model_dir, repo_env
 from workers.tokenizer import load_tokenizer
 from workers.validate import (MAX_CHAT_MESSAGES, InvalidRequest, ModelLimits, sampling_params,
                               validate_generate)
 
 TEST_TIMEOUT_S = 150  # hard: a hung socket must fail the run, not stall it
-# The built-in model is a code model without a chat template: the copy served here gets one.
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse(argv):"}]
 
 
@@ -37,13 +33,7 @@ def hard_timeout():
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("models") / "builtin-chat"
-    shutil.copytree(BUILTIN_TARGET, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return folder
+    return make_chat_model_dir(tmp_path_factory.mktemp("models") / "builtin-chat")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +44,7 @@ def chat_tokenizer(chat_model_dir):
 def rendered_ids(tokenizer, messages) -> list[int]:
     """The test's own rendering: transformers' template, encoded without added specials."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text.startswith("<|system|>You write Python.\n") or text.startswith("<|user|>")
+    assert text.startswith(f"### {messages[0]['role']}\n{messages[0]['content']}\n")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -164,16 +154,12 @@ def server(chat_model_dir):
 
 
 def solo(engine, token_ids, **params) -> list[int]:
+    """The request decoded alone by the in-process library path."""
+    from gmlx.generate import stream_generate
     from gmlx.request import SamplingParams
 
-    request_id = engine.add_request(list(token_ids), SamplingParams(**params))
-    tokens, reason = [], None
-    while reason is None:
-        for out in engine.step():
-            if out.request_id == request_id:
-                tokens += out.new_token_ids
-                reason = out.finish_reason
-    return tokens
+    return [t for chunk in stream_generate(engine, params=SamplingParams(**params), token_ids=list(token_ids))
+            for t in chunk.token_ids]
 
 
 def test_chat_streams_equal_solo_decoding_of_the_rendered_prompt(server, engine, chat_tokenizer):
@@ -231,3 +217,13 @@ def test_generate_cli_chat_and_no_speculate_through_the_server(server, engine, c
     want = solo(engine, rendered_ids(chat_tokenizer, [{"role": "user", "content": "def parse(argv):"}]),
                 max_tokens=12)
     assert result["token_ids"] == want
+
+
+def test_generate_cli_in_process_no_speculate_and_chat_without_server():
+    base = [sys.executable, "-c", "from workers.cli import main; main()", "generate", "def parse(argv):"]
+    out = subprocess.run(base + ["--no-speculate", "--drafter", "ngram", "--max-tokens", "4", "--json"],
+                         capture_output=True, text=True, timeout=120, env=repo_env(), cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["stats"]["speculate"] is False
+    out = subprocess.run(base + ["--chat"], capture_output=True, text=True, timeout=120, env=repo_env(), cwd=REPO_ROOT)
+    assert out.returncode == 2 and "--chat" in out.stderr
