@@ -35,17 +35,16 @@ def stream_generate(engine, prompt: str | None = None, params: SamplingParams | 
             for output in engine.step():
                 if output.request_id != request_id:
                     continue
-                kept, delta = text.add_until_stop(output.new_token_ids)
+                kept, delta = text.take(output.new_token_ids, is_final=output.finish_reason is not None)
                 if text.is_stopped:
                     final = engine.abort_request(request_id, RequestStatus.FINISHED_STOPPED, is_queued=False)
                     stats = dict(final.stats if final is not None else output.stats)
                     stats["generated_tokens"] -= len(output.new_token_ids) - len(kept)  # dropped past the stop
                     yield Chunk(kept, delta, "stop", stats)
                     return
+                yield Chunk(kept, delta, output.finish_reason, output.stats if output.finish_reason else None)
                 if output.finish_reason is not None:
-                    yield Chunk(list(output.new_token_ids), delta + text.flush(), output.finish_reason, output.stats)
                     return
-                yield Chunk(list(output.new_token_ids), delta)
     finally:
         engine.abort_request(request_id)  # a no-op once finished; cancels if the caller left early
 

@@ -68,7 +68,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_CANCELLED = 5
-    FINISHED_ERROR = 6
 
     @property
     def is_finished(self) -> bool:
@@ -83,7 +82,6 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_CANCELLED: "cancelled",
-    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -162,4 +160,5 @@ class Request:
             "rounds_by_loop": dict(self.num_rounds_by_loop),
             "is_preempted": self.is_preempted,
             "seed": self.seed,
+            "speculate": self.params.speculate,  # echoed like the seed: shows what the engine was asked
         }

@@ -49,6 +49,15 @@ class TextStream:
                 break
         return kept, "".join(deltas)
 
+    def take(self, token_ids, is_final: bool = False) -> tuple[list[int], str]:
+        """A round's tokens and text to deliver: add_until_stop(), plus the held-back tail
+        when these are the request's last tokens. The one place a stream's end is decided;
+        `is_stopped` then tells whether a stop string ended it."""
+        kept, text = self.add_until_stop(token_ids)
+        if is_final and not self.is_stopped:
+            text += self.flush()
+        return kept, text
+
     def flush(self) -> str:
         """The held-back tail, once the request ended without a stop string."""
         if self.is_stopped:

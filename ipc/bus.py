@@ -9,8 +9,8 @@ memory, so no cross-process memory ordering is relied on.
 Layout (little-endian):
     segment header (64 B): magic "GMLXBUS1", num_slots u32, slot_bytes u32, max_tokens u32
     slot i at 64 + i * slot_bytes:
-        generation u64, num_tokens u32, max_tokens u32, top_k u32, pad u32,
-        temperature f64, top_p f64, min_p f64, seed i64 (-1 = none)   (64 B)
+        generation u64, num_tokens u32, num_sampling_bytes u32,
+        the request's ipc.messages.Sampling as msgpack                  (192 B in all)
         token ids, int32 x num_tokens
 The generation is bumped on every write; the worker checks it before and after copying,
 so a descriptor that outlived its slot (a restarted worker, say) is refused, not misread.
@@ -30,8 +30,11 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
+import msgspec
 import numpy as np
 import psutil
+
+from ipc.messages import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +43,11 @@ SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared memory; absent on macOS
 _MAGIC = b"GMLXBUS1"
 _SEGMENT_HEADER = struct.Struct("<8sIII")
 _SEGMENT_HEADER_BYTES = 64
-_SLOT_HEADER = struct.Struct("<QIIIIdddq")
-_SLOT_HEADER_BYTES = 64
+_SLOT_HEADER = struct.Struct("<QII")
+_SLOT_HEADER_BYTES = 192  # the sampling struct takes ~110 B of msgpack at its widest
+_MAX_SAMPLING_BYTES = _SLOT_HEADER_BYTES - _SLOT_HEADER.size
+_sampling_encoder = msgspec.msgpack.Encoder()
+_sampling_decoder = msgspec.msgpack.Decoder(Sampling)
 _TOKEN_BYTES = 4
 _names = itertools.count()
 assert _SEGMENT_HEADER.size <= _SEGMENT_HEADER_BYTES and _SLOT_HEADER.size <= _SLOT_HEADER_BYTES
@@ -49,15 +55,10 @@ assert _SEGMENT_HEADER.size <= _SEGMENT_HEADER_BYTES and _SLOT_HEADER.size <= _S
 
 @dataclass(frozen=True, slots=True)
 class BusPayload:
-    """What a request carries to the worker; mirrors gmlx.request.SamplingParams minus stop."""
+    """What a request carries to the worker (stop strings stay in the front-end)."""
 
     token_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int | None
+    sampling: Sampling
 
 
 class StaleSlotError(ValueError):
@@ -116,15 +117,16 @@ class RequestBus:
         num_tokens = len(payload.token_ids)
         if num_tokens > self.max_tokens:
             raise ValueError(f"token_ids has {num_tokens} tokens, over the bus limit of {self.max_tokens}")
+        sampling = _sampling_encoder.encode(payload.sampling)
+        assert len(sampling) <= _MAX_SAMPLING_BYTES, f"sampling takes {len(sampling)} bytes"
         if not self._free_slots:
             return None
         slot = self._free_slots.popleft()
         generation = self._generations[slot] + 1
         self._generations[slot] = generation
         offset = self._slot_offset(slot)
-        seed = -1 if payload.seed is None else payload.seed
-        _SLOT_HEADER.pack_into(self._shm.buf, offset, generation, num_tokens, payload.max_tokens,
-                               payload.top_k, 0, payload.temperature, payload.top_p, payload.min_p, seed)
+        _SLOT_HEADER.pack_into(self._shm.buf, offset, generation, num_tokens, len(sampling))
+        self._shm.buf[offset + _SLOT_HEADER.size : offset + _SLOT_HEADER.size + len(sampling)] = sampling
         tokens = np.ndarray((num_tokens,), dtype="<i4", buffer=self._shm.buf,
                             offset=offset + _SLOT_HEADER_BYTES)
         tokens[:] = payload.token_ids
@@ -144,15 +146,21 @@ class RequestBus:
             raise StaleSlotError(f"slot {slot} out of range")
         offset = self._slot_offset(slot)
         header = _SLOT_HEADER.unpack_from(self._shm.buf, offset)
-        found_generation, num_tokens, max_tokens, top_k, _, temperature, top_p, min_p, seed = header
-        if found_generation != generation or num_tokens > self.max_tokens:
+        found_generation, num_tokens, num_sampling_bytes = header
+        if (found_generation != generation or num_tokens > self.max_tokens
+                or num_sampling_bytes > _MAX_SAMPLING_BYTES):
             raise StaleSlotError(f"slot {slot} holds generation {found_generation}, not {generation}")
+        start = offset + _SLOT_HEADER.size
+        sampling_bytes = bytes(self._shm.buf[start : start + num_sampling_bytes])
         token_ids = np.ndarray((num_tokens,), dtype="<i4", buffer=self._shm.buf,
                                offset=offset + _SLOT_HEADER_BYTES).tolist()
         if _SLOT_HEADER.unpack_from(self._shm.buf, offset)[0] != generation:
             raise StaleSlotError(f"slot {slot} was rewritten while being read")
-        return BusPayload(token_ids, max_tokens, temperature, top_p, top_k, min_p,
-                          None if seed < 0 else seed)
+        try:
+            sampling = _sampling_decoder.decode(sampling_bytes)
+        except msgspec.DecodeError as e:  # only a torn write could do this; the generation check should catch it
+            raise StaleSlotError(f"slot {slot} holds no readable sampling parameters: {e}") from None
+        return BusPayload(token_ids, sampling)
 
     # --- both ---
 

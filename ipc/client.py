@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
@@ -52,15 +53,10 @@ class _Lost:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    token_ids: list[int]  # this chunk's new tokens, in order
-    text: str  # this chunk's new text
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the last chunk
-    stats: dict | None = None  # on the last chunk
-    request_id: str = ""
-    seq: int = 0
-    emitted_at_ns: int | None = None  # server CLOCK_MONOTONIC when the worker sent the round
+class Chunk(m.Chunk, frozen=True):
+    """The wire's CHUNK (token_ids, text, finish_reason, stats, request_id, seq, emitted_at_ns)
+    as the caller gets it, stamped with when it arrived."""
+
     received_at_ns: int = 0  # this process's CLOCK_MONOTONIC when the chunk arrived
 
 
@@ -141,17 +137,20 @@ class _Router:
 
 
 def _to_chunk(msg: m.Chunk) -> Chunk:
-    return Chunk(msg.token_ids, msg.text, msg.finish_reason, msg.stats, msg.request_id, msg.seq,
-                 msg.emitted_at_ns, time.monotonic_ns())
+    return Chunk(**msgspec.structs.asdict(msg), received_at_ns=time.monotonic_ns())
 
 
-def _generate_message(ref: str, prompt, token_ids, max_tokens, temperature, top_p, top_k, min_p, seed,
-                      stop) -> list[bytes]:
+def _generate_message(ref: str, prompt, token_ids, messages, stop, **sampling) -> list[bytes]:
+    """A GENERATE; `sampling` holds exactly m.Sampling's fields, as generate() takes them."""
     if isinstance(stop, str):
         stop = [stop]
+    if messages is not None:
+        try:
+            messages = [m.ChatMessage(role=turn["role"], content=turn["content"]) for turn in messages]
+        except (KeyError, TypeError):
+            raise ValueError(f"messages: each entry needs a role and a content, got {messages!r:.200}") from None
     return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=None if token_ids is None else list(token_ids),
-                                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    min_p=min_p, seed=seed, stop=None if stop is None else list(stop)))
+                                    messages=messages, stop=None if stop is None else list(stop), **sampling))
 
 
 def _check(msg, stream: _Stream, expected_seq: int):
@@ -197,12 +196,16 @@ class Client:
 
     def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop=None, min_p: float = 0.0):
-        """Yield Chunk objects as the server decodes; raises RequestError if it rejects the request."""
+                 stop=None, min_p: float = 0.0, messages=None, speculate: bool = True):
+        """Yield Chunk objects as the server decodes; raises RequestError if it rejects the request.
+
+        Give one of prompt, token_ids or messages ([{"role": ..., "content": ...}, ...], rendered
+        with the model's chat template). speculate=False pins the request to plain decoding."""
         stream = self._router.open()
         try:
-            self._sock.send_multipart(_generate_message(stream.ref, prompt, token_ids, max_tokens, temperature,
-                                                        top_p, top_k, min_p, seed, stop))
+            self._sock.send_multipart(_generate_message(
+                stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
+                top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate))
             while not stream.is_done:
                 chunk = stream.take(self._next(stream))
                 if chunk is not None:
@@ -268,11 +271,13 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                       stop=None, min_p: float = 0.0):
+                       stop=None, min_p: float = 0.0, messages=None, speculate: bool = True):
+        """Client.generate's asyncio twin (same arguments)."""
         stream = self._open()
         try:
-            await self._sock.send_multipart(_generate_message(stream.ref, prompt, token_ids, max_tokens,
-                                                              temperature, top_p, top_k, min_p, seed, stop))
+            await self._sock.send_multipart(_generate_message(
+                stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
+                top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate))
             while not stream.is_done:
                 chunk = stream.take(await self._next(stream))
                 if chunk is not None:

@@ -20,8 +20,7 @@ MAX_CLIENT_FRAME_BYTES = 2 << 20  # the client link's ZMQ_MAXMSGSIZE: one messag
 # Every limit below is checked before any work and documented in docs/protocol.md, "Limits".
 MAX_NESTING_DEPTH = 16  # JSON arrays/objects inside each other; a GENERATE needs 2
 MAX_REF_CHARS = 256  # `ref` and `request_id` strings, checked as the body is decoded
-U32_MAX = 2**32 - 1  # the bus slot's width for max_tokens and top_k
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+U32_MAX = 2**32 - 1  # the widest max_tokens and top_k a request may carry
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -34,19 +33,41 @@ Key = Annotated[str, msgspec.Meta(max_length=MAX_REF_CHARS)]  # a client's ref o
 # --- client link (JSON) -----------------------------------------------------------------
 
 
-class Generate(Message, frozen=True):
-    """Client -> front-end: start a request. Exactly one of prompt / token_ids."""
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one request samples: the only spelling of these fields from the wire to the engine.
 
-    TAG: ClassVar[bytes] = b"G"
-    ref: Key  # the client's key for this request, echoed in ACCEPTED and ERROR
-    prompt: str | None = None
-    token_ids: list[int] | None = None
+    GENERATE carries them flat (it extends this struct), the bus slot carries this struct
+    encoded, and the worker builds gmlx.request.SamplingParams from it by field name."""
+
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    speculate: bool = True  # False pins the request to plain decoding (it never drafts)
+
+
+def sampling_of(msg: Sampling) -> Sampling:
+    """The bare Sampling part of a GENERATE (or of any Sampling)."""
+    return Sampling(**{name: getattr(msg, name) for name in Sampling.__struct_fields__})
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One turn of a chat request, rendered with the model's chat template by the front-end."""
+
+    role: str
+    content: str
+
+
+class Generate(Message, Sampling, frozen=True, kw_only=True):
+    """Client -> front-end: start a request. Exactly one of prompt / token_ids / messages."""
+
+    TAG: ClassVar[bytes] = b"G"
+    ref: Key  # the client's key for this request, echoed in ACCEPTED and ERROR
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
     stop: list[str] | None = None
 
 

@@ -16,8 +16,8 @@ import msgspec
 from ipc import messages as m
 
 VOCAB_SIZE_GUESS = 256  # token ids below this are valid for the built-in model and the tiny ones
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
-ALL_FIELDS = ("ref", "prompt", "token_ids", "stop") + SAMPLING_FIELDS
+SAMPLING_FIELDS = m.Sampling.__struct_fields__
+ALL_FIELDS = ("ref", "prompt", "token_ids", "messages", "stop") + SAMPLING_FIELDS
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ def _valid_fields(rng: random.Random) -> dict:
                       seed=rng.choice([None, 0, 2**63 - 1, rng.getrandbits(32)]))
     if rng.random() < 0.3:
         fields["stop"] = rng.sample(["\n", ".", "the", "ab", "é"], rng.randint(1, 3))
+    if rng.random() < 0.3:
+        fields["speculate"] = rng.random() < 0.5
     return fields
 
 

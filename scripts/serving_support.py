@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +25,21 @@ def drafter_for(folder: Path) -> str:
 def model_dir() -> Path:
     """The built-in model: the serving tests' target."""
     return BUILTIN_TARGET
+
+
+# The built-in model is a code model without a chat template: chat tests serve a copy with this one.
+CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}### assistant\n{% endif %}")
+
+
+def make_chat_model_dir(folder: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """A copy of the built-in model at `folder` whose tokenizer has `chat_template`."""
+    shutil.copytree(BUILTIN_TARGET, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = chat_template
+    config_path.write_text(json.dumps(config))
+    return folder
 
 
 def _die_with_parent() -> None:

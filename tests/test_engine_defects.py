@@ -13,6 +13,7 @@ from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.request import Request, SamplingParams
 from gmlx.spec import admission
+from gmlx.spec.batch import BatchMode
 from schedules import SoloReference
 
 
@@ -91,7 +92,7 @@ def test_a_long_waiter_preempts_only_when_it_can_join(builtin_target, reference,
     got = {"A": [], "B": []}
     for step in range(10_000):
         if step == 3:
-            assert engine.batch.is_scalar
+            assert engine.batch.mode is BatchMode.SCALAR
             engine.add_request(prompts["B"], params["B"], request_id="B")
         num_preempts = engine.counters["num_preempts"]
         for output in engine.step():
@@ -111,7 +112,7 @@ def test_a_preempt_landing_over_the_cap_counts_a_gate(builtin_target, code_promp
     engine.add_request(code_prompts[0], SamplingParams(max_tokens=40))
     for _ in range(3):
         engine.step()
-    assert engine.batch.is_scalar
+    assert engine.batch.mode is BatchMode.SCALAR
     engine.add_request(code_prompts[1][:8], SamplingParams(max_tokens=30))
     engine.step()
     assert engine.counters["num_preempts"] == 1 and engine.batch.num_rows == 2

@@ -6,7 +6,6 @@ checks against solo in-process decoding)."""
 
 import faulthandler
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,13 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ipc.client import Client
-from serving_support import BUILTIN_TARGET, REPO_ROOT, Server, free_port, repo_env
+from serving_support import REPO_ROOT, Server, free_port, make_chat_model_dir, repo_env
 
 TEST_TIMEOUT_S = 150  # hard: a hung socket must fail the run, not stall it
 MODEL_ID = "builtin-chat"
-# The built-in model ships no chat template (it is a code model): this copy gets a plain one.
-CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}### assistant\n{% endif %}")
 PROMPT = "def parse_args(argv):"
 
 
@@ -39,13 +35,7 @@ def hard_timeout():
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("models") / MODEL_ID
-    shutil.copytree(BUILTIN_TARGET, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return folder
+    return make_chat_model_dir(tmp_path_factory.mktemp("models") / MODEL_ID)
 
 
 def wait_for_line(server: Server, needle: str, timeout_s: float = 60.0) -> None:

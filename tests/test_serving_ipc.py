@@ -14,8 +14,8 @@ from ipc.bus import BusPayload, RequestBus, StaleSlotError, list_segments, parse
 
 
 def make_payload(num_tokens: int = 5, seed: int | None = 7) -> BusPayload:
-    return BusPayload(list(range(num_tokens)), max_tokens=32, temperature=0.8, top_p=0.9, top_k=40,
-                      min_p=0.05, seed=seed)
+    return BusPayload(list(range(num_tokens)), m.Sampling(max_tokens=32, temperature=0.8, top_p=0.9, top_k=40,
+                                                           min_p=0.05, seed=seed))
 
 
 @pytest.fixture
@@ -28,12 +28,13 @@ def bus():
 @settings(max_examples=50, deadline=None)
 @given(token_ids=st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=64),
        seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
-       temperature=st.floats(0, 10), top_k=st.integers(0, 2**31))
-def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k):
+       temperature=st.floats(0, 10), top_k=st.integers(0, 2**31), max_tokens=st.integers(1, 2**32 - 1),
+       speculate=st.booleans())
+def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_tokens, speculate):
     owner = RequestBus.create(num_slots=2, max_tokens=64)
     try:
         reader = RequestBus.attach(owner.name)
-        payload = BusPayload(token_ids, 9, temperature, 1.0, top_k, 0.0, seed)
+        payload = BusPayload(token_ids, m.Sampling(max_tokens, temperature, 1.0, top_k, 0.0, seed, speculate))
         slot, generation = owner.write(payload)
         assert reader.read(slot, generation) == payload
         reader.close()

@@ -16,7 +16,7 @@ def tokenizers():
 
 
 def make_request(decoder, stop=()) -> ClientRequest:
-    payload = BusPayload([1, 2, 3], 64, 0.0, 1.0, 0, 0.0, None)
+    payload = BusPayload([1, 2, 3], m.Sampling())
     return ClientRequest("r1", "ref", b"client", payload, TextStream(decoder, stop), "model", has_stop=bool(stop),
                          phase=Phase.INJECTED)
 
@@ -65,3 +65,16 @@ def test_final_row_flushes_held_back_text(tokenizers):
     assert not first.text.endswith("be")  # could still become "beta": held back
     final = req.on_row(m.RowOutput("r1", 1, [], "length", {}), 0).messages[0]
     assert first.text + final.text == "value = be" and final.finish_reason == "length"
+
+
+def test_take_flushes_only_a_final_row_that_no_stop_string_ended(tokenizers):
+    tokenizer, decoder = tokenizers
+    ids = tokenizer.encode("value = be")
+    kept, text = TextStream(decoder, ("beta",)).take(ids)
+    assert kept == ids and text == "value = "  # "be" could still become "beta"
+    stream = TextStream(decoder, ("beta",))
+    assert stream.take(ids, is_final=True) == (ids, "value = be") and not stream.is_stopped
+    stream = TextStream(decoder, ("= b",))
+    kept, text = stream.take(ids, is_final=True)
+    assert stream.is_stopped and text == "value " and "= b" in decoder.decode(kept)
+    assert "= b" not in decoder.decode(kept[:-1])  # the stream ends at the token that completes the match

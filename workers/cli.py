@@ -45,15 +45,19 @@ def _check_cap(ctx, param, value):
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--speculative-width-cap", type=int, default=None, callback=_check_cap)
+@click.option("--speculate/--no-speculate", default=True, show_default=True,
+              help="--no-speculate pins this request to plain decoding")
 @click.option("--server", default=None, help="send to a running gmlx server at this address")
+@click.option("--chat", is_flag=True, help="send PROMPT as one user message, rendered with the model's "
+              "chat template (with --server)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
 def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-             speculative_width_cap, server, as_json) -> None:
+             speculative_width_cap, speculate, server, chat, as_json) -> None:
     """Generate a completion for PROMPT, streaming text to stdout."""
     from gmlx.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop))
+                            top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate)
     try:
         params.validate()
         if not prompt:
@@ -63,8 +67,14 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
     if server is not None:
         from workers.cli_serve import generate_via_server
 
-        generate_via_server(server, prompt, params, as_json=as_json)
+        if chat:
+            generate_via_server(server, None, params, as_json=as_json,
+                                messages=[{"role": "user", "content": prompt}])
+        else:
+            generate_via_server(server, prompt, params, as_json=as_json)
         return
+    if chat:  # the in-process chat path arrives with the GGUF work; until then only a server renders chats
+        raise click.UsageError("--chat needs --server in this build")
     from gmlx.config import EngineConfig
 
     ensure_fast_blas()  # before the engine imports mlx

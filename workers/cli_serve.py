@@ -225,7 +225,7 @@ def _configure_logging() -> None:
 
 
 def generate_via_server(address: str, prompt: str | None, params, as_json: bool = False, *,
-                        token_ids=None, timeout_s: float = 60.0) -> None:
+                        token_ids=None, messages=None, timeout_s: float = 60.0) -> None:
     """`gmlx generate --server`: one request against a running server, printed like the
     in-process path (streamed text, or one JSON object). Exits non-zero on failure."""
     from ipc.client import Client, RequestError
@@ -234,9 +234,10 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
     code = 0
     with Client(address, timeout_s=timeout_s) as client:
         try:
-            for chunk in client.generate(prompt, token_ids=token_ids, max_tokens=params.max_tokens,
+            for chunk in client.generate(prompt, token_ids=token_ids, messages=messages, max_tokens=params.max_tokens,
                                          temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                         min_p=params.min_p, seed=params.seed, stop=list(params.stop) or None):
+                                         min_p=params.min_p, seed=params.seed, stop=list(params.stop) or None,
+                                         speculate=params.speculate):
                 token_ids_out.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 if not as_json:
@@ -245,7 +246,8 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
                     finish_reason, stats = chunk.finish_reason, dict(chunk.stats or {})
         except RequestError as e:
             if e.field is not None:  # the server named a request field: name the option
-                option = "PROMPT" if e.field in ("prompt", "token_ids") else "--" + e.field.replace("_", "-")
+                option = ("PROMPT" if e.field in ("prompt", "token_ids", "messages")
+                          else "--" + e.field.replace("_", "-"))
                 click.echo(f"error: {option}: {e}", err=True)
                 sys.exit(2)
             click.echo(f"error: {e}", err=True)

@@ -70,7 +70,7 @@ class ClientRequest:
         if row.finish_reason == "error":
             out.messages.append(self.fail(row.error or "the engine failed the request"))
             return out
-        token_ids, text = self._take_tokens(row.token_ids)
+        token_ids, text = self.text_stream.take(row.token_ids, is_final=row.finish_reason is not None)
         if self.text_stream.is_stopped:
             if row.finish_reason is None:
                 self.phase, self.stop_reason = Phase.STOPPING, "stop"
@@ -79,8 +79,6 @@ class ClientRequest:
             else:
                 out.messages.append(self._chunk(token_ids, text, emitted_at_ns, "stop", row.stats))
             return out
-        if row.finish_reason is not None:
-            text += self.text_stream.flush()
         out.messages.append(self._chunk(token_ids, text, emitted_at_ns, row.finish_reason, row.stats))
         return out
 
@@ -93,9 +91,6 @@ class ClientRequest:
         self.phase = Phase.FINISHED
         return m.Error(message=message, ref=self.ref, request_id=self.request_id,
                        field=field_name or m.field_of(message))
-
-    def _take_tokens(self, token_ids: list[int]) -> tuple[list[int], str]:
-        return self.text_stream.add_until_stop(token_ids)
 
     def _chunk(self, token_ids, text, emitted_at_ns, finish_reason=None, stats=None) -> m.Chunk:
         self.num_delivered += len(token_ids)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from gmlx.request import SamplingParams
 from ipc import messages as m
 from ipc.bus import BusPayload
@@ -17,6 +19,8 @@ MAX_TOP_K = 1 << 24  # far above any vocabulary; the bus field is u32
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256  # per stop string, UTF-8
 MAX_PROMPT_BYTES = 256 << 10  # UTF-8 bytes of `prompt`, whatever the model's context
+MAX_CHAT_MESSAGES = 256  # entries of `messages`
+MAX_ROLE_BYTES = 64  # UTF-8 bytes of one message's `role`
 assert MAX_MAX_TOKENS <= m.U32_MAX and MAX_TOP_K <= m.U32_MAX
 
 
@@ -39,19 +43,27 @@ def prompt_byte_limit(max_prompt_tokens: int, max_token_bytes: int) -> int:
     return min(MAX_PROMPT_BYTES, max_prompt_tokens * max(1, max_token_bytes))
 
 
+def sampling_params(sampling: m.Sampling, stop: tuple[str, ...] = ()) -> SamplingParams:
+    """The engine's SamplingParams of a wire Sampling: the one place the two meet, by field name."""
+    return SamplingParams(**msgspec.structs.asdict(sampling), stop=stop)
+
+
 def validate_generate(msg: m.Generate, tokenizer, limits: ModelLimits) -> tuple[BusPayload, tuple[str, ...]]:
     """The bus payload and stop strings of a valid request; InvalidRequest otherwise."""
     _check_limits(msg, limits)
     stop = tuple(msg.stop or ())
-    params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                            top_k=msg.top_k, min_p=msg.min_p, seed=msg.seed, stop=stop)
+    sampling = m.sampling_of(msg)
     try:
-        params.validate()
+        sampling_params(sampling, stop).validate()
     except ValueError as e:
         raise InvalidRequest(str(e), m.field_of(str(e))) from None
-    if (msg.prompt is None) == (msg.token_ids is None):
-        raise InvalidRequest("prompt: give exactly one of prompt or token_ids", "prompt")
-    if msg.prompt is not None:
+    num_inputs = sum(x is not None for x in (msg.prompt, msg.token_ids, msg.messages))
+    if num_inputs != 1:
+        raise InvalidRequest("prompt: give exactly one of prompt, token_ids or messages", "prompt")
+    if msg.messages is not None:
+        field = "messages"
+        token_ids = _render_chat(msg.messages, tokenizer)
+    elif msg.prompt is not None:
         field = "prompt"
         try:
             token_ids = list(tokenizer.encode(msg.prompt))
@@ -68,9 +80,21 @@ def validate_generate(msg: m.Generate, tokenizer, limits: ModelLimits) -> tuple[
     if len(token_ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"{field}: {len(token_ids)} prompt tokens exceed the limit of "
                              f"{limits.max_prompt_tokens}", field)
-    payload = BusPayload(token_ids=token_ids, max_tokens=params.max_tokens, temperature=float(params.temperature),
-                         top_p=float(params.top_p), top_k=params.top_k, min_p=float(params.min_p), seed=params.seed)
-    return payload, stop
+    return BusPayload(token_ids=token_ids, sampling=sampling), stop
+
+
+def _render_chat(messages: list[m.ChatMessage], tokenizer) -> list[int]:
+    """Token ids of the chat rendered with the model's template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("messages: the model has no chat template; send prompt or token_ids", "messages")
+    turns = [{"role": turn.role, "content": turn.content} for turn in messages]
+    try:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        # The template writes any BOS itself, so no special tokens are added on encoding.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as e:  # a template may refuse roles or orders; that ends only this request
+        raise InvalidRequest(f"messages: cannot be rendered with the chat template "
+                             f"({type(e).__name__}: {e})", "messages") from None
 
 
 def _check_limits(msg: m.Generate, limits: ModelLimits) -> None:
@@ -87,6 +111,8 @@ def _check_limits(msg: m.Generate, limits: ModelLimits) -> None:
         if num_bytes > limits.max_prompt_bytes:
             raise InvalidRequest(f"prompt: over {limits.max_prompt_bytes} bytes, more than the "
                                  f"{limits.max_prompt_tokens}-token limit can hold", "prompt")
+    if msg.messages is not None:
+        _check_chat_limits(msg.messages, limits)
     if msg.token_ids is not None and len(msg.token_ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"token_ids: {len(msg.token_ids)} prompt tokens exceed the limit of "
                              f"{limits.max_prompt_tokens}", "token_ids")
@@ -96,3 +122,22 @@ def _check_limits(msg: m.Generate, limits: ModelLimits) -> None:
         for s in msg.stop:
             if isinstance(s, str) and len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
                 raise InvalidRequest(f"stop: a stop string over {MAX_STOP_BYTES} bytes", "stop")
+
+
+def _check_chat_limits(messages: list[m.ChatMessage], limits: ModelLimits) -> None:
+    """A chat is held to the prompt's byte limit (all contents together) before it is rendered."""
+    if not messages:
+        raise InvalidRequest("messages: the list is empty", "messages")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"messages: {len(messages)} messages, over the limit of {MAX_CHAT_MESSAGES}", "messages")
+    num_chars = sum(len(turn.content) for turn in messages)
+    if num_chars > limits.max_prompt_bytes:  # each character takes at least one byte
+        num_bytes = num_chars
+    else:
+        num_bytes = sum(len(turn.content.encode("utf-8", "surrogatepass")) for turn in messages)
+    if num_bytes > limits.max_prompt_bytes:
+        raise InvalidRequest(f"messages: contents over {limits.max_prompt_bytes} bytes, more than the "
+                             f"{limits.max_prompt_tokens}-token limit can hold", "messages")
+    for turn in messages:
+        if len(turn.role.encode("utf-8", "surrogatepass")) > MAX_ROLE_BYTES:
+            raise InvalidRequest(f"messages: a role over {MAX_ROLE_BYTES} bytes", "messages")

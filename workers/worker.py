@@ -25,6 +25,7 @@ from ipc import messages as m
 from ipc.auth import default_secret_path, read_worker_secret, secure_worker_socket
 from ipc.bus import RequestBus, StaleSlotError
 from ipc.sockets import connect_address
+from workers.validate import sampling_params
 from workers.watchdog import EXIT_FRONTEND_LOST, Watchdog
 
 logger = logging.getLogger(__name__)
@@ -151,19 +152,14 @@ class Worker:
             self._send(m.Taken(worker_id=self.worker_id, slots=taken_slots))
 
     def _inject(self, msg: m.Inject, taken_slots: list[int]) -> None:
-        from gmlx.request import SamplingParams  # the worker side may import gmlx
-
         try:
             payload = self._bus.read(msg.slot, msg.generation)
         except StaleSlotError as e:
             self._reject(msg.request_id, f"request payload lost: {e}")
             return
         taken_slots.append(msg.slot)
-        params = SamplingParams(max_tokens=payload.max_tokens, temperature=payload.temperature,
-                                top_p=payload.top_p, top_k=payload.top_k, min_p=payload.min_p,
-                                seed=payload.seed)
         try:
-            self.engine.add_request(payload.token_ids, params, request_id=msg.request_id)
+            self.engine.add_request(payload.token_ids, sampling_params(payload.sampling), request_id=msg.request_id)
         except ValueError as e:  # a bad request ends only itself
             self._reject(msg.request_id, str(e))
             return
