@@ -17,9 +17,12 @@ import threading
 import time
 
 import pytest
+import zmq
 
-from ipc.auth import make_keys
-from serving_support import REPO_ROOT, repo_env
+from ipc import messages as m
+from ipc.auth import WorkerCredential, make_keys, secure_worker_socket
+from ipc.client import Client
+from serving_support import REPO_ROOT, Server, free_port, model_dir, repo_env
 
 TEST_TIMEOUT_S = 240
 FRONTEND_ADDRESS = "10.213.7.1"  # a private /30 of our own, only between our two namespaces
@@ -263,3 +266,87 @@ def test_remote_worker_streams_equal_solo_and_its_death_fails_only_its_clients(n
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+# --- the same paths on loopback: no namespaces needed -------------------------------------
+
+
+def test_a_worker_address_off_loopback_without_keys_is_refused():
+    cmd = [sys.executable, "-m", "workers.cli_serve", "--address", f"tcp://127.0.0.1:{free_port()}",
+           "--worker-address", f"tcp://0.0.0.0:{free_port()}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=repo_env(), cwd=REPO_ROOT)
+    assert out.returncode == 2
+    assert "--worker-curve-dir" in out.stderr and "gmlx keys" in out.stderr, out.stderr
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    return make_keys(tmp_path_factory.mktemp("remote") / "keys")
+
+
+@pytest.fixture(scope="module")
+def curve_server(keys):
+    """Worker link on every interface (CURVE), one local worker; a --no-bus worker joins by hand."""
+    worker_port = free_port()
+    srv = Server("--worker-address", f"tcp://0.0.0.0:{worker_port}", "--worker-curve-dir", str(keys),
+                 model=model_dir(), drafter="none")
+    srv.worker_address = f"tcp://127.0.0.1:{worker_port}"
+    yield srv
+    srv.kill()
+
+
+def _hello() -> list[bytes]:
+    return m.encode_msgpack(m.Hello(pid=os.getpid(), model_path=str(model_dir()), max_context_tokens=64,
+                                    vocab_size=64, drafter="none"))
+
+
+def test_only_the_worker_key_joins_the_worker_link(curve_server, keys, tmp_path):
+    client_only = tmp_path / "client_only"  # a client's keys where a worker's are expected
+    client_only.mkdir(mode=0o700)
+    shutil.copy(keys / "server.key", client_only / "server.key")
+    shutil.copy(keys / "client.key_secret", client_only / "worker.key_secret")
+    for folder, is_welcome_expected in ((client_only, False), (keys, True)):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_worker_socket(sock, WorkerCredential.from_curve_dir(folder))
+        sock.connect(curve_server.worker_address)
+        sock.send_multipart(_hello())
+        if is_welcome_expected:
+            assert sock.poll(10_000), "a worker with the worker key got no WELCOME"
+            welcome = m.decode_msgpack(sock.recv_multipart())
+            assert isinstance(welcome, m.Welcome)
+            assert welcome.pub_address.startswith("tcp://0.0.0.0:")  # the worker reaches it by the host it used
+        else:
+            assert not sock.poll(3000), "a client key was let in as a worker"
+        sock.close()
+
+
+def test_a_no_bus_worker_serves_inline_payloads_equal_to_solo(curve_server, keys, code_prompts, plain_engine):
+    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--connect", curve_server.worker_address,
+                               "--curve-dir", str(keys), "--no-bus", "--drafter", "none"],
+                              cwd=REPO_ROOT, env=repo_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Client(curve_server.address, timeout_s=60) as client:
+            deadline_s = time.monotonic() + 120
+            while client.stats()["num_workers"] < 2:
+                assert time.monotonic() < deadline_s and worker.poll() is None, curve_server.log()
+                time.sleep(0.2)
+        assert "payloads inline: no bus" in curve_server.log()
+        prompts = [list(p) for p in code_prompts[:6]]
+        results: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            with Client(curve_server.address, timeout_s=60) as c:
+                chunks = list(c.generate(token_ids=prompts[i], max_tokens=48, temperature=0.0))
+            results[i] = [sum((ch.token_ids for ch in chunks), []), chunks[-1].finish_reason]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        for prompt, result in zip(prompts, results):  # least loaded routing: half went inline
+            assert result == list(solo(plain_engine, prompt, 48))
+    finally:
+        worker.kill()
+        worker.wait(10)
