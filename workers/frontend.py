@@ -154,8 +154,8 @@ class Frontend:
                                 self.config.startup_timeout_s)
         for _ in range(self.config.num_workers):
             self._pool.spawn()
-        logger.info("front-end: clients at %s, workers at %s (a worker started by hand needs %s)",
-                    self.config.address, worker_endpoint,
+        logger.info("front-end: clients at %s, workers at %s, rounds at %s (a worker started by hand needs %s)",
+                    self.config.address, worker_endpoint, self._rounds_endpoint,
                     f"--secret-file {secret_path}" if secret_path else f"--curve-dir with {config.worker_curve_dir}'s "
                     "server.key and worker.key_secret")
 
