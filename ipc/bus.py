@@ -27,14 +27,13 @@ import logging
 import os
 import struct
 from collections import deque
-from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 import msgspec
 import numpy as np
 import psutil
 
-from ipc.messages import Sampling
+from ipc.messages import BusPayload, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +50,6 @@ _sampling_decoder = msgspec.msgpack.Decoder(Sampling)
 _TOKEN_BYTES = 4
 _names = itertools.count()
 assert _SEGMENT_HEADER.size <= _SEGMENT_HEADER_BYTES and _SLOT_HEADER.size <= _SLOT_HEADER_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class BusPayload:
-    """What a request carries to the worker (stop strings stay in the front-end)."""
-
-    token_ids: list[int]
-    sampling: Sampling
 
 
 class StaleSlotError(ValueError):

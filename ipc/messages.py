@@ -14,6 +14,7 @@ from typing import Annotated, ClassVar
 import msgspec
 import numpy as np
 
+
 MAX_MESSAGE_BYTES = 1 << 20  # largest client message body answered with an ERROR
 MAX_FRAME_BYTES = 64 << 20  # ZMQ_MAXMSGSIZE: a peer sending more is disconnected
 MAX_CLIENT_FRAME_BYTES = 2 << 20  # the client link's ZMQ_MAXMSGSIZE: one message costs at most this
@@ -51,6 +52,14 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def sampling_of(msg: Sampling) -> Sampling:
     """The bare Sampling part of a GENERATE (or of any Sampling)."""
     return Sampling(**{name: getattr(msg, name) for name in Sampling.__struct_fields__})
+
+
+class BusPayload(msgspec.Struct, frozen=True):
+    """What a request carries to a worker (stop strings stay in the front-end): through a
+    shared-memory bus slot (ipc/bus.py) for a local worker, inline in INJECT for a remote one."""
+
+    token_ids: list[int]
+    sampling: Sampling
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -135,6 +144,7 @@ class Hello(Message, frozen=True):
     max_context_tokens: int
     vocab_size: int
     drafter: str
+    has_bus: bool = True  # False (gmlx-worker --no-bus): send this worker its payloads inline
 
 
 class Welcome(Message, frozen=True):
@@ -152,6 +162,7 @@ class Ready(Message, frozen=True):
 
     TAG: ClassVar[bytes] = b"r"
     worker_id: int
+    has_bus: bool = True  # the worker attached the bus; False: INJECT must carry the payload
 
 
 class Start(Message, frozen=True):
@@ -159,12 +170,14 @@ class Start(Message, frozen=True):
 
 
 class Inject(Message, frozen=True):
-    """Front-end -> worker: a request's payload waits in bus slot `slot`."""
+    """Front-end -> worker: a request's payload waits in bus slot `slot`, or, for a worker
+    without the bus (another host), travels here in `payload` (then slot is -1)."""
 
     TAG: ClassVar[bytes] = b"i"
     request_id: str
     slot: int
     generation: int
+    payload: BusPayload | None = None
 
 
 class Abort(Message, frozen=True):

@@ -189,6 +189,8 @@ def test_speculate_false_streams_the_same_tokens(server, engine):
             chunks = list(client.generate(token_ids=prompt_ids, max_tokens=24, speculate=speculate))
             assert [t for c in chunks for t in c.token_ids] == want
             assert chunks[-1].stats["speculate"] is speculate  # the worker's engine got the flag
+            if not speculate:  # and honoured it: an opted-out row never drafts
+                assert chunks[-1].stats["num_drafted"] == 0
             got = [t for c in client.generate(token_ids=prompt_ids, max_tokens=24, temperature=0.8, seed=5,
                                               speculate=speculate) for t in c.token_ids]
             assert got == sampled

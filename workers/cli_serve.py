@@ -86,6 +86,9 @@ def _check_drafter(drafter: str) -> str:
               help="Accepted requests waiting for a worker; past it GENERATE is answered 'busy'.")
 @click.option("--worker-secret-file", type=click.Path(dir_okay=False), default=None,
               help="Owner-only file with the worker link's secret (default: a fresh one, path logged).")
+@click.option("--worker-curve-dir", type=click.Path(file_okay=False), default=None,
+              help="`gmlx keys` folder: workers authenticate with CURVE (required when --worker-address "
+                   "is not loopback, for workers on other hosts).")
 @click.option("--http", "http_url", default=None,
               help="Also serve the OpenAI-compatible HTTP API at this URL (http://HOST:PORT); off by default.")
 @click.option("--http-port", type=click.IntRange(1, 65535), default=None,
@@ -94,7 +97,7 @@ def _check_drafter(drafter: str) -> str:
               help="File whose first line is the HTTP bearer token (else GMLX_HTTP_API_KEY).")
 def serve(model, drafter, address, num_workers, speculative_width_cap, config_file, worker_address,
           drain_timeout_s, supervise, curve_dir, insecure, worker_secret_file, prefill_budget_ms,
-          max_pending_requests, http_url, http_port, http_api_key_file) -> None:
+          max_pending_requests, worker_curve_dir, http_url, http_port, http_api_key_file) -> None:
     """Serve a model: a front-end at ADDRESS and N decode workers."""
     from workers.frontend import Frontend, FrontendConfig
     from workers.supervisor import WorkerSpec
@@ -108,6 +111,10 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
 
     if not is_loopback(address) and curve_dir is None and not insecure:
         raise click.UsageError(insecure_bind_message(address))
+    if not is_loopback(worker_address) and worker_curve_dir is None:
+        from ipc.auth import insecure_worker_bind_message
+
+        raise click.UsageError(insecure_worker_bind_message(worker_address))
     if speculative_width_cap is None:
         speculative_width_cap = entry.get("speculative_width_cap")
     if prefill_budget_ms is None and "prefill_budget_ms" in entry:
@@ -132,6 +139,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
         if gateway is not None:  # the gateway runs beside the (re)started front-end, as its child
             command += ["--http", gateway.http_url]
         for option, value in (("--curve-dir", curve_dir), ("--worker-secret-file", worker_secret_file),
+                              ("--worker-curve-dir", worker_curve_dir),
                               ("--http-api-key-file", http_api_key_file)):
             if value is not None:
                 command += [option, os.path.abspath(os.path.expanduser(value))]
@@ -141,7 +149,8 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
                       prefill_budget_ms=prefill_budget_ms)
     config = FrontendConfig(address=address, worker_address=worker_address, num_workers=num_workers,
                             drain_timeout_s=drain_timeout_s, curve_dir=curve_dir, is_insecure=insecure,
-                            worker_secret_file=worker_secret_file, max_pending_requests=max_pending_requests)
+                            worker_secret_file=worker_secret_file, max_pending_requests=max_pending_requests,
+                            worker_curve_dir=worker_curve_dir and os.path.abspath(os.path.expanduser(worker_curve_dir)))
     frontend = Frontend(config, spec)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: frontend.request_stop())
@@ -174,7 +183,8 @@ def keys(folder: str) -> None:
         raise click.UsageError(str(e)) from None
     click.echo(f"keys written to {path}: the server uses the folder as is; a client needs server.key "
                f"and client.key_secret (Client(address, curve_dir=...)); add more clients' public keys "
-               f"to {path / 'authorized_clients'}")
+               f"to {path / 'authorized_clients'}; a worker on another host needs server.key and "
+               f"worker.key_secret (gmlx-worker --curve-dir, beside gmlx serve --worker-curve-dir {path})")
 
 
 def _frontend_command(model_path, drafter, address, num_workers, speculative_width_cap, worker_address,

@@ -27,8 +27,8 @@ import zmq
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
-from ipc.auth import (ServerAuth, default_secret_path, insecure_bind_message, is_loopback, read_worker_secret,
-                      write_worker_secret)
+from ipc.auth import (ServerAuth, default_secret_path, insecure_bind_message, insecure_worker_bind_message,
+                      is_loopback, read_worker_secret, write_worker_secret)
 from ipc.bus import RequestBus, reclaim_stale_segments
 from ipc.sockets import bind_router, bind_sub_beside, recv_all, recv_all_bounded
 from workers.streams import ClientRequest, Phase
@@ -59,6 +59,7 @@ class FrontendConfig:
     curve_dir: str | None = None  # `gmlx keys` folder: clients must authenticate with CURVE
     is_insecure: bool = False  # allow a non-loopback client address without CURVE keys
     worker_secret_file: str | None = None  # owner-only file with the worker secret (None: make one)
+    worker_curve_dir: str | None = None  # `gmlx keys` folder: workers authenticate with CURVE (needed off loopback)
 
 
 class Frontend:
@@ -123,21 +124,27 @@ class Frontend:
         config = self.config
         if not is_loopback(config.address) and config.curve_dir is None and not config.is_insecure:
             raise ValueError(insecure_bind_message(config.address))
+        if not is_loopback(config.worker_address) and config.worker_curve_dir is None:
+            raise ValueError(insecure_worker_bind_message(config.worker_address))
         ctx = self._context
-        self._auth = ServerAuth(ctx, config.curve_dir)
+        self._auth = ServerAuth(ctx, config.curve_dir, config.worker_curve_dir)
         reclaim_stale_segments()
         self._bus = RequestBus.create(self.config.num_bus_slots, self.config.max_prompt_tokens)
         self._clients = bind_router(ctx, self.config.address, m.MAX_CLIENT_FRAME_BYTES, self._auth.secure_clients)
         self._workers = bind_router(ctx, self.config.worker_address, secure=self._auth.secure_workers)
         worker_endpoint = self._workers.getsockopt_string(zmq.LAST_ENDPOINT)
-        if config.worker_secret_file is not None:
+        if config.worker_curve_dir is not None:  # CURVE keys replace the secret for every worker
+            secret_path = None
+            self.spec = dataclasses.replace(self.spec, curve_dir=str(config.worker_curve_dir))
+        elif config.worker_secret_file is not None:
             secret, secret_path = read_worker_secret(config.worker_secret_file), config.worker_secret_file
         else:  # where a gmlx-worker of this user connecting to this address looks by default
             secret_path = default_secret_path(worker_endpoint)
             secret = write_worker_secret(secret_path)
             self._secret_path = secret_path
-        self._auth.allow_workers(secret)
-        self.spec = dataclasses.replace(self.spec, secret_file=str(secret_path))
+        if secret_path is not None:
+            self._auth.allow_workers(secret)
+            self.spec = dataclasses.replace(self.spec, secret_file=str(secret_path))
         self._rounds = bind_sub_beside(ctx, worker_endpoint, self._auth.secure_workers)
         self._rounds_endpoint = self._rounds.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
@@ -147,8 +154,10 @@ class Frontend:
                                 self.config.startup_timeout_s)
         for _ in range(self.config.num_workers):
             self._pool.spawn()
-        logger.info("front-end: clients at %s, workers at %s (a worker started by hand needs "
-                    "--secret-file %s)", self.config.address, worker_endpoint, secret_path)
+        logger.info("front-end: clients at %s, workers at %s, rounds at %s (a worker started by hand needs %s)",
+                    self.config.address, worker_endpoint, self._rounds_endpoint,
+                    f"--secret-file {secret_path}" if secret_path else f"--curve-dir with {config.worker_curve_dir}'s "
+                    "server.key and worker.key_secret")
 
     def _can_serve(self) -> bool:
         num_ready = len(self._pool.ready_workers())
@@ -302,6 +311,13 @@ class Frontend:
             if worker is None:
                 return
             req = self._pending[0]
+            if not worker.has_bus:  # another host: the payload rides in the message, no slot to free
+                self._pending.popleft()
+                req.phase, req.worker_id = Phase.INJECTED, worker.worker_id
+                worker.request_ids.add(req.request_id)
+                self._send_worker(worker, m.Inject(request_id=req.request_id, slot=-1, generation=0,
+                                                   payload=req.payload))
+                continue
             try:
                 placed = self._bus.write(req.payload)
             except ValueError as e:  # validation should have caught it; fail this request only
@@ -411,9 +427,11 @@ class Frontend:
                 for reply in outcome.messages:
                     self._send_client(req, reply)
         elif isinstance(msg, m.Ready) and worker.state == WorkerState.WELCOMED:
+            worker.has_bus = msg.has_bus
             self._pool.mark_ready(worker)
             self._send_worker(worker, m.Start())
-            logger.info("worker %d ready", worker.worker_id)
+            logger.info("worker %d ready (%s)", worker.worker_id,
+                        "shared-memory bus" if msg.has_bus else "payloads inline: no bus")
             self._dispatch()
         elif isinstance(msg, m.Dead):
             self._on_worker_dead(worker, f"worker {worker.worker_id} failed: {msg.message}")

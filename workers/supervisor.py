@@ -37,6 +37,7 @@ class WorkerHandle:
     last_seen_s: float = field(default_factory=time.monotonic)
     request_ids: set[str] = field(default_factory=set)  # in flight on this worker
     slots: set[int] = field(default_factory=set)  # bus slots injected, not yet taken
+    has_bus: bool = True  # from READY; False (another host): INJECT carries the payload inline
 
     @property
     def is_ready(self) -> bool:
@@ -55,11 +56,14 @@ class WorkerSpec:
     drafter: str = "none"
     speculative_width_cap: int | None = None
     secret_file: str | None = None  # the worker link's shared secret (owner-only file)
+    curve_dir: str | None = None  # instead of the secret: CURVE keys (a worker link off loopback)
     prefill_budget_ms: str | None = None  # "auto" or milliseconds; None = the engine's default (off)
 
     def command(self, connect_address: str) -> list[str]:
         cmd = [sys.executable, "-m", "workers.worker", "--connect", connect_address, "--drafter", self.drafter]
-        if self.secret_file is not None:
+        if self.curve_dir is not None:
+            cmd += ["--curve-dir", self.curve_dir]
+        elif self.secret_file is not None:
             cmd += ["--secret-file", self.secret_file]
         if self.prefill_budget_ms is not None:
             cmd += ["--prefill-budget-ms", self.prefill_budget_ms]
@@ -88,7 +92,7 @@ class WorkerPool:
         env = dict(os.environ)
         # The worker imports this checkout's packages even when it is not pip-installed.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
-        proc = subprocess.Popen(self.spec.command(self._connect_address), start_new_session=True,
+        proc = subprocess.Popen(self.spec.command(_local_address(self._connect_address)), start_new_session=True,
                                 stdin=subprocess.DEVNULL, env=env)
         handle = WorkerHandle(next(self._ids), proc, pid=proc.pid)
         self.workers[handle.worker_id] = handle
@@ -171,6 +175,14 @@ class WorkerPool:
                 w.proc.wait()
         self.workers.clear()
         self._restart_at_s.clear()
+
+
+def _local_address(worker_endpoint: str) -> str:
+    """Where a worker on this host reaches a front-end bound at `worker_endpoint`."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
+        if worker_endpoint.startswith(wildcard):
+            return "tcp://127.0.0.1:" + worker_endpoint[len(wildcard):]
+    return worker_endpoint
 
 
 EXIT_FRONTEND_FAILED = 70  # the front-end failed after it had been serving: restart it

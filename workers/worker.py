@@ -22,7 +22,7 @@ import click
 import zmq
 
 from ipc import messages as m
-from ipc.auth import default_secret_path, read_worker_secret, secure_worker_socket
+from ipc.auth import WorkerCredential, default_secret_path, read_worker_secret, secure_worker_socket
 from ipc.bus import RequestBus, StaleSlotError
 from ipc.sockets import connect_address
 from workers.validate import sampling_params
@@ -36,9 +36,11 @@ FRONTEND_TIMEOUT_S = 15.0  # no message from the front-end for this long: it is 
 class Worker:
     """Wraps an engine with the sockets; run() returns the process exit code."""
 
-    def __init__(self, engine, connect_address: str, drafter: str, secret: str):
+    def __init__(self, engine, connect_address: str, drafter: str, credential: WorkerCredential | str,
+                 is_bus_wanted: bool = True):
         self.engine = engine
-        self._secret = secret
+        self._secret = credential  # the watchdog's PUB socket authenticates with it too
+        self._is_bus_wanted = is_bus_wanted  # False: --no-bus, payloads come inline in INJECT
         self._connect_address = connect_address
         self._drafter = drafter
         self._context = zmq.Context()
@@ -48,7 +50,7 @@ class Worker:
         self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the front-end reads every round
         self._pub.setsockopt(zmq.LINGER, 1000)
         for sock in (self._dealer, self._pub):  # the front-end refuses workers without the secret
-            secure_worker_socket(sock, secret)
+            secure_worker_socket(sock, credential)
         self._bus: RequestBus | None = None
         self.worker_id = -1
         self._heartbeat_interval_s = 0.5
@@ -70,14 +72,19 @@ class Worker:
         engine = self.engine
         self._send(m.Hello(pid=os.getpid(), model_path=str(engine.model_path),
                            max_context_tokens=int(engine.max_context_tokens), vocab_size=_vocab_size(engine),
-                           drafter=self._drafter))
+                           drafter=self._drafter, has_bus=self._is_bus_wanted))
         welcome = self._wait_for(m.Welcome, deadline_s)
         self.worker_id = welcome.worker_id
         self._heartbeat_interval_s = welcome.heartbeat_interval_s
-        self._bus = RequestBus.attach(welcome.bus_name)
+        if self._is_bus_wanted:
+            try:
+                self._bus = RequestBus.attach(welcome.bus_name)
+            except (OSError, ValueError) as e:  # another host (or another /dev/shm): go inline
+                logger.warning("cannot attach the request bus %s (%s): payloads will come inline",
+                               welcome.bus_name, e)
         self._pub.connect(connect_address(welcome.pub_address, self._connect_address))
         while True:
-            self._publish(m.Ready(worker_id=self.worker_id))
+            self._publish(m.Ready(worker_id=self.worker_id, has_bus=self._bus is not None))
             try:
                 self._wait_for(m.Start, min(deadline_s, time.monotonic() + READY_RESEND_S))
                 break
@@ -152,12 +159,18 @@ class Worker:
             self._send(m.Taken(worker_id=self.worker_id, slots=taken_slots))
 
     def _inject(self, msg: m.Inject, taken_slots: list[int]) -> None:
-        try:
-            payload = self._bus.read(msg.slot, msg.generation)
-        except StaleSlotError as e:
-            self._reject(msg.request_id, f"request payload lost: {e}")
+        if msg.payload is not None:  # a worker without the bus: the payload came in the message
+            payload = msg.payload
+        elif self._bus is None:  # READY said so: the front-end should never do this
+            self._reject(msg.request_id, "request payload lost: this worker has no bus and INJECT had no payload")
             return
-        taken_slots.append(msg.slot)
+        else:
+            try:
+                payload = self._bus.read(msg.slot, msg.generation)
+            except StaleSlotError as e:
+                self._reject(msg.request_id, f"request payload lost: {e}")
+                return
+            taken_slots.append(msg.slot)
         try:
             self.engine.add_request(payload.token_ids, sampling_params(payload.sampling), request_id=msg.request_id)
         except ValueError as e:  # a bad request ends only itself
@@ -271,8 +284,13 @@ def _vocab_size(engine) -> int:
 @click.option("--secret-file", default=None, type=click.Path(dir_okay=False),
               help="Owner-only file with the worker secret (default: where a front-end of this user "
                    "bound at --connect keeps it; the front-end logs the path).")
+@click.option("--curve-dir", default=None, type=click.Path(file_okay=False),
+              help="Folder with the front-end's server.key and worker.key_secret (from `gmlx keys`): "
+                   "authenticate with CURVE, as a front-end with --worker-curve-dir requires.")
+@click.option("--no-bus", "is_no_bus", is_flag=True,
+              help="Do not use the shared-memory bus (a worker on another host): requests come inline.")
 def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None,
-         prefill_budget_ms, secret_file: str | None) -> None:
+         prefill_budget_ms, secret_file: str | None, curve_dir: str | None, is_no_bus: bool) -> None:
     """Run one decode worker for a gmlx front-end."""
     from gmlx.config import EngineConfig, log_level
 
@@ -285,16 +303,19 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
     from gmlx.engine import Engine
 
     try:
-        secret = read_worker_secret(secret_file or default_secret_path(connect_address))
+        if curve_dir is not None:
+            credential = WorkerCredential.from_curve_dir(curve_dir)
+        else:
+            credential = read_worker_secret(secret_file or default_secret_path(connect_address))
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--secret-file") from None
+        raise click.BadParameter(str(e), param_hint="--curve-dir" if curve_dir else "--secret-file") from None
     config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap,
                           **({} if prefill_budget_ms is False else {"prefill_budget_s": prefill_budget_ms}))
     try:
         engine = Engine.load(config)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    worker = Worker(engine, connect_address, drafter, secret)
+    worker = Worker(engine, connect_address, drafter, credential, is_bus_wanted=not is_no_bus)
     _CURRENT.append(worker)
     try:
         worker.handshake()
