@@ -25,6 +25,7 @@ ENV_VARS = {
     "GMLX_SGEMV_INTERPOSER": "1 (default) routes one-row sgemm calls and x @ W.T or x @ W calls of 2-8 rows to the interposer's streaming kernels (bit-identical to sgemm) on Linux; 0 turns it off",
     "GMLX_FUSE_CPU_OPS": "1 (default) compiles a model's RMSNorm and RoPE on the CPU backend (fewer graph nodes per step, bit-identical results); 0 leaves them as mlx-lm builds them",
     "GMLX_INPUT_MAJOR_WEIGHTS": "1 (default) stores a model's Linear weights input-major on the CPU backend when the interposer routes that layout (its one-row kernel reads them front to back; results checked bit-identical at load); 0 keeps mlx-lm's layout",
+    "GMLX_CPU_COMPUTE_FORMAT": "auto (default) | float32 | quantized: what a quantized model (a 4-bit GGUF) computes in on the CPU backend; auto picks the faster one measured here (float32 unless fast quantized CPU kernels are active)",
     "GMLX_LOG_LEVEL": "logging level for the CLI and daemons (default INFO)",
 }
 
@@ -102,6 +103,16 @@ def is_cpu_fusion_enabled() -> bool:
 
 def is_input_major_enabled() -> bool:
     return _env_flag("GMLX_INPUT_MAJOR_WEIGHTS", True)
+
+
+CPU_COMPUTE_FORMAT_SETTINGS = ("auto", "float32", "quantized")
+
+
+def cpu_compute_format_setting() -> str:
+    raw = (os.environ.get("GMLX_CPU_COMPUTE_FORMAT") or "auto").strip().lower()
+    if raw not in CPU_COMPUTE_FORMAT_SETTINGS:
+        raise ValueError(f"GMLX_CPU_COMPUTE_FORMAT={raw!r}: expected one of {', '.join(CPU_COMPUTE_FORMAT_SETTINGS)}")
+    return raw
 
 
 def log_level() -> str:
