@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from gmlx.models.gguf_check import check_gguf_structure
 from gmlx.models.gguf_tokenizer import make_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF {path}: no such file")
+    check_gguf_structure(path)  # mx.load crashes on some corrupt headers instead of raising
     try:
         raw_weights, metadata = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
