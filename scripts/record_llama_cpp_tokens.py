@@ -27,6 +27,7 @@ TEXTS = [
     " leading space and  double  spaces",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
     "Numbers: 1234567890, 3.14159, -42, 1e-10",
+    "a  1   22 x    333",
     "Tabs\tand\nnewlines\n\n\nand trailing spaces   ",
     "naïve café résumé Zürich Ελληνικά русский 日本語 한국어",
     "Emoji: 🙂🚀👍🏽 and symbols © ™ € ≤ ≥",

@@ -33,6 +33,9 @@ _SPECIAL_ID_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                     "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 # llama.cpp's default when a sentencepiece ("llama") vocabulary does not say.
 _DEFAULT_ADD_BOS = {"llama": True}
+# Pre-tokenizers llama.cpp runs as "each digit alone, then GPT-2's split" (llama-vocab.cpp);
+# transformers' converter gives them GPT-2's split only, which merges spaces before a digit.
+_DIGIT_SPLIT_PRES = ("smollm", "codeshell", "exaone", "minerva-7b", "mellum2")
 
 
 def read_tokenizer_metadata(path: str | Path) -> dict:
@@ -52,7 +55,7 @@ def read_tokenizer_metadata(path: str | Path) -> dict:
 
 def make_tokenizer(metadata: dict, source: str = "GGUF"):
     """A `PreTrainedTokenizerFast` from GGUF metadata (plain Python values, keys as in the file)."""
-    from tokenizers import processors
+    from tokenizers import pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
@@ -65,6 +68,11 @@ def make_tokenizer(metadata: dict, source: str = "GGUF"):
         backend, _ = convert_gguf_tokenizer(architecture, fields)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{source}: cannot build its tokenizer ({exc})") from exc
+    if fields.get("tokenizer_type") == "gpt2" and fields.get("pre_tokenizer_type") in _DIGIT_SPLIT_PRES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
     tokens = fields["tokens"]
     special = {name: tokens[int(metadata[f"tokenizer.ggml.{key}"])]
                for name, key in _SPECIAL_ID_KEYS.items() if f"tokenizer.ggml.{key}" in metadata}
