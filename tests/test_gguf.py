@@ -29,6 +29,7 @@ def tiny_folders(tmp_path_factory):
     return {
         "llama": make_random_model_dir(root / "llama", "llama", seed=1),
         "qwen3": make_random_model_dir(root / "qwen3", "qwen3", seed=2, tie_word_embeddings=True),
+        "qwen2": make_random_model_dir(root / "qwen2", "qwen2", seed=3),  # q/k/v biases
     }
 
 
@@ -37,11 +38,11 @@ def logits_of(model, token_ids) -> mx.array:
     return model(mx.array(token_ids), cache=cache).astype(mx.float32)  # (1, T, V)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_f32_gguf_computes_what_the_folder_computes(tiny_folders, mlx_lm_reference, tmp_path, arch):
     # llama's Q/K rows are stored permuted in GGUF; a wrong un-permutation changes every logit.
-    folder = tiny_folders[arch]
-    path = write_gguf_from_folder(folder, tmp_path / f"{arch}.gguf")
+    folder = tiny_folders["llama" if arch == "mistral" else arch]
+    path = write_gguf_from_folder(folder, tmp_path / f"{arch}.gguf", architecture=arch)
     loaded = load_model(path)
     expected = logits_of(mlx_lm_reference(str(folder)), TOKEN_IDS)
     got = logits_of(loaded.model, TOKEN_IDS)

@@ -1,8 +1,9 @@
 """Which format a quantized model computes in on the CPU backend.
 
-Measured 2026-12-01 (scripts/bench_compute_format.py, SmolLM2-135M Q4_1, AMD EPYC 2 cores):
-MLX's CPU quantized matmul is slow enough that a float32 copy of a 4-bit model decodes faster,
-so `auto` picks float32 unless something registers fast quantized CPU kernels.
+Measured 2026-12-01 (scripts/bench_compute_format.py, SmolLM2-135M Q4_1, AMD EPYC 2 cores; see
+BENCHMARKS.md): with the Haswell BLAS core a float32 copy decodes 1.9x faster than MLX's quantized
+CPU matmul (on a mis-detected core they tie), so `auto` picks float32 unless something registers
+fast quantized CPU kernels.
 """
 
 from __future__ import annotations
