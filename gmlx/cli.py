@@ -77,7 +77,10 @@ def generate(prompt, model, drafter, chat, max_tokens, temperature, top_p, top_k
         engine = Engine.load(EngineConfig(model_path=model, drafter=drafter,
                                           speculative_width_cap=speculative_width_cap))
         if chat:
-            prompt = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+            try:
+                prompt = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+            except ValueError as exc:
+                raise ValueError(f"--chat: {exc}") from exc
         chunks = stream_generate(engine, prompt, params)
         token_ids, text, last = [], [], None
         for chunk in chunks:

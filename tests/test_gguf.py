@@ -138,3 +138,9 @@ def test_unknown_compute_format_names_the_setting(tiny_folders, tmp_path):
                                   quant_type=gguf.GGMLQuantizationType.Q8_0)
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "int3"}), pytest.raises(ValueError, match="GMLX_CPU_COMPUTE_FORMAT"):
         load_model(path)
+
+
+def test_chat_flag_on_a_model_without_template_names_the_option():
+    result = subprocess.run([sys.executable, "-m", "gmlx.cli", "generate", "--chat", "hi", "--max-tokens", "2"],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 2 and "--chat" in result.stderr and "chat template" in result.stderr

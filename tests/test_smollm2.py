@@ -84,3 +84,17 @@ def test_greedy_equals_mlx_lm_on_the_converted_folder(engine, tmp_path):
                 break
         assert got[i] == expected, (i, engine.tokenizer.decode(got[i]), engine.tokenizer.decode(expected))
     assert engine.tokenizer.decode(got[0]).startswith(" Paris")
+
+
+@pytest.mark.slow
+def test_generate_chat_answers_through_the_cli():
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "gmlx.cli", "generate", "--model", "smollm2", "--chat",
+               "What is the capital of France?", "--max-tokens", "12", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "Paris" in reply["text"] and reply["model"] == str(SMOLLM2)
+    assert "CPU compute format float32" in result.stderr  # the load-time log line names the choice
