@@ -57,10 +57,12 @@ def main() -> None:
         cases.append({"text": text, "token_ids": json.loads(lines[-1])})
     shown = ["llama-tokenize", "-m", "<SmolLM2-135M-Instruct.Q4_1.gguf>"] + command[3:]
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": " ".join(shown) + "  (text on stdin)",
-                               "recorded_by": "python3 scripts/record_llama_cpp_tokens.py",
-                               "llama_cpp_source": "llama-cpp-python sdist, vendor/llama.cpp (scripts/build_llama_cpp.sh)",
-                               "cases": cases}, indent=1, ensure_ascii=False) + "\n")
+    header = {"command": " ".join(shown) + "  (text on stdin)",
+              "recorded_by": "python3 scripts/record_llama_cpp_tokens.py",
+              "llama_cpp_source": "llama-cpp-python sdist, vendor/llama.cpp (scripts/build_llama_cpp.sh)"}
+    lines = [json.dumps(case, ensure_ascii=False) for case in cases]  # one case a line: readable diffs
+    body = json.dumps(header, indent=1, ensure_ascii=False)[:-2]
+    OUT.write_text(body + ',\n "cases": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n")
     print(f"wrote {len(cases)} cases to {OUT}")
 
 
