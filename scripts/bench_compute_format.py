@@ -2,17 +2,20 @@
 
 gmlx's engine loads the model once per format (GMLX_CPU_COMPUTE_FORMAT=float32 | quantized);
 mlx-lm's generate_step runs on the GGUF converted to an mlx-lm folder (its 4-bit weights as
-mlx-lm loads them). Runs alternate and repeat; reported: median tok/s and ratios to float32.
+mlx-lm loads them); with --llama-bench, llama.cpp's llama-bench runs the same GGUF at as many
+threads as there are CPUs. Runs alternate and repeat; reported: median tok/s and ratios to float32.
 This is what `auto` in gmlx/models/compute_format.py rests on.
 
     python3 scripts/bench_compute_format.py                      # smollm2, 64 tokens, 3 repeats
     python3 scripts/bench_compute_format.py --model FILE.gguf --tokens 128 --repeats 5 --json
+    python3 scripts/bench_compute_format.py --llama-bench .cache/llama.cpp/bin/llama-bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -59,12 +62,24 @@ def mlx_lm_tok_per_s(model, tokenizer, num_tokens: int) -> float:
     return num_decoded / (time.perf_counter() - start)
 
 
+def llama_bench_tok_per_s(binary: str, model: Path, num_tokens: int) -> float:
+    """llama.cpp's token generation rate (llama-bench tg, one repetition) on the same GGUF."""
+    command = [binary, "-m", str(model), "-p", "0", "-n", str(num_tokens), "-t", str(os.cpu_count()),
+               "-r", "1", "-o", "json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {result.stderr[-2000:]}")
+    return float(json.loads(result.stdout)[0]["avg_ts"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baseline")
+    parser.add_argument("--llama-bench", default=None,
+                        help="path of llama.cpp's llama-bench (scripts/build_llama_cpp.sh) to add as a row")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     source = resolve_model_path(args.model)
@@ -80,7 +95,8 @@ def main() -> None:
         scratch = tempfile.TemporaryDirectory(prefix="gmlx-bench-format-")
         baseline = mlx_lm.load(str(write_mlx_lm_folder(source, scratch.name)))
 
-    results = {name: [] for name in list(engines) + (["mlx-lm 4-bit"] if baseline else [])}
+    names = list(engines) + (["mlx-lm 4-bit"] if baseline else []) + (["llama.cpp"] if args.llama_bench else [])
+    results = {name: [] for name in names}
     for name, engine in engines.items():  # warm-up: compile, touch every weight once
         gmlx_tok_per_s(engine, 16)
     for _ in range(args.repeats):
@@ -88,6 +104,8 @@ def main() -> None:
             results[name].append(gmlx_tok_per_s(engine, args.tokens))
         if baseline:
             results["mlx-lm 4-bit"].append(mlx_lm_tok_per_s(*baseline, args.tokens))
+        if args.llama_bench:
+            results["llama.cpp"].append(llama_bench_tok_per_s(args.llama_bench, source, args.tokens))
 
     medians = {name: statistics.median(values) for name, values in results.items()}
     reference = medians["gmlx float32"]
