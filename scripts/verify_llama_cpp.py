@@ -81,14 +81,21 @@ def gmlx_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return tokens
 
 
-def margin_at(engine: Engine, prompt: list[int], generated: list[int], index: int) -> float:
-    """gmlx's top-1 minus top-2 logit where generated token `index` was chosen."""
+def margins_at(engine: Engine, prompt: list[int], generated: list[int], index: int, reference_rest: str) -> dict:
+    """At generated token `index`: gmlx's top-1 minus top-2 logit, and how far below gmlx's top
+    llama.cpp's choice sits in gmlx's logits (its rank, and the logit gap)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     tokens = mx.array([prompt + generated[:index]])
     _, logits = engine.target.forward(tokens, make_prompt_cache(engine.target.model))
-    top = mx.sort(logits[0, -1].astype(mx.float32))[-2:]
-    return float(top[1] - top[0])
+    row = logits[0, -1].astype(mx.float32)
+    top = mx.sort(row)[-2:]
+    result = {"margin": float(top[1] - top[0])}
+    theirs = engine.tokenizer.encode(reference_rest)[:1]  # llama.cpp's next token, re-tokenized
+    if theirs:
+        result["llama_cpp_rank"] = int((row > row[theirs[0]]).sum()) + 1
+        result["llama_cpp_gap"] = float(top[1] - row[theirs[0]])
+    return result
 
 
 def divergence(tokenizer, generated: list[int], reference_text: str, eos_ids) -> int | None:
@@ -129,7 +136,8 @@ def main() -> None:
         row = {"prompt": text if text in TEXT_PROMPTS else "chat: " + CHAT_QUESTIONS[texts.index(text) - len(TEXT_PROMPTS)],
                "num_tokens": len(tokens), "diverges_at": index, "gmlx": tokenizer.decode(tokens), "llama_cpp": reference}
         if index is not None and index < len(tokens):
-            row["margin"] = margin_at(engine, prompt, tokens, index)
+            common = tokenizer.decode(tokens[:index])
+            row.update(margins_at(engine, prompt, tokens, index, reference[len(common):]))
         rows.append(row)
     num_equal = sum(row["diverges_at"] is None for row in rows)
     if args.json:
@@ -138,15 +146,17 @@ def main() -> None:
     print(f"{model.name}: {num_equal}/{len(rows)} prompts give llama.cpp's greedy text for {NUM_TOKENS} tokens "
           f"(CPU compute format: {os.environ.get('GMLX_CPU_COMPUTE_FORMAT', 'auto')})")
     if args.markdown:
-        print("\n| prompt | gmlx tokens | first divergence | gmlx margin there (logits) |\n|---|---|---|---|")
+        print("\n| prompt | gmlx tokens | first divergence | gmlx top-1 minus top-2 there | llama.cpp's token in gmlx: rank, gap |"
+              "\n|---|---|---|---|---|")
     for row in rows:
         where = "none" if row["diverges_at"] is None else f"token {row['diverges_at']}"
         margin = f"{row['margin']:.3f}" if "margin" in row else "-"
+        theirs = f"{row['llama_cpp_rank']}, {row['llama_cpp_gap']:.3f}" if "llama_cpp_rank" in row else "-"
         label = json.dumps(row["prompt"])[1:-1][:48]
         if args.markdown:
-            print(f"| `{label}` | {row['num_tokens']} | {where} | {margin} |")
+            print(f"| `{label}` | {row['num_tokens']} | {where} | {margin} | {theirs} |")
         else:
-            print(f"  {label:50s} {where:10s} margin {margin}")
+            print(f"  {label:50s} {where:10s} margin {margin}  llama.cpp's token: rank, gap {theirs}")
             if row["diverges_at"] is not None:
                 print(f"    gmlx:      {row['gmlx']!r}\n    llama.cpp: {row['llama_cpp']!r}")
 
