@@ -18,8 +18,9 @@ import json
 import os
 import platform
 import statistics
-import tempfile
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
