@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from gmlx.config import BUILTIN_TARGET_DIR
+from gmlx.config import BUILTIN_TARGET_DIR, env_overrides
 from gmlx.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/schedules.py
@@ -88,7 +88,9 @@ def tiny_quantized_target(tiny_llama_dir, tmp_path_factory):
     for name in TOKENIZER_FILES:
         if (tiny_llama_dir / name).exists():
             shutil.copy(tiny_llama_dir / name, folder / name)
-    return load_model(folder)
+    # On CPU `auto` would compute in a float32 copy; this fixture exists to run the 4-bit path.
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        return load_model(folder)
 
 
 @pytest.fixture(scope="session")
