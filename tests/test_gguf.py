@@ -144,3 +144,27 @@ def test_chat_flag_on_a_model_without_template_names_the_option():
     result = subprocess.run([sys.executable, "-m", "gmlx.cli", "generate", "--chat", "hi", "--max-tokens", "2"],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 2 and "--chat" in result.stderr and "chat template" in result.stderr
+
+
+def test_serve_streams_a_gguf_model_like_the_in_process_engine(tiny_folders, tmp_path):
+    # The front-end builds its tokenizer from the GGUF (no mlx); the worker loads the model from it.
+    from ipc.client import Client
+    from serving_support import Server
+
+    from gmlx.config import EngineConfig
+    from gmlx.engine import Engine
+    from gmlx.generate import stream_generate
+    from gmlx.request import SamplingParams
+
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "served.gguf")
+    prompt = TEXTS[0]
+    engine = Engine.load(EngineConfig(model_path=str(path)))
+    expected = [t for c in stream_generate(engine, prompt, SamplingParams(max_tokens=8)) for t in c.token_ids]
+    server = Server(model=path, drafter=None)
+    try:
+        with Client(server.address, timeout_s=60) as client:
+            chunks = list(client.generate(prompt=prompt, max_tokens=8, temperature=0.0))
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert "".join(c.text for c in chunks) == engine.tokenizer.decode(expected)
+    finally:
+        assert server.terminate() == 0, server.log()
