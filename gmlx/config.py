@@ -166,6 +166,16 @@ def cpu_kernels_threads() -> int | None:
     return _env_int("GMLX_CPU_KERNELS_THREADS") or None
 
 
+CPU_COMPUTE_FORMAT_SETTINGS = ("auto", "float32", "quantized")
+
+
+def cpu_compute_format_setting() -> str:
+    raw = (os.environ.get("GMLX_CPU_COMPUTE_FORMAT") or "auto").strip().lower()
+    if raw not in CPU_COMPUTE_FORMAT_SETTINGS:
+        raise ValueError(f"GMLX_CPU_COMPUTE_FORMAT={raw!r}: expected one of {', '.join(CPU_COMPUTE_FORMAT_SETTINGS)}")
+    return raw
+
+
 def log_level() -> str:
     level = os.environ.get("GMLX_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if level not in _LOG_LEVELS:

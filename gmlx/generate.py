@@ -17,6 +17,15 @@ class Chunk:
     stats: dict | None = None  # on the last chunk
 
 
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """`messages` (role/content dicts) as prompt text, through the tokenizer's chat template."""
+    if not messages:
+        raise ValueError("messages: must be a non-empty list")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("messages: this model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 def stream_generate(engine, prompt: str | None = None, params: SamplingParams | None = None,
                     token_ids: list[int] | None = None) -> Iterator[Chunk]:
     """Run one request to completion on `engine`, yielding chunks as rounds produce tokens.

@@ -17,6 +17,7 @@ import mlx.core as mx  # noqa: E402
 import pytest
 from mlx.utils import tree_flatten
 
+from gmlx.config import env_overrides
 from gmlx.models import random_model
 from gmlx.models.loader import load_model
 
@@ -74,7 +75,9 @@ def tiny_quantized_target(tiny_llama_dir, tmp_path_factory):
     config["quantization"] = {"group_size": 32, "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
     random_model.copy_tokenizer(tiny_llama_dir, folder)
-    return load_model(folder)
+    # On CPU `auto` would compute in a float32 copy; this fixture exists to run the 4-bit path.
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        return load_model(folder)
 
 
 @pytest.fixture(scope="session")

@@ -35,8 +35,11 @@ def _check_cap(ctx, param, value):
 
 @main.command()
 @click.argument("prompt")
-@click.option("--model", default=None, help="mlx-lm model folder (default: the built-in model)")
+@click.option("--model", default=None,
+              help="mlx-lm model folder, .gguf file, or smollm2 (default: the built-in model)")
 @click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
+@click.option("--chat", is_flag=True, help="send PROMPT as one user message through the model's chat template "
+              "(with --server, the server renders it)")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -48,8 +51,6 @@ def _check_cap(ctx, param, value):
 @click.option("--speculate/--no-speculate", default=True, show_default=True,
               help="--no-speculate pins this request to plain decoding")
 @click.option("--server", default=None, help="send to a running gmlx server at this address")
-@click.option("--chat", is_flag=True, help="send PROMPT as one user message, rendered with the model's "
-              "chat template (with --server)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
 def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
              speculative_width_cap, speculate, server, chat, as_json) -> None:
@@ -73,17 +74,20 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
         else:
             generate_via_server(server, prompt, params, as_json=as_json)
         return
-    if chat:  # the in-process chat path arrives with the GGUF work; until then only a server renders chats
-        raise click.UsageError("--chat needs --server in this build")
     from gmlx.config import EngineConfig
 
     ensure_fast_blas()  # before the engine imports mlx
     from gmlx.engine import Engine
-    from gmlx.generate import stream_generate
+    from gmlx.generate import render_chat, stream_generate
 
     try:
         engine = Engine.load(EngineConfig(model_path=model, drafter=drafter,
                                           speculative_width_cap=speculative_width_cap))
+        if chat:
+            try:
+                prompt = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+            except ValueError as exc:
+                raise ValueError(f"--chat: {exc}") from exc
         chunks = stream_generate(engine, prompt, params)
         token_ids, text, last = [], [], None
         for chunk in chunks:

@@ -104,8 +104,15 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
 
     entry = _load_model_entry(config_file, model)
     model_path = entry.get("path") if entry else model
-    if model_path is not None and not os.path.isdir(os.path.expanduser(model_path)):
-        raise click.BadParameter(f"{model_path!r} is not a model folder", param_hint="--model")
+    if model_path is not None:  # a folder, a .gguf file, or a short name such as smollm2
+        from gmlx.models.source import check_model_source, resolve_model_path
+
+        try:
+            resolved = resolve_model_path(model_path)
+            check_model_source(resolved)
+            model_path = str(resolved)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--model") from None
     drafter = _check_drafter(drafter or entry.get("drafter", "none"))
     from ipc.auth import insecure_bind_message, is_loopback
 

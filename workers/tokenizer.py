@@ -31,7 +31,12 @@ class FastDecoder:
 
 
 def load_tokenizer(model_path: str):
-    """(tokenizer for encode, decoder for TextStream) of an mlx-lm model folder."""
+    """(tokenizer for encode, decoder for TextStream) of an mlx-lm model folder or a GGUF file."""
+    if model_path.lower().endswith(".gguf"):  # the tokenizer lives in the GGUF's metadata
+        from gmlx.models.gguf_tokenizer import load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(model_path)
+        return tokenizer, make_decoder(tokenizer)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,12 +16,10 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import (
-    BUILTIN_TARGET_DIR,
-    is_cpu_fusion_enabled,
-    is_cpu_kernels_enabled,
-    is_input_major_enabled,
-)
+from gmlx.config import is_cpu_fusion_enabled, is_cpu_kernels_enabled, is_input_major_enabled
+from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
+from gmlx.models.gguf import read_gguf
+from gmlx.models.source import is_gguf_path, resolve_model_path
 from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.platform.cpu_quantized import use_cpu_kernels
@@ -49,35 +48,15 @@ class LoadedModel:
         return hidden, self.head(hidden)
 
 
-def resolve_model_path(path: str | Path | None) -> Path:
-    return BUILTIN_TARGET_DIR if path is None else Path(path).expanduser().resolve()
-
-
 def load_model(path: str | Path | None) -> LoadedModel:
-    """Load an mlx-lm model folder; ValueError naming the path when it is missing or broken."""
-    folder = resolve_model_path(path)
-    config = _read_config(folder)
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model {folder}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    import mlx_lm  # deferred: importing it is slow and pulls in transformers
-
-    try:
-        model, tokenizer = mlx_lm.load(str(folder))
-    except Exception as exc:  # mlx-lm raises many kinds for a broken folder
-        raise ValueError(f"model {folder}: failed to load ({type(exc).__name__}: {exc})") from exc
-    # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
+    """Load an mlx-lm model folder or a GGUF file; ValueError naming the path when it is missing or broken."""
+    source = resolve_model_path(path)
+    if is_gguf_path(source):
+        model, tokenizer, config = _load_gguf(source)
+    else:
+        model, tokenizer, config = _load_folder(source)
     if mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32)
-        if is_cpu_fusion_enabled():
-            fuse_cpu_ops(model)
-        if is_input_major_enabled():
-            store_weights_input_major(model)
-        if is_cpu_kernels_enabled():
-            use_cpu_kernels(model)
+        _prepare_for_cpu(model, str(source))
     mx.eval(model.parameters())
     body = model.model
     if getattr(model, "lm_head", None) is not None and not config.get("tie_word_embeddings", False):
@@ -90,7 +69,7 @@ def load_model(path: str | Path | None) -> LoadedModel:
     elif isinstance(config.get("eos_token_id"), list):
         eos.update(config["eos_token_id"])
     return LoadedModel(
-        path=str(folder),
+        path=str(source),
         model=model,
         body=body,
         head=head,
@@ -101,6 +80,74 @@ def load_model(path: str | Path | None) -> LoadedModel:
         max_context_tokens=int(config.get("max_position_embeddings") or 4096),
         eos_token_ids=frozenset(eos),
     )
+
+
+def _load_folder(folder: Path):
+    config = _read_config(folder)
+    _check_model_type(folder, config)
+    import mlx_lm  # deferred: importing it is slow and pulls in transformers
+
+    try:
+        model, tokenizer = mlx_lm.load(str(folder))
+    except Exception as exc:  # mlx-lm raises many kinds for a broken folder
+        raise ValueError(f"model {folder}: failed to load ({type(exc).__name__}: {exc})") from exc
+    return model, tokenizer, config
+
+
+def _load_gguf(path: Path):
+    """Build the mlx-lm model in memory from a GGUF's weights, as mlx-lm would from a folder."""
+    import mlx_lm.utils
+    from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
+
+    loaded = read_gguf(path)
+    config = loaded.config
+    _check_model_type(path, config)
+    model_class, args_class = mlx_lm.utils._get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = model.sanitize(loaded.weights) if hasattr(model, "sanitize") else loaded.weights
+    quantization = config.get("quantization")
+    if quantization:
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=lambda name, _module: quantization.get(name, f"{name}.scales" in weights))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ValueError(f"GGUF {path}: its tensors do not fit a {config['model_type']} model ({exc})") from exc
+    # mlx-lm picks its streaming detokenizer from a saved tokenizer.json; save to a scratch folder.
+    with tempfile.TemporaryDirectory(prefix="gmlx-gguf-tokenizer-") as scratch:
+        loaded.tokenizer.save_pretrained(scratch)
+        tokenizer = load_tokenizer_wrapper(Path(scratch), eos_token_ids=config.get("eos_token_id"))
+    logger.info("loaded GGUF %s: %s, %d layers, %s", path, config["model_type"], config["num_hidden_layers"],
+                f"quantized ({quantization['bits']}-bit default)" if quantization else "float")
+    return model, tokenizer, config
+
+
+def _prepare_for_cpu(model: nn.Module, source: str) -> None:
+    is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
+    # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
+    model.set_dtype(mx.float32)
+    if is_quantized:
+        compute_format, reason = choose_cpu_compute_format()
+        if compute_format == FLOAT32:
+            from mlx_lm.utils import dequantize_model
+
+            dequantize_model(model)  # scales are float32 by now, so the float32 copy is exact
+        logger.info("model %s: CPU compute format %s (%s)", source, compute_format, reason)
+    if is_cpu_fusion_enabled():
+        fuse_cpu_ops(model)
+    if is_input_major_enabled():
+        store_weights_input_major(model)
+    if is_cpu_kernels_enabled():
+        use_cpu_kernels(model)
+
+
+def _check_model_type(source: Path, config: dict) -> None:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model {source}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
 
 
 def _read_config(folder: Path) -> dict:

@@ -27,6 +27,9 @@ def describe_platform(measure: bool = True) -> dict:
     from gmlx.platform import cpu_kernels
 
     d["cpu_kernels"] = cpu_kernels.status()
+    from gmlx.models.compute_format import choose_cpu_compute_format
+
+    d["cpu_compute_format"], d["cpu_compute_format_reason"] = choose_cpu_compute_format()
     return d
 
 
@@ -36,7 +39,9 @@ def format_report(d: dict) -> str:
              f"MLX device: {d['mlx_device']}"]
     from gmlx.platform import cpu_kernels
 
-    return "\n".join(lines + [format_blas_report(d), cpu_kernels.format_status(d["cpu_kernels"])])
+    return "\n".join(lines + [format_blas_report(d), cpu_kernels.format_status(d["cpu_kernels"]),
+                              f"quantized models on CPU compute in: {d['cpu_compute_format']} "
+                              f"({d['cpu_compute_format_reason']})"])
 
 
 def format_blas_report(d: dict) -> str:

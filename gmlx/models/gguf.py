@@ -1,0 +1,208 @@
+"""Reading a GGUF file (llama.cpp's format) into an mlx-lm model's config, weights and tokenizer.
+
+`mx.load` reads GGUF natively: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0 as MLX affine triplets
+(weight, scales, biases; group 32). It refuses every other type, so a file holding K-quants is
+read with the `gguf` package instead and dequantized to float16 (said in a log line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from gmlx.models.gguf_check import check_gguf_structure
+from gmlx.models.gguf_tokenizer import make_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp's converter interleaves the rotary halves of Q and K rows for these ("normal" rope);
+# mlx-lm's models expect the Hugging Face order, so the permutation is undone at load.
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+_GROUP_SIZE = 32  # every quantized type mx.load produces is group 32
+
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)$")
+_TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias|scales|biases)$")
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    config: dict  # an mlx-lm config.json
+    weights: dict  # mlx-lm parameter name -> array (quantized ones as weight/scales/biases)
+    tokenizer: object  # transformers PreTrainedTokenizerFast with the chat template
+
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    """Config, weights and tokenizer of a GGUF file; ValueError naming the file when it is broken."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF {path}: no such file")
+    check_gguf_structure(path)  # mx.load crashes on some corrupt headers instead of raising
+    try:
+        raw_weights, metadata = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as exc:
+        raw_weights, metadata = _read_with_gguf_package(path, exc)
+    metadata = {key: _to_python(value) for key, value in metadata.items()}
+    config = _make_config(path, metadata, raw_weights)
+    weights = _rename_weights(path, config, raw_weights)
+    config["quantization"] = _quantization_config(weights)
+    if not config["quantization"]:
+        del config["quantization"]
+    tokenizer = make_tokenizer(metadata, source=f"GGUF {path}")
+    return GGUFModel(config=config, weights=weights, tokenizer=tokenizer)
+
+
+def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write an mlx-lm model folder (config, safetensors, tokenizer) from a GGUF file."""
+    loaded = read_gguf(gguf_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), loaded.weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(loaded.config, indent=2, sort_keys=True) + "\n")
+    loaded.tokenizer.save_pretrained(str(out))
+    return out
+
+
+def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises several kinds for a broken file
+        raise ValueError(f"GGUF {path}: corrupt or truncated ({type(exc).__name__}: {exc}; "
+                         f"mlx said: {mx_error})") from exc
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    logger.warning("GGUF %s: tensor types %s include some MLX cannot keep quantized; "
+                   "dequantizing every tensor to float16 with the gguf package", path, ", ".join(types))
+    weights = {}
+    for tensor in reader.tensors:
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                             f"which the gguf package cannot dequantize") from exc
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        weights[tensor.name] = mx.array(values.reshape(shape)).astype(mx.float16)
+    return weights, metadata
+
+
+def _to_python(value):
+    if isinstance(value, mx.array):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def _make_config(path: Path, metadata: dict, raw_weights: dict) -> dict:
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF {path}: architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if "rope_freqs.weight" in raw_weights:
+        raise ValueError(f"GGUF {path}: per-frequency rope scaling (rope_freqs, Llama 3.1 style) "
+                         f"is not supported")
+
+    def field(name, default=None):
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF {path}: metadata {arch}.{name} is missing")
+        return value
+
+    num_heads = int(field("attention.head_count"))
+    hidden_size = int(field("embedding_length"))
+    tokens = metadata.get("tokenizer.ggml.tokens") or ()
+    config = {
+        "model_type": arch,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": int(field("block_count")),
+        "intermediate_size": int(field("feed_forward_length")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(field("attention.head_count_kv", num_heads)),
+        "head_dim": int(field("attention.key_length", hidden_size // num_heads)),
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(field("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(field("context_length", 4096)),
+        "vocab_size": int(metadata.get(f"{arch}.vocab_size") or len(tokens)),
+        "tie_word_embeddings": "output.weight" not in raw_weights,
+        "attention_bias": "blk.0.attn_q.bias" in raw_weights,
+        "mlp_bias": False,
+    }
+    if metadata.get(f"{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(field("rope.scaling.factor"))}
+    for key in ("bos_token_id", "eos_token_id"):
+        if f"tokenizer.ggml.{key}" in metadata:
+            config[key] = int(metadata[f"tokenizer.ggml.{key}"])
+    return config
+
+
+def _rename_weights(path: Path, config: dict, raw_weights: dict) -> dict:
+    is_permuted = config["model_type"] in _PERMUTED_QK_ARCHITECTURES
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    weights = {}
+    for name, value in raw_weights.items():
+        if (match := _LAYER_TENSOR.match(name)) is not None:
+            layer, part, kind = match.groups()
+            if part not in _LAYER_NAMES:
+                raise ValueError(f"GGUF {path}: tensor {name} has no place in a {config['model_type']} model")
+            if is_permuted and part in heads:
+                value = _unpermute_rows(value, heads[part])
+            weights[f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"] = value
+        elif (match := _TOP_TENSOR.match(name)) is not None and match.group(1) in _TOP_LEVEL_NAMES:
+            weights[f"{_TOP_LEVEL_NAMES[match.group(1)]}.{match.group(2)}"] = value
+        else:
+            raise ValueError(f"GGUF {path}: tensor {name} has no place in a {config['model_type']} model")
+    return weights
+
+
+def _unpermute_rows(value: mx.array, num_heads: int) -> mx.array:
+    # Rows of each head were stored as (pairs, 2); HF order is (2, pairs). Row-wise, so it
+    # applies alike to float weights, packed quantized rows, their scales and biases.
+    rows = value.shape[0]
+    rest = value.shape[1:]
+    per_head = rows // num_heads
+    assert per_head * num_heads == rows and per_head % 2 == 0, (value.shape, num_heads)
+    grouped = value.reshape(num_heads, per_head // 2, 2, *rest)
+    return grouped.swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _quantization_config(weights: dict) -> dict:
+    """mlx-lm's `quantization` entry: the commonest bits, and the modules that differ (files mix 4 and 8)."""
+    per_module = {}
+    for name, scales in weights.items():
+        if not name.endswith(".scales"):
+            continue
+        module = name[: -len(".scales")]
+        packed = weights[f"{module}.weight"]
+        in_features = scales.shape[-1] * _GROUP_SIZE
+        per_module[module] = {"group_size": _GROUP_SIZE, "bits": packed.shape[-1] * 32 // in_features}
+    if not per_module:
+        return {}
+    counts = {}
+    for params in per_module.values():
+        counts[params["bits"]] = counts.get(params["bits"], 0) + 1
+    default_bits = max(counts, key=counts.get)
+    exceptions = {module: params for module, params in per_module.items() if params["bits"] != default_bits}
+    return {"group_size": _GROUP_SIZE, "bits": default_bits, **exceptions}

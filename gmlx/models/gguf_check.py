@@ -1,0 +1,114 @@
+"""A structural walk of a GGUF file before mlx reads it.
+
+`mx.load` trusts the header: random bytes after the magic crash the process (a segfault, seen
+with mlx 0.32). Walking the header, the metadata and the tensor table here, checking each
+length against the file size, turns a corrupt or truncated file into a ValueError instead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
+_MAX_DIMS = 4
+# GGUF metadata value types: id -> struct format of a scalar; 8 = string, 9 = array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+
+
+class _Cursor:
+    def __init__(self, data, path: Path):
+        self.data, self.offset, self.path = data, 0, path
+
+    def take(self, num_bytes: int) -> memoryview | bytes:
+        if num_bytes < 0 or self.offset + num_bytes > len(self.data):
+            raise ValueError(f"GGUF {self.path}: corrupt or truncated (a field at byte {self.offset} "
+                             f"runs past the end of the {len(self.data)}-byte file)")
+        start = self.offset
+        self.offset += num_bytes
+        return self.data[start : self.offset]
+
+    def unpack(self, fmt: str):
+        return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt)))[0]
+
+    def string(self) -> bytes:
+        return bytes(self.take(self.unpack("Q")))
+
+
+def check_gguf_structure(path: str | Path) -> None:
+    """ValueError naming the file unless its header, metadata and tensor table are whole."""
+    path = Path(path)
+    with open(path, "rb") as file:
+        if path.stat().st_size < 24:
+            raise ValueError(f"GGUF {path}: corrupt or truncated (only {path.stat().st_size} bytes)")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            _walk(_Cursor(data, path), len(data))
+
+
+def _walk(cursor: _Cursor, file_size: int) -> None:
+    path = cursor.path
+    if bytes(cursor.take(4)) != _MAGIC:
+        raise ValueError(f"GGUF {path}: not a GGUF file (no GGUF magic at the start)")
+    version = cursor.unpack("I")
+    if version not in _VERSIONS:
+        raise ValueError(f"GGUF {path}: corrupt or unsupported (format version {version})")
+    num_tensors, num_values = cursor.unpack("Q"), cursor.unpack("Q")
+    if num_tensors > file_size // 24 or num_values > file_size // 12:
+        raise ValueError(f"GGUF {path}: corrupt ({num_tensors} tensors, {num_values} metadata values "
+                         f"cannot fit in {file_size} bytes)")
+    alignment = _DEFAULT_ALIGNMENT
+    for _ in range(num_values):
+        key = cursor.string()
+        value_type = cursor.unpack("I")
+        value = _skip_value(cursor, value_type)
+        if key == b"general.alignment" and isinstance(value, int) and value > 0:
+            alignment = value
+    tensors = [_tensor_info(cursor) for _ in range(num_tensors)]
+    data_start = -(-cursor.offset // alignment) * alignment
+    for name, num_bytes, offset in tensors:
+        if data_start + offset + num_bytes > file_size:
+            raise ValueError(f"GGUF {path}: truncated (tensor {name} ends at byte "
+                             f"{data_start + offset + num_bytes}, the file has {file_size})")
+
+
+def _skip_value(cursor: _Cursor, value_type: int):
+    if value_type in _SCALARS:
+        return cursor.unpack(_SCALARS[value_type])
+    if value_type == _STRING:
+        cursor.string()
+        return None
+    if value_type == _ARRAY:
+        item_type, count = cursor.unpack("I"), cursor.unpack("Q")
+        if item_type in _SCALARS:
+            cursor.take(count * struct.calcsize("<" + _SCALARS[item_type]))
+        elif item_type == _STRING:
+            for _ in range(count):
+                cursor.string()
+        else:
+            raise ValueError(f"GGUF {cursor.path}: corrupt (array of value type {item_type})")
+        return None
+    raise ValueError(f"GGUF {cursor.path}: corrupt (metadata value type {value_type} at byte {cursor.offset})")
+
+
+def _tensor_info(cursor: _Cursor) -> tuple[str, int, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    name = cursor.string().decode("utf-8", "replace")
+    num_dims = cursor.unpack("I")
+    if not 1 <= num_dims <= _MAX_DIMS:
+        raise ValueError(f"GGUF {cursor.path}: corrupt (tensor {name} has {num_dims} dimensions)")
+    dims = [cursor.unpack("Q") for _ in range(num_dims)]
+    type_id = cursor.unpack("I")
+    offset = cursor.unpack("Q")
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+    except (ValueError, KeyError):
+        raise ValueError(f"GGUF {cursor.path}: tensor {name} has unknown type {type_id}") from None
+    num_elements = 1
+    for dim in dims:
+        num_elements *= dim
+    return name, num_elements // block_size * type_size, offset

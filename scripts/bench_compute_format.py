@@ -1,0 +1,125 @@
+"""Width-1 decode of a quantized GGUF on CPU in each compute format, side by side in one run.
+
+gmlx's engine loads the model once per format (GMLX_CPU_COMPUTE_FORMAT=float32 | quantized);
+mlx-lm's generate_step runs on the GGUF converted to an mlx-lm folder (its 4-bit weights as
+mlx-lm loads them); with --llama-bench, llama.cpp's llama-bench runs the same GGUF at as many
+threads as there are CPUs. Runs alternate and repeat; reported: median tok/s and ratios to float32.
+This is what `auto` in gmlx/models/compute_format.py rests on.
+
+    python3 scripts/bench_compute_format.py                      # smollm2, 64 tokens, 3 repeats
+    python3 scripts/bench_compute_format.py --model FILE.gguf --tokens 128 --repeats 5 --json
+    python3 scripts/bench_compute_format.py --llama-bench .cache/llama.cpp/bin/llama-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's gmlx
+
+import gmlx  # noqa: F401,E402  (the fast BLAS before mlx)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+
+from gmlx.config import EngineConfig, env_overrides  # noqa: E402
+from gmlx.engine import Engine  # noqa: E402
+from gmlx.generate import render_chat, stream_generate  # noqa: E402
+from gmlx.models.gguf import write_mlx_lm_folder  # noqa: E402
+from gmlx.models.source import resolve_model_path  # noqa: E402
+from gmlx.request import SamplingParams  # noqa: E402
+
+# An instruction the chat model answers at length, so no run stops early at EOS.
+QUESTION = "Write a long essay about the history of the Roman Empire, with many details."
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    return tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": QUESTION}]))
+
+
+def gmlx_tok_per_s(engine: Engine, num_tokens: int) -> float:
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0)
+    last = None
+    for last in stream_generate(engine, params=params, token_ids=prompt_ids(engine.tokenizer)):
+        pass
+    assert last.stats["generated_tokens"] > num_tokens // 2, last.stats  # a rate over a real run
+    return last.stats["decode_tok_per_s"]
+
+
+def mlx_lm_tok_per_s(model, tokenizer, num_tokens: int) -> float:
+    prompt = mx.array(prompt_ids(tokenizer))
+    steps = generate_step(prompt, model, max_tokens=num_tokens)
+    next(steps)  # the first token carries the prefill; time the decode only
+    start = time.perf_counter()
+    num_decoded = sum(1 for _ in steps)
+    return num_decoded / (time.perf_counter() - start)
+
+
+def llama_bench_tok_per_s(binary: str, model: Path, num_tokens: int) -> float:
+    """llama.cpp's token generation rate (llama-bench tg, one repetition) on the same GGUF."""
+    command = [binary, "-m", str(model), "-p", "0", "-n", str(num_tokens), "-t", str(os.cpu_count()),
+               "-r", "1", "-o", "json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {result.stderr[-2000:]}")
+    return float(json.loads(result.stdout)[0]["avg_ts"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baseline")
+    parser.add_argument("--llama-bench", default=None,
+                        help="path of llama.cpp's llama-bench (scripts/build_llama_cpp.sh) to add as a row")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    source = resolve_model_path(args.model)
+
+    engines = {}
+    for compute_format in ("float32", "quantized"):
+        with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": compute_format}):
+            engines[f"gmlx {compute_format}"] = Engine.load(EngineConfig(model_path=str(source)))
+    baseline = None
+    if not args.no_mlx_lm:
+        import mlx_lm
+
+        scratch = tempfile.TemporaryDirectory(prefix="gmlx-bench-format-")
+        baseline = mlx_lm.load(str(write_mlx_lm_folder(source, scratch.name)))
+
+    names = list(engines) + (["mlx-lm 4-bit"] if baseline else []) + (["llama.cpp"] if args.llama_bench else [])
+    results = {name: [] for name in names}
+    for name, engine in engines.items():  # warm-up: compile, touch every weight once
+        gmlx_tok_per_s(engine, 16)
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            results[name].append(gmlx_tok_per_s(engine, args.tokens))
+        if baseline:
+            results["mlx-lm 4-bit"].append(mlx_lm_tok_per_s(*baseline, args.tokens))
+        if args.llama_bench:
+            results["llama.cpp"].append(llama_bench_tok_per_s(args.llama_bench, source, args.tokens))
+
+    medians = {name: statistics.median(values) for name, values in results.items()}
+    reference = medians["gmlx float32"]
+    report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats,
+              "cpu": platform.processor() or platform.machine(),
+              "tok_per_s": medians, "ratio_to_gmlx_float32": {n: v / reference for n, v in medians.items()}}
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{source.name}, width 1, {args.tokens} tokens, median of {args.repeats}")
+    for name, value in medians.items():
+        print(f"  {name:16s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32)")
+
+
+if __name__ == "__main__":
+    main()

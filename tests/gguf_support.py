@@ -1,0 +1,101 @@
+"""Writing small GGUF files for tests, the way llama.cpp's converter lays them out.
+
+The weights come from a random mlx-lm model folder (tests/conftest.py's make_random_model_dir)
+and the tokenizer from its tokenizer.json, so a test can load the GGUF with gmlx and compare it
+with the folder loaded by mlx-lm.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from mlx.utils import tree_flatten
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|endoftext|>{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}"
+)
+_LAYER_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_TOP_PARTS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(mlx_name: str) -> str:
+    module, kind = mlx_name.rsplit(".", 1)
+    if module in _TOP_PARTS:
+        return f"{_TOP_PARTS[module]}.{kind}"
+    _, _, layer, part = module.split(".", 3)  # model.layers.N.part
+    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
+
+
+def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's interleaving of each head's rotary halves (what gmlx must undo)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = None,
+                           quant_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+    """A GGUF of the mlx-lm folder's model: 2-D weights stored as `quant_type`, the rest F32."""
+    import mlx.core as mx
+    import mlx_lm
+
+    config = json.loads((folder / "config.json").read_text())
+    architecture = architecture or config["model_type"]
+    model, _ = mlx_lm.load(str(folder))
+    model.set_dtype(mx.float32)
+    writer = gguf.GGUFWriter(str(out), architecture)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    _add_tokenizer(writer, folder)
+    is_permuted = architecture in ("llama", "mistral")
+    heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+    for name, value in tree_flatten(model.parameters()):
+        array = np.array(value)
+        part = name.split(".", 3)[-1].rsplit(".", 1)[0] if name.startswith("model.layers.") else ""
+        if is_permuted and part in heads:
+            array = permute_rows(array, heads[part])
+        if array.ndim == 2 and quant_type != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, quant_type), raw_dtype=quant_type)
+        else:
+            writer.add_tensor(gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {added["content"]: added["id"] for added in spec["added_tokens"]}
+    for content, index in specials.items():
+        if index >= len(tokens):
+            tokens.append(content)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(pair) for pair in spec["model"]["merges"]])
+    end = specials["<|endoftext|>"]
+    writer.add_eos_token_id(end)
+    writer.add_pad_token_id(end)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)

