@@ -34,7 +34,9 @@ import json
 import platform
 import time
 
-import gmlx  # noqa: F401  (the fast BLAS loads before mlx)
+from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx
 
 from gmlx.platform import cpu_kernels

@@ -123,7 +123,7 @@ def test_convert_writes_a_folder_mlx_lm_loads(tiny_folders, mlx_lm_reference, tm
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "conv.gguf",
                                   quant_type=gguf.GGMLQuantizationType.Q8_0)
     out = tmp_path / "converted"
-    result = subprocess.run([sys.executable, "-m", "gmlx.cli", "convert", str(path), str(out)],
+    result = subprocess.run([sys.executable, "-m", "workers.cli", "convert", str(path), str(out)],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
@@ -141,7 +141,7 @@ def test_unknown_compute_format_names_the_setting(tiny_folders, tmp_path):
 
 
 def test_chat_flag_on_a_model_without_template_names_the_option():
-    result = subprocess.run([sys.executable, "-m", "gmlx.cli", "generate", "--chat", "hi", "--max-tokens", "2"],
+    result = subprocess.run([sys.executable, "-m", "workers.cli", "generate", "--chat", "hi", "--max-tokens", "2"],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 2 and "--chat" in result.stderr and "chat template" in result.stderr
 

@@ -91,7 +91,7 @@ def test_generate_chat_answers_through_the_cli():
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "gmlx.cli", "generate", "--model", "smollm2", "--chat",
+    command = [sys.executable, "-m", "workers.cli", "generate", "--model", "smollm2", "--chat",
                "What is the capital of France?", "--max-tokens", "12", "--json"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr

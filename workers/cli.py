@@ -125,6 +125,25 @@ def doctor(as_json) -> None:
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
+@main.command()
+@click.argument("gguf_file")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def convert(gguf_file, out_dir) -> None:
+    """Write GGUF_FILE (or smollm2) as an mlx-lm model folder OUT_DIR (config, safetensors, tokenizer)."""
+    ensure_fast_blas()
+    from gmlx.models.gguf import write_mlx_lm_folder
+    from gmlx.models.source import is_gguf_path, resolve_model_path
+
+    try:
+        source = resolve_model_path(gguf_file)
+        if not is_gguf_path(source):
+            raise ValueError(f"GGUF_FILE: {gguf_file!r} is not a .gguf file")
+        out = write_mlx_lm_folder(source, out_dir)
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(f"wrote {out}")
+
+
 def _fail(exc: Exception) -> None:
     click.echo(f"error: {exc}", err=True)
     sys.exit(2)
