@@ -152,7 +152,11 @@ def report(args, runs: dict, cpu: str) -> None:
               f"{med(mode, 'matmul_ms'):.1f} | {med(mode, 'one_row_gbs'):.1f} | {cells[0]} | {cells[1]} |")
     same = {lab: len({tuple(r["decode"][lab]["tokens"]) for m in runs for r in runs[m]}) == 1 for lab in labels}
     print(f"\nbest forced core: {best}; greedy tokens identical across cores: {same}")
-    print(json.dumps({"cpu": cpu, "date": now, "runs": {f"{m[0] or 'default'}:{m[1]}": rs for m, rs in runs.items()}}))
+    summary = {f"{m[0] or 'default'}:{m[1]}": [{"core": r["core"], "matmul_ms": r["matmul_ms"],
+                                                  "one_row_gbs": r["one_row_gbs"], "is_routing": r["is_routing"],
+                                                  **{f"{lab}_tok_s": r["decode"][lab]["tok_s"] for lab in labels}}
+                                                 for r in rs] for m, rs in runs.items()}
+    print(json.dumps({"cpu": cpu, "date": now, "runs": summary}))
 
 
 if __name__ == "__main__":

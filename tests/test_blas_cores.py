@@ -47,9 +47,9 @@ def test_is_fallback(flags, detected, expected):
 
 
 def test_candidates_cover_detected_interposer_and_avx512_cores():
-    assert candidate_cores(EMERALD_RAPIDS, "Prescott") == ["Prescott", "Haswell", "SkylakeX", "Cooperlake",
+    assert candidate_cores(EMERALD_RAPIDS, "Prescott") == ["Prescott", "Haswell", "Zen", "SkylakeX", "Cooperlake",
                                                            "SapphireRapids"]
-    assert candidate_cores(ZEN4, "Cooperlake") == ["Cooperlake", "Haswell", "SkylakeX"]
+    assert candidate_cores(ZEN4, "Cooperlake") == ["Cooperlake", "Haswell", "Zen", "SkylakeX"]
     assert candidate_cores(ZEN2, "Zen") == ["Zen", "Haswell"]
     assert candidate_cores(SSE_ONLY, "Prescott") == ["Prescott"]
 

@@ -50,17 +50,25 @@ def test_f32_gguf_computes_what_the_folder_computes(tiny_folders, mlx_lm_referen
     assert loaded.path == str(path) and loaded.num_layers == 2
 
 
-def test_q8_0_stays_quantized_when_asked_and_is_dequantized_by_default(tiny_folders, mlx_lm_reference, tmp_path):
+def test_q8_0_stays_quantized_or_is_dequantized_as_the_compute_format_says(tiny_folders, mlx_lm_reference,
+                                                                           tmp_path):
+    from gmlx.platform import cpu_kernels
+
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "q8.gguf",
                                   quant_type=gguf.GGMLQuantizationType.Q8_0)
-    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", "GMLX_CPU_KERNELS": "0"}):
         quantized = load_model(path)
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "float32"}):
+        dequantized = load_model(path)
     default = load_model(path)
     q_proj = quantized.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, nn.QuantizedLinear) and q_proj.bits == 8 and q_proj.group_size == 32
-    assert type(default.model.model.layers[0].self_attn.q_proj) is nn.Linear  # auto: float32 on CPU
+    assert type(dequantized.model.model.layers[0].self_attn.q_proj) is nn.Linear
+    # auto: the 4/8-bit weights stay when gmlx's CPU kernels run them, else a float32 copy
+    is_default_quantized = type(default.model.model.layers[0].self_attn.q_proj) is not nn.Linear
+    assert is_default_quantized == cpu_kernels.is_available()
     expected = logits_of(mlx_lm_reference(str(tiny_folders["llama"])), TOKEN_IDS)
-    for loaded in (quantized, default):
+    for loaded in (quantized, dequantized, default):
         got = logits_of(loaded.model, TOKEN_IDS)
         assert mx.abs(got - expected).max().item() < 0.02 * mx.abs(expected).max().item()
 
@@ -127,7 +135,7 @@ def test_convert_writes_a_folder_mlx_lm_loads(tiny_folders, mlx_lm_reference, tm
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
-    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", "GMLX_CPU_KERNELS": "0"}):  # mlx's own products
         from_gguf = load_model(path)
     from_folder = mlx_lm_reference(str(out))
     assert mx.array_equal(logits_of(from_folder, TOKEN_IDS), logits_of(from_gguf.model, TOKEN_IDS)).item()

@@ -74,11 +74,12 @@ def is_fallback(detected: str, flags: frozenset[str]) -> bool:
 
 
 def candidate_cores(flags: frozenset[str], detected: str | None) -> list[str]:
-    """What to measure: the detected core, the interposer's core, every AVX-512 core the
-    CPU runs (an older OpenBLAS may not know the newest, so each is tried)."""
+    """What to measure: the detected core, the interposer's cores (Haswell and Zen: same
+    order, other blocking), every AVX-512 core the CPU runs (an older OpenBLAS may not know
+    the newest, so each is tried)."""
     cores = [detected] if detected else []
     runnable = executable_cores(flags)
-    for core in ("Haswell", *[c for c in runnable if _X86_RANK[c] > _X86_RANK["Haswell"]]):
+    for core in (*INTERPOSER_CORES, *[c for c in runnable if _X86_RANK[c] > _X86_RANK["Haswell"]]):
         if core in runnable and core not in cores:
             cores.append(core)
     return cores
