@@ -8,6 +8,7 @@ import os  # noqa: E402
 # a test asks for the start-up calibration: measured costs on a shared box would make runs differ.
 os.environ.setdefault("GMLX_CALIBRATE", "off")
 
+import faulthandler
 import json
 import random
 import sys
@@ -22,6 +23,19 @@ from gmlx.models import random_model
 from gmlx.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # schedules, serving_support, frames: shared with scripts
+
+
+@pytest.fixture(autouse=True)
+def hard_timeout(request):
+    """A test file that talks to processes sets TEST_TIMEOUT_S: past it the whole run fails
+    with every thread's traceback, where a hung socket would otherwise stall it."""
+    timeout_s = getattr(request.module, "TEST_TIMEOUT_S", None)
+    if timeout_s is None:
+        yield
+        return
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:

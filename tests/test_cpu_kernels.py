@@ -2,7 +2,6 @@
 against mlx, and whole-engine identity (speculative and batched equal plain) with them on."""
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

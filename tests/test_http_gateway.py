@@ -4,7 +4,6 @@ its gateway on loopback, the official `openai` package as the client, the built-
 HTTP answers are checked against the same server's ZeroMQ answers (which test_serving_e2e
 checks against solo in-process decoding)."""
 
-import faulthandler
 import json
 import subprocess
 import sys
@@ -25,12 +24,6 @@ TEST_TIMEOUT_S = 150  # hard: a hung socket must fail the run, not stall it
 MODEL_ID = "builtin-chat"
 PROMPT = "def parse_args(argv):"
 
-
-@pytest.fixture(autouse=True)
-def hard_timeout():
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

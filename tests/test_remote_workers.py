@@ -6,7 +6,6 @@ own local worker (shared-memory bus) and the clients (on A's loopback); namespac
 in INJECT. Every stream is checked against solo plain decoding in this process.
 """
 
-import faulthandler
 import json
 import os
 import shutil
@@ -125,12 +124,6 @@ def namespaces():
                     pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
-
-@pytest.fixture(autouse=True)
-def hard_timeout():
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Security on a live `gmlx serve`: a non-loopback address needs CURVE keys, clients without
 an authorized key are refused, forged workers are refused, the bus is owner-only."""
 
-import faulthandler
 import os
 import shutil
 import stat
@@ -20,12 +19,6 @@ from serving_support import REPO_ROOT, Server, free_port, model_dir, repo_env
 
 TEST_TIMEOUT_S = 150
 
-
-@pytest.fixture(autouse=True)
-def hard_timeout():
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def make_keys(folder) -> str:

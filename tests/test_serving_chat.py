@@ -2,7 +2,6 @@
 and a real `gmlx serve` whose streams are checked against solo in-process decoding."""
 
 import asyncio
-import faulthandler
 import json
 import subprocess
 import sys
@@ -23,12 +22,6 @@ from workers.validate import (MAX_CHAT_MESSAGES, InvalidRequest, ModelLimits, sa
 TEST_TIMEOUT_S = 150  # hard: a hung socket must fail the run, not stall it
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse(argv):"}]
 
-
-@pytest.fixture(autouse=True)
-def hard_timeout():
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

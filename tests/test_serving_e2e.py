@@ -4,7 +4,6 @@ Every stream is checked against solo in-process decoding of the same request.
 """
 
 import asyncio
-import faulthandler
 import json
 import os
 import random
@@ -28,12 +27,6 @@ CONTRACT_STAT_KEYS = ("num_requests", "num_active", "num_queued", "num_spec_roun
                       "num_capture_rounds", "num_preempts", "num_resumes", "num_drafted", "num_accepted",
                       "width_cap")
 
-
-@pytest.fixture(autouse=True)
-def hard_timeout():
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,12 @@
 supervisor brings it back), a worker gone silent (found by heartbeat, its unstarted
 requests re-queued and served)."""
 
-import faulthandler
 import os
 import signal
 import threading
 import time
 
 import psutil
-import pytest
 
 from ipc.bus import list_segments, parse_owner
 from ipc.client import Client, ServerLostError
@@ -18,12 +16,6 @@ from serving_support import Server, model_dir
 TEST_TIMEOUT_S = 180
 PROMPT_IDS = [1, 2, 3, 4, 5]
 
-
-@pytest.fixture(autouse=True)
-def hard_timeout():
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def stream_until_error(address: str, started: threading.Event, result: dict) -> None:

@@ -5,7 +5,6 @@ and BLAS build, and sets OPENBLAS_CORETYPE. This module must not import mlx.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gmlx import config
+from gmlx.platform import machine_cache
 from gmlx.platform.blas_cores import CoreChoice, CoreTiming, candidate_cores, choose_core, is_x86
 
 logger = logging.getLogger(__name__)
@@ -56,53 +56,26 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+CACHE_NAME = "blas_cores"
+
+
 def _cache_key(blas_path: str, interposer_path: Path, flags: frozenset[str]) -> str:
     parts = [cpu_model_name(), " ".join(sorted(flags)), blas_path, str(os.cpu_count()),
              os.environ.get("OPENBLAS_NUM_THREADS", ""), str(CACHE_VERSION)]
-    for path in (Path(blas_path), interposer_path):
-        try:
-            stat = path.resolve().stat()
-            parts.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
-        except OSError:
-            parts.append(f"{path}:missing")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
-
-
-def _cache_path() -> Path:
-    return config.cache_dir() / "blas_cores.json"
+    return machine_cache.cache_key(parts, [Path(blas_path), interposer_path])
 
 
 def _read_cache(key: str) -> tuple[str | None, dict[str, CoreTiming]] | None:
+    entry = machine_cache.read_entry(CACHE_NAME, key)
     try:
-        entry = json.loads(_cache_path().read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
+        return entry.get("detected"), {core: CoreTiming(**t) for core, t in entry["timings"].items()}
+    except (AttributeError, KeyError, TypeError):
         return None
-    if not isinstance(entry, dict):
-        return None
-    try:
-        timings = {core: CoreTiming(**t) for core, t in entry["timings"].items()}
-    except (KeyError, TypeError):
-        return None
-    return entry.get("detected"), timings
 
 
 def _write_cache(key: str, detected: str | None, timings: dict[str, CoreTiming]) -> None:
-    path = _cache_path()
-    try:
-        entries = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(entries, dict):
-            entries = {}
-    except (OSError, ValueError):
-        entries = {}
-    entries[key] = {"detected": detected, "cpu": cpu_model_name(),
-                    "timings": {core: asdict(t) for core, t in timings.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1))
-        tmp.replace(path)  # atomic: concurrent starts never read half a file
-    except OSError as exc:
-        logger.info("could not cache the BLAS core timings at %s: %s", path, exc)
+    machine_cache.write_entry(CACHE_NAME, key, {"detected": detected, "cpu": cpu_model_name(),
+                                                "timings": {core: asdict(t) for core, t in timings.items()}})
 
 
 def probe_core(blas_path: str, core: str | None) -> CoreTiming | None:
@@ -159,7 +132,8 @@ def select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
         sel.detected, sel.timings = cached
         sel.is_cached = True
     elif inherited is None:  # a child of a gmlx process that chose already need not measure
-        logger.info("timing the OpenBLAS cores this CPU can run (once per machine; cached in %s)", _cache_path())
+        logger.info("timing the OpenBLAS cores this CPU can run (once per machine; cached in %s)",
+                    machine_cache.cache_path(CACHE_NAME))
         sel.detected, sel.timings = measure_cores(blas_path, flags)
         if sel.timings:
             _write_cache(key, sel.detected, sel.timings)

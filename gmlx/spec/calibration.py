@@ -8,8 +8,6 @@ cost model then apply). A config's speculative_width_cap or GMLX_MTP_WIDTH_CAP s
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -20,6 +18,7 @@ import mlx.core as mx
 
 from gmlx import config
 from gmlx.cache.ragged import make_ragged_cache
+from gmlx.platform import machine_cache
 from gmlx.platform.blas_select import cpu_model_name
 from gmlx.spec.depth import expected_tokens
 
@@ -167,44 +166,24 @@ def _fastest_s(run, undo=lambda: None) -> float:
     return best
 
 
+CACHE_NAME = "spec_calibration"
+
+
 def _cache_key(target, drafter, max_rows: int) -> str:
     parts = [cpu_model_name(), str(os.cpu_count()), mx.__version__, str(CACHE_VERSION), drafter.kind,
-             str(drafter.num_draft_tokens), str(min(max_rows, _MAX_WIDTH)), os.environ.get("OPENBLAS_CORETYPE", "")]
+             str(drafter.num_draft_tokens), str(min(max_rows, _MAX_WIDTH)), os.environ.get("OPENBLAS_CORETYPE", ""),
+             str(getattr(drafter, "path", ""))]
     folder = Path(target.path)
-    for path in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
-        try:
-            stat = path.stat()
-            parts.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
-        except OSError:
-            parts.append(f"{path}:missing")
-    parts.append(str(getattr(drafter, "path", "")))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
-
-
-def _cache_path() -> Path:
-    return config.cache_dir() / "spec_calibration.json"
+    return machine_cache.cache_key(parts, sorted(folder.glob("*.safetensors")) + [folder / "config.json"])
 
 
 def _read_cache(key: str) -> CostTable | None:
+    entry = machine_cache.read_entry(CACHE_NAME, key)
     try:
-        entry = json.loads(_cache_path().read_text()).get(key)
         return CostTable(tuple(entry["widths"]), tuple(tuple(r) for r in entry["verify_s"]), tuple(entry["draft_s"]))
-    except (OSError, ValueError, AttributeError, KeyError, TypeError, AssertionError):
+    except (AttributeError, KeyError, TypeError, AssertionError):
         return None
 
 
 def _write_cache(key: str, table: CostTable) -> None:
-    path = _cache_path()
-    try:
-        entries = json.loads(path.read_text()) if path.exists() else {}
-        entries = entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        entries = {}
-    entries[key] = {"cpu": cpu_model_name(), **asdict(table)}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1))
-        tmp.replace(path)  # atomic: concurrent starts never read half a file
-    except OSError as exc:
-        logger.info("could not cache the speculation calibration at %s: %s", path, exc)
+    machine_cache.write_entry(CACHE_NAME, key, {"cpu": cpu_model_name(), **asdict(table)})
