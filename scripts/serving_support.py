@@ -133,3 +133,18 @@ class Server:
         for child in children:
             child.kill()
         self.proc.wait()
+
+
+def solo(engine, token_ids, **params) -> tuple[list[int], str]:
+    """(tokens, finish reason) of one request decoded alone in an in-process engine: the
+    reference every served or batched stream must equal."""
+    from gmlx.request import SamplingParams
+
+    request_id = engine.add_request(list(token_ids), SamplingParams(**params))
+    tokens, reason = [], None
+    while reason is None:
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                reason = out.finish_reason
+    return tokens, reason

@@ -3,6 +3,7 @@ against mlx, and whole-engine identity (speculative and batched equal plain) wit
 
 import mlx.core as mx
 import pytest
+from serving_support import solo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -153,14 +154,7 @@ def mlx_quantized_target(tiny_quantized_target):
 
 
 def greedy_tokens(engine, prompt, max_tokens=24):
-    request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
-    out, reason = [], None
-    while reason is None:
-        for output in engine.step():
-            assert output.request_id == request_id
-            out.extend(output.new_token_ids)
-            reason = output.finish_reason
-    return out
+    return solo(engine, prompt, max_tokens=max_tokens)[0]
 
 
 def test_loaded_quantized_model_uses_kernels_and_decodes_like_mlx(tiny_quantized_target, mlx_quantized_target,

@@ -21,7 +21,7 @@ import zmq
 from ipc import messages as m
 from ipc.auth import WorkerCredential, make_keys, secure_worker_socket
 from ipc.client import Client
-from serving_support import REPO_ROOT, Server, free_port, model_dir, repo_env
+from serving_support import REPO_ROOT, Server, free_port, model_dir, repo_env, solo
 
 TEST_TIMEOUT_S = 240
 FRONTEND_ADDRESS = "10.213.7.1"  # a private /30 of our own, only between our two namespaces
@@ -134,19 +134,6 @@ def plain_engine():
     return Engine.load(EngineConfig(model_path=None, drafter="none"))
 
 
-def solo(engine, token_ids, max_tokens):
-    from gmlx.request import SamplingParams
-
-    request_id = engine.add_request(list(token_ids), SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    tokens, reason = [], None
-    while reason is None:
-        for out in engine.step():
-            if out.request_id == request_id:
-                tokens += out.new_token_ids
-                reason = out.finish_reason
-    return tokens, reason
-
-
 class Lines:
     """A child's output lines, read on a thread so a pipe never fills."""
 
@@ -228,8 +215,8 @@ def test_remote_worker_streams_equal_solo_and_its_death_fails_only_its_clients(n
         concurrent = event("concurrent", 120)["results"]
         for prompt, (tokens, reason, error) in zip(prompts, concurrent):
             assert error is None, error
-            assert [tokens, reason] == list(solo(plain_engine, prompt, max_tokens))
-        expected = [solo(plain_engine, prompt, long_max_tokens) for prompt in prompts]
+            assert [tokens, reason] == list(solo(plain_engine, prompt, max_tokens=max_tokens))
+        expected = [solo(plain_engine, prompt, max_tokens=long_max_tokens) for prompt in prompts]
         driver.stdin.write("go\n")
         driver.stdin.flush()
 
@@ -339,7 +326,7 @@ def test_a_no_bus_worker_serves_inline_payloads_equal_to_solo(curve_server, keys
         for t in threads:
             t.join(90)
         for prompt, result in zip(prompts, results):  # least loaded routing: half went inline
-            assert result == list(solo(plain_engine, prompt, 48))
+            assert result == list(solo(plain_engine, prompt, max_tokens=48))
     finally:
         worker.kill()
         worker.wait(10)

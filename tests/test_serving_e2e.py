@@ -20,7 +20,7 @@ import zmq
 from ipc import messages as m
 from ipc.bus import list_segments, parse_owner
 from ipc.client import AsyncClient, Client, RequestError
-from serving_support import BUILTIN_TARGET, REPO_ROOT, Server, drafter_for, free_port, model_dir, repo_env
+from serving_support import BUILTIN_TARGET, REPO_ROOT, Server, drafter_for, free_port, model_dir, repo_env, solo
 
 TEST_TIMEOUT_S = 150  # hard: a hung socket must fail the run, not stall it
 CONTRACT_STAT_KEYS = ("num_requests", "num_active", "num_queued", "num_spec_rounds", "num_gated_rounds",
@@ -59,19 +59,6 @@ def server(model_path):
 
 def owned_segments(srv: Server) -> list[str]:
     return [name for name in list_segments() if parse_owner(name)[0] in (srv.proc.pid, srv.first_frontend_pid)]
-
-
-def solo(engine, token_ids, **params):
-    from gmlx.request import SamplingParams
-
-    request_id = engine.add_request(list(token_ids), SamplingParams(**params))
-    tokens, reason = [], None
-    while reason is None:
-        for out in engine.step():
-            if out.request_id == request_id:
-                tokens += out.new_token_ids
-                reason = out.finish_reason
-    return tokens, reason
 
 
 def make_requests(tokenizer, num_requests: int, seed: int = 0) -> list[dict]:
