@@ -51,6 +51,7 @@ def small_vocab_pair(tmp_path_factory):
     return target, drafter
 
 
+@pytest.mark.slow
 def test_stochastic_acceptance_samples_the_target_distribution(small_vocab_pair, monkeypatch):
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "0")  # every row speculates, 64 at a time
     target, drafter = small_vocab_pair

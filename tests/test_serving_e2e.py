@@ -277,6 +277,7 @@ def test_serve_rejects_bad_options():
     assert out.returncode != 0 and "--drafter" in out.stderr
 
 
+@pytest.mark.slow
 def test_worker_kill_restart_and_drain(model_path, engine):
     """kill -9 one of two workers mid-stream, then SIGTERM the server mid-stream."""
     # Plain decoding (one token per round) keeps the streams alive until the kill; greedy
@@ -349,6 +350,7 @@ def test_worker_kill_restart_and_drain(model_path, engine):
             srv.kill()
 
 
+@pytest.mark.slow
 def test_config_file_and_a_worker_started_by_hand(tmp_path, model_path, engine):
     config = tmp_path / "gmlx.toml"
     path_line = "" if model_path == BUILTIN_TARGET else f'path = "{model_path}"\n'

@@ -8,6 +8,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from ipc.bus import list_segments, parse_owner
 from ipc.client import Client, ServerLostError
@@ -35,6 +36,7 @@ def wait_ready_again(server: Server, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_killed_frontend_tells_clients_stops_workers_and_comes_back():
     server = Server(model=model_dir(), drafter="none")
     try:
@@ -69,6 +71,7 @@ def test_a_killed_frontend_tells_clients_stops_workers_and_comes_back():
             server.kill()
 
 
+@pytest.mark.slow
 def test_a_silent_worker_is_replaced_and_its_unstarted_requests_served():
     server = Server(model=model_dir(), drafter="none")
     try:

@@ -143,6 +143,7 @@ def test_one_bad_frame_leaves_streams_in_flight_untouched(server, sock):
     assert server.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_overload_is_answered_busy_with_a_retry_hint():
     # A stopped worker takes nothing off the bus: 64 slots fill, then 2 pending, then "busy".
     import os

@@ -10,6 +10,8 @@ from schedules import SoloReference, check_schedule, make_schedule
 
 DRAFTERS = ("mtp", "draft", "ngram")
 NUM_CHUNKS, SCHEDULES_PER_CHUNK = 7, 10  # 210 schedules in all
+# The first chunk of schedules runs in the fast tier (pytest -m "not slow"), every chunk in the full run.
+FAST_THEN_SLOW_CHUNKS = [0, *(pytest.param(c, marks=pytest.mark.slow) for c in range(1, NUM_CHUNKS))]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def test_alone_equals_plain(kind, temperature, engines, reference, code_prompts)
 
 
 @pytest.mark.parametrize("kind", DRAFTERS)
-@pytest.mark.parametrize("chunk", range(NUM_CHUNKS))
+@pytest.mark.parametrize("chunk", FAST_THEN_SLOW_CHUNKS)
 def test_random_schedules_equal_plain(kind, chunk, engines, reference, code_prompts, monkeypatch):
     totals = {}
     for i in range(SCHEDULES_PER_CHUNK):
@@ -54,6 +56,7 @@ def test_random_schedules_equal_plain(kind, chunk, engines, reference, code_prom
     assert totals["num_spec_rounds"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mtp", "draft"])
 def test_greedy_batch_drafting_equals_plain(kind, builtin_target, reference, code_prompts):
     """The A/B alternative to coupled drafting: greedy drafts, sampled verification, still exact."""
@@ -167,6 +170,7 @@ def test_opt_out_rows_never_draft_nor_hold_the_batch_back(kind, builtin_target, 
         assert got[request_id] == reference.tokens(prompt, params)[0], request_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_random_schedules_with_opt_outs_equal_plain(kind, engines, reference, code_prompts):
     totals = {}
@@ -204,6 +208,7 @@ class RandomDepths:
         return {"k_max": self.k_max}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_ragged_depth_schedules_equal_plain(kind, builtin_target, reference, code_prompts):
     engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig(prefill_chunk_tokens=64))
