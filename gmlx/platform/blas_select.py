@@ -21,7 +21,7 @@ from gmlx.platform.blas_cores import CoreChoice, CoreTiming, candidate_cores, ch
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 60.0
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # bumped when the candidate set changes (Zen joined)
 
 
 @dataclass(slots=True)
