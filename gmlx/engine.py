@@ -388,7 +388,7 @@ class Engine:
         del self.requests[request.request_id]
         if self.depth_policy is not None:
             self.depth_policy.forget(request.request_id)
-        output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), request.error)
+        output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats())
         self._outputs.append(output)
         return output
 

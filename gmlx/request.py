@@ -93,7 +93,6 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stats: dict | None = None
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -114,8 +113,7 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [j] = drafts accepted at depth j
-    num_rounds_by_loop: dict = field(default_factory=dict)  # "scalar"|"batch"|"gated"|"capture"|"plain" -> rounds
-    error: str | None = None
+    num_rounds_by_loop: dict = field(default_factory=dict)  # loop name (batch.Loop values) -> rounds
 
     @property
     def num_prompt_tokens(self) -> int:

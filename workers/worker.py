@@ -201,7 +201,7 @@ class Worker:
         for out in outputs:
             row = merged.setdefault(out.request_id, [[], None, None, None])
             row[0].extend(out.new_token_ids)
-            row[1:] = out.finish_reason, out.stats, out.error
+            row[1:] = out.finish_reason, out.stats, None  # the engine fails no request: errors are _reject's
         for request_id, (token_ids, finish_reason, stats, error) in merged.items():
             if not token_ids and finish_reason is None:
                 continue

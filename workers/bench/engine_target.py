@@ -101,7 +101,7 @@ class EngineTarget:
             record.add_chunk(time_s, len(out.new_token_ids))
             num_tokens += len(out.new_token_ids)
             if out.finish_reason is not None:
-                record.finish(time_s, out.finish_reason, out.error)
+                record.finish(time_s, out.finish_reason)  # the engine fails no request in-process
                 record.stats = out.stats
                 del by_request_id[out.request_id]
                 num_done += 1
