@@ -43,6 +43,20 @@ POLL_MS = 20  # the loop's longest sleep: bounds how late a dead worker is notic
 BUSY_RETRY_AFTER_MS = 200  # the hint in a "busy" ERROR: about one pending batch's worth of rounds
 
 
+def _handle_worker_frames(frames: list[bytes], what: str, handle) -> None:
+    """Decode one message from the worker side and handle it; a bad or failing one is
+    logged and dropped, never the front-end."""
+    try:
+        msg = m.decode_msgpack(frames)
+    except m.WireError as e:
+        logger.warning("dropping a bad %s message: %s", what, e)
+        return
+    try:
+        handle(msg)
+    except Exception:  # a malformed but decodable message
+        logger.exception("dropping a %s %s message that failed", what, type(msg).__name__)
+
+
 @dataclass
 class FrontendConfig:
     address: str = "tcp://127.0.0.1:5555"  # where clients connect
@@ -345,15 +359,7 @@ class Frontend:
             logger.warning("cannot reach worker %s: %s", routing_id.hex(), e)
 
     def _on_worker_message(self, routing_id: bytes, frames: list[bytes]) -> None:
-        try:
-            msg = m.decode_msgpack(frames)
-        except m.WireError as e:
-            logger.warning("dropping a bad worker message: %s", e)
-            return
-        try:
-            self._on_worker_decoded(routing_id, msg)
-        except Exception:  # a malformed but decodable message: drop it, not the front-end
-            logger.exception("dropping a worker %s message that failed", type(msg).__name__)
+        _handle_worker_frames(frames, "worker", lambda msg: self._on_worker_decoded(routing_id, msg))
 
     def _on_worker_decoded(self, routing_id: bytes, msg: m.Message) -> None:
         if isinstance(msg, m.Hello):
@@ -399,15 +405,7 @@ class Frontend:
         logger.info("tokenizer loaded from %s", hello.model_path)
 
     def _on_published(self, frames: list[bytes]) -> None:
-        try:
-            msg = m.decode_msgpack(frames)
-        except m.WireError as e:
-            logger.warning("dropping a bad published message: %s", e)
-            return
-        try:
-            self._on_published_decoded(msg)
-        except Exception:
-            logger.exception("dropping a published %s message that failed", type(msg).__name__)
+        _handle_worker_frames(frames, "published", self._on_published_decoded)
 
     def _on_published_decoded(self, msg: m.Message) -> None:
         if not hasattr(msg, "worker_id"):

@@ -7,6 +7,17 @@ from typing import Protocol
 import mlx.core as mx
 
 
+DEFAULT_WIDTH_CAP = 2  # the measured knee on the built-in model (BENCHMARKS.md); calibration may replace it
+
+
+class ModelDrafter:
+    """What the drafters that run a model (an MTP head, a draft model) share: their draft
+    distribution is known, so stochastic acceptance can use it (propose_with_probs)."""
+
+    default_width_cap = DEFAULT_WIDTH_CAP
+    has_distribution = True
+
+
 class Drafter(Protocol):
     kind: str
     num_draft_tokens: int  # default draft depth k

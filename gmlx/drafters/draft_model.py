@@ -6,16 +6,15 @@ import mlx.core as mx
 
 from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
 from gmlx.models.loader import load_model
+from gmlx.drafters.base import ModelDrafter
 from gmlx.sampling import probabilities, sample
 
 _PREFILL_CHUNK_TOKENS = 512
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(ModelDrafter):
     kind = "draft"
-    default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = False
-    has_distribution = True  # propose_with_probs: stochastic acceptance can use it
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
         self.draft = load_model(path)

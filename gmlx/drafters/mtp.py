@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from gmlx.drafters.base import ModelDrafter
 from gmlx.sampling import probabilities, sample
 
 
-class MTPDrafter:
+class MTPDrafter(ModelDrafter):
     kind = "mtp"
-    default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
     needs_hidden = True
-    has_distribution = True  # propose_with_probs: stochastic acceptance can use it
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
         from gmlx.models.mtp_head import load_mtp_head

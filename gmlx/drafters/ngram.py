@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from gmlx.drafters.base import DEFAULT_WIDTH_CAP
+
 
 class NgramDrafter:
     kind = "ngram"
-    default_width_cap = 2  # the measured knee on the built-in model (BENCHMARKS.md)
+    default_width_cap = DEFAULT_WIDTH_CAP
     needs_hidden = False
     has_distribution = False  # point proposals: exact-match acceptance only
 
