@@ -5,6 +5,7 @@ and BLAS build, and sets OPENBLAS_CORETYPE. This module must not import mlx.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,26 +35,29 @@ class CoreSelection:
     is_cached: bool = False
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+@functools.cache
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first value of each /proc/cpuinfo key, read once a process (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags ("flags" on x86, "Features" on arm64)."""
+    fields = _cpuinfo_fields()
+    return frozenset((fields.get("flags") or fields.get("Features") or "").split())
 
 
 def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
 
 
 CACHE_NAME = "blas_cores"
