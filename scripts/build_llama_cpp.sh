@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's CPU tools (llama-bench, llama-server, llama-completion, llama-tokenize) from
+# Build llama.cpp's CPU tools (llama-bench, llama-server, llama-completion, llama-tokenize, llama-quantize) from
 # the llama-cpp-python sdist into .cache/llama.cpp, for benchmarks and the verification script
 # only: gmlx never links them. Cached: a second run with the binaries present does nothing.
 # Niced and -j2 by default because the build machine is usually shared.
@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${LLAMA_CPP_CACHE:-.cache/llama.cpp}"
 JOBS="${LLAMA_CPP_JOBS:-2}"
-TOOLS=(llama-bench llama-server llama-completion llama-tokenize)
+TOOLS=(llama-bench llama-server llama-completion llama-tokenize llama-quantize)
 mkdir -p "$CACHE"
 CACHE="$(cd "$CACHE" && pwd)"
 
