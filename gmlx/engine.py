@@ -65,6 +65,9 @@ class Engine:
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
         self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
+        # Prompts whose prefill finished beside running rows: first token out, they join next
+        # step, so a step never pays a prefill chunk and a cache merge on top of its round.
+        self._ready: list[admission.Prefilled] = []
 
     @classmethod
     def load(cls, engine_config: EngineConfig) -> Engine:
@@ -119,7 +122,10 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.status.is_finished:
             return None
-        if self.queue.remove(request_id) is None and self.batch is not None:
+        ready = [p for p in self._ready if p.request.request_id == request_id]
+        if ready:
+            self._ready.remove(ready[0])
+        elif self.queue.remove(request_id) is None and self.batch is not None:
             rows = [i for i, r in enumerate(self.batch.requests) if r.request_id != request_id]
             self._keep_rows(rows)
         output = self._finish(request, status)
@@ -128,16 +134,20 @@ class Engine:
         return output
 
     def has_unfinished(self) -> bool:
-        return bool(self.queue) or self.batch is not None or bool(self._outputs)
+        return bool(self.queue) or bool(self._ready) or self.batch is not None or bool(self._outputs)
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
-        if self.batch is not None and not self.batch.has_boundary and self.queue and config.is_preempt_enabled():
-            # Preempting for a waiter that cannot join yet would drop speculation for nothing.
-            if self.queue.can_join_next_drain(self._prefill_budget_s()):
-                self._preempt()
-            else:
-                self.queue.prefill_ahead(self._prefill_budget_s())
+        if self.batch is not None and not self.batch.has_boundary:
+            if self._ready:
+                self._preempt()  # prefilled beside the lone stream last step: it joins now
+            elif self.queue and config.is_preempt_enabled():
+                budget_s = self._prefill_budget_s()
+                # Preempting for a waiter that cannot join yet would drop speculation for nothing.
+                if self.queue.can_join_next_drain(budget_s):
+                    self._ready = self._drain()
+                else:
+                    self.queue.prefill_ahead(budget_s)
         if self.batch is None or self.batch.has_boundary:
             self._admit()
         if self.batch is not None:
@@ -147,7 +157,7 @@ class Engine:
 
     def stats(self) -> dict:
         stats = dict(self.counters)
-        stats["num_active"] = 0 if self.batch is None else self.batch.num_rows
+        stats["num_active"] = (0 if self.batch is None else self.batch.num_rows) + len(self._ready)
         stats["num_queued"] = len(self.queue)
         stats["width_cap"] = self._width_cap()
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
@@ -165,17 +175,13 @@ class Engine:
     # --- admission and transitions ------------------------------------------------------
 
     def _admit(self) -> None:
-        num_rows = 0 if self.batch is None else self.batch.num_rows
-        prefilled = self.queue.drain(self.config.max_num_rows - num_rows, self._prefill_budget_s())
-        joining = []
-        for item in prefilled:
-            request = item.request
-            request.status = RequestStatus.DECODING
-            request.first_token_time_s = time.perf_counter()
-            if self._deliver(request, [item.first_token]):
-                joining.append(item)
-            else:
-                self._retire(request, item.caches, 0)
+        if self._ready:  # prefilled last step: this step joins them and prefills nothing
+            joining, self._ready = self._ready, []
+        else:
+            joining = self._drain()
+            if joining and self.batch is not None:
+                self._ready = joining
+                return
         if not joining:
             return
         merged = concat_layer_caches([p.caches for p in joining])
@@ -205,6 +211,21 @@ class Engine:
             if new_rows:
                 hidden = mx.stack([joining[draft_rows[j] - first].hidden for j in new_rows])
                 self.drafter.add_rows(self.batch.draft_view, new_rows, hidden if self.drafter.needs_hidden else None)
+
+    def _drain(self) -> list[admission.Prefilled]:
+        """One drain of the injection queue; the prompts it completed, first token delivered."""
+        num_rows = 0 if self.batch is None else self.batch.num_rows
+        prefilled = self.queue.drain(self.config.max_num_rows - num_rows, self._prefill_budget_s())
+        joining = []
+        for item in prefilled:
+            request = item.request
+            request.status = RequestStatus.DECODING
+            request.first_token_time_s = time.perf_counter()
+            if self._deliver(request, [item.first_token]):
+                joining.append(item)
+            else:
+                self._retire(request, item.caches, 0)
+        return joining
 
     def _prefill_budget_s(self) -> float | None:
         """Prefill time allowed this step: None (a whole chunk) when no row decodes."""

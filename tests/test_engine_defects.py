@@ -114,7 +114,9 @@ def test_a_preempt_landing_over_the_cap_counts_a_gate(builtin_target, code_promp
         engine.step()
     assert engine.batch.mode is BatchMode.SCALAR
     engine.add_request(code_prompts[1][:8], SamplingParams(max_tokens=30))
-    engine.step()
+    engine.step()  # the waiter is prefilled beside the lone stream (its first token out)...
+    assert engine.counters["num_preempts"] == 0 and engine.batch.num_rows == 1
+    engine.step()  # ...and joins one step later: preempt and join in one step
     assert engine.counters["num_preempts"] == 1 and engine.batch.num_rows == 2
     assert engine.counters["num_gates"] == 1
     while engine.has_unfinished():

@@ -56,3 +56,26 @@ def test_serve_refuses_a_malformed_budget():
     cmd = [sys.executable, "-m", "workers.cli_serve", "--prefill-budget-ms", "soon"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=repo_env(), cwd=REPO_ROOT)
     assert out.returncode == 2 and "--prefill-budget-ms" in out.stderr
+
+
+def test_a_prompt_prefilled_beside_running_rows_joins_one_step_later(builtin_target, reference, code_prompts):
+    # A step pays either a prefill chunk or the cache merge on top of its round, never both.
+    engine = Engine(builtin_target, None, EngineConfig())
+    params = {"A": SamplingParams(max_tokens=40), "B": SamplingParams(max_tokens=20, temperature=0.7, seed=5)}
+    prompts = {"A": code_prompts[0], "B": code_prompts[1]}
+    engine.add_request(prompts["A"], params["A"], request_id="A")
+    got = {"A": [], "B": []}
+    for _ in range(2):
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    engine.add_request(prompts["B"], params["B"], request_id="B")
+    for expected_width in (1, 2):
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+        assert got["B"], "the first token goes out in the step that finished the prefill"
+        assert engine.batch.num_rows == expected_width
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    for request_id in got:
+        assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
