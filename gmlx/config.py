@@ -161,6 +161,19 @@ def cpu_kernels_isa() -> str | None:
     return value
 
 
+def blas_threads() -> int:
+    """GMLX_BLAS_THREADS: OpenBLAS's threads when OPENBLAS_NUM_THREADS is unset; 0 or unset =
+    one fewer than the CPUs the process may use (at least 1). OpenBLAS's threaded sgemm
+    stalls for up to seconds whenever another process takes one of its cores (measured on 2
+    cores: 1.7 s steps against 30-60 ms single-threaded), and a server always shares the
+    machine with its front-end and clients."""
+    value = _env_int("GMLX_BLAS_THREADS")
+    if value:
+        return value
+    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, num_cpus - 1)
+
+
 def cpu_kernels_threads() -> int | None:
     """GMLX_CPU_KERNELS_THREADS; None (or 0) = every CPU the process may use."""
     return _env_int("GMLX_CPU_KERNELS_THREADS") or None
@@ -187,7 +200,7 @@ def validate_settings() -> None:
     """Read every GMLX_* setting once, so a malformed one fails start-up (ValueError naming
     it) instead of the first round that reads it."""
     for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
-                 is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level):
+                 is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads):
         read()
 
 

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import glob
 import logging
+import os
 import platform
 import sys
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ def _load() -> None:
             )
         return
     if "mlx.core" not in sys.modules:  # else OpenBLAS may be loaded already: too late to choose
+        # Read by OpenBLAS at load; workers and the core probes inherit it. A user's value wins.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(config.blas_threads()))
         _state.core = select_core(path, INTERPOSER_PATH)
         if _state.core.choice is not None:
             logger.info("OpenBLAS core: %s", _state.core.choice.reason)
