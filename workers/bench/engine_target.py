@@ -37,7 +37,10 @@ class EngineTarget:
         self.engine = None
 
     def describe(self) -> dict:
-        return {**self.spec.describe(), "model_path": self.engine.model_path if self.engine else None}
+        from workers.bench.model_files import gmlx_format
+
+        return {**self.spec.describe(), "model_path": self.engine.model_path if self.engine else None,
+                "format": gmlx_format(self.spec.model)}
 
     def run(self, workload: Workload, progress, timeout_s: float) -> dict:
         """Run the workload; returns records, counter delta and transition events."""
