@@ -15,6 +15,7 @@ from workers.bench import WorkloadOptions, model_files, parse_target, run_benchm
 from workers.bench.llama_server import (LlamaServerTarget, gguf_path, llama_server_argv, llama_server_binary,
                                         num_cpu_threads)
 from workers.bench.metrics import StreamRecord
+from workers.bench.servers import gmlx_serve_argv
 
 TEST_TIMEOUT_S = 300  # conftest: a hung server fails the run with tracebacks
 
@@ -29,6 +30,10 @@ def test_llama_server_spec_keys_defaults_and_errors():
     assert spec.name == "llama-server np=8 gguf=SmolLM2.F32.gguf"
     assert parse_target("llama-server:label=llama.cpp-q4").name == "llama.cpp-q4"
     assert parse_target("mlx-lm:format=float32").name == "mlx-lm drafter=none format=float32"
+    # No drafter named: gmlx serve (and the engine) keep their own default; mlx-lm decodes plain.
+    assert parse_target("server").name == "server drafter=default" != parse_target("server:drafter=none").name
+    assert "--drafter" not in gmlx_serve_argv("tcp://127.0.0.1:5555", None, "smollm2")
+    assert parse_target("mlx-lm").name == "mlx-lm drafter=none"
     bad = {
         "llama-server:gguf=/m/model.bin": "must name a .gguf",
         "llama-server:drafter=mtp": "without a drafter",

@@ -95,8 +95,8 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
 
     \b
     Targets (--target KIND[:key=value,...], repeat to compare side by side in one run):
-      engine        the in-process engine
-      server        a `gmlx serve` process on loopback
+      engine        the in-process engine    } with no drafter= key (and no --drafter),
+      server        a `gmlx serve` process   } gmlx's own default drafter
       mlx-lm        mlx_lm.server on loopback; a GGUF is converted once (gmlx convert) and copied
                     in the format gmlx computes in here (format=auto|float32|quantized)
       llama-server  llama.cpp's llama-server -np N (build: bash scripts/build_llama_cpp.sh;

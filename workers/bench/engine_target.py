@@ -30,7 +30,8 @@ class EngineTarget:
         ensure_fast_blas()  # before the engine imports mlx
         from gmlx.engine import Engine
 
-        self.engine = Engine.load(EngineConfig(model_path=self.spec.model, drafter=self.spec.drafter,
+        drafter = {"drafter": self.spec.drafter} if self.spec.drafter else {}  # none given: the engine's default
+        self.engine = Engine.load(EngineConfig(model_path=self.spec.model, **drafter,
                                                num_draft_tokens=self.spec.num_draft_tokens))
 
     def stop(self) -> None:

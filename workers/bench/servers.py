@@ -117,9 +117,10 @@ def make_health_check(port: int):
     return is_ready
 
 
-def gmlx_serve_argv(address: str, drafter: str, model: str | None) -> list[str]:
-    argv = [sys.executable, "-c", "from workers.cli import main; main()", "serve", "--address", address,
-            "--drafter", drafter]
+def gmlx_serve_argv(address: str, drafter: str | None, model: str | None) -> list[str]:
+    """`gmlx serve` on `address`; drafter None leaves gmlx serve its own default."""
+    argv = [sys.executable, "-c", "from workers.cli import main; main()", "serve", "--address", address]
+    argv += ["--drafter", drafter] if drafter else []
     return argv + (["--model", str(model)] if model else [])
 
 

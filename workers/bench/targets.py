@@ -32,7 +32,7 @@ DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cach
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     kind: str
-    drafter: str = "none"
+    drafter: str | None = None  # None = gmlx's own default (engine, server); plain for mlx-lm
     model: str | None = None  # None = the built-in model
     preempt: bool | None = None  # None = the engine default (on)
     resume: bool | None = None
@@ -53,7 +53,8 @@ class TargetSpec:
         if self.kind == "llama-server":
             parts = [self.kind] + ([f"np={self.num_slots}"] if self.num_slots is not None else [])
             return " ".join(parts + ([f"gguf={Path(self.gguf).name}"] if self.gguf else []))
-        parts = [self.kind, f"drafter={self.drafter}"]
+        shown_drafter = self.drafter or ("none" if self.kind == "mlx-lm" else "default")
+        parts = [self.kind, f"drafter={shown_drafter}"]
         for key in ("preempt", "resume", "width_cap", "num_draft_tokens"):
             value = getattr(self, key)
             if value is not None:
