@@ -103,15 +103,13 @@ def test_gguf_becomes_a_cached_mlx_lm_folder_and_copies_in_each_format(tiny_llam
     assert mx.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-3)
 
 
-def test_llama_server_token_count_drops_the_end_of_generation_token():
-    from workers.bench.llama_server import _set_token_count
-
+def test_a_servers_final_count_trims_or_extends_the_stream():
     record = StreamRecord(0, "main", 8, arrival_s=0.0)
     for t in (0.1, 0.2, 0.3):
         record.add_chunk(t, 1)
-    _set_token_count(record, 2, 0.4)  # the last event carried the EOS token
+    record.set_num_tokens(2, 0.4)  # the last event carried the EOS token
     assert record.chunk_tokens == [1, 1] and record.chunk_times_s == [0.1, 0.2]
-    _set_token_count(record, 4, 0.5)  # tokens whose events were held back arrive with the final one
+    record.set_num_tokens(4, 0.5)  # tokens whose events were held back arrive with the final one
     assert record.chunk_tokens == [1, 1, 2] and record.chunk_times_s == [0.1, 0.2, 0.5]
 
 

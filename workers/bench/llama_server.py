@@ -134,7 +134,7 @@ class LlamaServerTarget:
             raise RuntimeError("the stream ended without a final event")
         # tokens_predicted counts the end-of-generation token; gmlx and mlx-lm do not output it.
         num_tokens = final.get("tokens_predicted", record.num_tokens) - (final.get("stop_type") == "eos")
-        _set_token_count(record, num_tokens, now_s())
+        record.set_num_tokens(num_tokens, now_s())
         record.prompt_tokens = final.get("tokens_evaluated")
         record.stats = {"stop_type": final.get("stop_type"), "tokens_cached": final.get("tokens_cached")}
         record.finish(now_s(), FINISH_REASONS.get(final.get("stop_type"), "stop"))
@@ -162,16 +162,3 @@ def _read_events(response, record: StreamRecord, now_s, on_tokens) -> dict | Non
             return msg
     return None
 
-
-def _set_token_count(record: StreamRecord, num_tokens: int, time_s: float) -> None:
-    """Make the record hold exactly num_tokens, trimming the last chunks or adding one."""
-    excess = record.num_tokens - num_tokens
-    while excess > 0 and record.chunk_tokens:
-        taken = min(excess, record.chunk_tokens[-1])
-        record.chunk_tokens[-1] -= taken
-        excess -= taken
-        if record.chunk_tokens[-1] == 0:
-            record.chunk_tokens.pop()
-            record.chunk_times_s.pop()
-    if excess < 0:
-        record.add_chunk(time_s, -excess)

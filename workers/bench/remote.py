@@ -236,10 +236,12 @@ class MlxLmTarget:
                     finish_reason = choice.get("finish_reason") or finish_reason
         finally:
             conn.close()
-        # Tokens whose text was held back (partial UTF-8) are not events of their own.
+        # Tokens whose text was held back (partial UTF-8) are not events of their own; the usage
+        # count includes the EOS token of a "stop", which gmlx and llama-server do not output.
         num_tokens = usage.get("completion_tokens", num_counted) if usage else num_counted
-        if num_tokens > num_counted and record.chunk_tokens:
-            record.chunk_tokens[-1] += num_tokens - num_counted
+        num_tokens -= bool(usage) and finish_reason == "stop"
+        if record.chunk_tokens:
+            record.set_num_tokens(num_tokens, record.chunk_times_s[-1])
         record.prompt_tokens = usage.get("prompt_tokens") if usage else None
         record.finish(now_s(), finish_reason or "stop")
 
