@@ -132,7 +132,7 @@ class LlamaServerTarget:
             conn.close()
         if final is None:
             raise RuntimeError("the stream ended without a final event")
-        # tokens_predicted counts the end-of-generation token; gmlx and mlx-lm do not output it.
+        # tokens_predicted counts the end-of-generation token; no other target counts it.
         num_tokens = final.get("tokens_predicted", record.num_tokens) - (final.get("stop_type") == "eos")
         record.set_num_tokens(num_tokens, now_s())
         record.prompt_tokens = final.get("tokens_evaluated")
