@@ -124,6 +124,7 @@ def _smollm2_or_skip():
         pytest.skip(str(exc))
 
 
+@pytest.mark.slow  # ~30 s on a busy 2-core box, most of it llama-server loading
 def test_llama_server_target_streams_the_workload_on_smollm2():
     source = _smollm2_or_skip()
     options = WorkloadOptions(kind="closed", num_requests=3, concurrency=2, prompt_tokens="uniform:8,24",
