@@ -279,7 +279,7 @@ def make_section(all_results: dict, args, wall_s: float) -> str:
                 f"Workload: {report.workload_line(res)}. Ratios (`x base`) are to **{res['baseline']}**. "
                 f"Wall {res['suite_wall_s']:.0f} s; load average {res['machine']['load_average_1m_at_start']:.1f} "
                 f"at its start.", "",
-                report.results_table(res), ""]
+                report.results_table(res), "", *report.formats_lines(res), ""]
         if res.get("model") and res["model"] != first.get("model"):
             out[-1:] = ["", f"Model for this benchmark: `{_shown_path(res['model']['path'])}` (weights sha1 "
                             f"{res['model']['weights_sha1']}).", ""]

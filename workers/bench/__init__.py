@@ -1,4 +1,4 @@
-"""Load generator and benchmark suite: the same loads against gmlx and mlx_lm.server.
+"""Load generator and benchmark suite: the same loads against gmlx, mlx_lm.server and llama-server.
 
     from workers.bench import WorkloadOptions, parse_target, run_benchmark
     results = run_benchmark(WorkloadOptions(kind="closed", concurrency=8),

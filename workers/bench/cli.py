@@ -39,9 +39,12 @@ def _parse_levels(ctx, param, value):
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", "targets", multiple=True, default=("engine",), show_default=True,
-              help="KIND[:key=value,...]; KIND is engine, server or mlx-lm; keys: drafter, model, preempt, "
-                   "resume, width_cap, num_draft_tokens, address, blas, label. Repeat to compare side by side.")
-@click.option("--model", default=None, help="Model folder for every target (default: the built-in model).")
+              help="KIND[:key=value,...]; KIND is engine, server, mlx-lm or llama-server; keys: drafter, model, "
+                   "preempt, resume, width_cap, num_draft_tokens, address, blas, format (mlx-lm: auto|float32|"
+                   "quantized), gguf, np, ctx (llama-server: the GGUF, slots, context per slot), label. Repeat "
+                   "to compare side by side.")
+@click.option("--model", default=None,
+              help="Model for every target: a folder, a .gguf file or smollm2 (default: the built-in model).")
 @click.option("--drafter", default=None, help="Drafter for targets that name none: none|mtp|draft[:PATH]|ngram.")
 @click.option("--preempt/--no-preempt", default=None, help="GMLX_MTP_PREEMPT for gmlx targets that name none.")
 @click.option("--resume/--no-resume", default=None, help="GMLX_MTP_RESUME for gmlx targets that name none.")
@@ -87,8 +90,25 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
           num_requests, rate, burst_size, burst_interval_s, long_max_tokens, arrival_delay_s, arrival_interval_s,
           prompt_source, prompt_tokens, max_tokens, temperature, repeats, warmup, seed, timeout_s, baseline,
           out, plots_dir, as_json, quiet) -> None:
-    """Benchmark gmlx (in-process engine or server) and mlx_lm.server under the same load."""
-    from workers.bench.report import results_table
+    """Benchmark gmlx (in-process engine or server), mlx_lm.server and llama.cpp's llama-server under the
+    same load.
+
+    \b
+    Targets (--target KIND[:key=value,...], repeat to compare side by side in one run):
+      engine        the in-process engine    } with no drafter= key (and no --drafter),
+      server        a `gmlx serve` process   } gmlx's own default drafter
+      mlx-lm        mlx_lm.server on loopback; a GGUF is converted once (gmlx convert) and copied
+                    in the format gmlx computes in here (format=auto|float32|quantized)
+      llama-server  llama.cpp's llama-server -np N (build: bash scripts/build_llama_cpp.sh;
+                    LLAMA_CPP_CACHE overrides its folder) on the model's GGUF or gguf=PATH,
+                    np=N (default: the concurrency), ctx=N tokens per slot, threads = the cores
+
+    \b
+    For example, SmolLM2 on three servers with 8 clients:
+      gmlx bench --model smollm2 --concurrency 8 --num-requests 24 --max-tokens 64 \\
+        --target server:drafter=none --target mlx-lm:drafter=none --target llama-server
+    """
+    from workers.bench.report import formats_lines, results_table
     from workers.bench.runner import run_benchmark
     from workers.bench.targets import parse_target
 
@@ -97,8 +117,8 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
     specs = []
     for text in targets:
         kind = text.partition(":")[0]
-        own = {k: v for k, v in defaults.items()
-               if kind != "mlx-lm" or k in ("model", "drafter", "num_draft_tokens")}
+        own_keys = {"mlx-lm": ("model", "drafter", "num_draft_tokens"), "llama-server": ("model",)}.get(kind)
+        own = {k: v for k, v in defaults.items() if own_keys is None or k in own_keys}
         try:
             specs.append(parse_target(text, own))
         except ValueError as exc:
@@ -131,6 +151,7 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
         click.echo(json.dumps(results))
     else:
         click.echo(results_table(results))
+        click.echo("\n".join(formats_lines(results)))
 
 
 def _first_arg_index() -> int:

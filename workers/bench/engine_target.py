@@ -30,14 +30,18 @@ class EngineTarget:
         ensure_fast_blas()  # before the engine imports mlx
         from gmlx.engine import Engine
 
-        self.engine = Engine.load(EngineConfig(model_path=self.spec.model, drafter=self.spec.drafter,
+        drafter = {"drafter": self.spec.drafter} if self.spec.drafter else {}  # none given: the engine's default
+        self.engine = Engine.load(EngineConfig(model_path=self.spec.model, **drafter,
                                                num_draft_tokens=self.spec.num_draft_tokens))
 
     def stop(self) -> None:
         self.engine = None
 
     def describe(self) -> dict:
-        return {**self.spec.describe(), "model_path": self.engine.model_path if self.engine else None}
+        from workers.bench.model_files import gmlx_format
+
+        return {**self.spec.describe(), "model_path": self.engine.model_path if self.engine else None,
+                "format": gmlx_format(self.spec.model)}
 
     def run(self, workload: Workload, progress, timeout_s: float) -> dict:
         """Run the workload; returns records, counter delta and transition events."""

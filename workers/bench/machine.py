@@ -23,10 +23,13 @@ def cpu_model() -> str:
 
 def blas_notes() -> dict | str:
     try:
-        from gmlx.platform.blas import describe_blas
+        from gmlx.platform.blas import describe_blas, ensure_fast_blas
     except ImportError:
         return "describe_blas() not available in this checkout"
     try:
+        # describe_blas imports mlx: the fast BLAS must be in place first, or this process
+        # (an in-process engine target, the model copies) runs on mlx's bundled one.
+        ensure_fast_blas()
         return describe_blas()
     except Exception as exc:  # a diagnostic must not sink the benchmark
         return f"describe_blas() failed: {type(exc).__name__}: {exc}"

@@ -39,6 +39,20 @@ class StreamRecord:
             self.chunk_times_s.append(time_s)
             self.chunk_tokens.append(num_tokens)
 
+    def set_num_tokens(self, num_tokens: int, time_s: float) -> None:
+        """Make the record hold exactly num_tokens: trim the last chunks, or add the rest at time_s
+        (a server's final count, where its events carried an end token or held some back)."""
+        excess = self.num_tokens - num_tokens
+        while excess > 0 and self.chunk_tokens:
+            taken = min(excess, self.chunk_tokens[-1])
+            self.chunk_tokens[-1] -= taken
+            excess -= taken
+            if self.chunk_tokens[-1] == 0:
+                self.chunk_tokens.pop()
+                self.chunk_times_s.pop()
+        if excess < 0:
+            self.add_chunk(time_s, -excess)
+
     def finish(self, time_s: float, reason: str | None, error: str | None = None) -> None:
         self.finish_s, self.finish_reason, self.error = time_s, reason, error
 

@@ -13,19 +13,17 @@ import functools
 import http.client
 import json
 import logging
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from workers.bench import servers
+from workers.bench import model_files, servers
 from workers.bench.metrics import StreamRecord, counter_delta
 from workers.bench.targets import TargetSpec
 from workers.bench.workload import RequestSpec, Workload
 
 logger = logging.getLogger(__name__)
 
-FLOAT32_CACHE = Path(tempfile.gettempdir()) / "gmlx-bench-float32"
 COALESCE_S = 0.001  # mlx-lm events closer than this belong to one decode round
 
 
@@ -77,6 +75,26 @@ async def drive(workload: Workload, send_one, progress, timeout_s: float) -> lis
     return records
 
 
+def run_threaded(workload: Workload, stream, progress, timeout_s: float) -> list[StreamRecord]:
+    """Play the workload with blocking HTTP streams on worker threads (one per client in flight).
+
+    stream(spec, record, now_s, on_tokens) streams one request into its record.
+    """
+    async def play() -> list[StreamRecord]:
+        loop = asyncio.get_running_loop()
+        num_threads = min(256, workload.concurrency or len(workload.requests))
+        with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="bench-http") as pool:
+            def on_tokens(n: int) -> None:
+                loop.call_soon_threadsafe(functools.partial(progress.update, tokens=n))
+
+            async def send_one(spec: RequestSpec, record: StreamRecord, now_s) -> None:
+                await loop.run_in_executor(pool, stream, spec, record, now_s, on_tokens)
+
+            return await drive(workload, send_one, progress, timeout_s)
+
+    return asyncio.run(play())
+
+
 class GmlxServerTarget:
     def __init__(self, spec: TargetSpec, workdir: Path):
         self.spec = spec
@@ -101,7 +119,7 @@ class GmlxServerTarget:
             self.server.stop()
 
     def describe(self) -> dict:
-        return {**self.spec.describe(), "address": self.address,
+        return {**self.spec.describe(), "address": self.address, "format": model_files.gmlx_format(self.spec.model),
                 "command": None if self.server is None else "gmlx " + _quote(self.server.argv[3:])}
 
     def run(self, workload: Workload, progress, timeout_s: float) -> dict:
@@ -142,15 +160,16 @@ class MlxLmTarget:
         self.server: servers.ServerProcess | None = None
         self.model_dir: Path | None = None
         self.draft_dir: Path | None = None
+        self.formats: list[str] = []  # the target's, then the draft model's
 
     def start(self) -> None:
-        from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_TARGET_DIR
+        from gmlx.config import BUILTIN_DRAFT_DIR
         from gmlx.drafters import parse_drafter
 
         kind, draft_path = parse_drafter(self.spec.drafter)
-        self.model_dir = servers.float32_copy(Path(self.spec.model or BUILTIN_TARGET_DIR), FLOAT32_CACHE)
+        self.model_dir = self._copy(model_files.mlx_lm_folder(self.spec.model))
         if kind == "draft":
-            self.draft_dir = servers.float32_copy(Path(draft_path or BUILTIN_DRAFT_DIR), FLOAT32_CACHE)
+            self.draft_dir = self._copy(model_files.mlx_lm_folder(draft_path or str(BUILTIN_DRAFT_DIR)))
         self.port = servers.free_port()
         argv = servers.mlx_lm_server_argv(self.port, self.model_dir, self.draft_dir, self.spec.num_draft_tokens,
                                           self.spec.blas)
@@ -163,26 +182,29 @@ class MlxLmTarget:
         if self.server is not None:
             self.server.stop()
 
+    def _copy(self, folder: Path) -> Path:
+        """The folder in the format asked for (auto: the one gmlx computes in here), float32 floats."""
+        compute_format = self.spec.format
+        if compute_format == "auto":
+            compute_format = model_files.gmlx_compute_format(folder)
+        elif compute_format == model_files.QUANTIZED and not model_files.is_quantized_folder(folder):
+            raise ValueError(f"target {self.spec.name!r}: format=quantized, but {folder} is not quantized")
+        self.formats.append(compute_format if model_files.is_quantized_folder(folder) else model_files.FLOAT32)
+        return model_files.mlx_lm_copy(folder, compute_format)
+
     def describe(self) -> dict:
-        return {**self.spec.describe(), "port": self.port, "float32_model": str(self.model_dir),
-                "float32_draft": None if self.draft_dir is None else str(self.draft_dir),
+        formats = {model_files.FLOAT32: "float32 copy", model_files.QUANTIZED: "quantized copy, float32 scales"}
+        return {**self.spec.describe(), "port": self.port, "model_copy": str(self.model_dir),
+                "draft_copy": None if self.draft_dir is None else str(self.draft_dir),
+                "format": f"{formats[self.formats[0]]} (MLX ops)" if self.formats else None,
+                "draft_format": formats[self.formats[1]] if len(self.formats) > 1 else None,
                 "command": None if self.server is None else "python " + _quote(self.server.argv[1:])}
 
     def run(self, workload: Workload, progress, timeout_s: float) -> dict:
-        return asyncio.run(self._run(workload, progress, timeout_s))
+        def stream(spec: RequestSpec, record: StreamRecord, now_s, on_tokens) -> None:
+            self._stream(spec, record, now_s, workload.temperature, timeout_s, on_tokens)
 
-    async def _run(self, workload: Workload, progress, timeout_s: float) -> dict:
-        loop = asyncio.get_running_loop()
-        num_threads = min(256, workload.concurrency or len(workload.requests))
-        with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="bench-http") as pool:
-            def on_tokens(n: int) -> None:
-                loop.call_soon_threadsafe(functools.partial(progress.update, tokens=n))
-
-            async def send_one(spec: RequestSpec, record: StreamRecord, now_s) -> None:
-                await loop.run_in_executor(pool, self._stream, spec, record, now_s, workload.temperature,
-                                           timeout_s, on_tokens)
-
-            records = await drive(workload, send_one, progress, timeout_s)
+        records = run_threaded(workload, stream, progress, timeout_s)
         return {"records": records, "counters": {}, "events": [], "server_stats": {}}
 
     def _stream(self, spec: RequestSpec, record: StreamRecord, now_s, temperature: float, timeout_s: float,
@@ -214,10 +236,12 @@ class MlxLmTarget:
                     finish_reason = choice.get("finish_reason") or finish_reason
         finally:
             conn.close()
-        # Tokens whose text was held back (partial UTF-8) are not events of their own.
+        # Tokens whose text was held back (partial UTF-8) are not events of their own; the usage
+        # count includes the EOS token of a "stop", which gmlx and llama-server do not output.
         num_tokens = usage.get("completion_tokens", num_counted) if usage else num_counted
-        if num_tokens > num_counted and record.chunk_tokens:
-            record.chunk_tokens[-1] += num_tokens - num_counted
+        num_tokens -= bool(usage) and finish_reason == "stop"
+        if record.chunk_tokens:
+            record.set_num_tokens(num_tokens, record.chunk_times_s[-1])
         record.prompt_tokens = usage.get("prompt_tokens") if usage else None
         record.finish(now_s(), finish_reason or "stop")
 

@@ -80,3 +80,8 @@ def workload_line(results: dict) -> str:
         if w.get(key) is not None:
             parts.append(f"{key} {w[key]}")
     return ", ".join(parts)
+
+
+def formats_lines(results: dict) -> list[str]:
+    """One line per target saying the weights' format it computes in (where the target knows it)."""
+    return [f"- {t['name']}: {t['format']}" for t in results["targets"] if t.get("format")]

@@ -10,7 +10,6 @@ in the results too.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import statistics
@@ -19,6 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from workers.bench import model_files
 from workers.bench.machine import machine_notes
 from workers.bench.metrics import ratio, summarize
 from workers.bench.progress import Progress
@@ -41,15 +41,20 @@ COMPARED = {  # name -> (summary path); a ratio is this target's value over the 
 }
 
 
-def make_target(spec: TargetSpec, workdir):
+def make_target(spec: TargetSpec, workdir, max_concurrency: int = 8):
     """The runnable target for a spec; start() it before running workloads."""
     if spec.kind == "engine":
         from workers.bench.engine_target import EngineTarget
 
         return EngineTarget(spec)
+    if spec.kind == "llama-server":
+        from workers.bench.llama_server import LlamaServerTarget
+
+        return LlamaServerTarget(spec, workdir, default_num_slots=max_concurrency)
     from workers.bench.remote import GmlxServerTarget, MlxLmTarget
 
     return GmlxServerTarget(spec, workdir) if spec.kind == "server" else MlxLmTarget(spec, workdir)
+
 
 def wait_for_model(folder: Path, timeout_s: float = 1800.0) -> None:
     """The built-in model may still be training: poll until its folder is complete."""
@@ -62,20 +67,10 @@ def wait_for_model(folder: Path, timeout_s: float = 1800.0) -> None:
         time.sleep(15.0)
 
 
-def model_identity(folder: Path) -> dict:
-    """Which weights were measured: the folder and a digest of its weight files."""
-    digest = hashlib.sha1()
-    for path in sorted(folder.glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return {"path": str(folder), "weights_sha1": digest.hexdigest()[:12]}
-
-
 def run_benchmark(options: WorkloadOptions, specs: list[TargetSpec], *, concurrencies: list[int] | None = None,
                   repeats: int = 1, is_warmup: bool = True, timeout_s: float = 600.0, is_progress: bool = True,
                   baseline: str | None = None, workdir: Path | None = None, command: str | None = None) -> dict:
     """Run the workload against every target; returns the results document (JSON-ready)."""
-    from gmlx.config import BUILTIN_TARGET_DIR
-
     if not specs:
         raise ValueError("targets: give at least one")
     names = [s.name for s in specs]
@@ -83,15 +78,18 @@ def run_benchmark(options: WorkloadOptions, specs: list[TargetSpec], *, concurre
         raise ValueError(f"targets: two have the same name {names}; give one a label=")
     if baseline is not None and baseline not in names:
         raise ValueError(f"baseline {baseline!r}: not one of the targets {names}")
-    model_dir = Path(specs[0].model) if specs[0].model else BUILTIN_TARGET_DIR
-    wait_for_model(model_dir)
-    tokenizer_file = model_dir / "tokenizer.json"
+    source = model_files.model_source(specs[0].model)
+    if not model_files.is_gguf(source):
+        wait_for_model(source)
+    # A GGUF's tokenizer.json comes from its converted folder: the tokenizer gmlx builds from it.
+    tokenizer_file = model_files.mlx_lm_folder(specs[0].model) / "tokenizer.json"
     levels = (concurrencies or [options.concurrency]) if options.kind == "closed" else [None]
     is_own_workdir = workdir is None  # server logs live here; kept only when something failed
     workdir = Path(workdir or tempfile.mkdtemp(prefix="gmlx-bench-"))
-    targets = [make_target(s, workdir) for s in specs]
+    max_concurrency = max(levels) if levels[0] is not None else options.concurrency
+    targets = [make_target(s, workdir, max_concurrency) for s in specs]
     started, runs, workload_notes = [], [], None
-    notes, identity = machine_notes(), model_identity(model_dir)
+    notes, identity = machine_notes(), model_files.model_identity(source)
     started_unix_s, start_s = time.time(), time.perf_counter()
     try:
         for target in targets:

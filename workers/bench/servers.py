@@ -6,12 +6,9 @@ fill up); readiness is a line in that log (`gmlx serve`) or an HTTP health check
 
 from __future__ import annotations
 
-import hashlib
 import http.client
-import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -120,9 +117,10 @@ def make_health_check(port: int):
     return is_ready
 
 
-def gmlx_serve_argv(address: str, drafter: str, model: str | None) -> list[str]:
-    argv = [sys.executable, "-c", "from workers.cli import main; main()", "serve", "--address", address,
-            "--drafter", drafter]
+def gmlx_serve_argv(address: str, drafter: str | None, model: str | None) -> list[str]:
+    """`gmlx serve` on `address`; drafter None leaves gmlx serve its own default."""
+    argv = [sys.executable, "-c", "from workers.cli import main; main()", "serve", "--address", address]
+    argv += ["--drafter", drafter] if drafter else []
     return argv + (["--model", str(model)] if model else [])
 
 
@@ -136,44 +134,3 @@ def mlx_lm_server_argv(port: int, model: Path, draft: Path | None, num_draft_tok
     if draft is not None:
         argv += ["--draft-model", str(draft), "--num-draft-tokens", str(num_draft_tokens or 3)]
     return argv
-
-
-def float32_copy(src: Path, cache_root: Path) -> Path:
-    """A copy of an mlx-lm model folder with float32 weights (same values).
-
-    mlx_lm.server keeps weights in their stored dtype; gmlx casts to float32 on CPU. The
-    copy makes both run the same arithmetic. Cached by the source's path and weight mtimes.
-    """
-    from gmlx.platform.blas import ensure_fast_blas
-
-    ensure_fast_blas()
-    import mlx.core as mx
-
-    src = Path(src).resolve()
-    weight_files = sorted(src.glob("*.safetensors"))
-    if not weight_files:
-        raise ValueError(f"model {src}: no .safetensors files to copy")
-    key = hashlib.sha1("|".join(f"{f}:{f.stat().st_mtime_ns}" for f in weight_files).encode()).hexdigest()[:12]
-    dest = cache_root / f"{src.name}-float32-{key}"
-    if (dest / "config.json").exists():
-        return dest
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for path in src.iterdir():
-        if path.is_file() and path.suffix != ".safetensors":
-            shutil.copy2(path, tmp / path.name)
-    for path in weight_files:
-        weights = mx.load(str(path))
-        mx.save_safetensors(str(tmp / path.name), {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating)
-                                                   else v for k, v in weights.items()}, metadata={"format": "mlx"})
-    config_path = tmp / "config.json"
-    if config_path.exists():
-        config = json.loads(config_path.read_text())
-        config["torch_dtype"] = "float32"
-        config_path.write_text(json.dumps(config, indent=2))
-    if dest.exists():
-        shutil.rmtree(tmp)
-    else:
-        tmp.rename(dest)
-    return dest

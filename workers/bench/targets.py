@@ -3,27 +3,36 @@
   engine   the in-process Engine, stepped by the load generator's own loop
   server   a `gmlx serve` process on a loopback address, through ipc.client.AsyncClient
   mlx-lm   `mlx_lm.server` (OpenAI HTTP on loopback), streaming with plain http.client
+  llama-server  llama.cpp's `llama-server -np N` on a GGUF (scripts/build_llama_cpp.sh builds it),
+           streaming token-id prompts to /completion with plain http.client
 
-Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder), preempt (0|1), resume (0|1),
-width_cap (N), num_draft_tokens (N), address (server: use one already running),
-blas (mlx-lm: same|bundled), label. For example
+Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
+resume (0|1), width_cap (N), num_draft_tokens (N), address (server: use one already running),
+blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
+gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
+concurrency), ctx (llama-server: context tokens per slot), label. For example
   server:drafter=mtp,preempt=0     mlx-lm:drafter=draft     engine:drafter=none,label=plain
+  llama-server:np=8,gguf=/tmp/SmolLM2-135M-Instruct.F32.gguf,label=llama.cpp-f32
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
-TARGET_KINDS = ("engine", "server", "mlx-lm")
+TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
 _BOOL_KEYS = ("preempt", "resume")
-_INT_KEYS = ("width_cap", "num_draft_tokens")
-_STR_KEYS = ("drafter", "model", "address", "blas", "label")
+_INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
+_STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label")
+_KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
+MLX_LM_FORMATS = ("auto", "float32", "quantized")
+DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     kind: str
-    drafter: str = "none"
+    drafter: str | None = None  # None = gmlx's own default (engine, server); plain for mlx-lm
     model: str | None = None  # None = the built-in model
     preempt: bool | None = None  # None = the engine default (on)
     resume: bool | None = None
@@ -31,19 +40,29 @@ class TargetSpec:
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
+    format: str = "auto"  # mlx-lm only: the weights' compute format; auto = gmlx's choice here
+    gguf: str | None = None  # llama-server only: None = the model's GGUF
+    num_slots: int | None = None  # llama-server only (-np): None = the workload's concurrency
+    slot_context_tokens: int = DEFAULT_SLOT_CONTEXT_TOKENS  # llama-server only: -c is this x slots
     label: str | None = None
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
-        parts = [self.kind, f"drafter={self.drafter}"]
+        if self.kind == "llama-server":
+            parts = [self.kind] + ([f"np={self.num_slots}"] if self.num_slots is not None else [])
+            return " ".join(parts + ([f"gguf={Path(self.gguf).name}"] if self.gguf else []))
+        shown_drafter = self.drafter or ("none" if self.kind == "mlx-lm" else "default")
+        parts = [self.kind, f"drafter={shown_drafter}"]
         for key in ("preempt", "resume", "width_cap", "num_draft_tokens"):
             value = getattr(self, key)
             if value is not None:
                 parts.append(f"{key}={int(value)}")
         if self.kind == "mlx-lm" and self.blas != "same":
             parts.append(f"blas={self.blas}")
+        if self.kind == "mlx-lm" and self.format != "auto":
+            parts.append(f"format={self.format}")
         return " ".join(parts)
 
     def gmlx_env(self) -> dict[str, str]:
@@ -70,6 +89,7 @@ def parse_target(text: str, defaults: dict | None = None) -> TargetSpec:
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
+        key = _KEY_ALIASES.get(key, key)
         if not sep:
             raise ValueError(f"target {text!r}: {item!r} is not key=value")
         fields[key] = _parse_value(text, key, value.strip())
@@ -103,7 +123,30 @@ def _check(text: str, spec: TargetSpec) -> None:
             raise ValueError(f"target {text!r}: preempt, resume and width_cap are gmlx knobs")
         if spec.blas not in ("same", "bundled"):
             raise ValueError(f"target {text!r}: blas must be same or bundled")
+    if spec.kind != "mlx-lm" and (spec.blas != "same" or spec.format != "auto"):
+        raise ValueError(f"target {text!r}: blas and format apply to mlx-lm targets only")
+    if spec.format not in MLX_LM_FORMATS:
+        raise ValueError(f"target {text!r}: format must be one of {', '.join(MLX_LM_FORMATS)}")
+    _check_llama_server(text, spec, kind)
     if spec.address is not None and spec.kind != "server":
         raise ValueError(f"target {text!r}: address applies to server targets only")
     if spec.address is not None and not spec.address.startswith(("tcp://127.", "tcp://localhost", "ipc://")):
         raise ValueError(f"target {text!r}: only loopback addresses are allowed")
+
+
+def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
+    is_llama = spec.kind == "llama-server"
+    if not is_llama and (spec.gguf is not None or spec.num_slots is not None
+                         or spec.slot_context_tokens != DEFAULT_SLOT_CONTEXT_TOKENS):
+        raise ValueError(f"target {text!r}: gguf, np and ctx apply to llama-server targets only")
+    if not is_llama:
+        return
+    if drafter_kind != "none":
+        raise ValueError(f"target {text!r}: llama-server runs without a drafter here (drafter=none)")
+    if spec.preempt is not None or spec.resume is not None or spec.width_cap is not None \
+            or spec.num_draft_tokens is not None:
+        raise ValueError(f"target {text!r}: preempt, resume, width_cap and num_draft_tokens are gmlx knobs")
+    if spec.gguf is not None and not spec.gguf.lower().endswith(".gguf"):
+        raise ValueError(f"target {text!r}: gguf must name a .gguf file, got {spec.gguf!r}")
+    if spec.num_slots == 0 or spec.slot_context_tokens == 0:
+        raise ValueError(f"target {text!r}: np and ctx must be >= 1")
