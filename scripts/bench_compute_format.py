@@ -8,7 +8,8 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
 
     python3 scripts/bench_compute_format.py                      # smollm2, 64 tokens, 3 repeats
     python3 scripts/bench_compute_format.py --model FILE.gguf --tokens 128 --repeats 5 --json
-    python3 scripts/bench_compute_format.py --llama-bench .cache/llama.cpp/bin/llama-bench
+    python3 scripts/bench_compute_format.py --llama-bench .cache/llama.cpp/bin/llama-bench \
+        --llama-gguf F32=.cache/llama.cpp/models/SmolLM2-135M-Instruct.F32.gguf
 """
 
 from __future__ import annotations
@@ -83,9 +84,20 @@ def main() -> None:
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baseline")
     parser.add_argument("--llama-bench", default=None,
                         help="path of llama.cpp's llama-bench (scripts/build_llama_cpp.sh) to add as a row")
+    parser.add_argument("--llama-gguf", action="append", default=[], metavar="LABEL=PATH",
+                        help="another GGUF for llama-bench (e.g. F32=.cache/llama.cpp/models/X.F32.gguf, made "
+                             "with llama-quantize --allow-requantize); repeatable")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     source = resolve_model_path(args.model)
+    llama_models = {}
+    if args.llama_bench:
+        llama_models["llama.cpp"] = source
+        for item in args.llama_gguf:
+            label, sep, path = item.partition("=")
+            if not sep or not Path(path).is_file():
+                parser.error(f"--llama-gguf {item!r}: expected LABEL=PATH of an existing file")
+            llama_models[f"llama.cpp {label}"] = Path(path)
 
     engines = {}
     for compute_format in ("float32", "quantized"):
@@ -98,7 +110,7 @@ def main() -> None:
         scratch = tempfile.TemporaryDirectory(prefix="gmlx-bench-format-")
         baseline = mlx_lm.load(str(write_mlx_lm_folder(source, scratch.name)))
 
-    names = list(engines) + (["mlx-lm 4-bit"] if baseline else []) + (["llama.cpp"] if args.llama_bench else [])
+    names = list(engines) + (["mlx-lm 4-bit"] if baseline else []) + list(llama_models)
     results = {name: [] for name in names}
     for name, engine in engines.items():  # warm-up: compile, touch every weight once
         gmlx_tok_per_s(engine, 16)
@@ -107,8 +119,8 @@ def main() -> None:
             results[name].append(gmlx_tok_per_s(engine, args.tokens))
         if baseline:
             results["mlx-lm 4-bit"].append(mlx_lm_tok_per_s(*baseline, args.tokens))
-        if args.llama_bench:
-            results["llama.cpp"].append(llama_bench_tok_per_s(args.llama_bench, source, args.tokens))
+        for name, path in llama_models.items():
+            results[name].append(llama_bench_tok_per_s(args.llama_bench, path, args.tokens))
 
     medians = {name: statistics.median(values) for name, values in results.items()}
     reference = medians["gmlx float32"]
@@ -118,7 +130,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report))
         return
-    print(f"{source.name}, width 1, {args.tokens} tokens, median of {args.repeats}")
+    print(f"{source.name}, width 1, {args.tokens} tokens, median of {args.repeats}, "
+          f"OpenBLAS threads {os.environ.get('OPENBLAS_NUM_THREADS')}, llama-bench -t {os.cpu_count()}")
     for name, value in medians.items():
         print(f"  {name:16s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32)")
 
