@@ -1,5 +1,6 @@
 """The gmlx command as a user runs it: a real subprocess."""
 
+import os
 import json
 import subprocess
 import sys
@@ -38,3 +39,17 @@ def test_bad_options_exit_nonzero_naming_the_option(args, name):
     done = run_gmlx("generate", "x", *args)
     assert done.returncode != 0
     assert name in done.stderr
+
+
+def test_doctor_shows_the_calibration_table(tmp_path):
+    env = {**os.environ, "GMLX_CALIBRATE": "auto", "GMLX_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "ngram", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    table = json.loads(done.stdout)["calibration"]
+    assert table["widths"][0] == 1 and len(table["best_depth"]) == len(table["widths"])
+    assert all(len(row) == len(table["verify_ms"][0]) >= 2 for row in table["verify_ms"])
+    text = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "ngram"],
+                          capture_output=True, text=True, timeout=300, env=env)  # the cached table now
+    assert text.returncode == 0, text.stderr
+    assert "| width | verify 1 pos ms" in text.stdout and "speculate up to width" in text.stdout

@@ -116,13 +116,41 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
-def doctor(as_json) -> None:
-    """Report the CPU, the BLAS core chosen and why, the interposer, the MLX device and the CPU kernels."""
+@click.option("--model", default=None, help="with --drafter: show this model's speculation calibration")
+@click.option("--drafter", default="none", help="mtp | draft[:PATH] | ngram: show the calibration table "
+              "(measured now if it is not cached; GMLX_CALIBRATE=measure re-measures)")
+def doctor(as_json, model, drafter) -> None:
+    """Report the CPU, the BLAS core chosen and why, the interposer, the MLX device and the CPU kernels;
+    with --drafter, the calibration that sets draft depth and width cap."""
     ensure_fast_blas()
     from gmlx.platform.doctor import describe_platform, format_report
 
     report = describe_platform()
-    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    calibration = None
+    if drafter != "none":
+        from gmlx.config import EngineConfig
+        from gmlx.drafters import make_drafter
+        from gmlx.models.loader import load_model
+        from gmlx.spec.calibration import format_table, load_or_measure
+        from gmlx.spec.depth import PRIOR_ACCEPTANCE
+
+        try:
+            target = load_model(model)
+            drafter_obj = make_drafter(drafter, target)
+        except (ValueError, OSError) as exc:
+            _fail(exc)
+        max_rows = EngineConfig().max_num_rows
+        table = load_or_measure(target, drafter_obj, max_rows)
+        if table is None:
+            calibration = "calibration off (GMLX_CALIBRATE=off): the drafter's fixed depth and width cap apply"
+        else:
+            report["calibration"] = table.describe(PRIOR_ACCEPTANCE, max_rows)
+            calibration = (f"calibration: {target.path} + {drafter} drafter\n"
+                           + format_table(table, PRIOR_ACCEPTANCE, max_rows))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(format_report(report) + (f"\n{calibration}" if calibration else ""))
 
 
 @main.command()

@@ -93,6 +93,21 @@ class CostTable:
         }
 
 
+def format_table(table: CostTable, acceptance: float, max_rows: int) -> str:
+    """The table as `gmlx doctor` prints it: per width, the verify and draft costs and the depth
+    chosen at this acceptance, then the width cap that follows."""
+    d = table.describe(acceptance, max_rows)
+    positions = " | ".join(f"verify {p} pos ms" for p in range(1, table.k_max + 2))
+    lines = [f"| width | {positions} | draft step ms | best depth |",
+             "|---" * (table.k_max + 4) + "|"]
+    for width, verify_ms, draft_ms, depth in zip(d["widths"], d["verify_ms"], d["draft_ms"], d["best_depth"]):
+        lines.append(f"| {width} | " + " | ".join(f"{ms:.2f}" for ms in verify_ms) + f" | {draft_ms:.2f} | {depth} |")
+    cap = d["width_cap"]
+    lines.append(f"at acceptance {d['acceptance']:.2f}: speculate up to width "
+                 f"{cap if cap else f'{max_rows} (every width)'}")
+    return "\n".join(lines)
+
+
 def load_or_measure(target, drafter, max_rows: int) -> CostTable | None:
     """The cached table for this model, drafter and machine, measured now if there is none."""
     mode = config.calibrate_mode()
