@@ -1,10 +1,12 @@
 """gmlx's CPU decode kernels (native/mlx_cpu_kernels), an MLX extension built at install.
 
-The extension adds one MLX op, a product with affine-quantized weights (4 or 8 bits,
+The extension adds MLX ops: a product with affine-quantized weights (4 or 8 bits,
 group size 32/64/128) built for decode's few rows, that reads the weights once for all rows, runs
 AVX-512 or AVX2 chosen at run time and spreads output columns over a thread pool. Each
 output element is summed in a fixed order, so a row's result does not depend on how
 many rows or threads share the call (what keeps speculative verification lossless).
+Beside it, the decode step's small ops as one graph node each (RoPE with per-row
+offsets), under the same row-independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
@@ -78,6 +80,11 @@ def can_run(bits: int, group_size: int, mode: str = "affine") -> bool:
 def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
     """x @ dequantize(w, scales, biases, group_size, bits).T, x float32 (..., K); float32 out."""
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits)
+
+
+def rope(x, dims: int, traditional: bool, base: float, scale: float, offset):
+    """mx.fast.rope for float32 x (B, ..., T, D); offset an int32 array, scalar or one per row b."""
+    return extension().rope(x, dims, traditional, base, scale, offset)
 
 
 def read_bandwidth_gbs(num_bytes: int = 512 << 20, num_passes: int = 5) -> float:
