@@ -6,7 +6,7 @@ AVX-512 or AVX2 chosen at run time and spreads output columns over a thread pool
 output element is summed in a fixed order, so a row's result does not depend on how
 many rows or threads share the call (what keeps speculative verification lossless).
 Beside it, the decode step's small ops as one graph node each (RoPE with per-row
-offsets), under the same row-independence.
+offsets, RMSNorm), under the same row-independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
@@ -80,6 +80,11 @@ def can_run(bits: int, group_size: int, mode: str = "affine") -> bool:
 def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
     """x @ dequantize(w, scales, biases, group_size, bits).T, x float32 (..., K); float32 out."""
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits)
+
+
+def rms_norm(x, weight, eps: float):
+    """mx.fast.rms_norm for float32 x (..., D) and weight (D,)."""
+    return extension().rms_norm(x, weight, eps)
 
 
 def rope(x, dims: int, traditional: bool, base: float, scale: float, offset):
