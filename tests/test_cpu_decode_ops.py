@@ -1,5 +1,7 @@
-"""gmlx's CPU decode ops (RoPE, RMSNorm): each row's bits independent of the rows and
-threads sharing the call, close to mx.fast's ops, swapped in at load on quantized models."""
+"""gmlx's CPU decode ops (RoPE, RMSNorm, ragged attention): each row's bits independent of
+the rows and threads sharing the call (and, for attention, of how many positions a call
+holds), close to mx.fast's ops, swapped in at load on quantized models; whole-engine
+identity with them on (speculative and batched equal plain) on a quantized qwen3."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -10,7 +12,14 @@ from hypothesis import strategies as st
 from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
+from gmlx.cache.ragged import make_ragged_cache
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.platform.cpu_attention import _SWAPS as ATTENTION_SWAPS
+from gmlx.platform.cpu_attention import _reference as mlx_ragged_attention
 from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, use_cpu_decode_ops
+from schedules import SoloReference, check_schedule, make_schedule
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.is_built(), reason=f"gmlx CPU kernels not built: {cpu_kernels.status()['reason']}")
@@ -167,15 +176,143 @@ def test_rms_norm_refuses_a_mismatched_weight():
         cpu_kernels.rms_norm(mx.zeros((2, 8)), mx.ones((7,)), 1e-5)
 
 
+# ------------------------------------------------------------------------------ attention
+
+attention_cases = st.fixed_dictionaries({
+    "num_rows": st.integers(1, 16),
+    "heads": st.sampled_from([(1, 1), (4, 4), (4, 2), (9, 3), (8, 1)]),  # (Hq, Hkv): MHA and GQA
+    "num_new": st.integers(1, 16),
+    "head_dim": st.sampled_from([16, 37, 64]),
+    "seed": st.integers(0, 2**16),
+})
+
+
+def attention_inputs(case):
+    key_q, key_k, key_v, key_offsets = mx.random.split(mx.random.key(case["seed"]), 4)
+    num_q_heads, num_kv_heads = case["heads"]
+    rows, new, dim = case["num_rows"], case["num_new"], case["head_dim"]
+    offsets = mx.random.randint(0, 80, (rows,), key=key_offsets).astype(mx.int32)  # ragged lengths
+    capacity = int(offsets.max().item()) + new + 3  # keys past a row's length are never seen
+    q = mx.random.normal((rows, num_q_heads, new, dim), key=key_q)  # (B, Hq, T, D)
+    keys = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_k)  # (B, Hkv, S, D)
+    values = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_v)
+    return q, keys, values, offsets, dim**-0.5
+
+
+@PROPERTY_SETTINGS
+@given(case=attention_cases)
+def test_attention_rows_are_independent_of_row_count_threads_and_verify_width(case, ext):
+    q, keys, values, offsets, scale = attention_inputs(case)
+    together = {}
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        together[num_threads] = cpu_kernels.ragged_attention(q, keys, values, offsets, scale)  # (B, T, Hq * D)
+        mx.eval(together[num_threads])
+    assert bitwise_equal(together[1], together[2])
+    assert mx.allclose(together[1], mlx_ragged_attention(q, keys, values, offsets, scale), atol=1e-5).item()
+    for row in {0, case["num_rows"] // 2, case["num_rows"] - 1}:
+        one = slice(row, row + 1)
+        alone = cpu_kernels.ragged_attention(q[one], keys[one], values[one], offsets[one], scale)
+        assert bitwise_equal(alone, together[1][one]), row
+        for t in {0, case["num_new"] - 1}:  # a verify's position t = a one-position step at offset + t
+            step = cpu_kernels.ragged_attention(q[one, :, t : t + 1], keys[one], values[one], offsets[one] + t, scale)
+            assert bitwise_equal(step, together[1][one, t : t + 1]), (row, t)
+
+
+def test_long_attention_spreads_over_threads_with_the_same_bits(ext):
+    case = {"num_rows": 2, "heads": (9, 3), "num_new": 200, "head_dim": 64, "seed": 11}
+    q, keys, values, offsets, scale = attention_inputs(case)  # prefill-sized: many pool chunks
+    results = []
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        results.append(cpu_kernels.ragged_attention(q, keys, values, offsets, scale))
+        mx.eval(results[-1])
+    assert bitwise_equal(*results)
+    assert mx.allclose(results[0], mlx_ragged_attention(q, keys, values, offsets, scale), atol=1e-5).item()
+
+
+def test_attention_refuses_mismatched_heads():
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        cpu_kernels.ragged_attention(mx.zeros((1, 3, 1, 8)), mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)),
+                                     mx.array([0], dtype=mx.int32), 1.0)
+
+
+def test_prompt_chunking_does_not_change_a_bit(tiny_quantized_target, code_prompts):
+    """With every op row- and width-independent, a prompt prefilled whole or in chunks of
+    any size leaves the same logits (what lets a time-budgeted prefill chunk freely)."""
+    target = tiny_quantized_target
+    prompt = mx.array([code_prompts[1][:40]])  # (1, T)
+    results = []
+    for chunks in ([40], [1, 16, 23], [17, 3, 20]):
+        cache = make_ragged_cache(target.num_layers)
+        start = 0
+        for size in chunks:
+            _, logits = target.forward(prompt[:, start : start + size], cache)
+            start += size
+        results.append(logits[:, -1])
+    assert bitwise_equal(results[0], results[1]) and bitwise_equal(results[0], results[2])
+
+
 # ------------------------------------------------------------------------------ loading
 
 
 def test_quantized_models_get_the_ops_and_float32_ones_keep_mlx_bits(tiny_quantized_target, tiny_llama_dir):
-    kinds = (KernelRoPE, KernelRMSNorm)
+    kinds = (KernelRoPE, KernelRMSNorm, *ATTENTION_SWAPS.values())
     swapped = [type(m) for m in tiny_quantized_target.model.modules() if type(m) in kinds]
     assert swapped.count(KernelRoPE) == 2 and swapped.count(KernelRMSNorm) == 2 * 2 + 1  # per layer; final norm
+    assert swapped.count(ATTENTION_SWAPS[type(float32_attention(tiny_llama_dir))]) == 2
     float32 = load_model(str(tiny_llama_dir))
     assert not any(type(m) in kinds for m in float32.model.modules())
     with env_overrides({"GMLX_CPU_KERNELS": "0", "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
         off = load_model(tiny_quantized_target.path)
     assert not any(type(m) in kinds for m in off.model.modules())
+
+
+def float32_attention(folder):
+    return load_model(str(folder)).model.model.layers[0].self_attn
+
+
+@pytest.fixture(scope="module")
+def quantized_qwen3(tmp_path_factory):
+    """A tiny random qwen3 (q_norm and k_norm in its attention) in 4 bits, kernels on."""
+    import json
+
+    from mlx.utils import tree_flatten
+
+    from gmlx.models import random_model
+
+    source = random_model.make_random_model_dir(tmp_path_factory.mktemp("qwen3"), random_model.tiny_config("qwen3"))
+    model = random_model.make_random_model(json.loads((source / "config.json").read_text()))
+    nn.quantize(model, group_size=32, bits=4)
+    folder = tmp_path_factory.mktemp("qwen3_q4")
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    random_model.copy_tokenizer(source, folder)
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        return load_model(folder)
+
+
+def test_qwen3_kernel_attention_decodes_like_mlx(quantized_qwen3, code_prompts):
+    target = quantized_qwen3
+    assert all(type(layer.self_attn) in ATTENTION_SWAPS.values() for layer in target.model.model.layers)
+    prompt = mx.array([code_prompts[2][:12]])  # (1, T)
+    cache = make_ragged_cache(target.num_layers)
+    target.forward(prompt, cache)
+    _, kernel_logits = target.forward(prompt[:, :3], cache)  # a 3-position verify-sized step
+    _, mlx_logits = target.forward(mx.concatenate([prompt, prompt[:, :3]], axis=1), None)  # mlx-lm's own path
+    assert mx.allclose(kernel_logits, mlx_logits[:, -3:], rtol=1e-3, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_qwen3_speculative_and_batched_equal_plain_with_kernels(kind, quantized_qwen3, code_prompts):
+    target = quantized_qwen3
+    drafter = make_drafter(kind if kind == "ngram" else f"draft:{target.path}", target)
+    engine = Engine(target, drafter, EngineConfig())
+    reference = SoloReference(target)
+    num_spec_rounds = 0
+    for seed in range(3):
+        schedule = make_schedule(700 + seed, target.vocab_size, code_prompts, max_requests=6)
+        num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
+    assert num_spec_rounds > 0

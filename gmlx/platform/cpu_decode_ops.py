@@ -5,7 +5,8 @@ On the CPU backend mx.fast.rope and rms_norm have no kernels: even compiled
 slices, concatenation) and one norm 3, and a SmolLM2-135M step makes 60 and 61 of them,
 ~1100 of its ~1960 nodes at ~5 us each. At load, modules of exactly `nn.RoPE` and
 `nn.RMSNorm` (or their compiled forms) become kernel-backed subclasses: one node per
-call, each row's result a function of that row (and its position) only.
+call, each row's result a function of that row (and its position) only. Attention
+modules follow (gmlx/platform/cpu_attention.py).
 
 The kernels' arithmetic differs from mlx's in the last bits, so they are swapped in
 only where the model has already left mlx's bits (its quantized products run in the
@@ -21,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from gmlx.platform import cpu_kernels
+from gmlx.platform.cpu_attention import use_kernel_attention
 from gmlx.platform.cpu_graph import FusedRMSNorm, FusedRoPE
 
 logger = logging.getLogger(__name__)
@@ -76,17 +78,18 @@ def _has_ops() -> bool:
 
 
 def use_cpu_decode_ops(model: nn.Module) -> int:
-    """Swap the model's RoPE and RMSNorm modules for kernel-backed ones; how many.
+    """Swap the model's RoPE, RMSNorm and attention modules for kernel-backed ones; how many.
 
     0 (the model untouched) when the kernels are unavailable or a probe disagrees.
     """
     if not _has_ops():
         return 0
+    num_attention = use_kernel_attention(model)
     modules = [m for _, m in model.named_modules() if type(m) in _SWAPS]
     for module in {_probe_key(m): m for m in modules}.values():
         if not _is_close(module):
-            logger.warning("not using the CPU decode ops: a %s disagrees with mlx's", type(module).__name__)
-            return 0
+            logger.warning("not using the CPU norm/rope ops: a %s disagrees with mlx's", type(module).__name__)
+            return num_attention
     for module in modules:
         module.__class__ = _SWAPS[type(module)]
-    return len(modules)
+    return num_attention + len(modules)

@@ -6,7 +6,7 @@ AVX-512 or AVX2 chosen at run time and spreads output columns over a thread pool
 output element is summed in a fixed order, so a row's result does not depend on how
 many rows or threads share the call (what keeps speculative verification lossless).
 Beside it, the decode step's small ops as one graph node each (RoPE with per-row
-offsets, RMSNorm), under the same row-independence.
+offsets, RMSNorm, attention over the ragged KV), under the same row-independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
@@ -90,6 +90,12 @@ def rms_norm(x, weight, eps: float):
 def rope(x, dims: int, traditional: bool, base: float, scale: float, offset):
     """mx.fast.rope for float32 x (B, ..., T, D); offset an int32 array, scalar or one per row b."""
     return extension().rope(x, dims, traditional, base, scale, offset)
+
+
+def ragged_attention(q, keys, values, offset, scale: float):
+    """softmax(q k^T * scale) v, q (B, Hq, T, D) against (B, Hkv, S, D) keys and values;
+    row b's query t sees keys [0, offset[b] + t]. Returns (B, T, Hq * D)."""
+    return extension().ragged_attention(q, keys, values, offset, scale)
 
 
 def read_bandwidth_gbs(num_bytes: int = 512 << 20, num_passes: int = 5) -> float:

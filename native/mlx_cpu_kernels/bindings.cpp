@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 
 #include "mlx/version.h"
+#include "attention.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -12,7 +13,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_cpu_kernels, m) {
-  m.doc() = "gmlx CPU decode kernels for MLX (few-row quantized products, RoPE, RMSNorm)";
+  m.doc() = "gmlx CPU decode kernels for MLX (few-row quantized products, RoPE, RMSNorm, attention)";
   // The loader compares this with mlx.__version__: the C++ ABI is only kept per release.
   m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
@@ -23,6 +24,8 @@ NB_MODULE(_cpu_kernels, m) {
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");
+  m.def("ragged_attention", &gmlx_kernels::ragged_attention, "q"_a, "keys"_a, "values"_a, "offset"_a, "scale"_a,
+        "softmax(q k^T * scale) v over per-row key lengths (offset + t + 1), grouped heads; out (B, T, Hq * D)");
   m.def("set_num_threads", &gmlx_kernels::set_num_threads, "num_threads"_a,
         "Size the kernels' thread pool (< 1: one per CPU this process may use)");
   m.def("num_threads", &gmlx_kernels::pool_num_threads);
