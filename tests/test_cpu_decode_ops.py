@@ -263,9 +263,10 @@ def test_quantized_models_get_the_ops_and_float32_ones_keep_mlx_bits(tiny_quanti
     assert swapped.count(ATTENTION_SWAPS[type(float32_attention(tiny_llama_dir))]) == 2
     float32 = load_model(str(tiny_llama_dir))
     assert not any(type(m) in kinds for m in float32.model.modules())
-    with env_overrides({"GMLX_CPU_KERNELS": "0", "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
-        off = load_model(tiny_quantized_target.path)
-    assert not any(type(m) in kinds for m in off.model.modules())
+    for switches in ({"GMLX_CPU_KERNELS": "0"}, {"GMLX_CPU_DECODE_OPS": "0"}):
+        with env_overrides({**switches, "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+            off = load_model(tiny_quantized_target.path)
+        assert not any(type(m) in kinds for m in off.model.modules()), switches
 
 
 def float32_attention(folder):

@@ -16,7 +16,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import is_cpu_fusion_enabled, is_cpu_kernels_enabled, is_input_major_enabled
+from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_fusion_enabled, is_cpu_kernels_enabled,
+                         is_input_major_enabled)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.source import is_gguf_path, resolve_model_path
@@ -138,7 +139,7 @@ def _prepare_for_cpu(model: nn.Module, source: str) -> None:
         fuse_cpu_ops(model)
     if is_input_major_enabled():
         store_weights_input_major(model)
-    if is_cpu_kernels_enabled() and use_cpu_kernels(model) > 0:
+    if is_cpu_kernels_enabled() and use_cpu_kernels(model) > 0 and is_cpu_decode_ops_enabled():
         use_cpu_decode_ops(model)  # off mlx's bits already: its small ops as one node each too
 
 
