@@ -29,11 +29,17 @@ PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_che
 
 @pytest.fixture
 def ext():
-    """The extension, with its thread count restored after the test."""
+    """The extension, with its thread count and ISA restored after the test."""
     ext = cpu_kernels.extension()
-    num_threads = ext.num_threads()
+    num_threads, isa = ext.num_threads(), ext.isa()
     yield ext
     ext.set_num_threads(num_threads)
+    ext.set_isa(isa)
+
+
+def supported_isas(ext) -> list[str]:
+    order = ["portable", "avx2", "avx512"]
+    return order[: order.index(ext.best_isa()) + 1]
 
 
 def bitwise_equal(a: mx.array, b: mx.array) -> bool:
@@ -182,7 +188,7 @@ attention_cases = st.fixed_dictionaries({
     "num_rows": st.integers(1, 16),
     "heads": st.sampled_from([(1, 1), (4, 4), (4, 2), (9, 3), (8, 1)]),  # (Hq, Hkv): MHA and GQA
     "num_new": st.integers(1, 16),
-    "head_dim": st.sampled_from([16, 37, 64]),
+    "head_dim": st.sampled_from([16, 37, 64, 128]),  # 64 and 128 run compile-time-sized code
     "seed": st.integers(0, 2**16),
 })
 
@@ -210,6 +216,10 @@ def test_attention_rows_are_independent_of_row_count_threads_and_verify_width(ca
         mx.eval(together[num_threads])
     assert bitwise_equal(together[1], together[2])
     assert mx.allclose(together[1], mlx_ragged_attention(q, keys, values, offsets, scale), atol=1e-5).item()
+    for isa in supported_isas(ext):  # each ISA's build of the same lane order
+        ext.set_isa(isa)
+        assert bitwise_equal(cpu_kernels.ragged_attention(q, keys, values, offsets, scale), together[1]), isa
+    ext.set_isa(ext.best_isa())
     for row in {0, case["num_rows"] // 2, case["num_rows"] - 1}:
         one = slice(row, row + 1)
         alone = cpu_kernels.ragged_attention(q[one], keys[one], values[one], offsets[one], scale)

@@ -108,7 +108,8 @@ def status() -> dict:
     ext, reason = _load()
     report = {"built": ext is not None, "enabled": config.is_cpu_kernels_enabled(), "reason": reason or None}
     if ext is not None:
-        report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads())
+        report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads(),
+                      decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"))
     return report
 
 
@@ -116,4 +117,6 @@ def format_status(report: dict) -> str:
     if not report["built"]:
         return f"cpu kernels: unavailable, {report['reason']}; quantized products run in mlx"
     state = "on" if report["enabled"] else "off (GMLX_CPU_KERNELS=0)"
-    return f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}), {report['num_threads']} threads"
+    ops = "on" if report["decode_ops"] else "off"
+    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}), {report['num_threads']} threads; "
+            f"norm/rope/attention ops {ops}")

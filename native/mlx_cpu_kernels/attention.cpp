@@ -43,7 +43,9 @@ struct AttentionJob {
 
 // Each lane is its own chain in a fixed order (and -ffp-contract=off keeps * and +
 // apart), so any vector width the compiler picks for an ISA gives the same bits.
-inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
+template <int kD>
+inline __attribute__((always_inline)) float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  if constexpr (kD > 0) n = kD;
   float lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -56,42 +58,63 @@ inline __attribute__((always_inline)) float dot(const float* a, const float* b, 
   return lanes[0];
 }
 
-// One query (row b, q head h, position t): scores, softmax and the value sum, in key order.
+// One query (row b, q head h, position t): scores, softmax and the value sum, in key
+// order. kD > 0 fixes the head dim at compile time (the value sums then stay in
+// registers); 0 reads it from the job. Both give the same bits.
+template <int kD>
 inline __attribute__((always_inline)) void attend_one(const AttentionJob& job, int64_t b, int64_t h, int64_t t,
                                                       std::vector<float>& scores) {
   const int64_t offset = job.offsets[b * job.offset_stride];
   const int64_t num_seen = std::min(job.num_keys, offset + t + 1);
   const int64_t kv_head = h / job.group;
-  const int64_t d = job.num_d;
+  const int64_t d = kD > 0 ? kD : job.num_d;
   const float* q = job.q.at(b, h, t);
-  float* out = job.out + ((b * job.num_t + t) * job.num_q_heads + h) * d;
+  float* __restrict out = job.out + ((b * job.num_t + t) * job.num_q_heads + h) * d;
   scores.resize(num_seen);
+  float* __restrict score = scores.data();
   float max_score = -INFINITY;
   for (int64_t j = 0; j < num_seen; ++j) {
-    scores[j] = dot(q, job.keys.at(b, kv_head, j), d) * job.scale;
-    max_score = std::max(max_score, scores[j]);
+    score[j] = dot<kD>(q, job.keys.at(b, kv_head, j), d) * job.scale;
+    max_score = std::max(max_score, score[j]);
   }
   float denominator = 0.0f;
   for (int64_t j = 0; j < num_seen; ++j) {
-    scores[j] = std::exp(scores[j] - max_score);
-    denominator += scores[j];
+    score[j] = std::exp(score[j] - max_score);
+    denominator += score[j];
   }
-  for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
-  for (int64_t j = 0; j < num_seen; ++j) {
-    const float* v = job.values.at(b, kv_head, j);
-    const float p = scores[j];
-    for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
+  if constexpr (kD > 0) {
+    float acc[kD] = {};
+    for (int64_t j = 0; j < num_seen; ++j) {
+      const float* __restrict v = job.values.at(b, kv_head, j);
+      const float p = score[j];
+      for (int i = 0; i < kD; ++i) acc[i] += p * v[i];
+    }
+    for (int i = 0; i < kD; ++i) out[i] = acc[i] / denominator;
+  } else {
+    for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
+    for (int64_t j = 0; j < num_seen; ++j) {
+      const float* __restrict v = job.values.at(b, kv_head, j);
+      const float p = score[j];
+      for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
+    }
+    for (int64_t i = 0; i < d; ++i) out[i] = out[i] / denominator;
   }
-  for (int64_t i = 0; i < d; ++i) out[i] = out[i] / denominator;
 }
 
 // Queries [begin, end) in (b, h, t) order.
-inline __attribute__((always_inline)) void attend_range(const AttentionJob& job, int64_t begin, int64_t end) {
+template <int kD>
+inline __attribute__((always_inline)) void attend_queries(const AttentionJob& job, int64_t begin, int64_t end) {
   thread_local std::vector<float> scores;
   for (int64_t n = begin; n < end; ++n) {
     const int64_t t = n % job.num_t, h = n / job.num_t % job.num_q_heads, b = n / (job.num_t * job.num_q_heads);
-    attend_one(job, b, h, t, scores);
+    attend_one<kD>(job, b, h, t, scores);
   }
+}
+
+inline __attribute__((always_inline)) void attend_range(const AttentionJob& job, int64_t begin, int64_t end) {
+  if (job.num_d == 64) return attend_queries<64>(job, begin, end);
+  if (job.num_d == 128) return attend_queries<128>(job, begin, end);
+  attend_queries<0>(job, begin, end);
 }
 
 void attend_portable(const AttentionJob& job, int64_t begin, int64_t end) { attend_range(job, begin, end); }
