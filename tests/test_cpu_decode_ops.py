@@ -283,36 +283,43 @@ def float32_attention(folder):
     return load_model(str(folder)).model.model.layers[0].self_attn
 
 
-@pytest.fixture(scope="module")
-def quantized_qwen3(tmp_path_factory):
-    """A tiny random qwen3 (q_norm and k_norm in its attention) in 4 bits, kernels on."""
+def make_quantized_target(folder, model_type: str):
+    """A tiny random model of `model_type` in 4 bits, loaded with the kernels on."""
     import json
 
     from mlx.utils import tree_flatten
 
     from gmlx.models import random_model
 
-    source = random_model.make_random_model_dir(tmp_path_factory.mktemp("qwen3"), random_model.tiny_config("qwen3"))
+    source = random_model.make_random_model_dir(folder / "float", random_model.tiny_config(model_type))
     model = random_model.make_random_model(json.loads((source / "config.json").read_text()))
     nn.quantize(model, group_size=32, bits=4)
-    folder = tmp_path_factory.mktemp("qwen3_q4")
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    quantized = folder / "q4"
+    quantized.mkdir()
+    mx.save_safetensors(str(quantized / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = json.loads((source / "config.json").read_text())
     config["quantization"] = {"group_size": 32, "bits": 4}
-    (folder / "config.json").write_text(json.dumps(config))
-    random_model.copy_tokenizer(source, folder)
+    (quantized / "config.json").write_text(json.dumps(config))
+    random_model.copy_tokenizer(source, quantized)
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
-        return load_model(folder)
+        return load_model(quantized)
 
 
-def test_qwen3_kernel_attention_decodes_like_mlx(quantized_qwen3, code_prompts):
-    target = quantized_qwen3
+@pytest.fixture(scope="module")
+def quantized_qwen3(tmp_path_factory):
+    """qwen3: q_norm and k_norm in its attention."""
+    return make_quantized_target(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])  # llama: tiny_quantized_target, tests/test_engine.py
+def test_kernel_attention_decodes_like_mlx(model_type, quantized_qwen3, tmp_path):
+    target = quantized_qwen3 if model_type == "qwen3" else make_quantized_target(tmp_path, model_type)
     assert all(type(layer.self_attn) in ATTENTION_SWAPS.values() for layer in target.model.model.layers)
-    prompt = mx.array([code_prompts[2][:12]])  # (1, T)
+    prompt = mx.array([[(37 * i) % 1000 + 3 for i in range(12)]])  # (1, T)
     cache = make_ragged_cache(target.num_layers)
     target.forward(prompt, cache)
     _, kernel_logits = target.forward(prompt[:, :3], cache)  # a 3-position verify-sized step
-    _, mlx_logits = target.forward(mx.concatenate([prompt, prompt[:, :3]], axis=1), None)  # mlx-lm's own path
+    _, mlx_logits = target.forward(mx.concatenate([prompt, prompt[:, :3]], axis=1), None)  # mlx-lm's own attention
     assert mx.allclose(kernel_logits, mlx_logits[:, -3:], rtol=1e-3, atol=1e-3).item()
 
 
