@@ -279,6 +279,19 @@ def test_quantized_models_get_the_ops_and_float32_ones_keep_mlx_bits(tiny_quanti
         assert not any(type(m) in kinds for m in off.model.modules()), switches
 
 
+def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch):
+    """The pure-MLX fallback: no extension (or one built before these ops) swaps nothing."""
+    from mlx_lm.models import llama
+
+    from gmlx.models import random_model
+
+    model = random_model.make_random_model(random_model.tiny_config("llama"))
+    before = [type(m) for m in model.modules()]
+    monkeypatch.setattr(cpu_kernels, "is_built", lambda: False)
+    assert use_cpu_decode_ops(model) == 0
+    assert [type(m) for m in model.modules()] == before and llama.Attention in before
+
+
 def float32_attention(folder):
     return load_model(str(folder)).model.model.layers[0].self_attn
 
