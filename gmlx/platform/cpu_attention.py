@@ -1,7 +1,7 @@
 """Attention over gmlx's ragged KV as one graph node, in gmlx's CPU kernels.
 
 mx.fast.scaled_dot_product_attention has no CPU kernel: with grouped heads and a mask
-one call is ~12 graph nodes (scale, flatten/unflatten, two matmuls, softmax,
+one call is ~15 graph nodes (scale, flatten/unflatten, two matmuls, softmax,
 transposes), plus the mask built for it. With a RaggedKVCache the mask is the cache's
 row lengths, causal within the new positions, so the kernel takes the per-row offsets
 and needs no mask; it also returns (B, T, Hq * D), the layout o_proj reads.

@@ -1,9 +1,9 @@
 """A decode step's small ops as single graph nodes in gmlx's CPU kernels.
 
 On the CPU backend mx.fast.rope and rms_norm have no kernels: even compiled
-(gmlx/platform/cpu_graph.py) one RoPE call is ~15 graph nodes (positions, cos, sin,
+(gmlx/platform/cpu_graph.py) one RoPE call is ~12 graph nodes (positions, cos, sin,
 slices, concatenation) and one norm 3, and a SmolLM2-135M step makes 60 and 61 of them,
-~1100 of its ~1960 nodes at ~5 us each. At load, modules of exactly `nn.RoPE` and
+~900 of its ~1960 nodes at ~5 us each. At load, modules of exactly `nn.RoPE` and
 `nn.RMSNorm` (or their compiled forms) become kernel-backed subclasses: one node per
 call, each row's result a function of that row (and its position) only. Attention
 modules follow (gmlx/platform/cpu_attention.py).
