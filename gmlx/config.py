@@ -151,6 +151,12 @@ def is_cpu_kernels_enabled() -> bool:
     return _env_flag("GMLX_CPU_KERNELS", True)
 
 
+def is_cpu_decode_ops_enabled() -> bool:
+    """GMLX_CPU_DECODE_OPS (default on): with the CPU kernels on, also their RMSNorm, RoPE and
+    attention; off keeps only the quantized products (for A/B runs)."""
+    return _env_flag("GMLX_CPU_DECODE_OPS", True)
+
+
 def cpu_kernels_isa() -> str | None:
     raw = os.environ.get("GMLX_CPU_KERNELS_ISA")
     if raw is None or raw.strip() == "":

@@ -16,10 +16,12 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import is_cpu_fusion_enabled, is_cpu_kernels_enabled, is_input_major_enabled
+from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_fusion_enabled, is_cpu_kernels_enabled,
+                         is_input_major_enabled)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.source import is_gguf_path, resolve_model_path
+from gmlx.platform.cpu_decode_ops import use_cpu_decode_ops
 from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.platform.cpu_quantized import use_cpu_kernels
@@ -137,8 +139,8 @@ def _prepare_for_cpu(model: nn.Module, source: str) -> None:
         fuse_cpu_ops(model)
     if is_input_major_enabled():
         store_weights_input_major(model)
-    if is_cpu_kernels_enabled():
-        use_cpu_kernels(model)
+    if is_cpu_kernels_enabled() and use_cpu_kernels(model) > 0 and is_cpu_decode_ops_enabled():
+        use_cpu_decode_ops(model)  # off mlx's bits already: its small ops as one node each too
 
 
 def _check_model_type(source: Path, config: dict) -> None:

@@ -1,10 +1,12 @@
 """gmlx's CPU decode kernels (native/mlx_cpu_kernels), an MLX extension built at install.
 
-The extension adds one MLX op, a product with affine-quantized weights (4 or 8 bits,
+The extension adds MLX ops: a product with affine-quantized weights (4 or 8 bits,
 group size 32/64/128) built for decode's few rows, that reads the weights once for all rows, runs
 AVX-512 or AVX2 chosen at run time and spreads output columns over a thread pool. Each
 output element is summed in a fixed order, so a row's result does not depend on how
 many rows or threads share the call (what keeps speculative verification lossless).
+Beside it, the decode step's small ops as one graph node each (RoPE with per-row
+offsets, RMSNorm, attention over the ragged KV), under the same row-independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
@@ -80,6 +82,22 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits)
 
 
+def rms_norm(x, weight, eps: float):
+    """mx.fast.rms_norm for float32 x (..., D) and weight (D,)."""
+    return extension().rms_norm(x, weight, eps)
+
+
+def rope(x, dims: int, traditional: bool, base: float, scale: float, offset):
+    """mx.fast.rope for float32 x (B, ..., T, D); offset an int32 array, scalar or one per row b."""
+    return extension().rope(x, dims, traditional, base, scale, offset)
+
+
+def ragged_attention(q, keys, values, offset, scale: float):
+    """softmax(q k^T * scale) v, q (B, Hq, T, D) against (B, Hkv, S, D) keys and values;
+    row b's query t sees keys [0, offset[b] + t]. Returns (B, T, Hq * D)."""
+    return extension().ragged_attention(q, keys, values, offset, scale)
+
+
 def read_bandwidth_gbs(num_bytes: int = 512 << 20, num_passes: int = 5) -> float:
     """DRAM read rate: the best of num_passes threaded sums over a num_bytes buffer."""
     return extension().read_bandwidth(num_bytes, num_passes)
@@ -90,7 +108,8 @@ def status() -> dict:
     ext, reason = _load()
     report = {"built": ext is not None, "enabled": config.is_cpu_kernels_enabled(), "reason": reason or None}
     if ext is not None:
-        report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads())
+        report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads(),
+                      decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"))
     return report
 
 
@@ -98,4 +117,6 @@ def format_status(report: dict) -> str:
     if not report["built"]:
         return f"cpu kernels: unavailable, {report['reason']}; quantized products run in mlx"
     state = "on" if report["enabled"] else "off (GMLX_CPU_KERNELS=0)"
-    return f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}), {report['num_threads']} threads"
+    ops = "on" if report["decode_ops"] else "off"
+    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}), {report['num_threads']} threads; "
+            f"norm/rope/attention ops {ops}")

@@ -3,20 +3,29 @@
 #include <nanobind/stl/string.h>
 
 #include "mlx/version.h"
+#include "attention.h"
 #include "quantized_matmul.h"
+#include "rms_norm.h"
+#include "rope.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_cpu_kernels, m) {
-  m.doc() = "gmlx CPU decode kernels for MLX (few-row quantized products)";
+  m.doc() = "gmlx CPU decode kernels for MLX (few-row quantized products, RoPE, RMSNorm, attention)";
   // The loader compares this with mlx.__version__: the C++ ABI is only kept per release.
   m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
   m.def("quantized_matmul", &gmlx_kernels::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output");
+  m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
+        "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b");
+  m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
+        "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");
+  m.def("ragged_attention", &gmlx_kernels::ragged_attention, "q"_a, "keys"_a, "values"_a, "offset"_a, "scale"_a,
+        "softmax(q k^T * scale) v over per-row key lengths (offset + t + 1), grouped heads; out (B, T, Hq * D)");
   m.def("set_num_threads", &gmlx_kernels::set_num_threads, "num_threads"_a,
         "Size the kernels' thread pool (< 1: one per CPU this process may use)");
   m.def("num_threads", &gmlx_kernels::pool_num_threads);

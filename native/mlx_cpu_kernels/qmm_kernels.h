@@ -44,6 +44,7 @@ void qmm_outputs(const QmmArgs& args, const float* x_blocked, int64_t block, int
 float sum_floats(const float* data, int64_t num_floats, Isa isa);
 
 Isa best_isa();  // what this CPU runs
+Isa kernels_isa();  // what the kernels run now (quantized_matmul.cpp's set_isa)
 bool is_isa_supported(Isa isa);
 const char* isa_name(Isa isa);
 

@@ -145,6 +145,7 @@ void set_isa(const std::string& name) {
   g_isa.store(isa);
 }
 
+Isa kernels_isa() { return g_isa.load(); }
 std::string current_isa() { return isa_name(g_isa.load()); }
 std::string best_isa_name() { return isa_name(best_isa()); }
 

@@ -1,0 +1,95 @@
+"""A decode step's small ops as single graph nodes in gmlx's CPU kernels.
+
+On the CPU backend mx.fast.rope and rms_norm have no kernels: even compiled
+(gmlx/platform/cpu_graph.py) one RoPE call is ~12 graph nodes (positions, cos, sin,
+slices, concatenation) and one norm 3, and a SmolLM2-135M step makes 60 and 61 of them,
+~900 of its ~1960 nodes at ~5 us each. At load, modules of exactly `nn.RoPE` and
+`nn.RMSNorm` (or their compiled forms) become kernel-backed subclasses: one node per
+call, each row's result a function of that row (and its position) only. Attention
+modules follow (gmlx/platform/cpu_attention.py).
+
+The kernels' arithmetic differs from mlx's in the last bits, so they are swapped in
+only where the model has already left mlx's bits (its quantized products run in the
+kernels, gmlx/platform/cpu_quantized.py); the float32 path stays bit-identical to
+mlx-lm. A probe at load checks each module against mx.fast within a tolerance first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from gmlx.platform import cpu_kernels
+from gmlx.platform.cpu_attention import use_kernel_attention
+from gmlx.platform.cpu_graph import FusedRMSNorm, FusedRoPE
+
+logger = logging.getLogger(__name__)
+
+# Largest |kernel - mx.fast| accepted at the probe. mlx computes RoPE angles in float32,
+# the kernel in double: at position p they differ by up to ~p * 2^-24 radians.
+_PROBE_ATOL = 1e-3
+_PROBE_POSITIONS = (3, 70, 1100)  # one offset per probe row
+
+
+class KernelRoPE(nn.RoPE):
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if not isinstance(offset, mx.array):
+            offset = mx.array(offset, dtype=mx.int32)
+        return cpu_kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        return cpu_kernels.rms_norm(x, self["weight"], self.eps)
+
+
+_SWAPS = {nn.RoPE: KernelRoPE, FusedRoPE: KernelRoPE, nn.RMSNorm: KernelRMSNorm, FusedRMSNorm: KernelRMSNorm}
+# The op each kind reproduces: mlx's own module call.
+_REFERENCES = {KernelRoPE: nn.RoPE.__call__, KernelRMSNorm: nn.RMSNorm.__call__}
+
+
+def _probe_input(module: nn.Module) -> tuple[mx.array, tuple]:
+    if isinstance(module, nn.RMSNorm):
+        return 5.0 * mx.random.normal((2, 3, module["weight"].shape[0]), key=mx.random.key(1)), ()  # (B, T, D)
+    rows = len(_PROBE_POSITIONS)
+    x = 3.0 * mx.random.normal((rows, 5, 3, module.dims), key=mx.random.key(1)).transpose(0, 2, 1, 3)  # (B, H, T, D)
+    return x, (mx.array(_PROBE_POSITIONS, dtype=mx.int32),)
+
+
+def _is_close(module: nn.Module) -> bool:
+    """Does the kernel module match mlx's own op on a probe (ragged offsets, strided x)?"""
+    x, args = _probe_input(module)
+    kernel = _SWAPS[type(module)]
+    expected = _REFERENCES[kernel](module, x, *args)
+    got = kernel.__call__(module, x, *args)
+    return (mx.abs(got - expected).max() <= _PROBE_ATOL * mx.maximum(mx.abs(expected).max(), 1.0)).item()
+
+
+def _probe_key(module: nn.Module) -> tuple:
+    if isinstance(module, nn.RoPE):
+        return type(module), module.dims, module.traditional, module.base, module.scale
+    return type(module), module["weight"].shape[0], module.eps
+
+
+def _has_ops() -> bool:
+    return cpu_kernels.is_built() and all(hasattr(cpu_kernels.extension(), op) for op in ("rope", "rms_norm"))
+
+
+def use_cpu_decode_ops(model: nn.Module) -> int:
+    """Swap the model's RoPE, RMSNorm and attention modules for kernel-backed ones; how many.
+
+    0 (the model untouched) when the kernels are unavailable or a probe disagrees.
+    """
+    if not _has_ops():
+        return 0
+    num_attention = use_kernel_attention(model)
+    modules = [m for _, m in model.named_modules() if type(m) in _SWAPS]
+    for module in {_probe_key(m): m for m in modules}.values():
+        if not _is_close(module):
+            logger.warning("not using the CPU norm/rope ops: a %s disagrees with mlx's", type(module).__name__)
+            return num_attention
+    for module in modules:
+        module.__class__ = _SWAPS[type(module)]
+    return num_attention + len(modules)

@@ -1,0 +1,216 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmm_kernels.h"
+#include "thread_pool.h"
+
+#if defined(__x86_64__)
+#define GMLX_X86 1
+#define GMLX_AVX2 __attribute__((target("avx2,fma")))
+#define GMLX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#endif
+
+namespace gmlx_kernels {
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int64_t kQueriesPerChunk = 4;
+// Below this many multiply-adds a call stays on the caller: waking the pool costs more.
+constexpr int64_t kMinPoolWork = 1 << 17;
+
+struct Strided4 {  // a (B, H, S, D) array with unit stride along D
+  const float* data;
+  int64_t b, h, s;
+  const float* at(int64_t i, int64_t j, int64_t k) const { return data + i * b + j * h + k * s; }
+};
+
+struct AttentionJob {
+  Strided4 q, keys, values;
+  const int32_t* offsets;
+  int64_t offset_stride;  // 0: one offset for every row
+  float* out;  // (B, T, Hq, D)
+  int64_t num_b, num_q_heads, num_t, num_d, num_keys, group;  // group: q heads per kv head
+  float scale;
+  Isa isa;
+};
+
+// Each lane is its own chain in a fixed order (and -ffp-contract=off keeps * and +
+// apart), so any vector width the compiler picks for an ISA gives the same bits.
+template <int kD>
+inline __attribute__((always_inline)) float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  if constexpr (kD > 0) n = kD;
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  for (; i < n; ++i) lanes[i % kLanes] += a[i] * b[i];
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int l = 0; l < width; ++l) lanes[l] = lanes[l] + lanes[l + width];
+  }
+  return lanes[0];
+}
+
+// One query (row b, q head h, position t): scores, softmax and the value sum, in key
+// order. kD > 0 fixes the head dim at compile time (the value sums then stay in
+// registers); 0 reads it from the job. Both give the same bits.
+template <int kD>
+inline __attribute__((always_inline)) void attend_one(const AttentionJob& job, int64_t b, int64_t h, int64_t t,
+                                                      std::vector<float>& scores) {
+  const int64_t offset = job.offsets[b * job.offset_stride];
+  const int64_t num_seen = std::min(job.num_keys, offset + t + 1);
+  const int64_t kv_head = h / job.group;
+  const int64_t d = kD > 0 ? kD : job.num_d;
+  const float* q = job.q.at(b, h, t);
+  float* __restrict out = job.out + ((b * job.num_t + t) * job.num_q_heads + h) * d;
+  scores.resize(num_seen);
+  float* __restrict score = scores.data();
+  float max_score = -INFINITY;
+  for (int64_t j = 0; j < num_seen; ++j) {
+    score[j] = dot<kD>(q, job.keys.at(b, kv_head, j), d) * job.scale;
+    max_score = std::max(max_score, score[j]);
+  }
+  float denominator = 0.0f;
+  for (int64_t j = 0; j < num_seen; ++j) {
+    score[j] = std::exp(score[j] - max_score);
+    denominator += score[j];
+  }
+  if constexpr (kD > 0) {
+    float acc[kD] = {};
+    for (int64_t j = 0; j < num_seen; ++j) {
+      const float* __restrict v = job.values.at(b, kv_head, j);
+      const float p = score[j];
+      for (int i = 0; i < kD; ++i) acc[i] += p * v[i];
+    }
+    for (int i = 0; i < kD; ++i) out[i] = acc[i] / denominator;
+  } else {
+    for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
+    for (int64_t j = 0; j < num_seen; ++j) {
+      const float* __restrict v = job.values.at(b, kv_head, j);
+      const float p = score[j];
+      for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
+    }
+    for (int64_t i = 0; i < d; ++i) out[i] = out[i] / denominator;
+  }
+}
+
+// Queries [begin, end) in (b, h, t) order.
+template <int kD>
+inline __attribute__((always_inline)) void attend_queries(const AttentionJob& job, int64_t begin, int64_t end) {
+  thread_local std::vector<float> scores;
+  for (int64_t n = begin; n < end; ++n) {
+    const int64_t t = n % job.num_t, h = n / job.num_t % job.num_q_heads, b = n / (job.num_t * job.num_q_heads);
+    attend_one<kD>(job, b, h, t, scores);
+  }
+}
+
+inline __attribute__((always_inline)) void attend_range(const AttentionJob& job, int64_t begin, int64_t end) {
+  if (job.num_d == 64) return attend_queries<64>(job, begin, end);
+  if (job.num_d == 128) return attend_queries<128>(job, begin, end);
+  attend_queries<0>(job, begin, end);
+}
+
+void attend_portable(const AttentionJob& job, int64_t begin, int64_t end) { attend_range(job, begin, end); }
+#if GMLX_X86
+GMLX_AVX2 void attend_avx2(const AttentionJob& job, int64_t begin, int64_t end) { attend_range(job, begin, end); }
+GMLX_AVX512 void attend_avx512(const AttentionJob& job, int64_t begin, int64_t end) { attend_range(job, begin, end); }
+#endif
+
+void attend(const AttentionJob& job, int64_t begin, int64_t end) {
+#if GMLX_X86
+  if (job.isa == Isa::kAvx512) return attend_avx512(job, begin, end);
+  if (job.isa == Isa::kAvx2) return attend_avx2(job, begin, end);
+#endif
+  attend_portable(job, begin, end);
+}
+
+void run_attention_chunk(void* context, int64_t chunk) {
+  const auto* job = static_cast<const AttentionJob*>(context);
+  const int64_t num_queries = job->num_b * job->num_q_heads * job->num_t;
+  attend(*job, chunk * kQueriesPerChunk, std::min(num_queries, (chunk + 1) * kQueriesPerChunk));
+}
+
+// x's data as (B, H, S, D) with unit stride along D: its own when so, else a copy.
+Strided4 strided4(const mx::array& x, std::vector<float>& copy) {
+  if (x.strides(3) == 1) return {x.data<float>(), x.strides(0), x.strides(1), x.strides(2)};
+  copy.resize(x.size());
+  const float* src = x.data<float>();
+  for (size_t i = 0; i < x.size(); ++i) copy[i] = src[mx::elem_to_loc(static_cast<int>(i), x.shape(), x.strides())];
+  return {copy.data(), static_cast<int64_t>(x.shape(1)) * x.shape(2) * x.shape(3),
+          static_cast<int64_t>(x.shape(2)) * x.shape(3), x.shape(3)};
+}
+
+}  // namespace
+
+mx::array ragged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                           const mx::array& offset, float scale) {
+  if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4) {
+    throw std::invalid_argument("ragged_attention: q, keys and values must be (B, H, T|S, D)");
+  }
+  const int num_b = q.shape(0), num_q_heads = q.shape(1), num_kv_heads = keys.shape(1);
+  if (keys.shape() != values.shape() || keys.shape(0) != num_b || keys.shape(3) != q.shape(3) ||
+      num_kv_heads == 0 || num_q_heads % num_kv_heads != 0) {
+    throw std::invalid_argument("ragged_attention: keys and values must be (B, Hkv, S, D), Hq a multiple of Hkv");
+  }
+  if (offset.ndim() > 1 || (offset.ndim() == 1 && offset.size() != 1 && offset.size() != static_cast<size_t>(num_b))) {
+    throw std::invalid_argument("ragged_attention: offset must be a scalar or one per row");
+  }
+  if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("ragged_attention: offset must be integer");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
+  auto offset32 = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
+  mx::Shape out_shape = {num_b, q.shape(2), num_q_heads * q.shape(3)};
+  return mx::array(out_shape, mx::float32, std::make_shared<RaggedAttention>(s, scale),
+                   {as_f32(q), as_f32(keys), as_f32(values), offset32});
+}
+
+void RaggedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) encoder.set_input_array(input);
+  encoder.set_output_array(out);
+  encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]), keys = mx::array::unsafe_weak_copy(inputs[1]),
+                    values = mx::array::unsafe_weak_copy(inputs[2]), offset = mx::array::unsafe_weak_copy(inputs[3]),
+                    out_data = out.data<float>(), scale = scale_]() {
+    std::vector<float> q_copy, k_copy, v_copy;
+    AttentionJob job;
+    job.q = strided4(q, q_copy);
+    job.keys = strided4(keys, k_copy);
+    job.values = strided4(values, v_copy);
+    job.offsets = offset.data<int32_t>();
+    job.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+    job.out = out_data;
+    job.num_b = q.shape(0);
+    job.num_q_heads = q.shape(1);
+    job.num_t = q.shape(2);
+    job.num_d = q.shape(3);
+    job.num_keys = keys.shape(2);
+    job.group = q.shape(1) / keys.shape(1);
+    job.scale = scale;
+    job.isa = kernels_isa();
+    const int64_t num_queries = job.num_b * job.num_q_heads * job.num_t;
+    if (num_queries * job.num_keys * job.num_d < kMinPoolWork) {
+      attend(job, 0, num_queries);
+    } else {
+      run_on_pool(run_attention_chunk, &job, (num_queries + kQueriesPerChunk - 1) / kQueriesPerChunk);
+    }
+  });
+}
+
+void RaggedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxRaggedAttention runs on the CPU only");
+}
+
+bool RaggedAttention::is_equivalent(const mx::Primitive& other) const {
+  return scale_ == static_cast<const RaggedAttention&>(other).scale_;
+}
+
+}  // namespace gmlx_kernels

@@ -1,0 +1,150 @@
+#include "rope.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "thread_pool.h"
+
+namespace gmlx_kernels {
+
+namespace {
+
+// Vectors of D features (one per (b, ..., t)) per pool chunk: a prefill's call spreads
+// over the cores, a decode step's stays on the caller.
+constexpr int64_t kVectorsPerChunk = 256;
+
+struct RopeJob {
+  const float* x;  // viewed as (B, M, T, D): M the middle dims (heads) collapsed
+  int64_t num_b, num_m, num_t, num_d;
+  int64_t stride_b, stride_m, stride_t, stride_d;
+  const int32_t* offsets;
+  int64_t offset_stride;  // 0: one offset for every row b
+  float* y;  // (B, M, T, D) contiguous
+  int dims;
+  bool traditional;
+  float scale;
+  std::vector<double> inv_freqs;  // (dims / 2,)
+};
+
+void rotate_vectors(void* context, int64_t chunk) {
+  const auto* job = static_cast<const RopeJob*>(context);
+  const int64_t num_vectors = job->num_b * job->num_m * job->num_t;
+  const int half = job->dims / 2;
+  std::vector<float> cosines(half), sines(half);
+  int64_t cached_position = -1;
+  for (int64_t v = chunk * kVectorsPerChunk; v < std::min(num_vectors, (chunk + 1) * kVectorsPerChunk); ++v) {
+    const int64_t t = v % job->num_t, m = v / job->num_t % job->num_m, b = v / (job->num_t * job->num_m);
+    const int64_t position = job->offsets[b * job->offset_stride] + t;
+    if (position != cached_position) {
+      const double angle_scale = static_cast<double>(static_cast<float>(position) * job->scale);
+      for (int i = 0; i < half; ++i) {
+        const double angle = angle_scale * job->inv_freqs[i];
+        cosines[i] = static_cast<float>(std::cos(angle));
+        sines[i] = static_cast<float>(std::sin(angle));
+      }
+      cached_position = position;
+    }
+    const float* x = job->x + b * job->stride_b + m * job->stride_m + t * job->stride_t;
+    const int64_t sd = job->stride_d;
+    float* y = job->y + v * job->num_d;
+    for (int i = 0; i < half; ++i) {
+      // traditional: pairs (2i, 2i + 1); else (i, i + dims / 2), as mx.fast.rope.
+      const int64_t p = job->traditional ? 2 * i : i;
+      const int64_t q = job->traditional ? 2 * i + 1 : i + half;
+      const float x1 = x[p * sd], x2 = x[q * sd];
+      y[p] = x1 * cosines[i] - x2 * sines[i];
+      y[q] = x1 * sines[i] + x2 * cosines[i];
+    }
+    for (int64_t d = job->dims; d < job->num_d; ++d) y[d] = x[d * sd];
+  }
+}
+
+}  // namespace
+
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset) {
+  if (x.ndim() < 2) throw std::invalid_argument("rope: x needs >= 2 dims (..., T, D)");
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
+    throw std::invalid_argument("rope: dims " + std::to_string(dims) + " must be even and at most D = " +
+                                std::to_string(x.shape(-1)));
+  }
+  if (offset.ndim() > 1 || (offset.ndim() == 1 && offset.size() != 1 && (x.ndim() < 3 || offset.size() != static_cast<size_t>(x.shape(0))))) {
+    throw std::invalid_argument("rope: offset must be a scalar or one per row of x's first dim");
+  }
+  if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("rope: offset must be integer");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto x32 = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s);
+  auto offset32 = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale), {x32, offset32});
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& offset = inputs[1];
+  auto& y = outputs[0];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(offset);
+  encoder.set_output_array(y);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), offset = mx::array::unsafe_weak_copy(offset),
+                    y_data = y.data<float>(), dims = dims_, traditional = traditional_, base = base_,
+                    scale = scale_]() {
+    RopeJob job;
+    const int ndim = x.ndim();
+    job.num_b = ndim > 2 ? x.shape(0) : 1;
+    job.num_m = 1;
+    for (int i = 1; i < ndim - 2; ++i) job.num_m *= x.shape(i);
+    job.num_t = x.shape(-2);
+    job.num_d = x.shape(-1);
+    // The middle dims (heads) must collapse to one stride; mlx-lm's (B, H, T, D) views
+    // have one middle dim, so only a rare >4-dim view pays for a contiguous copy.
+    bool is_collapsible = true;
+    for (int i = 1; i + 1 < ndim - 2; ++i) {
+      if (x.strides(i) != x.strides(i + 1) * x.shape(i + 1)) is_collapsible = false;
+    }
+    std::vector<float> copy;
+    const float* data = x.data<float>();
+    if (is_collapsible) {
+      job.stride_b = ndim > 2 ? x.strides(0) : 0;
+      job.stride_m = ndim > 3 ? x.strides(ndim - 3) : 0;
+      job.stride_t = x.strides(ndim - 2);
+      job.stride_d = x.strides(ndim - 1);
+    } else {
+      copy.resize(x.size());
+      for (size_t i = 0; i < x.size(); ++i) copy[i] = data[mx::elem_to_loc(static_cast<int>(i), x.shape(), x.strides())];
+      data = copy.data();
+      job.stride_d = 1;
+      job.stride_t = job.num_d;
+      job.stride_m = job.num_t * job.num_d;
+      job.stride_b = job.num_m * job.stride_m;
+    }
+    job.x = data;
+    job.offsets = offset.data<int32_t>();
+    job.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+    job.y = y_data;
+    job.dims = dims;
+    job.traditional = traditional;
+    job.scale = scale;
+    const int half = dims / 2;
+    job.inv_freqs.resize(half);
+    for (int i = 0; i < half; ++i) job.inv_freqs[i] = std::pow(static_cast<double>(base), -static_cast<double>(i) / half);
+    const int64_t num_vectors = job.num_b * job.num_m * job.num_t;
+    const int64_t num_chunks = (num_vectors + kVectorsPerChunk - 1) / kVectorsPerChunk;
+    run_on_pool(rotate_vectors, &job, num_chunks);
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxRope runs on the CPU only");
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+}
+
+}  // namespace gmlx_kernels

@@ -1,0 +1,163 @@
+"""A quantized model's width-1 CPU decode with gmlx's fused decode ops (RMSNorm, RoPE,
+attention: GMLX_CPU_DECODE_OPS) off and on, side by side in one run. Both engines run the
+quantized products in gmlx's kernels. Reported per side: engine decode tok/s (median of
+--repeats greedy runs of --tokens, alternating), MLX graph nodes of one decode step, the
+step's time against the products' alone (the same 4-bit products evaluated back to back),
+and the forward cost of 1-4 positions at --context tokens of KV (verify widths k+1),
+best of --reps each.
+
+    OPENBLAS_NUM_THREADS=1 python3 scripts/bench_decode_ops.py                 # smollm2, 128 tokens
+    python3 scripts/bench_decode_ops.py --model FILE.gguf --tokens 64 --repeats 5 --json
+    OPENBLAS_NUM_THREADS=1 GMLX_CPU_KERNELS_THREADS=1 python3 scripts/bench_decode_ops.py --cpu-time
+
+--cpu-time times the forwards and products in process CPU seconds (with one kernel and one
+BLAS thread: the work per step, which an oversubscribed box does not inflate the way it
+inflates wall time); the engine's tok/s stays wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's gmlx
+
+from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # the fast BLAS before mlx is first imported
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from bench_compute_format import gmlx_tok_per_s  # noqa: E402
+from gmlx.cache.ragged import make_ragged_cache  # noqa: E402
+from gmlx.config import EngineConfig, env_overrides  # noqa: E402
+from gmlx.engine import Engine  # noqa: E402
+from gmlx.models.source import resolve_model_path  # noqa: E402
+
+SIDES = {"ops off": "0", "ops on": "1"}
+MAX_POSITIONS = 4
+
+
+CLOCK = time.perf_counter  # time.process_time with --cpu-time
+
+
+def best_s(fn, reps: int) -> float:
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(reps):
+        start = CLOCK()
+        fn()
+        best = min(best, CLOCK() - start)
+    return best
+
+
+def forward_fn(target, cache, num_positions: int):
+    tokens = mx.array([[7] * num_positions])  # (1, T)
+
+    def run():
+        _, logits = target.forward(tokens, cache)
+        mx.eval(logits)
+        for layer in cache:
+            layer.trim(num_positions)
+
+    return run
+
+
+def products_fn(target):
+    """Every quantized product of one decode step, on random rows, in one eval."""
+    modules = [m for m in target.model.modules() if isinstance(m, nn.QuantizedLinear)]
+    inputs = {}
+    for m in modules:
+        num_inputs = m["weight"].shape[1] * 32 // m.bits
+        inputs.setdefault(num_inputs, mx.random.normal((1, 1, num_inputs)))
+    embed = target.body.embed_tokens
+    head_input = mx.random.normal((1, 1, target.hidden_size))
+    mx.eval(list(inputs.values()), head_input)
+
+    def run():
+        outs = [m(inputs[m["weight"].shape[1] * 32 // m.bits]) for m in modules]
+        if isinstance(embed, nn.QuantizedEmbedding):
+            outs.append(embed.as_linear(head_input))
+        mx.eval(outs)
+
+    return run
+
+
+def num_graph_nodes(target, cache) -> int:
+    _, logits = target.forward(mx.array([[7]]), cache)
+    with tempfile.NamedTemporaryFile(suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, logits)
+        text = Path(dot.name).read_text()
+    for layer in cache:
+        layer.trim(1)
+    return text.count("shape=rectangle")  # one per primitive; arrays are plain nodes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context", type=int, default=160, help="KV tokens behind the verify-cost forwards")
+    parser.add_argument("--reps", type=int, default=20, help="forwards per verify-cost measurement (best of)")
+    parser.add_argument("--cpu-time", action="store_true", help="time forwards in process CPU seconds")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
+    source = resolve_model_path(args.model)
+
+    engines = {}
+    for side, flag in SIDES.items():
+        with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", "GMLX_CPU_DECODE_OPS": flag}):
+            engines[side] = Engine.load(EngineConfig(model_path=str(source), prompt_cache_bytes=0))
+    caches = {}
+    for side, engine in engines.items():
+        target = engine.target
+        caches[side] = make_ragged_cache(target.num_layers)
+        mx.eval(target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(args.context)]]), caches[side])[1])
+        gmlx_tok_per_s(engine, 16)  # warm-up: touch every weight once
+
+    tok_per_s = {side: [] for side in engines}
+    for _ in range(args.repeats):
+        for side, engine in engines.items():
+            tok_per_s[side].append(gmlx_tok_per_s(engine, args.tokens))
+    forward_ms = {side: {} for side in engines}
+    for num_positions in range(1, MAX_POSITIONS + 1):  # alternating sides per width
+        for side, engine in engines.items():
+            run = forward_fn(engine.target, caches[side], num_positions)
+            forward_ms[side][num_positions] = 1e3 * best_s(run, args.reps)
+    products_ms = {side: 1e3 * best_s(products_fn(e.target), args.reps) for side, e in engines.items()}
+    nodes = {side: num_graph_nodes(e.target, caches[side]) for side, e in engines.items()}
+
+    report = {
+        "model": str(source), "clock": CLOCK.__name__, "tokens": args.tokens, "repeats": args.repeats, "context": args.context,
+        "cpu": platform.processor() or platform.machine(),
+        "tok_per_s": {side: statistics.median(v) for side, v in tok_per_s.items()},
+        "graph_nodes_per_step": nodes, "products_ms": products_ms, "forward_ms": forward_ms,
+        "verify_cost": {side: {k: ms / v[1] for k, ms in v.items()} for side, v in forward_ms.items()},
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{source.name}, 4-bit kernels, width 1, {args.tokens} tokens, median of {args.repeats}; "
+          f"forwards at {args.context} KV tokens, best of {args.reps} ({CLOCK.__name__})")
+    print("| side | tok/s | nodes/step | 1-pos forward ms | products ms | 2/3/4 pos over 1 |")
+    print("|---|---|---|---|---|---|")
+    for side in engines:
+        cost = report["verify_cost"][side]
+        print(f"| {side} | {report['tok_per_s'][side]:.1f} | {nodes[side]} | {forward_ms[side][1]:.2f} | "
+              f"{products_ms[side]:.2f} | {cost[2]:.2f} / {cost[3]:.2f} / {cost[4]:.2f} |")
+    ratio = report["tok_per_s"]["ops on"] / report["tok_per_s"]["ops off"]
+    print(f"decode tok/s, ops on over off: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

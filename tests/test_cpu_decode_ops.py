@@ -1,0 +1,349 @@
+"""gmlx's CPU decode ops (RoPE, RMSNorm, ragged attention): each row's bits independent of
+the rows and threads sharing the call (and, for attention, of how many positions a call
+holds), close to mx.fast's ops, swapped in at load on quantized models; whole-engine
+identity with them on (speculative and batched equal plain) on a quantized qwen3."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gmlx.config import env_overrides
+from gmlx.models.loader import load_model
+from gmlx.platform import cpu_kernels
+from gmlx.cache.ragged import make_ragged_cache
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.platform.cpu_attention import _SWAPS as ATTENTION_SWAPS
+from gmlx.platform.cpu_attention import _reference as mlx_ragged_attention
+from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, use_cpu_decode_ops
+from schedules import SoloReference, check_schedule, make_schedule
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.is_built(), reason=f"gmlx CPU kernels not built: {cpu_kernels.status()['reason']}")
+
+PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture
+def ext():
+    """The extension, with its thread count and ISA restored after the test."""
+    ext = cpu_kernels.extension()
+    num_threads, isa = ext.num_threads(), ext.isa()
+    yield ext
+    ext.set_num_threads(num_threads)
+    ext.set_isa(isa)
+
+
+def supported_isas(ext) -> list[str]:
+    order = ["portable", "avx2", "avx512"]
+    return order[: order.index(ext.best_isa()) + 1]
+
+
+def bitwise_equal(a: mx.array, b: mx.array) -> bool:
+    return mx.array_equal(a, b).item()
+
+
+# ------------------------------------------------------------------------------ RoPE
+
+rope_cases = st.fixed_dictionaries({
+    "num_rows": st.integers(1, 16),
+    "num_heads": st.integers(1, 4),
+    "num_new": st.integers(1, 16),
+    "head_dim": st.sampled_from([16, 32, 64, 80]),
+    "rotated_share": st.sampled_from([1.0, 0.5]),
+    "traditional": st.booleans(),
+    "base": st.sampled_from([10000.0, 100000.0, 1e6]),
+    "scale": st.sampled_from([1.0, 0.25]),
+    "seed": st.integers(0, 2**16),
+})
+
+
+def rope_inputs(case):
+    key_x, key_offsets = mx.random.split(mx.random.key(case["seed"]))
+    shape = (case["num_rows"], case["num_new"], case["num_heads"], case["head_dim"])
+    x = 4.0 * mx.random.normal(shape, key=key_x).transpose(0, 2, 1, 3)  # (B, H, T, D), mlx-lm's strided view
+    offsets = mx.random.randint(0, 3000, (case["num_rows"],), key=key_offsets).astype(mx.int32)  # ragged rows
+    dims = int(case["head_dim"] * case["rotated_share"])
+    return x, offsets, (dims, case["traditional"], case["base"], case["scale"])
+
+
+@PROPERTY_SETTINGS
+@given(case=rope_cases)
+def test_rope_rows_are_independent_of_row_count_threads_and_verify_width(case, ext):
+    x, offsets, args = rope_inputs(case)
+    together = {}
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        together[num_threads] = cpu_kernels.rope(x, *args, offsets)
+        mx.eval(together[num_threads])
+    assert bitwise_equal(together[1], together[2])
+    for row in range(case["num_rows"]):
+        alone = cpu_kernels.rope(x[row : row + 1], *args, offsets[row : row + 1])
+        assert bitwise_equal(alone, together[1][row : row + 1]), row
+        # A verify's position t gets what a one-position step at offset + t gets.
+        t = case["num_new"] - 1
+        step = cpu_kernels.rope(x[row : row + 1, :, t : t + 1], *args, offsets[row : row + 1] + t)
+        assert bitwise_equal(step, together[1][row : row + 1, :, t : t + 1]), (row, t)
+
+
+@PROPERTY_SETTINGS
+@given(case=rope_cases)
+def test_rope_is_close_to_mlx(case):
+    x, offsets, (dims, traditional, base, scale) = rope_inputs(case)
+    expected = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offsets)
+    got = cpu_kernels.rope(x, dims, traditional, base, scale, offsets)
+    # mlx's float32 angles drift by ~position * 2^-24 radians; the kernel's are exact to float.
+    assert mx.allclose(got, expected, rtol=1e-4, atol=2e-3).item()
+    scalar = cpu_kernels.rope(x, dims, traditional, base, scale, mx.array(5, dtype=mx.int32))
+    assert mx.allclose(scalar, mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=5),
+                       rtol=1e-4, atol=1e-4).item()
+
+
+def test_prefill_sized_rope_spreads_over_threads_with_the_same_bits(ext):
+    x = mx.random.normal((2, 3, 700, 64), key=mx.random.key(3))  # (B, H, T, D): many pool chunks
+    offsets = mx.array([0, 41], dtype=mx.int32)
+    results = []
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        results.append(cpu_kernels.rope(x, 64, False, 10000.0, 1.0, offsets))
+        mx.eval(results[-1])
+    assert bitwise_equal(*results)
+    assert bitwise_equal(results[0][1:, :, 5:6], cpu_kernels.rope(x[1:, :, 5:6], 64, False, 10000.0, 1.0, offsets[1:] + 5))
+
+
+def test_rope_refuses_bad_arguments():
+    x = mx.zeros((2, 1, 3, 8))
+    with pytest.raises(ValueError, match="dims 7"):
+        cpu_kernels.rope(x, 7, False, 10000.0, 1.0, mx.array(0, dtype=mx.int32))
+    with pytest.raises(ValueError, match="offset"):
+        cpu_kernels.rope(x, 8, False, 10000.0, 1.0, mx.array([0, 1, 2], dtype=mx.int32))
+
+
+def test_swap_covers_plain_and_compiled_modules_and_keeps_subclasses():
+    from gmlx.platform.cpu_graph import fuse_cpu_ops
+
+    class ScaledRoPE(nn.RoPE):  # a subclass may change the arithmetic: left alone
+        pass
+
+    model = nn.Sequential(nn.RoPE(16), ScaledRoPE(16), nn.RMSNorm(24), nn.RMSNorm(24))
+    fuse_cpu_ops(model)  # the compiled forms
+    model.layers[3] = nn.RMSNorm(24)  # and a plain one
+    assert use_cpu_decode_ops(model) == 3
+    assert [type(m) for m in model.layers] == [KernelRoPE, ScaledRoPE, KernelRMSNorm, KernelRMSNorm]
+
+
+# ------------------------------------------------------------------------------ RMSNorm
+
+norm_cases = st.fixed_dictionaries({
+    "num_rows": st.integers(1, 16),
+    "num_features": st.sampled_from([16, 37, 64, 576, 1024]),
+    "eps": st.sampled_from([1e-5, 1e-6]),
+    "seed": st.integers(0, 2**16),
+})
+
+
+@PROPERTY_SETTINGS
+@given(case=norm_cases)
+def test_rms_norm_rows_are_independent_of_row_count_and_threads_and_close_to_mlx(case, ext):
+    key_x, key_w = mx.random.split(mx.random.key(case["seed"]))
+    x = 6.0 * mx.random.normal((case["num_rows"], 1, case["num_features"]), key=key_x)  # (B, T, D)
+    weight = mx.random.normal((case["num_features"],), key=key_w)
+    together = {}
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        together[num_threads] = cpu_kernels.rms_norm(x, weight, case["eps"])
+        mx.eval(together[num_threads])
+    assert bitwise_equal(together[1], together[2])
+    for row in range(case["num_rows"]):
+        assert bitwise_equal(cpu_kernels.rms_norm(x[row : row + 1], weight, case["eps"]), together[1][row : row + 1])
+    expected = mx.fast.rms_norm(x, weight, case["eps"])
+    assert mx.allclose(together[1], expected, rtol=1e-5, atol=1e-5).item()
+
+
+def test_prefill_sized_rms_norm_spreads_over_threads_with_the_same_bits(ext):
+    x = mx.random.normal((3, 300, 576), key=mx.random.key(4))  # (B, T, D): many pool chunks
+    weight = mx.random.normal((576,), key=mx.random.key(5))
+    results = []
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        results.append(cpu_kernels.rms_norm(x, weight, 1e-5))
+        mx.eval(results[-1])
+    assert bitwise_equal(*results)
+    assert bitwise_equal(results[0][2:, 7:8], cpu_kernels.rms_norm(x[2:, 7:8], weight, 1e-5))
+    strided = x.transpose(1, 0, 2)  # (T, B, D) view: copied to rows first
+    assert bitwise_equal(cpu_kernels.rms_norm(strided, weight, 1e-5), results[0].transpose(1, 0, 2))
+
+
+def test_rms_norm_refuses_a_mismatched_weight():
+    with pytest.raises(ValueError, match="weight"):
+        cpu_kernels.rms_norm(mx.zeros((2, 8)), mx.ones((7,)), 1e-5)
+
+
+# ------------------------------------------------------------------------------ attention
+
+attention_cases = st.fixed_dictionaries({
+    "num_rows": st.integers(1, 16),
+    "heads": st.sampled_from([(1, 1), (4, 4), (4, 2), (9, 3), (8, 1)]),  # (Hq, Hkv): MHA and GQA
+    "num_new": st.integers(1, 16),
+    "head_dim": st.sampled_from([16, 37, 64, 128]),  # 64 and 128 run compile-time-sized code
+    "seed": st.integers(0, 2**16),
+})
+
+
+def attention_inputs(case):
+    key_q, key_k, key_v, key_offsets = mx.random.split(mx.random.key(case["seed"]), 4)
+    num_q_heads, num_kv_heads = case["heads"]
+    rows, new, dim = case["num_rows"], case["num_new"], case["head_dim"]
+    offsets = mx.random.randint(0, 80, (rows,), key=key_offsets).astype(mx.int32)  # ragged lengths
+    capacity = int(offsets.max().item()) + new + 3  # keys past a row's length are never seen
+    q = mx.random.normal((rows, num_q_heads, new, dim), key=key_q)  # (B, Hq, T, D)
+    keys = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_k)  # (B, Hkv, S, D)
+    values = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_v)
+    return q, keys, values, offsets, dim**-0.5
+
+
+@PROPERTY_SETTINGS
+@given(case=attention_cases)
+def test_attention_rows_are_independent_of_row_count_threads_and_verify_width(case, ext):
+    q, keys, values, offsets, scale = attention_inputs(case)
+    together = {}
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        together[num_threads] = cpu_kernels.ragged_attention(q, keys, values, offsets, scale)  # (B, T, Hq * D)
+        mx.eval(together[num_threads])
+    assert bitwise_equal(together[1], together[2])
+    assert mx.allclose(together[1], mlx_ragged_attention(q, keys, values, offsets, scale), atol=1e-5).item()
+    for isa in supported_isas(ext):  # each ISA's build of the same lane order
+        ext.set_isa(isa)
+        assert bitwise_equal(cpu_kernels.ragged_attention(q, keys, values, offsets, scale), together[1]), isa
+    ext.set_isa(ext.best_isa())
+    for row in {0, case["num_rows"] // 2, case["num_rows"] - 1}:
+        one = slice(row, row + 1)
+        alone = cpu_kernels.ragged_attention(q[one], keys[one], values[one], offsets[one], scale)
+        assert bitwise_equal(alone, together[1][one]), row
+        for t in {0, case["num_new"] - 1}:  # a verify's position t = a one-position step at offset + t
+            step = cpu_kernels.ragged_attention(q[one, :, t : t + 1], keys[one], values[one], offsets[one] + t, scale)
+            assert bitwise_equal(step, together[1][one, t : t + 1]), (row, t)
+
+
+def test_long_attention_spreads_over_threads_with_the_same_bits(ext):
+    case = {"num_rows": 2, "heads": (9, 3), "num_new": 200, "head_dim": 64, "seed": 11}
+    q, keys, values, offsets, scale = attention_inputs(case)  # prefill-sized: many pool chunks
+    results = []
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        results.append(cpu_kernels.ragged_attention(q, keys, values, offsets, scale))
+        mx.eval(results[-1])
+    assert bitwise_equal(*results)
+    assert mx.allclose(results[0], mlx_ragged_attention(q, keys, values, offsets, scale), atol=1e-5).item()
+
+
+def test_attention_refuses_mismatched_heads():
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        cpu_kernels.ragged_attention(mx.zeros((1, 3, 1, 8)), mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)),
+                                     mx.array([0], dtype=mx.int32), 1.0)
+
+
+def test_prompt_chunking_does_not_change_a_bit(tiny_quantized_target, code_prompts):
+    """With every op row- and width-independent, a prompt prefilled whole or in chunks of
+    any size leaves the same logits (what lets a time-budgeted prefill chunk freely)."""
+    target = tiny_quantized_target
+    prompt = mx.array([code_prompts[1][:40]])  # (1, T)
+    results = []
+    for chunks in ([40], [1, 16, 23], [17, 3, 20]):
+        cache = make_ragged_cache(target.num_layers)
+        start = 0
+        for size in chunks:
+            _, logits = target.forward(prompt[:, start : start + size], cache)
+            start += size
+        results.append(logits[:, -1])
+    assert bitwise_equal(results[0], results[1]) and bitwise_equal(results[0], results[2])
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def test_quantized_models_get_the_ops_and_float32_ones_keep_mlx_bits(tiny_quantized_target, tiny_llama_dir):
+    kinds = (KernelRoPE, KernelRMSNorm, *ATTENTION_SWAPS.values())
+    swapped = [type(m) for m in tiny_quantized_target.model.modules() if type(m) in kinds]
+    assert swapped.count(KernelRoPE) == 2 and swapped.count(KernelRMSNorm) == 2 * 2 + 1  # per layer; final norm
+    assert swapped.count(ATTENTION_SWAPS[type(float32_attention(tiny_llama_dir))]) == 2
+    float32 = load_model(str(tiny_llama_dir))
+    assert not any(type(m) in kinds for m in float32.model.modules())
+    for switches in ({"GMLX_CPU_KERNELS": "0"}, {"GMLX_CPU_DECODE_OPS": "0"}):
+        with env_overrides({**switches, "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+            off = load_model(tiny_quantized_target.path)
+        assert not any(type(m) in kinds for m in off.model.modules()), switches
+
+
+def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch):
+    """The pure-MLX fallback: no extension (or one built before these ops) swaps nothing."""
+    from mlx_lm.models import llama
+
+    from gmlx.models import random_model
+
+    model = random_model.make_random_model(random_model.tiny_config("llama"))
+    before = [type(m) for m in model.modules()]
+    monkeypatch.setattr(cpu_kernels, "is_built", lambda: False)
+    assert use_cpu_decode_ops(model) == 0
+    assert [type(m) for m in model.modules()] == before and llama.Attention in before
+
+
+def float32_attention(folder):
+    return load_model(str(folder)).model.model.layers[0].self_attn
+
+
+def make_quantized_target(folder, model_type: str):
+    """A tiny random model of `model_type` in 4 bits, loaded with the kernels on."""
+    import json
+
+    from mlx.utils import tree_flatten
+
+    from gmlx.models import random_model
+
+    source = random_model.make_random_model_dir(folder / "float", random_model.tiny_config(model_type))
+    model = random_model.make_random_model(json.loads((source / "config.json").read_text()))
+    nn.quantize(model, group_size=32, bits=4)
+    quantized = folder / "q4"
+    quantized.mkdir()
+    mx.save_safetensors(str(quantized / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (quantized / "config.json").write_text(json.dumps(config))
+    random_model.copy_tokenizer(source, quantized)
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        return load_model(quantized)
+
+
+@pytest.fixture(scope="module")
+def quantized_qwen3(tmp_path_factory):
+    """qwen3: q_norm and k_norm in its attention."""
+    return make_quantized_target(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])  # llama: tiny_quantized_target, tests/test_engine.py
+def test_kernel_attention_decodes_like_mlx(model_type, quantized_qwen3, tmp_path):
+    target = quantized_qwen3 if model_type == "qwen3" else make_quantized_target(tmp_path, model_type)
+    assert all(type(layer.self_attn) in ATTENTION_SWAPS.values() for layer in target.model.model.layers)
+    prompt = mx.array([[(37 * i) % 1000 + 3 for i in range(12)]])  # (1, T)
+    cache = make_ragged_cache(target.num_layers)
+    target.forward(prompt, cache)
+    _, kernel_logits = target.forward(prompt[:, :3], cache)  # a 3-position verify-sized step
+    _, mlx_logits = target.forward(mx.concatenate([prompt, prompt[:, :3]], axis=1), None)  # mlx-lm's own attention
+    assert mx.allclose(kernel_logits, mlx_logits[:, -3:], rtol=1e-3, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_qwen3_speculative_and_batched_equal_plain_with_kernels(kind, quantized_qwen3, code_prompts):
+    target = quantized_qwen3
+    drafter = make_drafter(kind if kind == "ngram" else f"draft:{target.path}", target)
+    engine = Engine(target, drafter, EngineConfig())
+    reference = SoloReference(target)
+    num_spec_rounds = 0
+    for seed in range(3):
+        schedule = make_schedule(700 + seed, target.vocab_size, code_prompts, max_requests=6)
+        num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
+    assert num_spec_rounds > 0
