@@ -106,6 +106,24 @@ def heldout_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[i
     return (prompts * num_prompts)[:num_prompts]
 
 
+def heldout_text_prompts(tokenizer, kind: str, num_prompts: int, num_tokens: int) -> list[list[int]]:
+    """Prompts from the files train_mtp_head.py held out: kind `prose` (man pages, licenses,
+    READMEs) or `code` (stdlib sources), one per file, from each file's middle."""
+    from text_corpus import read_text, split_code_files, split_prose_files
+
+    files = (split_prose_files if kind == "prose" else split_code_files)()[1]
+    prompts = []
+    for path in files:
+        tokens = tokenizer.encode(read_text(path) or "")
+        if len(tokens) >= 2 * num_tokens:
+            middle = len(tokens) // 2
+            prompts.append(tokens[middle : middle + num_tokens])
+        if len(prompts) == num_prompts:
+            return prompts
+    assert prompts, f"no held-out {kind} files long enough"
+    return (prompts * num_prompts)[:num_prompts]
+
+
 def decode_tok_per_s(engine, prompts, params) -> tuple[float, dict]:
     """Aggregate decode tokens/s of `prompts` run together, from after the first step."""
     import time

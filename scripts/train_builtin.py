@@ -31,7 +31,6 @@ import math  # noqa: E402
 import shutil  # noqa: E402
 import sysconfig  # noqa: E402
 import time  # noqa: E402
-import zlib  # noqa: E402
 from functools import partial  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -43,11 +42,11 @@ from mlx_lm.models import qwen3  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from gmlx.models.mtp_head import MTPHead, MTPHeadArgs, load_mtp_head, save_mtp_head  # noqa: E402
+from mtp_training import (Tally, chained_mtp_loss, lr_schedule, make_adamw,  # noqa: E402
+                          make_mtp_optimizer, run_steps)
+from text_corpus import is_heldout, list_code_files  # noqa: E402
 
 EOS_TOKEN = "<|endoftext|>"
-# pydoc_data/topics.py (~750 KB) is English documentation wrapped in a dict literal,
-# not Python code; anything that large is data rather than source.
-MAX_SOURCE_FILE_BYTES = 512 * 1024
 MAX_POSITION_EMBEDDINGS = 1024
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-6
@@ -125,33 +124,10 @@ def parse_args():
 
 # ---------------------------------------------------------------- corpus and tokenizer
 
-def list_corpus_files(stdlib_dir: Path) -> list[Path]:
-    """All stdlib .py sources in sorted relative-path order (deterministic)."""
-    files = []
-    for path in stdlib_dir.rglob("*.py"):
-        rel_parts = path.relative_to(stdlib_dir).parts
-        if "site-packages" in rel_parts or "__pycache__" in rel_parts:
-            continue
-        # Generated at build time from this machine's compiler flags: not source code,
-        # and it would make the corpus differ from one Python build to the next.
-        if path.name.startswith("_sysconfigdata"):
-            continue
-        if not path.is_file() or path.stat().st_size > MAX_SOURCE_FILE_BYTES:
-            continue
-        files.append(path)
-    return sorted(files, key=lambda p: p.relative_to(stdlib_dir).as_posix())
-
-
-def is_heldout(rel_path: str, heldout_per_mille: int) -> bool:
-    # A hash of the path, not an index, so adding or removing one file elsewhere in the
-    # tree does not reshuffle which files are held out.
-    return zlib.crc32(rel_path.encode()) % 1000 < heldout_per_mille
-
-
 def read_corpus(stdlib_dir: Path, heldout_per_mille: int):
     train_texts, heldout_texts = [], []
     skipped_files = 0
-    for path in list_corpus_files(stdlib_dir):
+    for path in list_code_files(stdlib_dir):
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
@@ -272,21 +248,6 @@ def write_json(path: Path, obj) -> None:
 
 # ---------------------------------------------------------------- training
 
-def lr_schedule(peak_lr, total_steps, warmup_steps, min_lr_ratio):
-    warmup = optim.linear_schedule(peak_lr / warmup_steps, peak_lr, warmup_steps)
-    decay = optim.cosine_decay(peak_lr, max(total_steps - warmup_steps, 1),
-                               end=peak_lr * min_lr_ratio)
-    return optim.join_schedules([warmup, decay], [warmup_steps])
-
-
-def make_adamw(peak_lr, total_steps, args):
-    return optim.AdamW(
-        learning_rate=lr_schedule(peak_lr, total_steps, args.warmup_steps, args.min_lr_ratio),
-        betas=[0.9, 0.95],
-        weight_decay=args.weight_decay,
-    )
-
-
 def is_hidden_matrix(path: str, weight: mx.array) -> bool:
     # Muon orthogonalises whole-matrix updates; that suits the square-ish projections
     # inside the blocks and the MTP head, not the (tied) embedding table or the norms.
@@ -303,18 +264,6 @@ def make_lm_optimizer(peak_lr, total_steps, args):
     )
     return optim.MultiOptimizer([muon, make_adamw(peak_lr, total_steps, args)],
                                 [is_hidden_matrix])
-
-
-def make_mtp_optimizer(total_steps, args):
-    if args.mtp_optimizer == "adamw":
-        return make_adamw(args.mtp_lr, total_steps, args)
-    muon = optim.Muon(
-        learning_rate=lr_schedule(args.muon_lr, total_steps, args.warmup_steps,
-                                  args.min_lr_ratio),
-        momentum=0.95, weight_decay=0.0,
-    )
-    return optim.MultiOptimizer([muon, make_adamw(args.mtp_lr, total_steps, args)],
-                                [lambda path, weight: weight.ndim == 2])
 
 
 def sample_windows(stream: np.ndarray, batch: int, seq_len: int, rng) -> mx.array:
@@ -340,7 +289,8 @@ def train_lm(name, model, stream, steps, batch, seq_len, peak_lr, rng, args) -> 
         optimizer.update(model, grads)
         return loss
 
-    return run_steps(name, step, state, stream, steps, batch, seq_len, rng, args)
+    return run_steps(name, step, state, lambda: (sample_windows(stream, batch, seq_len, rng),),
+                     steps, batch * seq_len, args.log_every)
 
 
 class TargetWithMTP(nn.Module):
@@ -381,26 +331,9 @@ def train_target_with_mtp(target, head, stream, rng, args) -> float:
         optimizer.update(pair, grads)
         return mx.stack([next_token_loss, head_loss])
 
-    return run_steps("target+mtp", step, state, stream, args.target_steps,
-                     args.target_batch, args.seq_len, rng, args)
-
-
-def run_steps(name, step, state, stream, steps, batch, seq_len, rng, args) -> float:
-    """Drive a compiled step; `step` returns one loss or a vector of loss terms."""
-    start_s = time.perf_counter()
-    recent_losses = []
-    for i in range(1, steps + 1):
-        loss = step(sample_windows(stream, batch, seq_len, rng))
-        mx.eval(loss, state)
-        recent_losses.append(np.atleast_1d(np.array(loss)))
-        if i % args.log_every == 0 or i == steps:
-            elapsed_s = time.perf_counter() - start_s
-            tokens_per_s = i * batch * seq_len / elapsed_s
-            mean_losses = " ".join(f"{v:.3f}" for v in np.mean(recent_losses, axis=0))
-            print(f"[{name}] step {i}/{steps} train_loss {mean_losses} "
-                  f"{tokens_per_s:.0f} tok/s {elapsed_s:.0f}s", flush=True)
-            recent_losses = []
-    return time.perf_counter() - start_s
+    return run_steps("target+mtp", step, state,
+                     lambda: (sample_windows(stream, args.target_batch, args.seq_len, rng),),
+                     args.target_steps, args.target_batch * args.seq_len, args.log_every)
 
 
 def soft_cross_entropy(student_logits, teacher_probs):
@@ -425,17 +358,12 @@ def mtp_step_loss(predicted_hidden, target_hidden, teacher_probs, embed, hidden_
 
 def mtp_loss(head, hidden, tokens, teacher_probs, embed, chain_weight, hidden_weight,
              greedy_weight):
-    """hidden[:, t] and tokens[:, t+1] predict the teacher at t+1 (its distribution for
-    x_{t+2}, and its hidden state); the chained step feeds the head's own output back
-    with x_{t+2}."""
-    first = head(hidden[:, :-1], tokens[:, 1:], embed)
-    loss = mtp_step_loss(first, hidden[:, 1:], teacher_probs[:, 1:], embed, hidden_weight,
-                         greedy_weight)
-    if chain_weight > 0:
-        second = head(first[:, :-1], tokens[:, 2:], embed)
-        loss = loss + chain_weight * mtp_step_loss(
-            second, hidden[:, 2:], teacher_probs[:, 2:], embed, hidden_weight, greedy_weight)
-    return loss
+    """The teacher at t+1 is its distribution for x_{t+2} and its hidden state."""
+    def step_loss(predicted, offset):
+        return mtp_step_loss(predicted, hidden[:, offset:], teacher_probs[:, offset:], embed,
+                             hidden_weight, greedy_weight)
+
+    return chained_mtp_loss(head, hidden, tokens, embed, chain_weight, step_loss)
 
 
 def widen_mtp_head(head: MTPHead, intermediate_size: int) -> MTPHead:
@@ -481,8 +409,9 @@ def train_mtp(head, target, stream, rng, args) -> float:
         teacher_probs = mx.softmax(embed.as_linear(hidden), axis=-1)
         return head_step(hidden, tokens, teacher_probs)
 
-    return run_steps("mtp", step, state, stream, steps, args.mtp_batch, args.seq_len,
-                     rng, args)
+    return run_steps("mtp", step, state,
+                     lambda: (sample_windows(stream, args.mtp_batch, args.seq_len, rng),),
+                     steps, args.mtp_batch * args.seq_len, args.log_every)
 
 
 # ---------------------------------------------------------------- evaluation
@@ -494,19 +423,6 @@ def eval_windows(stream: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarra
     count = max(1, min(available, max_tokens // seq_len))
     starts = np.linspace(0, available - 1, count).astype(np.int64) * seq_len
     return stream[starts[:, None] + np.arange(seq_len + 1)]
-
-
-class Tally:
-    def __init__(self):
-        self.sums = {}
-
-    def add(self, name, numerator, denominator):
-        num, den = self.sums.get(name, (0.0, 0))
-        self.sums[name] = (num + float(numerator), den + int(denominator))
-
-    def mean(self, name):
-        num, den = self.sums[name]
-        return num / max(den, 1)
 
 
 def evaluate(target, draft, head, windows: np.ndarray, batch: int) -> dict:

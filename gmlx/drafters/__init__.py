@@ -28,6 +28,13 @@ def make_drafter(spec: str | None, target, num_draft_tokens: int | None = None):
         from gmlx.drafters.ngram import NgramDrafter
 
         return NgramDrafter(num_draft_tokens=num_draft_tokens)
+    if kind == "mtp" and path is None and not is_builtin_target:
+        from gmlx.models.head_registry import find_shipped_head
+
+        path = find_shipped_head(target.path)  # a head shipped for this exact GGUF file
+        if path is None:
+            raise ValueError(f"drafter 'mtp': no MTP head ships for {target.path}; give one (mtp:PATH), "
+                             f"e.g. made by scripts/train_mtp_head.py")
     if path is None and not is_builtin_target:
         raise ValueError(f"drafter {kind!r}: give a path ({kind}:PATH); built-in weights fit only the built-in model")
     if kind == "mtp":

@@ -13,8 +13,11 @@ class MTPDrafter(ModelDrafter):
     needs_hidden = True
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
+        from gmlx.models.head_registry import check_head_fits_target, read_head_identity
         from gmlx.models.mtp_head import load_mtp_head
 
+        # Before the shape check: "distilled from another model" is the message that helps.
+        check_head_fits_target(path, *read_head_identity(path), target.path)
         self.head = load_mtp_head(path)
         if self.head.args.hidden_size != target.hidden_size or self.head.args.vocab_size != target.vocab_size:
             raise ValueError(

@@ -38,6 +38,10 @@ class MTPHeadArgs:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     model_type: str = MODEL_TYPE
+    # A head distilled from one exact model file says which (the built-in head: None, any
+    # target of its shape); the drafter refuses it for any other file.
+    target_sha256: str | None = None
+    target_name: str | None = None
 
 
 class MTPHead(nn.Module):
