@@ -216,6 +216,21 @@ GMLX_AVX512 void span_avx512(const Span& s) {
 
 // ---------------------------------------------------------------- many rows: panels
 
+// One tile call: kRows rows of x_lanes against a panel of kCols outputs over vectors
+// [v0, v1) of K (16 inputs each). Lane sums start at zero when v0 is 0, else come from
+// sums[(r * kCols + c) * 16]; when v1 ends K they are reduced into y (rows < num_rows,
+// outputs < num_cols), else stored back to sums.
+struct TileArgs {
+  const float* x;
+  int64_t num_inputs;  // x's row stride
+  const float* panel;
+  int64_t v0, v1;
+  float* sums;
+  float* y;
+  int64_t y_stride;
+  int num_rows, num_cols;
+};
+
 // The canonical lane tree (reduce_lanes) on sixteen lanes held as lo = 0-7, hi = 8-15:
 // t[i] + t[i+8], then t[i] + t[i+4], t[i] + t[i+2], t[0] + t[1].
 GMLX_AVX2 inline float reduce_halves_avx2(__m256 lo, __m256 hi) {
@@ -224,11 +239,6 @@ GMLX_AVX2 inline float reduce_halves_avx2(__m256 lo, __m256 hi) {
   four = _mm_add_ps(four, _mm_movehl_ps(four, four));
   four = _mm_add_ss(four, _mm_shuffle_ps(four, four, 1));
   return _mm_cvtss_f32(four);
-}
-
-GMLX_AVX512 inline float reduce_lanes_avx512(__m512 lanes) {
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1));
-  return reduce_halves_avx2(_mm512_castps512_ps256(lanes), hi);
 }
 
 // A panel holds kCols outputs over all of K in lane order: panel[(v * kCols + c) * 16 + j]
@@ -266,26 +276,36 @@ GMLX_AVX512 void dequantize_panel_avx512(const QmmArgs& a, int64_t n, int num_co
   }
 }
 
-// kRows rows of x_lanes (row stride num_inputs) against a panel of kCols outputs: every
-// (row, output) keeps its sixteen lane sums in one register over all of K, in k order.
+// Each (row, output)'s sixteen lane sums stay in one register over the block, taking
+// their k in order.
 template <int kRows, int kCols>
-GMLX_AVX512 void tile_avx512(const float* x, int64_t num_inputs, const float* panel, float* y, int64_t y_stride,
-                             int num_rows, int num_cols) {
+GMLX_AVX512 void tile_avx512(const TileArgs& t) {
+  const bool is_first = t.v0 == 0, is_last = t.v1 == t.num_inputs / kLanes;
   __m512 acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r) {
-    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < kCols; ++c) acc[r][c] = is_first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.sums + (r * kCols + c) * kLanes);
   }
-  for (int64_t v = 0; v < num_inputs / kLanes; ++v) {
-    const float* w = panel + v * kCols * kLanes;
+  for (int64_t v = t.v0; v < t.v1; ++v) {
+    const float* w = t.panel + v * kCols * kLanes;
     __m512 weights[kCols];
     for (int c = 0; c < kCols; ++c) weights[c] = _mm512_loadu_ps(w + c * kLanes);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 xr = _mm512_loadu_ps(x + r * num_inputs + v * kLanes);
+      const __m512 xr = _mm512_loadu_ps(t.x + r * t.num_inputs + v * kLanes);
       for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_fmadd_ps(xr, weights[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < num_rows; ++r) {
-    for (int c = 0; c < num_cols; ++c) y[r * y_stride + c] = reduce_lanes_avx512(acc[r][c]);
+  if (!is_last) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(t.sums + (r * kCols + c) * kLanes, acc[r][c]);
+    }
+    return;
+  }
+  for (int r = 0; r < t.num_rows; ++r) {
+    for (int c = 0; c < t.num_cols; ++c) {
+      const __m512 lanes = acc[r][c];
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1));
+      t.y[r * t.y_stride + c] = reduce_halves_avx2(_mm512_castps512_ps256(lanes), hi);
+    }
   }
 }
 
@@ -329,31 +349,48 @@ GMLX_AVX2 void dequantize_panel_avx2(const QmmArgs& a, int64_t n, int num_cols, 
   }
 }
 
-// The AVX2 tile: a (row, output)'s lanes 0-7 and 8-15 in two registers, as span_avx2.
+// Keeps v in a register: without it the compiler folds the load into every fma that
+// uses it, and the AVX2 tile becomes load-bound.
+#define GMLX_IN_REGISTER(v) __asm__("" : "+x"(v))
+
+// The AVX2 tile: a (row, output)'s lanes 0-7 and 8-15 as two sums, as span_avx2. Lanes
+// 0-7 run over the block first, then lanes 8-15 (each lane's order is unchanged), so a
+// pass holds kRows x kCols sums, the weights and one x vector in 16 registers.
 template <int kRows, int kCols>
-GMLX_AVX2 void tile_avx2(const float* x, int64_t num_inputs, const float* panel, float* y, int64_t y_stride,
-                         int num_rows, int num_cols) {
-  __m256 lo[kRows][kCols], hi[kRows][kCols];
-  for (int r = 0; r < kRows; ++r) {
-    for (int c = 0; c < kCols; ++c) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
-  }
-  for (int64_t v = 0; v < num_inputs / kLanes; ++v) {
-    const float* w = panel + v * kCols * kLanes;
-    const float* xv = x + v * kLanes;
-    __m256 weights[kCols];
-    for (int c = 0; c < kCols; ++c) weights[c] = _mm256_loadu_ps(w + c * kLanes);
+GMLX_AVX2 void tile_avx2(const TileArgs& t) {
+  const bool is_first = t.v0 == 0, is_last = t.v1 == t.num_inputs / kLanes;
+  __m256 halves[2][kRows][kCols];
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[kRows][kCols];
     for (int r = 0; r < kRows; ++r) {
-      const __m256 xr = _mm256_loadu_ps(xv + r * num_inputs);
-      for (int c = 0; c < kCols; ++c) lo[r][c] = _mm256_fmadd_ps(xr, weights[c], lo[r][c]);
+      for (int c = 0; c < kCols; ++c) {
+        acc[r][c] = is_first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.sums + (r * kCols + c) * kLanes + 8 * half);
+      }
     }
-    for (int c = 0; c < kCols; ++c) weights[c] = _mm256_loadu_ps(w + c * kLanes + 8);
+    for (int64_t v = t.v0; v < t.v1; ++v) {
+      const float* w = t.panel + v * kCols * kLanes + 8 * half;
+      const float* xv = t.x + v * kLanes + 8 * half;
+      __m256 weights[kCols];
+      for (int c = 0; c < kCols; ++c) weights[c] = _mm256_loadu_ps(w + c * kLanes);
+      for (int r = 0; r < kRows; ++r) {
+        __m256 xr = _mm256_loadu_ps(xv + r * t.num_inputs);
+        GMLX_IN_REGISTER(xr);
+        for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_fmadd_ps(xr, weights[c], acc[r][c]);
+      }
+    }
     for (int r = 0; r < kRows; ++r) {
-      const __m256 xr = _mm256_loadu_ps(xv + r * num_inputs + 8);
-      for (int c = 0; c < kCols; ++c) hi[r][c] = _mm256_fmadd_ps(xr, weights[c], hi[r][c]);
+      for (int c = 0; c < kCols; ++c) {
+        if (is_last) {
+          halves[half][r][c] = acc[r][c];
+        } else {
+          _mm256_storeu_ps(t.sums + (r * kCols + c) * kLanes + 8 * half, acc[r][c]);
+        }
+      }
     }
   }
-  for (int r = 0; r < num_rows; ++r) {
-    for (int c = 0; c < num_cols; ++c) y[r * y_stride + c] = reduce_halves_avx2(lo[r][c], hi[r][c]);
+  if (!is_last) return;
+  for (int r = 0; r < t.num_rows; ++r) {
+    for (int c = 0; c < t.num_cols; ++c) t.y[r * t.y_stride + c] = reduce_halves_avx2(halves[0][r][c], halves[1][r][c]);
   }
 }
 
@@ -446,18 +483,24 @@ void run_span(const Span& s, int64_t num_rows, int num_cols, Isa isa) {
 }
 
 // Tile shapes: rows x outputs sums held in registers, with room left for the weights
-// and one x vector (AVX-512: 24 of 32 registers; AVX2: 12 of 16).
+// and one x vector (AVX-512: 24 of 32 registers; AVX2: 12 of 16, a half of the lanes at a time).
 constexpr int kAvx512TileRows = 4, kAvx512TileCols = 6;
-constexpr int kAvx2TileRows = 3, kAvx2TileCols = 2;
-// A pass over rows keeps this many bytes of x_lanes in L2 next to the panel.
-constexpr int64_t kRowPassBytes = 256 << 10;
+constexpr int kAvx2TileRows = 4, kAvx2TileCols = 3;
+// A chunk's panel (kPanelBytes) and a pass of rows of x (kRowPassBytes) stay in L2. For
+// each column block the rows of the pass run K block by K block, so the block's weights
+// stay in L1 for all of them; AVX-512's tile reads few enough bytes per fma to take all
+// of K at once, AVX2's (half the sums per register file) takes blocks of 768 inputs
+// (measured best of 128-1536 on the SmolLM2 shapes).
 constexpr int64_t kPanelBytes = 128 << 10;
+constexpr int64_t kRowPassBytes = 256 << 10;
+constexpr int64_t kAvx512VectorsPerBlock = 1 << 20, kAvx2VectorsPerBlock = 48;
 
 #if GMLX_X86
-template <int kRows, int kCols, class Dequantize, class Tile>
+template <int kRows, int kCols, int64_t kVectorsPerBlock, class Dequantize, class Tile>
 void panel_outputs(const QmmArgs& a, const float* x_lanes, int64_t num_padded_rows, int64_t begin, int64_t end,
                    Dequantize dequantize, Tile tile) {
   thread_local std::vector<float> panel;  // the chunk's outputs, kCols at a time
+  thread_local std::vector<float> sums;  // (rows of a pass, kCols, 16) lane sums between K blocks
   const int64_t num_blocks = (end - begin + kCols - 1) / kCols;
   const int64_t block_floats = kCols * a.num_inputs;
   panel.resize(num_blocks * block_floats);
@@ -465,16 +508,25 @@ void panel_outputs(const QmmArgs& a, const float* x_lanes, int64_t num_padded_ro
     const int64_t n = begin + b * kCols;
     dequantize(a, n, static_cast<int>(std::min<int64_t>(kCols, end - n)), kCols, panel.data() + b * block_floats);
   }
+  const int64_t num_vectors = a.num_inputs / kLanes;
   const int64_t row_bytes = a.num_inputs * static_cast<int64_t>(sizeof(float));
   const int64_t rows_per_pass = std::max<int64_t>(kRows, kRowPassBytes / row_bytes / kRows * kRows);
   for (int64_t r0 = 0; r0 < num_padded_rows; r0 += rows_per_pass) {
     const int64_t r1 = std::min(r0 + rows_per_pass, num_padded_rows);
+    if (num_vectors > kVectorsPerBlock) sums.resize((r1 - r0) * kCols * kLanes);
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int64_t n = begin + b * kCols;
-      const int num_cols = static_cast<int>(std::min<int64_t>(kCols, end - n));
-      for (int64_t r = r0; r < r1; r += kRows) {
-        tile(x_lanes + r * a.num_inputs, a.num_inputs, panel.data() + b * block_floats, a.y + r * a.num_outputs + n,
-             a.num_outputs, static_cast<int>(std::min<int64_t>(kRows, a.num_rows - r)), num_cols);
+      TileArgs t{nullptr, a.num_inputs, panel.data() + b * block_floats, 0, 0, nullptr, nullptr, a.num_outputs, 0,
+                 static_cast<int>(std::min<int64_t>(kCols, end - n))};
+      for (t.v0 = 0; t.v0 < num_vectors; t.v0 += kVectorsPerBlock) {
+        t.v1 = std::min(t.v0 + kVectorsPerBlock, num_vectors);
+        for (int64_t r = r0; r < r1; r += kRows) {
+          t.x = x_lanes + r * a.num_inputs;
+          t.sums = sums.data() + (r - r0) * kCols * kLanes;
+          t.y = a.y + r * a.num_outputs + n;
+          t.num_rows = static_cast<int>(std::min<int64_t>(kRows, a.num_rows - r));
+          tile(t);
+        }
       }
     }
   }
@@ -547,12 +599,12 @@ void qmm_panel_outputs(const QmmArgs& a, const float* x_lanes, int64_t num_padde
   if (isa == Isa::kAvx512) {
     auto tile = tile_avx512<kAvx512TileRows, kAvx512TileCols>;
     auto dequantize = a.bits == 4 ? dequantize_panel_avx512<4> : dequantize_panel_avx512<8>;
-    return panel_outputs<kAvx512TileRows, kAvx512TileCols>(a, x_lanes, num_padded_rows, begin, end, dequantize, tile);
+    return panel_outputs<kAvx512TileRows, kAvx512TileCols, kAvx512VectorsPerBlock>(a, x_lanes, num_padded_rows, begin, end, dequantize, tile);
   }
   if (isa == Isa::kAvx2) {
     auto tile = tile_avx2<kAvx2TileRows, kAvx2TileCols>;
     auto dequantize = a.bits == 4 ? dequantize_panel_avx2<4> : dequantize_panel_avx2<8>;
-    return panel_outputs<kAvx2TileRows, kAvx2TileCols>(a, x_lanes, num_padded_rows, begin, end, dequantize, tile);
+    return panel_outputs<kAvx2TileRows, kAvx2TileCols, kAvx2VectorsPerBlock>(a, x_lanes, num_padded_rows, begin, end, dequantize, tile);
   }
 #endif
   (void)a, (void)x_lanes, (void)num_padded_rows, (void)begin, (void)end, (void)isa;
