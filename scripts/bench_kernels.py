@@ -17,6 +17,7 @@ not inflate the way it inflates wall time; GB/s then means bytes per CPU second)
 
 --panel-off-too adds, per ISA, the kernels with their many-row (panel) path switched off:
 calls of every row count on the few-row kernels, as before the panel path (same bits).
+--panel-min-rows sets the row count from which the kernels take the panel path.
 --dequant-too adds mx.dequantize + the float32 product through the BLAS.
 
 --prefill-tokens N (--prefill-only: only this) times a real model's prefill (--model,
@@ -221,7 +222,7 @@ def measure_prefill(model, num_tokens: int, chunk_tokens: int, reps: int) -> dic
     ext.set_panel_min_rows(default_min_rows)
     return {"model": target.path, "num_tokens": num_tokens, "chunk_tokens": chunk_tokens,
             "num_kernel_modules": sum("Kernel" in type(m).__name__ for _, m in target.model.named_modules()),
-            "seconds": seconds, "same_logits": mx.array_equal(logits["panel"], logits["few_row"]).item()}
+            "seconds": seconds, "panel_min_rows": default_min_rows, "same_logits": mx.array_equal(logits["panel"], logits["few_row"]).item()}
 
 
 def print_prefill(p: dict) -> None:
@@ -230,7 +231,7 @@ def print_prefill(p: dict) -> None:
           f"{p['num_kernel_modules']} kernel modules\n")
     print("| quantized products on | s (best) | all reps | tokens/s |")
     print("|---|---|---|---|")
-    for label, mode in (("panel path (rows >= 17)", "panel"), ("few-row kernels only (before)", "few_row")):
+    for label, mode in ((f"panel path (rows >= {p['panel_min_rows']})", "panel"), ("few-row kernels only (before)", "few_row")):
         reps = ", ".join(f"{v:.2f}" for v in p["seconds"][mode])
         print(f"| {label} | {best[mode]:.2f} | {reps} | {p['num_tokens'] / best[mode]:.0f} |")
     print(f"\nbefore / after: {best['few_row'] / best['panel']:.1f}x; same last-position logits: {p['same_logits']}")
@@ -270,6 +271,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="only the decode comparison")
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
     parser.add_argument("--panel-off-too", action="store_true", help="add the kernels with the panel path off")
+    parser.add_argument("--panel-min-rows", type=int, default=0,
+                        help="rows from which the kernels take the panel path (0: the built-in default)")
     parser.add_argument("--dequant-too", action="store_true", help="add mx.dequantize + float32 product")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="add a real model's prefill (0: off)")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill comparison")
@@ -283,6 +286,7 @@ def main() -> None:
         raise SystemExit(f"gmlx CPU kernels unavailable: {cpu_kernels.status()['reason']}")
     ext = cpu_kernels.extension()
     ext.set_num_threads(args.threads)
+    ext.set_panel_min_rows(args.panel_min_rows)
     isas = {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(ext.best_isa(), ["portable"])
     if args.prefill_tokens or args.prefill_only:
         prefill = measure_prefill(args.model, args.prefill_tokens or 1500, args.chunk_tokens, args.reps)

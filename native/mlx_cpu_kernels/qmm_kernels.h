@@ -43,8 +43,9 @@ void qmm_outputs(const QmmArgs& args, const float* x_blocked, int64_t block, int
 // Many rows (prefill chunks, wide batches): the same sums, computed as a blocked product.
 // A thread dequantizes a panel of outputs once into float32 (the very values the few-row
 // path makes, laid out in its lane order) and every row block reuses it; a register tile
-// of rows x outputs then runs each output's sixteen lane sums over all of K and reduces
-// them with the canonical tree, so each row gets the bits it gets in a 1-row call.
+// of rows x outputs then runs each output's sixteen lane sums over K, block after block
+// in k order, and reduces them with the canonical tree, so each row gets the bits it
+// gets in a 1-row call. The chunking depends on K and the ISA only, never on threads.
 // x_lanes: (num_padded_rows, num_inputs), each row in lane order (block_rows with one
 // block), rows past num_rows zero; num_padded_rows a multiple of panel_row_multiple().
 int64_t panel_row_multiple(Isa isa);
