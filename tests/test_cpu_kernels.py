@@ -108,12 +108,12 @@ NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
     group_size=st.sampled_from([32, 64, 128]),
     num_inputs_in_32s=st.integers(1, 52),  # K up to 1664: several of AVX2's K blocks (768)
     num_outputs=st.integers(1, 80),  # partial tiles (AVX-512 6 wide, AVX2 3) and thread chunks
-    num_rows=st.integers(17, 300),
+    num_rows=st.integers(8, 300),  # the panel kernels' default starts at 8
     seed=st.integers(0, 2**16),
 )
 def test_many_rows_give_each_row_its_one_row_bits(bits, group_size, num_inputs_in_32s, num_outputs, num_rows,
                                                   seed, ext):
-    """Prefill-sized calls run the panel kernels: every row equals the row in a 1-row call
+    """Wide calls (8+ rows) run the panel kernels: every row equals the row in a 1-row call
     (and the few-row kernels' result at this row count), for both thread counts and ISAs."""
     num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
     w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed)

@@ -5,7 +5,7 @@ group size 32/64/128) built for decode's few rows, that reads the weights once f
 AVX-512 or AVX2 chosen at run time and spreads output columns over a thread pool. Each
 output element is summed in a fixed order, so a row's result does not depend on how
 many rows or threads share the call (what keeps speculative verification lossless).
-Calls of 17 rows or more (prefill chunks) take a blocked path that dequantizes each
+Calls of 8 rows or more (wide verifies, prefill chunks) take a blocked path that dequantizes each
 weight panel once for all rows and sums in that same order, near float32 BLAS speed.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
