@@ -548,7 +548,14 @@ void block_rows(const QmmArgs& a, int64_t block, float* x_blocked) {
       float* dst = x_blocked + start * a.num_rows + r * len;
       const float* src = a.x + r * a.num_inputs + start;
       if (a.bits == 4) {
-        for (int64_t i = 0; i < len; ++i) dst[x_position<4>(i)] = src[i];
+        // x_position<4> per 32: evens then odds (len is a multiple of 32); written as a
+        // fixed deinterleave so the compiler vectorizes it (prefill copies MBs of x).
+        for (int64_t i = 0; i < len; i += 32) {
+          for (int j = 0; j < 16; ++j) {
+            dst[i + j] = src[i + 2 * j];
+            dst[i + 16 + j] = src[i + 2 * j + 1];
+          }
+        }
       } else {
         std::memcpy(dst, src, len * sizeof(float));
       }

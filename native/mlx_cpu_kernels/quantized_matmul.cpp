@@ -70,8 +70,9 @@ void run_panel(QmmJob& job) {
   if (a.bits == 8 && job.num_padded_rows == a.num_rows) {
     job.x_blocked = a.x;  // already in lane order, whole tiles
   } else {
-    x_lanes.assign(job.num_padded_rows * a.num_inputs, 0.0f);
+    x_lanes.resize(job.num_padded_rows * a.num_inputs);
     block_rows(a, a.num_inputs, x_lanes.data());
+    std::fill(x_lanes.begin() + a.num_rows * a.num_inputs, x_lanes.end(), 0.0f);
     job.x_blocked = x_lanes.data();
   }
   job.outputs_per_chunk = panel_outputs_per_chunk(a.num_inputs, job.isa);
