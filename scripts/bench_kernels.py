@@ -7,10 +7,23 @@ read, beside this machine's DRAM read rate measured in the same run.
     python scripts/bench_kernels.py --threads 1
     python scripts/bench_kernels.py --decode-only --tokens 128 --reps 3
     python scripts/bench_kernels.py --cpu-time --threads 1
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_kernels.py --cpu-time --threads 1 --panel-off-too \
+        --shapes 576x576,1536x576,576x1536,49152x576 --rows 1,8,16,32,64,256
+    python scripts/bench_kernels.py --prefill-only --prefill-tokens 1500 --cpu-time --threads 1
 
 --cpu-time times the products in CPU seconds of this process instead of wall seconds
 (with --threads 1: the kernels' work per call, which a shared, oversubscribed box does
 not inflate the way it inflates wall time; GB/s then means bytes per CPU second).
+
+--panel-off-too adds, per ISA, the kernels with their many-row (panel) path switched off:
+calls of every row count on the few-row kernels, as before the panel path (same bits).
+--panel-min-rows sets the row count from which the kernels take the panel path.
+--dequant-too adds mx.dequantize + the float32 product through the BLAS.
+
+--prefill-tokens N (--prefill-only: only this) times a real model's prefill (--model,
+default smollm2 at its 4-bit weights through the kernels): a direct forward of an N-token
+prompt (random token ids, fixed seed) in --chunk-tokens chunks on an mlx-lm KV cache, then
+the last position's logits, with the panel path on and off, alternating, best of --reps.
 
 --decode adds (and --decode-only runs only) plain greedy decoding through gmlx's engine,
 width 1, of a random-weight llama of SmolLM2-135M's shape (576 hidden, 30 layers, tied
@@ -60,7 +73,11 @@ def best_time_s(make_outputs, reps: int) -> float:
     return best
 
 
-def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas):
+NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
+
+
+def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas,
+                  panel_off_too=False, dequant_too=False):
     weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
     packed = mx.quantize(weight, group_size=group_size, bits=bits)
     quantized_bytes = sum(a.nbytes for a in packed)
@@ -82,6 +99,17 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
             t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits)
                                      for w, s, b in q_copies], reps) / num_copies
             row[f"gmlx_{isa}_ms"], row[f"gmlx_{isa}_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+            if panel_off_too:
+                panel_min_rows = ext.panel_min_rows()
+                ext.set_panel_min_rows(NEVER)
+                t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits)
+                                         for w, s, b in q_copies], reps) / num_copies
+                ext.set_panel_min_rows(panel_min_rows)
+                row[f"few_row_{isa}_ms"] = 1e3 * t
+        if dequant_too:
+            t = best_time_s(lambda: [x @ mx.dequantize(w, s, b, group_size=group_size, bits=bits).T
+                                     for w, s, b in q_copies], reps) / num_copies
+            row["dequant_fp32_ms"] = 1e3 * t
         t = best_time_s(lambda: [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
                                  for w, s, b in q_copies], reps) / num_copies
         row["mlx_ms"], row["mlx_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
@@ -161,6 +189,54 @@ def measure_decode(bits, group_size, num_tokens, reps) -> dict:
             "num_tokens": {m: len(t) for m, t in tokens.items()}, "same_tokens": tokens["kernels"] == tokens["mlx"]}
 
 
+def measure_prefill(model, num_tokens: int, chunk_tokens: int, reps: int) -> dict:
+    """Seconds to prefill a num_tokens prompt in chunk_tokens chunks, panel path on and off."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.config import env_overrides
+    from gmlx.models.loader import load_model
+
+    with env_overrides({"GMLX_CPU_KERNELS": "1", "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        target = load_model(model)
+    prompt = mx.random.randint(0, target.vocab_size, (1, num_tokens), key=mx.random.key(0))  # (1, T)
+    ext = cpu_kernels.extension()
+    default_min_rows = ext.panel_min_rows()
+
+    def prefill() -> tuple[float, mx.array]:
+        cache = make_prompt_cache(target.model)
+        start = CLOCK()
+        for begin in range(0, num_tokens, chunk_tokens):
+            hidden = target.body(prompt[:, begin : begin + chunk_tokens], cache)  # (1, chunk, D)
+            mx.eval(hidden, [c.state for c in cache])
+        logits = target.head(hidden[:, -1:])  # (1, 1, V)
+        mx.eval(logits)
+        return CLOCK() - start, logits
+
+    seconds = {"panel": [], "few_row": []}
+    logits = {}
+    for _ in range(reps):
+        for mode, min_rows in (("panel", default_min_rows), ("few_row", NEVER)):
+            ext.set_panel_min_rows(min_rows)
+            elapsed, logits[mode] = prefill()
+            seconds[mode].append(elapsed)
+    ext.set_panel_min_rows(default_min_rows)
+    return {"model": target.path, "num_tokens": num_tokens, "chunk_tokens": chunk_tokens,
+            "num_kernel_modules": sum("Kernel" in type(m).__name__ for _, m in target.model.named_modules()),
+            "seconds": seconds, "panel_min_rows": default_min_rows, "same_logits": mx.array_equal(logits["panel"], logits["few_row"]).item()}
+
+
+def print_prefill(p: dict) -> None:
+    best = {mode: min(v) for mode, v in p["seconds"].items()}
+    print(f"\nPrefill, {p['model']}, {p['num_tokens']} tokens in {p['chunk_tokens']}-token chunks, "
+          f"{p['num_kernel_modules']} kernel modules\n")
+    print("| quantized products on | s (best) | all reps | tokens/s |")
+    print("|---|---|---|---|")
+    for label, mode in ((f"panel path (rows >= {p['panel_min_rows']})", "panel"), ("few-row kernels only (before)", "few_row")):
+        reps = ", ".join(f"{v:.2f}" for v in p["seconds"][mode])
+        print(f"| {label} | {best[mode]:.2f} | {reps} | {p['num_tokens'] / best[mode]:.0f} |")
+    print(f"\nbefore / after: {best['few_row'] / best['panel']:.1f}x; same last-position logits: {p['same_logits']}")
+
+
 def tree_flatten_params(model):
     from mlx.utils import tree_flatten
 
@@ -194,6 +270,14 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="add the decode comparison")
     parser.add_argument("--decode-only", action="store_true", help="only the decode comparison")
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
+    parser.add_argument("--panel-off-too", action="store_true", help="add the kernels with the panel path off")
+    parser.add_argument("--panel-min-rows", type=int, default=0,
+                        help="rows from which the kernels take the panel path (0: the built-in default)")
+    parser.add_argument("--dequant-too", action="store_true", help="add mx.dequantize + float32 product")
+    parser.add_argument("--prefill-tokens", type=int, default=0, help="add a real model's prefill (0: off)")
+    parser.add_argument("--prefill-only", action="store_true", help="only the prefill comparison")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk")
+    parser.add_argument("--model", default="smollm2", help="the prefill's model")
     args = parser.parse_args()
     global CLOCK
     if args.cpu_time:
@@ -202,7 +286,14 @@ def main() -> None:
         raise SystemExit(f"gmlx CPU kernels unavailable: {cpu_kernels.status()['reason']}")
     ext = cpu_kernels.extension()
     ext.set_num_threads(args.threads)
+    ext.set_panel_min_rows(args.panel_min_rows)
     isas = {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(ext.best_isa(), ["portable"])
+    if args.prefill_tokens or args.prefill_only:
+        prefill = measure_prefill(args.model, args.prefill_tokens or 1500, args.chunk_tokens, args.reps)
+        print_prefill(prefill)
+        print(json.dumps({"prefill": prefill}))
+        if args.prefill_only:
+            return
     if args.decode or args.decode_only:
         decode = measure_decode(args.bits, args.group_size, args.tokens, args.reps)
         print_decode(decode, args.bits, args.group_size)
@@ -213,7 +304,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
         results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
-                                 args.group_size, args.min_bytes, args.reps, isas)
+                                 args.group_size, args.min_bytes, args.reps, isas, args.panel_off_too,
+                                 args.dequant_too)
     ext.set_isa(ext.best_isa())
     dram_gbs = max(dram)
     print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
@@ -221,6 +313,10 @@ def main() -> None:
           f"{args.bits}-bit, group {args.group_size}; DRAM read {dram_gbs:.1f} GB/s "
           f"(per shape: {', '.join(f'{d:.1f}' for d in dram)})\n")
     header = ["shape (out x in)", "rows"] + [f"gmlx {isa} ms (GB/s, of DRAM)" for isa in isas]
+    if args.panel_off_too:
+        header += [f"few-row only {isa} ms" for isa in isas]
+    if args.dequant_too:
+        header += ["dequantize + fp32 ms"]
     header += ["mlx qmm ms (GB/s)", "fp32 BLAS ms (GB/s)", "gmlx / mlx", "gmlx / fp32"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -229,6 +325,10 @@ def main() -> None:
         cells = [r["shape"], str(r["rows"])]
         cells += [f"{r[f'gmlx_{isa}_ms']:.3f} ({r[f'gmlx_{isa}_gbs']:.1f}, {r[f'gmlx_{isa}_gbs'] / dram_gbs:.2f})"
                   for isa in isas]
+        if args.panel_off_too:
+            cells += [f"{r[f'few_row_{isa}_ms']:.3f}" for isa in isas]
+        if args.dequant_too:
+            cells += [f"{r['dequant_fp32_ms']:.3f}"]
         cells += [f"{r['mlx_ms']:.3f} ({r['mlx_gbs']:.2f})", f"{r['fp32_ms']:.3f} ({r['fp32_gbs']:.1f})",
                   f"{r['mlx_ms'] / r[f'gmlx_{best}_ms']:.1f}x", f"{r['fp32_ms'] / r[f'gmlx_{best}_ms']:.2f}x"]
         print("| " + " | ".join(cells) + " |")

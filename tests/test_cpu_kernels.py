@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(
 def ext():
     """The extension, with its thread count and ISA restored after the test."""
     ext = cpu_kernels.extension()
-    num_threads, isa = ext.num_threads(), ext.isa()
+    num_threads, isa, panel_min_rows = ext.num_threads(), ext.isa(), ext.panel_min_rows()
     yield ext
     ext.set_num_threads(num_threads)
     ext.set_isa(isa)
+    ext.set_panel_min_rows(panel_min_rows)
 
 
 def supported_isas(ext) -> list[str]:
@@ -96,6 +97,62 @@ def test_prefill_sized_calls_give_each_row_its_decode_bits(bits, ext):
     for row in (0, 17, 36):
         alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, 64, bits)
         assert mx.array_equal(alone, full[row : row + 1]).item(), row
+
+
+NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bits=st.sampled_from([4, 8]),
+    group_size=st.sampled_from([32, 64, 128]),
+    num_inputs_in_32s=st.integers(1, 52),  # K up to 1664: several of AVX2's K blocks (768)
+    num_outputs=st.integers(1, 80),  # partial tiles (AVX-512 6 wide, AVX2 3) and thread chunks
+    num_rows=st.integers(8, 300),  # the panel kernels' default starts at 8
+    seed=st.integers(0, 2**16),
+)
+def test_many_rows_give_each_row_its_one_row_bits(bits, group_size, num_inputs_in_32s, num_outputs, num_rows,
+                                                  seed, ext):
+    """Wide calls (8+ rows) run the panel kernels: every row equals the row in a 1-row call
+    (and the few-row kernels' result at this row count), for both thread counts and ISAs."""
+    num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
+    w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed)
+    x = 4.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
+    ext.set_num_threads(1)
+    ext.set_isa(ext.best_isa())
+    ext.set_panel_min_rows(NEVER)
+    few_row = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits)  # (M, N)
+    mx.eval(few_row)  # now: the kernels read their settings when the graph runs
+    ext.set_panel_min_rows(0)
+    reference = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
+    assert mx.allclose(few_row, reference, rtol=1e-4, atol=1e-4 * num_inputs).item()
+    rows = sorted({0, 3, 4, 5, num_rows // 2, num_rows - 2, num_rows - 1})  # around 3- and 4-row tiles
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        for isa in supported_isas(ext):
+            ext.set_isa(isa)
+            full = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
+            assert mx.array_equal(full, few_row).item(), (num_threads, isa)
+            for row in rows:
+                alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, group_size, bits)
+                assert mx.array_equal(alone, full[row : row + 1]).item(), (num_threads, isa, row)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_panel_kernels_forced_on_few_rows_keep_the_bits(bits, ext):
+    """The switch row count is a tuning choice only: the panel kernels on 1-16 rows (and on
+    a 1-row call) give the few-row kernels' bits."""
+    w, scales, biases = make_weights(50, 896, bits, 128, seed=21)
+    x = mx.random.normal((16, 896), key=mx.random.key(22))  # (M, K)
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        for num_rows in (1, 2, 5, 16):
+            ext.set_panel_min_rows(NEVER)
+            few_row = cpu_kernels.quantized_matmul(x[:num_rows], w, scales, biases, 128, bits)
+            mx.eval(few_row)  # before the switch moves: settings are read when the graph runs
+            ext.set_panel_min_rows(1)
+            panel = cpu_kernels.quantized_matmul(x[:num_rows], w, scales, biases, 128, bits)
+            assert mx.array_equal(panel, few_row).item(), (isa, num_rows)
 
 
 def test_back_to_back_threaded_calls_all_complete(ext):

@@ -7,6 +7,8 @@ output element is summed in a fixed order, so a row's result does not depend on 
 many rows or threads share the call (what keeps speculative verification lossless).
 Beside it, the decode step's small ops as one graph node each (RoPE with per-row
 offsets, RMSNorm, attention over the ragged KV), under the same row-independence.
+Calls of 8 rows or more (wide verifies, prefill chunks) take a blocked path that dequantizes each
+weight panel once for all rows and sums in that same order, near float32 BLAS speed.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """

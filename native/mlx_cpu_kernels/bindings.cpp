@@ -33,6 +33,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_isa", &gmlx_kernels::set_isa, "name"_a, "Force 'avx512', 'avx2' or 'portable'");
   m.def("isa", &gmlx_kernels::current_isa);
   m.def("best_isa", &gmlx_kernels::best_isa_name);
+  m.def("set_panel_min_rows", &gmlx_kernels::set_panel_min_rows, "num_rows"_a,
+        "Rows from which calls take the many-row kernels (same bits; < 1: the default)");
+  m.def("panel_min_rows", &gmlx_kernels::panel_min_rows);
   m.def("read_bandwidth", &gmlx_kernels::read_bandwidth, "num_bytes"_a, "num_passes"_a,
         "GB/s of the best of num_passes threaded sums over a num_bytes buffer");
 }

@@ -40,6 +40,21 @@ void block_rows(const QmmArgs& args, int64_t block, float* x_blocked);
 constexpr int64_t kMaxOutputsPerCall = 16;
 void qmm_outputs(const QmmArgs& args, const float* x_blocked, int64_t block, int64_t begin, int64_t end, Isa isa);
 
+// Many rows (prefill chunks, wide batches): the same sums, computed as a blocked product.
+// A thread dequantizes a panel of outputs once into float32 (the very values the few-row
+// path makes, laid out in its lane order) and every row block reuses it; a register tile
+// of rows x outputs then runs each output's sixteen lane sums over K, block after block
+// in k order, and reduces them with the canonical tree, so each row gets the bits it
+// gets in a 1-row call. The chunking depends on K and the ISA only, never on threads.
+// x_lanes: (num_padded_rows, num_inputs), each row in lane order (block_rows with one
+// block), rows past num_rows zero; num_padded_rows a multiple of panel_row_multiple().
+int64_t panel_row_multiple(Isa isa);
+// Outputs a thread takes per chunk: a panel that stays in L2 (a multiple of the tile width).
+int64_t panel_outputs_per_chunk(int64_t num_inputs, Isa isa);
+// Computes outputs [begin, end) of every row; needs isa avx2 or avx512.
+void qmm_panel_outputs(const QmmArgs& args, const float* x_lanes, int64_t num_padded_rows, int64_t begin,
+                       int64_t end, Isa isa);
+
 // Sums num_floats floats (a multiple of 64) with wide loads; for the DRAM read rate.
 float sum_floats(const float* data, int64_t num_floats, Isa isa);
 

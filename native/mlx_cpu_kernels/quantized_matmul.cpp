@@ -19,6 +19,11 @@ namespace gmlx_kernels {
 namespace {
 
 std::atomic<Isa> g_isa{best_isa()};
+// Calls with at least this many rows run the panel kernels (same bits, blocked for many
+// rows). Measured on Zen 4, weights from DRAM: the panel path wins from 7 rows (1.2-1.5x),
+// from 8 rows by 1.4-2.3x; at 2-5 rows the few-row kernels win.
+constexpr int64_t kDefaultPanelMinRows = 8;
+std::atomic<int64_t> g_panel_min_rows{kDefaultPanelMinRows};
 
 // Outputs per chunk a thread takes: a few KB of weights each, many chunks per thread.
 constexpr int64_t kOutputsPerChunk = kMaxOutputsPerCall;
@@ -38,6 +43,8 @@ struct QmmJob {
   const float* x_blocked;
   int64_t block;
   Isa isa;
+  int64_t num_padded_rows;  // panel path: rows of x_blocked (in lane order, zero past num_rows)
+  int64_t outputs_per_chunk;  // panel path
 };
 
 void run_qmm_chunk(void* context, int64_t chunk) {
@@ -45,6 +52,31 @@ void run_qmm_chunk(void* context, int64_t chunk) {
   int64_t begin = chunk * kOutputsPerChunk;
   int64_t end = std::min(begin + kOutputsPerChunk, job->args.num_outputs);
   qmm_outputs(job->args, job->x_blocked, job->block, begin, end, job->isa);
+}
+
+void run_panel_chunk(void* context, int64_t chunk) {
+  auto* job = static_cast<QmmJob*>(context);
+  int64_t begin = chunk * job->outputs_per_chunk;
+  int64_t end = std::min(begin + job->outputs_per_chunk, job->args.num_outputs);
+  qmm_panel_outputs(job->args, job->x_blocked, job->num_padded_rows, begin, end, job->isa);
+}
+
+// Many rows: x in lane order as one block, padded with zero rows to whole tiles.
+void run_panel(QmmJob& job) {
+  const QmmArgs& a = job.args;
+  const int64_t multiple = panel_row_multiple(job.isa);
+  job.num_padded_rows = (a.num_rows + multiple - 1) / multiple * multiple;
+  std::vector<float> x_lanes;
+  if (a.bits == 8 && job.num_padded_rows == a.num_rows) {
+    job.x_blocked = a.x;  // already in lane order, whole tiles
+  } else {
+    x_lanes.resize(job.num_padded_rows * a.num_inputs);
+    block_rows(a, a.num_inputs, x_lanes.data());
+    std::fill(x_lanes.begin() + a.num_rows * a.num_inputs, x_lanes.end(), 0.0f);
+    job.x_blocked = x_lanes.data();
+  }
+  job.outputs_per_chunk = panel_outputs_per_chunk(a.num_inputs, job.isa);
+  run_on_pool(run_panel_chunk, &job, (a.num_outputs + job.outputs_per_chunk - 1) / job.outputs_per_chunk);
 }
 
 Isa parse_isa(const std::string& name) {
@@ -116,6 +148,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     job.args.group_size = group_size;
     job.args.bits = bits;
     job.isa = g_isa.load();
+    if (job.isa != Isa::kPortable && job.args.num_rows >= g_panel_min_rows.load()) return run_panel(job);
     job.block = inputs_per_block(job.args.num_rows, job.args.num_inputs, group_size);
     std::vector<float> x_blocked;
     if (job.block == job.args.num_inputs && bits == 8) {
@@ -146,6 +179,12 @@ void set_isa(const std::string& name) {
 }
 
 Isa kernels_isa() { return g_isa.load(); }
+
+void set_panel_min_rows(int64_t num_rows) {
+  g_panel_min_rows.store(num_rows < 1 ? kDefaultPanelMinRows : num_rows);
+}
+int64_t panel_min_rows() { return g_panel_min_rows.load(); }
+
 std::string current_isa() { return isa_name(g_isa.load()); }
 std::string best_isa_name() { return isa_name(best_isa()); }
 

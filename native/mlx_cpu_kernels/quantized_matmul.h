@@ -33,6 +33,11 @@ void set_isa(const std::string& name);
 std::string current_isa();
 std::string best_isa_name();
 
+// Calls of at least num_rows rows take the many-row (panel) kernels, whose bits per row
+// equal the few-row kernels'; < 1 restores the default. A tuning and testing knob.
+void set_panel_min_rows(int64_t num_rows);
+int64_t panel_min_rows();
+
 // DRAM read rate: GB/s of the best of num_passes sums over a num_bytes buffer, on the pool.
 double read_bandwidth(int64_t num_bytes, int num_passes);
 
