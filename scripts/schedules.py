@@ -116,15 +116,20 @@ class SoloReference:
     def tokens(self, token_ids, params: SamplingParams) -> tuple[list[int], str]:
         key = (tuple(token_ids), params)
         if key not in self._memo:
-            request_id = self.engine.add_request(list(token_ids), params)
-            out, reason = [], None
-            while reason is None:
-                for output in self.engine.step():
-                    assert output.request_id == request_id
-                    out.extend(output.new_token_ids)
-                    reason = output.finish_reason
-            self._memo[key] = (out, reason)
+            self._memo[key] = run_alone(self.engine, token_ids, params)[:2]
         return self._memo[key]
+
+
+def run_alone(engine: Engine, token_ids, params: SamplingParams) -> tuple[list[int], str, dict]:
+    """One request through an otherwise idle engine to its end: (tokens, finish reason, final stats)."""
+    request_id = engine.add_request(list(token_ids), params)
+    out, reason, stats = [], None, None
+    while reason is None:
+        for output in engine.step():
+            assert output.request_id == request_id
+            out.extend(output.new_token_ids)
+            reason, stats = output.finish_reason, output.stats
+    return out, reason, stats
 
 
 def check_schedule(engine: Engine, reference: SoloReference, schedule: Schedule) -> ScheduleResult:

@@ -13,33 +13,16 @@ from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
 from gmlx.cache.ragged import make_ragged_cache
-from gmlx.config import EngineConfig
-from gmlx.drafters import make_drafter
-from gmlx.engine import Engine
 from gmlx.platform.cpu_attention import _SWAPS as ATTENTION_SWAPS
 from gmlx.platform.cpu_attention import _reference as mlx_ragged_attention
 from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, use_cpu_decode_ops
-from schedules import SoloReference, check_schedule, make_schedule
+from kernel_support import check_schedules_with_drafter, ext, requires_kernels, supported_isas  # noqa: F401 (ext: a fixture)
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.is_built(), reason=f"gmlx CPU kernels not built: {cpu_kernels.status()['reason']}")
+pytestmark = requires_kernels
 
 PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture
-def ext():
-    """The extension, with its thread count and ISA restored after the test."""
-    ext = cpu_kernels.extension()
-    num_threads, isa = ext.num_threads(), ext.isa()
-    yield ext
-    ext.set_num_threads(num_threads)
-    ext.set_isa(isa)
-
-
-def supported_isas(ext) -> list[str]:
-    order = ["portable", "avx2", "avx512"]
-    return order[: order.index(ext.best_isa()) + 1]
 
 
 def bitwise_equal(a: mx.array, b: mx.array) -> bool:
@@ -338,12 +321,4 @@ def test_kernel_attention_decodes_like_mlx(model_type, quantized_qwen3, tmp_path
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_qwen3_speculative_and_batched_equal_plain_with_kernels(kind, quantized_qwen3, code_prompts):
-    target = quantized_qwen3
-    drafter = make_drafter(kind if kind == "ngram" else f"draft:{target.path}", target)
-    engine = Engine(target, drafter, EngineConfig())
-    reference = SoloReference(target)
-    num_spec_rounds = 0
-    for seed in range(3):
-        schedule = make_schedule(700 + seed, target.vocab_size, code_prompts, max_requests=6)
-        num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
-    assert num_spec_rounds > 0
+    assert check_schedules_with_drafter(quantized_qwen3, kind, code_prompts, range(700, 703)) > 0

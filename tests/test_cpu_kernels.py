@@ -9,31 +9,16 @@ from hypothesis import strategies as st
 
 from gmlx import config
 from gmlx.config import EngineConfig, env_overrides
-from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.platform.cpu_quantized import KernelQuantizedEmbedding, KernelQuantizedLinear
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
 from gmlx.request import SamplingParams
-from schedules import SoloReference, check_schedule, make_schedule
+from kernel_support import check_schedules_with_drafter, ext, requires_kernels, supported_isas  # noqa: F401 (ext: a fixture)
+from schedules import SoloReference
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.is_built(), reason=f"gmlx CPU kernels not built: {cpu_kernels.status()['reason']}")
+pytestmark = requires_kernels
 
-@pytest.fixture
-def ext():
-    """The extension, with its thread count and ISA restored after the test."""
-    ext = cpu_kernels.extension()
-    num_threads, isa, panel_min_rows = ext.num_threads(), ext.isa(), ext.panel_min_rows()
-    yield ext
-    ext.set_num_threads(num_threads)
-    ext.set_isa(isa)
-    ext.set_panel_min_rows(panel_min_rows)
-
-
-def supported_isas(ext) -> list[str]:
-    order = ["portable", "avx2", "avx512"]
-    return order[: order.index(ext.best_isa()) + 1]
 
 
 def make_weights(num_outputs, num_inputs, bits, group_size, seed=0):
@@ -248,12 +233,4 @@ def test_wide_plain_batch_equals_each_row_alone(tiny_quantized_target, code_prom
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_speculative_and_batched_equal_plain_with_kernels(kind, tiny_quantized_target, code_prompts):
-    target = tiny_quantized_target
-    drafter = make_drafter(kind if kind == "ngram" else f"draft:{target.path}", target)
-    engine = Engine(target, drafter, EngineConfig())
-    reference = SoloReference(target)
-    num_spec_rounds = 0
-    for seed in range(6):
-        schedule = make_schedule(500 + seed, target.vocab_size, code_prompts, max_requests=6)
-        num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
-    assert num_spec_rounds > 0
+    assert check_schedules_with_drafter(tiny_quantized_target, kind, code_prompts, range(500, 506)) > 0

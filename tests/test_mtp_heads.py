@@ -13,7 +13,7 @@ from gmlx.models.head_registry import SHIPPED_HEADS_DIR, file_sha256, find_shipp
 from gmlx.models.loader import load_model
 from gmlx.models.source import smollm2_path
 from gmlx.request import SamplingParams
-from schedules import SoloReference
+from schedules import SoloReference, run_alone
 
 try:
     SMOLLM2 = smollm2_path()
@@ -83,13 +83,7 @@ def test_speculation_with_the_shipped_head_equals_plain_on_smollm2(tmp_path):
         prompt = target.tokenizer.encode(text)
         for temperature in (0.0, 0.8):
             params = SamplingParams(max_tokens=24, temperature=temperature, seed=i)
-            engine.add_request(prompt, params)
-            got, reason = [], None
-            while reason is None:
-                for output in engine.step():
-                    got.extend(output.new_token_ids)
-                    reason = output.finish_reason
-                    stats = output.stats
+            got, reason, stats = run_alone(engine, prompt, params)
             assert (got, reason) == reference.tokens(prompt, params), (text, temperature)
             assert stats["num_drafted"] > 0
             num_accepted += stats["num_accepted"]

@@ -6,7 +6,7 @@ from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.request import SamplingParams
-from schedules import SoloReference, check_schedule, make_schedule
+from schedules import SoloReference, check_schedule, make_schedule, run_alone
 
 DRAFTERS = ("mtp", "draft", "ngram")
 NUM_CHUNKS, SCHEDULES_PER_CHUNK = 7, 10  # 210 schedules in all
@@ -31,13 +31,7 @@ def test_alone_equals_plain(kind, temperature, engines, reference, code_prompts)
     engine = engines[kind]
     for i, prompt in enumerate(code_prompts[:6]):
         params = SamplingParams(max_tokens=32, temperature=temperature, seed=i)
-        request_id = engine.add_request(prompt, params)
-        got, reason = [], None
-        while reason is None:
-            for output in engine.step():
-                got.extend(output.new_token_ids)
-                reason = output.finish_reason
-                stats = output.stats
+        got, reason, stats = run_alone(engine, prompt, params)
         assert (got, reason) == reference.tokens(prompt, params)
         assert stats["rounds_by_loop"].get("scalar", 0) > 0
         assert stats["num_drafted"] > 0
