@@ -8,13 +8,8 @@
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "qmm_kernels.h"
+#include "isa_target.h"
 #include "thread_pool.h"
-
-#if defined(__x86_64__)
-#define GMLX_X86 1
-#define GMLX_AVX2 __attribute__((target("avx2,fma")))
-#define GMLX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-#endif
 
 namespace gmlx_kernels {
 

@@ -6,12 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define GMLX_X86 1
-#define GMLX_AVX2 __attribute__((target("avx2,fma")))
-#define GMLX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-#endif
+#include "isa_target.h"
 
 namespace gmlx_kernels {
 
