@@ -100,6 +100,13 @@ def ragged_attention(q, keys, values, offset, scale: float):
     return extension().ragged_attention(q, keys, values, offset, scale)
 
 
+def is_close_to(got, expected, tolerance: float) -> bool:
+    """The swaps' load-time probe: |got - expected| <= tolerance x max(|expected|, 1) everywhere."""
+    import mlx.core as mx
+
+    return (mx.abs(got - expected).max() <= tolerance * mx.maximum(mx.abs(expected).max(), 1.0)).item()
+
+
 def read_bandwidth_gbs(num_bytes: int = 512 << 20, num_passes: int = 5) -> float:
     """DRAM read rate: the best of num_passes threaded sums over a num_bytes buffer."""
     return extension().read_bandwidth(num_bytes, num_passes)
