@@ -84,10 +84,8 @@ class LlamaServerTarget:
         self.port = servers.free_port()
         argv = llama_server_argv(binary, self.gguf, self.port, self.num_slots, self.spec.slot_context_tokens,
                                  self.num_threads)
-        self.server = servers.ServerProcess(self.spec.name, argv, servers.child_env({}),
-                                            self.workdir / f"llama-server-{self.port}.log",
-                                            servers.make_health_check(self.port))
-        self.server.start()
+        self.server = servers.start_http_server(self.spec.name, argv, self.port,
+                                                self.workdir / f"llama-server-{self.port}.log")
 
     def stop(self) -> None:
         if self.server is not None:

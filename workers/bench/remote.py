@@ -173,10 +173,8 @@ class MlxLmTarget:
         self.port = servers.free_port()
         argv = servers.mlx_lm_server_argv(self.port, self.model_dir, self.draft_dir, self.spec.num_draft_tokens,
                                           self.spec.blas)
-        self.server = servers.ServerProcess(self.spec.name, argv, servers.child_env({}),
-                                            self.workdir / f"mlx-lm-{self.port}.log",
-                                            servers.make_health_check(self.port))
-        self.server.start()
+        self.server = servers.start_http_server(self.spec.name, argv, self.port,
+                                                self.workdir / f"mlx-lm-{self.port}.log")
 
     def stop(self) -> None:
         if self.server is not None:

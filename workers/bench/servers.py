@@ -117,6 +117,13 @@ def make_health_check(port: int):
     return is_ready
 
 
+def start_http_server(name: str, argv: list[str], port: int, log_path: Path) -> ServerProcess:
+    """A loopback HTTP server child (mlx_lm.server, llama-server), started and answering /health."""
+    server = ServerProcess(name, argv, child_env({}), log_path, make_health_check(port))
+    server.start()
+    return server
+
+
 def gmlx_serve_argv(address: str, drafter: str | None, model: str | None) -> list[str]:
     """`gmlx serve` on `address`; drafter None leaves gmlx serve its own default."""
     argv = [sys.executable, "-c", "from workers.cli import main; main()", "serve", "--address", address]
