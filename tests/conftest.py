@@ -16,9 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx  # noqa: E402
 import pytest
-from mlx.utils import tree_flatten
 
-from gmlx.config import env_overrides
 from gmlx.models import random_model
 from gmlx.models.loader import load_model
 
@@ -78,20 +76,13 @@ def tiny_target(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tiny_quantized_target(tiny_llama_dir, tmp_path_factory):
     """The tiny llama quantized to 4 bits the way mlx-lm stores quantized folders."""
-    import mlx.nn as nn
     import mlx_lm
 
-    folder = tmp_path_factory.mktemp("tiny_llama_q4")
+    from kernel_support import load_quantized_copy
+
     model, _ = mlx_lm.load(str(tiny_llama_dir))
-    nn.quantize(model, group_size=32, bits=4)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = json.loads((tiny_llama_dir / "config.json").read_text())
-    config["quantization"] = {"group_size": 32, "bits": 4}
-    (folder / "config.json").write_text(json.dumps(config))
-    random_model.copy_tokenizer(tiny_llama_dir, folder)
-    # On CPU `auto` would compute in a float32 copy; this fixture exists to run the 4-bit path.
-    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
-        return load_model(folder)
+    return load_quantized_copy(model, config, tiny_llama_dir, tmp_path_factory.mktemp("tiny_llama_q4"))
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,20 @@
 """What the CPU-kernel test files share: the extension with its settings restored, the ISAs
-this CPU runs, and the identity check over random schedules with the kernels on."""
+this CPU runs, a model saved in 4 bits and loaded on the kernels' path, and the identity
+check over random schedules with the kernels on."""
 
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
-from gmlx.config import EngineConfig
+from gmlx.config import EngineConfig, env_overrides
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
+from gmlx.models import random_model
+from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
 from schedules import SoloReference, check_schedule, make_schedule
 
@@ -38,3 +47,15 @@ def check_schedules_with_drafter(target, kind: str, code_prompts, seeds) -> int:
     return sum(check_schedule(engine, reference, make_schedule(seed, target.vocab_size, code_prompts,
                                                                 max_requests=6)).counters["num_spec_rounds"]
                for seed in seeds)
+
+
+def load_quantized_copy(model: nn.Module, config: dict, tokenizer_dir: Path, folder: Path):
+    """`model` quantized to 4 bits (group 32), saved in `folder` the way mlx-lm stores quantized
+    folders, and loaded by gmlx in the 4-bit compute format (on CPU `auto` may choose float32)."""
+    nn.quantize(model, group_size=32, bits=4)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    random_model.copy_tokenizer(tokenizer_dir, folder)
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        return load_model(folder)

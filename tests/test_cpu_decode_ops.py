@@ -3,6 +3,8 @@ the rows and threads sharing the call (and, for attention, of how many positions
 holds), close to mx.fast's ops, swapped in at load on quantized models; whole-engine
 identity with them on (speculative and batched equal plain) on a quantized qwen3."""
 
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -16,7 +18,8 @@ from gmlx.cache.ragged import make_ragged_cache
 from gmlx.platform.cpu_attention import _SWAPS as ATTENTION_SWAPS
 from gmlx.platform.cpu_attention import _reference as mlx_ragged_attention
 from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, use_cpu_decode_ops
-from kernel_support import check_schedules_with_drafter, ext, requires_kernels, supported_isas  # noqa: F401 (ext: a fixture)
+from kernel_support import (check_schedules_with_drafter, ext, load_quantized_copy, requires_kernels,  # noqa: F401 (ext: a fixture)
+                            supported_isas)
 
 pytestmark = requires_kernels
 
@@ -281,24 +284,11 @@ def float32_attention(folder):
 
 def make_quantized_target(folder, model_type: str):
     """A tiny random model of `model_type` in 4 bits, loaded with the kernels on."""
-    import json
-
-    from mlx.utils import tree_flatten
-
     from gmlx.models import random_model
 
     source = random_model.make_random_model_dir(folder / "float", random_model.tiny_config(model_type))
-    model = random_model.make_random_model(json.loads((source / "config.json").read_text()))
-    nn.quantize(model, group_size=32, bits=4)
-    quantized = folder / "q4"
-    quantized.mkdir()
-    mx.save_safetensors(str(quantized / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = json.loads((source / "config.json").read_text())
-    config["quantization"] = {"group_size": 32, "bits": 4}
-    (quantized / "config.json").write_text(json.dumps(config))
-    random_model.copy_tokenizer(source, quantized)
-    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
-        return load_model(quantized)
+    return load_quantized_copy(random_model.make_random_model(config), config, source, folder / "q4")
 
 
 @pytest.fixture(scope="module")
