@@ -39,22 +39,13 @@ from gmlx.cache.ragged import make_ragged_cache  # noqa: E402
 from gmlx.config import EngineConfig, env_overrides  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
 from gmlx.models.source import resolve_model_path  # noqa: E402
+from gmlx.platform.timing import best_of_s  # noqa: E402
 
 SIDES = {"ops off": "0", "ops on": "1"}
 MAX_POSITIONS = 4
 
 
 CLOCK = time.perf_counter  # time.process_time with --cpu-time
-
-
-def best_s(fn, reps: int) -> float:
-    fn()  # warm up
-    best = float("inf")
-    for _ in range(reps):
-        start = CLOCK()
-        fn()
-        best = min(best, CLOCK() - start)
-    return best
 
 
 def forward_fn(target, cache, num_positions: int):
@@ -133,8 +124,8 @@ def main() -> None:
     for num_positions in range(1, MAX_POSITIONS + 1):  # alternating sides per width
         for side, engine in engines.items():
             run = forward_fn(engine.target, caches[side], num_positions)
-            forward_ms[side][num_positions] = 1e3 * best_s(run, args.reps)
-    products_ms = {side: 1e3 * best_s(products_fn(e.target), args.reps) for side, e in engines.items()}
+            forward_ms[side][num_positions] = 1e3 * best_of_s(run, args.reps, clock=CLOCK)
+    products_ms = {side: 1e3 * best_of_s(products_fn(e.target), args.reps, clock=CLOCK) for side, e in engines.items()}
     nodes = {side: num_graph_nodes(e.target, caches[side]) for side, e in engines.items()}
 
     report = {

@@ -53,6 +53,7 @@ ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx
 
 from gmlx.platform import cpu_kernels
+from gmlx.platform.timing import best_of_s
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -64,13 +65,7 @@ CLOCK = time.perf_counter  # time.process_time with --cpu-time
 
 
 def best_time_s(make_outputs, reps: int) -> float:
-    mx.eval(make_outputs())  # warm up
-    best = float("inf")
-    for _ in range(reps):
-        start = CLOCK()
-        mx.eval(make_outputs())
-        best = min(best, CLOCK() - start)
-    return best
+    return best_of_s(lambda: mx.eval(make_outputs()), reps, clock=CLOCK)
 
 
 NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
