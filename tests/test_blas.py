@@ -17,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gmlx import config
+from gmlx.config import env_overrides
 from gmlx.platform import blas, doctor
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS loader is Linux-only")
@@ -317,6 +319,20 @@ def test_mlx_imported_first_warns_and_no_blas_is_not_fatal(loaded_blas):
     assert json.loads(late.stdout)["mlx_first"] and "imported before gmlx" in late.stderr
     none = json.loads(run_python(PRODUCT.format(first=FAST_BLAS), GMLX_BLAS_LIB="none").stdout)
     assert none["library"] is None and not none["active"]
+
+
+def test_blas_threads_default_and_a_malformed_setting(loaded_blas):
+    threads = "from gmlx.platform.blas import describe_blas; print(describe_blas(measure=False)['num_threads'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "GMLX_BLAS_THREADS")}
+    done = subprocess.run([sys.executable, "-c", f"{FAST_BLAS}\n{threads}"], capture_output=True, text=True,
+                          timeout=120, env=env, check=True)
+    assert int(done.stdout.split()[-1]) == max(1, len(os.sched_getaffinity(0)) - 1)
+    # A bad value is named, and the BLAS still loads (the engine refuses the value at start).
+    bad = json.loads(run_python(PRODUCT.format(first=FAST_BLAS), GMLX_BLAS_THREADS="many").stdout)
+    assert bad["library"] == loaded_blas["library"]
+    with pytest.raises(ValueError, match="GMLX_BLAS_THREADS"):
+        with env_overrides({"GMLX_BLAS_THREADS": "many"}):
+            config.validate_settings()
 
 
 CORE = """

@@ -144,7 +144,11 @@ def _load() -> None:
         return
     if "mlx.core" not in sys.modules:  # else OpenBLAS may be loaded already: too late to choose
         # Read by OpenBLAS at load; workers and the core probes inherit it. A user's value wins.
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(config.blas_threads()))
+        try:
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", str(config.blas_threads()))
+        except ValueError as exc:  # the engine refuses it at start; the BLAS itself still loads
+            logger.warning("%s; OpenBLAS keeps its own thread count", exc)
+            _state.notes.append(str(exc))
         _state.core = select_core(path, INTERPOSER_PATH)
         if _state.core.choice is not None:
             logger.info("OpenBLAS core: %s", _state.core.choice.reason)
