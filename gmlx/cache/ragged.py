@@ -14,7 +14,9 @@ _STEP_TOKENS = 256  # buffer growth granularity
 
 
 class RaggedKVCache:
-    def __init__(self, num_rows: int = 1):
+    def __init__(self, num_rows: int = 1, min_capacity: int = 0):
+        # A prompt's length known up front: its prefill then never copies the buffer to grow it.
+        self.min_capacity = min_capacity
         self.keys: mx.array | None = None  # (B, H, S, Dk)
         self.values: mx.array | None = None  # (B, H, S, Dv)
         self.lengths: list[int] = [0] * num_rows
@@ -124,7 +126,7 @@ class RaggedKVCache:
         if self.keys is not None and end <= self.keys.shape[2]:
             return
         num_rows, num_heads, _, k_dim = keys.shape
-        capacity = ((end + _STEP_TOKENS - 1) // _STEP_TOKENS) * _STEP_TOKENS
+        capacity = ((max(end, self.min_capacity) + _STEP_TOKENS - 1) // _STEP_TOKENS) * _STEP_TOKENS
         new_k = mx.zeros((num_rows, num_heads, capacity, k_dim), keys.dtype)
         new_v = mx.zeros((num_rows, num_heads, capacity, values.shape[3]), values.dtype)
         if self.keys is not None:
@@ -145,8 +147,8 @@ def _pad_to(cache: RaggedKVCache, name: str, width: int, proto: RaggedKVCache) -
     return mx.concatenate([array, pad], axis=2)
 
 
-def make_ragged_cache(num_layers: int, num_rows: int = 1) -> list[RaggedKVCache]:
-    return [RaggedKVCache(num_rows) for _ in range(num_layers)]
+def make_ragged_cache(num_layers: int, num_rows: int = 1, min_capacity: int = 0) -> list[RaggedKVCache]:
+    return [RaggedKVCache(num_rows, min_capacity) for _ in range(num_layers)]
 
 
 def concat_layer_caches(per_request: list[list[RaggedKVCache]]) -> list[RaggedKVCache]:
