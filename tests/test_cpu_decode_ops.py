@@ -15,6 +15,7 @@ from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
 from gmlx.cache.ragged import make_ragged_cache
+from gmlx.models.packed import unpacked_class
 from gmlx.platform.cpu_attention import _SWAPS as ATTENTION_SWAPS
 from gmlx.platform.cpu_attention import _reference as mlx_ragged_attention
 from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, use_cpu_decode_ops
@@ -254,15 +255,16 @@ def test_prompt_chunking_does_not_change_a_bit(tiny_quantized_target, code_promp
 
 def test_quantized_models_get_the_ops_and_float32_ones_keep_mlx_bits(tiny_quantized_target, tiny_llama_dir):
     kinds = (KernelRoPE, KernelRMSNorm, *ATTENTION_SWAPS.values())
-    swapped = [type(m) for m in tiny_quantized_target.model.modules() if type(m) in kinds]
+    swapped = [unpacked_class(type(m)) for m in tiny_quantized_target.model.modules()
+               if unpacked_class(type(m)) in kinds]
     assert swapped.count(KernelRoPE) == 2 and swapped.count(KernelRMSNorm) == 2 * 2 + 1  # per layer; final norm
-    assert swapped.count(ATTENTION_SWAPS[type(float32_attention(tiny_llama_dir))]) == 2
+    assert swapped.count(ATTENTION_SWAPS[unpacked_class(type(float32_attention(tiny_llama_dir)))]) == 2
     float32 = load_model(str(tiny_llama_dir))
-    assert not any(type(m) in kinds for m in float32.model.modules())
+    assert not any(unpacked_class(type(m)) in kinds for m in float32.model.modules())
     for switches in ({"GMLX_CPU_KERNELS": "0"}, {"GMLX_CPU_DECODE_OPS": "0"}):
         with env_overrides({**switches, "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
             off = load_model(tiny_quantized_target.path)
-        assert not any(type(m) in kinds for m in off.model.modules()), switches
+        assert not any(unpacked_class(type(m)) in kinds for m in off.model.modules()), switches
 
 
 def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch):
@@ -300,7 +302,8 @@ def quantized_qwen3(tmp_path_factory):
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])  # llama: tiny_quantized_target, tests/test_engine.py
 def test_kernel_attention_decodes_like_mlx(model_type, quantized_qwen3, tmp_path):
     target = quantized_qwen3 if model_type == "qwen3" else make_quantized_target(tmp_path, model_type)
-    assert all(type(layer.self_attn) in ATTENTION_SWAPS.values() for layer in target.model.model.layers)
+    assert all(unpacked_class(type(layer.self_attn)) in ATTENTION_SWAPS.values()
+               for layer in target.model.model.layers)
     prompt = mx.array([[(37 * i) % 1000 + 3 for i in range(12)]])  # (1, T)
     cache = make_ragged_cache(target.num_layers)
     target.forward(prompt, cache)

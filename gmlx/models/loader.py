@@ -20,6 +20,7 @@ from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_fusion_enabled, is_cp
                          is_input_major_enabled)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
+from gmlx.models.packed import use_packed_attention
 from gmlx.models.source import is_gguf_path, resolve_model_path
 from gmlx.platform.cpu_decode_ops import use_cpu_decode_ops
 from gmlx.platform.cpu_graph import fuse_cpu_ops
@@ -44,6 +45,8 @@ class LoadedModel:
     vocab_size: int
     max_context_tokens: int
     eos_token_ids: frozenset[int]
+    # Attention takes a PackedLayerCache (models/packed.py): prefill chunks ride decode forwards.
+    is_packable: bool = False
 
     def forward(self, tokens: mx.array, cache) -> tuple[mx.array, mx.array]:
         hidden = self.body(tokens, cache)  # (B, T, D)
@@ -59,6 +62,7 @@ def load_model(path: str | Path | None) -> LoadedModel:
         model, tokenizer, config = _load_folder(source)
     if mx.default_device() == mx.cpu:
         _prepare_for_cpu(model, str(source))
+    is_packable = use_packed_attention(model)
     mx.eval(model.parameters())
     body = model.model
     if getattr(model, "lm_head", None) is not None and not config.get("tie_word_embeddings", False):
@@ -81,6 +85,7 @@ def load_model(path: str | Path | None) -> LoadedModel:
         vocab_size=config["vocab_size"],
         max_context_tokens=int(config.get("max_position_embeddings") or 4096),
         eos_token_ids=frozenset(eos),
+        is_packable=is_packable,
     )
 
 

@@ -1,0 +1,132 @@
+"""Packed forwards: several caches' rows in one target forward, sharing one pass over the weights.
+
+A prompt chunk prefilled beside running rows used to cost its own forward: on a CPU a
+forward's floor is reading every weight once, so the running rows' next token waited for
+two weight passes. Packed, the decode rows' tokens and the chunk's lie end to end on one
+sequence axis (1, N): the projections, norms and MLP run once over all N tokens (every
+product is row-independent, so each token's bits are those of its own forward), and only
+attention splits them back, each segment over its own cache, with the very ops the
+model's attention runs alone. So every row gets the bits a forward of its own would give.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from gmlx.cache.ragged import RaggedKVCache
+from gmlx.platform import cpu_kernels
+from gmlx.platform.cpu_attention import _KernelAttention
+
+_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the attention classes whose layout this mirrors
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows of one cache in a packed forward: num_rows x num_tokens tokens, row-major."""
+
+    tokens: mx.array  # (num_rows, num_tokens) int32
+    caches: list[RaggedKVCache]  # one per layer, num_rows rows each
+
+    @property
+    def num_packed(self) -> int:
+        return self.tokens.shape[0] * self.tokens.shape[1]
+
+
+class PackedLayerCache:
+    """One layer's caches for a packed forward; the model sees it as its layer cache."""
+
+    def __init__(self, segments: list[tuple[RaggedKVCache, int, int]]):
+        self.segments = segments  # (cache, num_rows, num_tokens) in packing order
+
+    def make_mask(self, *_args, **_kwargs):
+        return None  # each segment builds its own mask from its cache
+
+
+class _PackedAttention:
+    """Mixed into an attention class: a PackedLayerCache runs the projections once over
+    every segment, then each segment's attention as the class would run it alone."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if not isinstance(cache, PackedLayerCache):
+            return super().__call__(x, mask, cache)
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (1, N, *)
+        outputs, start = [], 0
+        for segment_cache, num_rows, num_tokens in cache.segments:
+            end = start + num_rows * num_tokens
+
+            def rows(a, start=start, end=end, num_rows=num_rows, num_tokens=num_tokens):
+                return a[0, start:end].reshape(num_rows, num_tokens, -1)
+
+            out = self._attend_segment(rows(queries), rows(keys), rows(values), segment_cache)
+            outputs.append(out.reshape(1, end - start, -1))
+            start = end
+        return self.o_proj(mx.concatenate(outputs, axis=1))
+
+    def _attend_segment(self, queries, keys, values, cache: RaggedKVCache) -> mx.array:
+        """(B, T, Hq * D) for one segment: mlx-lm's attention body (or gmlx's kernel) after the projections."""
+        num_rows, num_new, _ = queries.shape
+        queries = queries.reshape(num_rows, num_new, self.n_heads, -1)
+        keys = keys.reshape(num_rows, num_new, self.n_kv_heads, -1)
+        values = values.reshape(num_rows, num_new, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if "q_norm" in self:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        offset = cache.offset
+        queries = self.rope(queries.transpose(0, 2, 1, 3), offset=offset)  # (B, Hq, T, D)
+        keys = self.rope(keys.transpose(0, 2, 1, 3), offset=offset)
+        if isinstance(self, _KernelAttention):
+            cache.update_and_fetch(keys, values)
+            return cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, self.scale)
+        mask = cache.make_mask(num_new)  # before the write, as mlx-lm's model builds it
+        keys, values = cache.update_and_fetch(keys, values)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return out.transpose(0, 2, 1, 3).reshape(num_rows, num_new, -1)
+
+
+def _attention_classes() -> tuple[type, ...]:
+    return tuple(importlib.import_module(f"mlx_lm.models.{name}").Attention for name in _ARCHITECTURES)
+
+
+_BASES = _attention_classes()
+_PACKED: dict[type, type] = {}
+
+
+def use_packed_attention(model: nn.Module) -> bool:
+    """Let the model's attention take PackedLayerCache; False (model untouched) when some
+    attention module is of a class this does not mirror."""
+    modules = [getattr(layer, "self_attn", None) for layer in model.model.layers]
+    if not modules or not all(isinstance(m, _BASES) for m in modules):
+        return False
+    for module in modules:
+        cls = type(module)
+        if not issubclass(cls, _PackedAttention):
+            if cls not in _PACKED:
+                _PACKED[cls] = type(f"Packed{cls.__name__}", (_PackedAttention, cls), {})
+            module.__class__ = _PACKED[cls]
+    return True
+
+
+def unpacked_class(cls: type) -> type:
+    """The attention class a packed one was made from (itself when not packed)."""
+    return cls.__bases__[1] if issubclass(cls, _PackedAttention) else cls
+
+
+def packed_body(body, segments: list[Segment]) -> mx.array:
+    """The body's hidden states (1, N, D) for every segment's tokens, packed in order."""
+    num_layers = len(segments[0].caches)
+    tokens = mx.concatenate([s.tokens.reshape(1, -1) for s in segments], axis=1)
+    caches = [PackedLayerCache([(s.caches[i], s.tokens.shape[0], s.tokens.shape[1]) for s in segments])
+              for i in range(num_layers)]
+    return body(tokens, caches)
+
+
+def unpack(hidden: mx.array, segments: list[Segment]) -> list[mx.array]:
+    """Each segment's hidden states (num_rows, num_tokens, D) out of a packed (1, N, D)."""
+    parts, start = [], 0
+    for s in segments:
+        parts.append(hidden[0, start:start + s.num_packed].reshape(*s.tokens.shape, -1))
+        start += s.num_packed
+    return parts
