@@ -219,8 +219,10 @@ class EngineConfig:
     max_num_rows: int = 64  # decode rows in flight; more requests queue
     prefill_chunk_tokens: int = 256  # most prompt tokens prefilled per step
     # Prefill time per step while rows decode, so an arrival stalls them a bounded time:
-    # 0 = off (always prefill_chunk_tokens), None = twice the measured decode round, x = x s.
+    # 0 = off (always prefill_chunk_tokens), None = from the measured decode round, x = x s.
     prefill_budget_s: float | None = 0.0
+    # Chunks prefilled beside plain rounds ride their forward (one pass over the weights).
+    is_prefill_packed: bool = True
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)

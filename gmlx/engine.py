@@ -35,7 +35,8 @@ from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
 from gmlx.spec.calibration import CostTable, load_or_measure
 from gmlx.spec.depth import PRIOR_ACCEPTANCE, DepthPolicy
-from gmlx.spec.speculative import capture_round, plain_round, speculative_round
+from gmlx.models.packed import Segment
+from gmlx.spec.speculative import capture_round, packed_plain_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
     "num_batch_rounds", "num_gated_rounds", "num_plain_rounds", "num_settle_rounds",
     "num_capture_rounds", "num_preempts", "num_resumes", "num_gates", "num_drafted", "num_accepted",
+    "num_packed_chunks",
 )
 
 
@@ -68,6 +70,10 @@ class Engine:
         # Prompts whose prefill finished beside running rows: first token out, they join next
         # step, so a step never pays a prefill chunk and a cache merge on top of its round.
         self._ready: list[admission.Prefilled] = []
+        # Last prompt chunks dispatched inside the batch's forward: their first tokens are read next step.
+        self._landing: list[admission.PackedChunk] = []
+        self._num_packed = 0  # prompt tokens in the forward this step's round dispatched
+        self._is_joined_this_step = False
 
     @classmethod
     def load(cls, engine_config: EngineConfig) -> Engine:
@@ -134,14 +140,17 @@ class Engine:
         return output
 
     def has_unfinished(self) -> bool:
-        return bool(self.queue) or bool(self._ready) or self.batch is not None or bool(self._outputs)
+        return (bool(self.queue) or bool(self._ready) or bool(self._landing) or self.batch is not None
+                or bool(self._outputs))
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
+        self._is_joined_this_step = False
+        self._land()
         if self.batch is not None and not self.batch.has_boundary:
             if self._ready:
                 self._preempt()  # prefilled beside the lone stream last step: it joins now
-            elif self.queue and config.is_preempt_enabled():
+            elif self.queue and config.is_preempt_enabled() and not self._can_pack_prefill():
                 budget_s = self._prefill_budget_s()
                 # Preempting for a waiter that cannot join yet would drop speculation for nothing.
                 if self.queue.can_join_next_drain(budget_s):
@@ -177,6 +186,9 @@ class Engine:
     def _admit(self) -> None:
         if self._ready:  # prefilled last step: this step joins them and prefills nothing
             joining, self._ready = self._ready, []
+            self._is_joined_this_step = True
+        elif self._can_pack_prefill():
+            return  # this step's forward carries the next prompt chunk
         else:
             joining = self._drain()
             if joining and self.batch is not None:
@@ -216,24 +228,80 @@ class Engine:
         """One drain of the injection queue; the prompts it completed, first token delivered."""
         num_rows = 0 if self.batch is None else self.batch.num_rows
         prefilled = self.queue.drain(self.config.max_num_rows - num_rows, self._prefill_budget_s())
-        joining = []
-        for item in prefilled:
-            request = item.request
-            request.status = RequestStatus.DECODING
-            request.first_token_time_s = time.perf_counter()
-            if self._deliver(request, [item.first_token]):
-                joining.append(item)
-            else:
-                self._retire(request, item.caches, 0)
-        return joining
+        return [item for item in prefilled if self._start_decoding(item)]
+
+    def _start_decoding(self, item: admission.Prefilled) -> bool:
+        """Deliver a prefilled prompt's first token; False when that already finished it."""
+        request = item.request
+        request.status = RequestStatus.DECODING
+        request.first_token_time_s = time.perf_counter()
+        if self._deliver(request, [item.first_token]):
+            return True
+        self._retire(request, item.caches, 0)
+        return False
+
+    def _can_pack_prefill(self) -> bool:
+        """Whether this step's round may carry a prompt chunk in its forward: a plain, gated or
+        speculative round (a lone stream only when waiters may preempt it), one chunk in flight."""
+        batch = self.batch
+        if batch is None or not (self.config.is_prefill_packed and self.target.is_packable and self.queue):
+            return False
+        is_packing_mode = (batch.mode in (BatchMode.PLAIN, BatchMode.GATED, BatchMode.ARMED)
+                           or batch.mode is BatchMode.SCALAR and config.is_preempt_enabled())
+        return is_packing_mode and not self._landing and not self._is_joined_this_step and self._num_free_rows() > 0
+
+    def _num_free_rows(self) -> int:
+        return self.config.max_num_rows - (0 if self.batch is None else self.batch.num_rows) - len(self._ready)
+
+    def _land(self) -> None:
+        """Prompts finished inside last step's forward: first tokens out; they join at the next admission."""
+        landing, self._landing = self._landing, []
+        for chunk in landing:
+            if chunk.request.status.is_finished:  # aborted meanwhile
+                continue
+            item = self.queue.land(chunk)
+            if self._start_decoding(item):
+                self._ready.append(item)
+
+    def _plain_round(self, dispatch_next: bool) -> list[list[int]]:
+        """A plain round; when allowed, its dispatched forward also runs the first waiter's next chunk."""
+        if not (dispatch_next and self._can_pack_prefill()):
+            return plain_round(self.target, self.batch, dispatch_next)
+        chunks = self.queue.plan_packed_chunks(self._num_free_rows(), self._prefill_budget_s())
+        tokens, chunk_hidden = packed_plain_round(self.target, self.batch, _segments(chunks))
+        self._ran_packed(chunks, chunk_hidden)
+        return tokens
+
+    def _speculative_round(self):
+        is_stochastic = self.config.is_stochastic_acceptance and self.drafter.has_distribution
+        chunks = (self.queue.plan_packed_chunks(self._num_free_rows(), self._prefill_budget_s())
+                  if self._can_pack_prefill() else [])
+        result = speculative_round(self.target, self.batch, self.drafter, self._draft_depths(), is_stochastic,
+                                   _segments(chunks))
+        self._ran_packed(chunks, result.chunk_hidden)
+        return result
+
+    def _ran_packed(self, chunks: list[admission.PackedChunk], chunk_hidden) -> None:
+        for chunk, hidden in zip(chunks, chunk_hidden, strict=True):
+            self.queue.run_packed_chunk(chunk, hidden)
+            if chunk.is_last:
+                mx.async_eval(chunk.first_token)
+                self._landing.append(chunk)
+            self._num_packed += chunk.num_tokens
+            self.counters["num_packed_chunks"] += 1
 
     def _prefill_budget_s(self) -> float | None:
         """Prefill time allowed this step: None (a whole chunk) when no row decodes."""
         budget_s = self.config.prefill_budget_s
         if self.batch is None or budget_s == 0:
             return None
-        if budget_s is None:  # twice a decode round: the worst gap stays near 3x the median
-            return None if self._round_s is None else 2.0 * self._round_s
+        if budget_s is None:
+            if self._round_s is None:
+                return None
+            # A packed chunk adds to one forward: one round's time keeps the gap near 2x a round.
+            # A chunk of its own also reads every weight (about a round) on top of it.
+            is_packed = self.config.is_prefill_packed and self.target.is_packable
+            return (1.0 if is_packed else 2.0) * self._round_s
         return budget_s
 
     def _preempt(self) -> None:
@@ -287,9 +355,15 @@ class Engine:
 
     def _run_round(self) -> None:
         start_s = time.perf_counter()
+        self._num_packed = 0
         self._run_round_inner()
         elapsed_s = time.perf_counter() - start_s
-        self._round_s = elapsed_s if self._round_s is None else 0.8 * self._round_s + 0.2 * elapsed_s
+        # On the CPU, dispatching a forward waits for most of it (mlx throttles what is in
+        # flight), so a chunk's cost shows in the round that dispatched it.
+        if self._num_packed and self._round_s is not None:
+            self.queue.measured_packed(self._num_packed, elapsed_s - self._round_s)
+        elif not self._num_packed:
+            self._round_s = elapsed_s if self._round_s is None else 0.8 * self._round_s + 0.2 * elapsed_s
 
     def _run_round_inner(self) -> None:
         batch = self.batch
@@ -301,15 +375,14 @@ class Engine:
         is_worth_lookahead = any(self._budget(r) - r.num_generated > 1 for r in batch.requests)
         match batch.mode:
             case BatchMode.PLAIN:
-                loop, tokens = Loop.PLAIN, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
+                loop, tokens = Loop.PLAIN, self._plain_round(dispatch_next=is_worth_lookahead)
             case BatchMode.SCALAR | BatchMode.ARMED:
                 loop = Loop.SCALAR if batch.mode is BatchMode.SCALAR else Loop.BATCH
-                is_stochastic = self.config.is_stochastic_acceptance and self.drafter.has_distribution
-                result = speculative_round(self.target, batch, self.drafter, self._draft_depths(), is_stochastic)
+                result = self._speculative_round()
                 tokens = result.tokens_by_row
                 self._count_verify(result)
             case BatchMode.GATED if is_over_cap or not admission.can_resume(batch.draft_requests):
-                loop, tokens = Loop.GATED, plain_round(self.target, batch, dispatch_next=is_worth_lookahead)
+                loop, tokens = Loop.GATED, self._plain_round(dispatch_next=is_worth_lookahead)
             case BatchMode.GATED | BatchMode.RESUMING | BatchMode.UNARMED if not batch.is_settled:
                 # Decided once, here: the settle round is paid only for a capture that follows.
                 if batch.mode is BatchMode.GATED:
@@ -443,3 +516,7 @@ def check_model_config(folder) -> None:
         raise ValueError(f"model {folder}: sliding-window attention is not supported "
                          f"({num_sliding} of {len(layer_types)} layers, "
                          f"window {cfg.get('sliding_window')}); use a model with full attention in every layer")
+
+
+def _segments(chunks: list[admission.PackedChunk]) -> tuple[Segment, ...]:
+    return tuple(Segment(c.tokens, c.caches) for c in chunks)

@@ -1,10 +1,12 @@
 """How much a long arrival stalls a running stream: its inter-token gaps around the arrival.
 
 One stream decodes alone; after a warm-up a long prompt arrives and is prefilled beside it.
-Reports the running stream's median and worst inter-token gap (from its first token after
-the arrival until the newcomer's first token, plus the same span of steady decoding before),
+Reports the running stream's median inter-token gap over the 40 tokens before the arrival and
+its worst gap from the arrival until four tokens after the newcomer joined (the join included),
 and the arrival's own time to first token, for fixed 256-token chunks and for a time budget
-per round (EngineConfig.prefill_budget_s, serve --prefill-budget-ms), side by side in one run.
+per round (EngineConfig.prefill_budget_s, serve --prefill-budget-ms), each with the chunks in
+forwards of their own and packed into the running rows' forwards (models/packed.py), side by
+side in one run.
 
     python scripts/bench_prefill_gap.py                       # 1,500-token arrival, built-in model
     python scripts/bench_prefill_gap.py --prompt-tokens 3000 --drafter mtp
@@ -32,8 +34,10 @@ from gmlx.models.loader import load_model  # noqa: E402
 from gmlx.request import SamplingParams  # noqa: E402
 
 
-def measure(target, drafter_kind: str, budget_s: float | None, prompt_tokens: int, warmup_steps: int) -> dict:
-    config = EngineConfig(prefill_budget_s=budget_s, max_context_tokens=prompt_tokens + 512)
+def measure(target, drafter_kind: str, budget_s: float | None, is_packed: bool, prompt_tokens: int,
+            warmup_steps: int) -> dict:
+    config = EngineConfig(prefill_budget_s=budget_s, is_prefill_packed=is_packed,
+                          max_context_tokens=prompt_tokens + 512)
     engine = Engine(target, make_drafter(drafter_kind, target), config)
     text = Path(statistics.__file__).read_text()
     tokens = target.tokenizer.encode(text)
@@ -73,9 +77,11 @@ def main() -> int:
     print("| prefill | arrival tokens | median gap before ms | worst gap until joined ms | worst / median | "
           "CPU ms: median / worst gap | CPU worst / median | arrival's first token ms |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, budget_s in (("fixed 256-token chunks", 0), ("time budget (auto, 2x round)", None),
-                           ("time budget 20 ms", 0.02)):
-        r = measure(target, args.drafter, budget_s, args.prompt_tokens, args.warmup_steps)
+    runs = (("fixed 256-token chunks, own forward", 0, False), ("fixed 256-token chunks, packed", 0, True),
+            ("time budget auto, own forward (2x round)", None, False),
+            ("time budget auto, packed (1x round)", None, True))
+    for name, budget_s, is_packed in runs:
+        r = measure(target, args.drafter, budget_s, is_packed, args.prompt_tokens, args.warmup_steps)
         print(f"| {name} | {args.prompt_tokens} | {r['median_ms']:.1f} | {r['worst_ms']:.1f} | "
               f"{r['worst_ms'] / r['median_ms']:.2f} ({r['num_gaps_during']} gaps) | "
               f"{r['cpu_median_ms']:.1f} / {r['cpu_worst_ms']:.1f} | {r['cpu_worst_ms'] / r['cpu_median_ms']:.2f} | "

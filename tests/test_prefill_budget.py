@@ -23,9 +23,11 @@ def reference(builtin_target):
 # "auto" follows measured round times, so only its outputs are checked; under a 0.1 ms
 # budget every chunk runs over, so sizes halve down to the minimum on any CPU.
 @pytest.mark.parametrize("budget_s, is_chunk_bounded", [(None, False), (0.0001, True)])
+@pytest.mark.parametrize("is_packed", [False, True])
 def test_a_long_arrival_is_prefilled_within_the_budget(builtin_target, reference, code_prompts, budget_s,
-                                                       is_chunk_bounded):
-    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_budget_s=budget_s))
+                                                       is_chunk_bounded, is_packed):
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target),
+                    EngineConfig(prefill_budget_s=budget_s, is_prefill_packed=is_packed))
     long_prompt = [t for p in code_prompts for t in p][:600]
     prompts = {"A": code_prompts[3], "B": long_prompt}
     params = {"A": SamplingParams(max_tokens=80), "B": SamplingParams(max_tokens=10, temperature=0.7, seed=2)}
@@ -47,7 +49,8 @@ def test_a_long_arrival_is_prefilled_within_the_budget(builtin_target, reference
     if is_chunk_bounded:  # sized by time, not the fixed chunk
         assert max(chunk_sizes) < engine.config.prefill_chunk_tokens, chunk_sizes
         assert all(b <= a for a, b in zip(chunk_sizes, chunk_sizes[1:])), chunk_sizes  # each over budget: halves
-        assert chunk_sizes[-2] == admission.MIN_CHUNK_TOKENS, chunk_sizes
+        floor = admission.MIN_PACKED_CHUNK_TOKENS if is_packed else admission.MIN_CHUNK_TOKENS
+        assert chunk_sizes[-2] == floor, chunk_sizes
     for request_id in got:
         assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
 
@@ -58,9 +61,12 @@ def test_serve_refuses_a_malformed_budget():
     assert out.returncode == 2 and "--prefill-budget-ms" in out.stderr
 
 
-def test_a_prompt_prefilled_beside_running_rows_joins_one_step_later(builtin_target, reference, code_prompts):
+@pytest.mark.parametrize("is_packed", [False, True])
+def test_a_prompt_prefilled_beside_running_rows_joins_one_step_later(builtin_target, reference, code_prompts,
+                                                                     is_packed):
     # A step pays either a prefill chunk or the cache merge on top of its round, never both.
-    engine = Engine(builtin_target, None, EngineConfig())
+    # Packed, the chunk rides the round's forward and its first token is read the step after.
+    engine = Engine(builtin_target, None, EngineConfig(is_prefill_packed=is_packed))
     params = {"A": SamplingParams(max_tokens=40), "B": SamplingParams(max_tokens=20, temperature=0.7, seed=5)}
     prompts = {"A": code_prompts[0], "B": code_prompts[1]}
     engine.add_request(prompts["A"], params["A"], request_id="A")
@@ -69,10 +75,14 @@ def test_a_prompt_prefilled_beside_running_rows_joins_one_step_later(builtin_tar
         for output in engine.step():
             got[output.request_id].extend(output.new_token_ids)
     engine.add_request(prompts["B"], params["B"], request_id="B")
-    for expected_width in (1, 2):
+    if is_packed:
         for output in engine.step():
             got[output.request_id].extend(output.new_token_ids)
-        assert got["B"], "the first token goes out in the step that finished the prefill"
+        assert not got["B"] and engine.counters["num_packed_chunks"] == 1
+    for expected_width in (1, 2) if not is_packed else (2,):
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+        assert got["B"], "the first token goes out in the step that read the prefill's last forward"
         assert engine.batch.num_rows == expected_width
     while engine.has_unfinished():
         for output in engine.step():

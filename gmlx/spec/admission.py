@@ -20,6 +20,9 @@ from gmlx.request import Request, RequestStatus
 from gmlx.sampling import SamplingRows, sample
 
 MIN_CHUNK_TOKENS = 4  # a time budget never shrinks a chunk below this: prefill must progress
+# A packed chunk's floor: with the decode rows it makes >= 8 rows, where the 4-bit kernels'
+# many-row path costs ~1/8 of a row each; 2-6 rows cost 0.3-0.5 of a whole pass each.
+MIN_PACKED_CHUNK_TOKENS = 8
 FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
 
 
@@ -31,6 +34,30 @@ class Prefilled:
     hidden: mx.array  # (D,) the hidden state that produced first_token
 
 
+class PackedChunk:
+    """A prompt chunk that rides the next decode forward (models/packed.py) instead of its own.
+
+    Planned by the queue, run inside the batch's dispatched forward, then committed; the
+    chunk that ends its prompt carries the first token (lazy until the forward is read)."""
+
+    def __init__(self, request: Request, caches: list[RaggedKVCache], start: int, num_tokens: int):
+        self.request = request
+        self.caches = caches
+        self.start = start  # first prompt position of the chunk
+        self.num_tokens = num_tokens
+        self.first_token: mx.array | None = None  # (1, 1) once run, when is_last
+        self.last_hidden: mx.array | None = None  # (1, 1, D) once run, when is_last
+
+    @property
+    def tokens(self) -> mx.array:
+        ids = self.request.prompt_token_ids[self.start : self.start + self.num_tokens]
+        return mx.array(ids, dtype=mx.int32)[None]  # (1, T)
+
+    @property
+    def is_last(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_prompt_tokens
+
+
 class InjectionQueue:
     def __init__(self, target: LoadedModel, chunk_tokens: int, prompt_cache=None):
         self.target = target
@@ -40,7 +67,7 @@ class InjectionQueue:
         self._caches: dict[str, list[RaggedKVCache]] = {}  # request id -> partial prefill
         self._last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of the last timed chunk
 
-    def token_budget(self, budget_s: float | None) -> int:
+    def token_budget(self, budget_s: float | None, min_tokens: int = MIN_CHUNK_TOKENS) -> int:
         """Prompt tokens one drain may prefill: chunk_tokens, or under a time budget the last
         timed chunk scaled by budget / its time (at most x2 or /2 a step: the cost per token
         has a fixed part and grows with the prefix, so a ratio tracks it better than a rate)."""
@@ -52,7 +79,7 @@ class InjectionQueue:
             last_tokens, last_s = self._last_chunk
             scale = min(2.0, max(0.5, budget_s / max(last_s, 1e-6)))
             tokens = int(last_tokens * scale)
-        return max(min(MIN_CHUNK_TOKENS, self.chunk_tokens), min(self.chunk_tokens, tokens))
+        return max(min(min_tokens, self.chunk_tokens), min(self.chunk_tokens, tokens))
 
     def _measured(self, num_tokens: int, start_s: float) -> None:
         self._last_chunk = (num_tokens, time.perf_counter() - start_s)
@@ -94,6 +121,49 @@ class InjectionQueue:
         mx.eval([c.keys for c in caches])
         self._measured(num_tokens, start_s)
 
+    def plan_packed_chunks(self, max_new_rows: int, budget_s: float | None = None) -> list[PackedChunk]:
+        """The waiters' next chunks within one budget, in arrival order, to ride a decode
+        forward: whole prompts while they fit (they join together), then at most one part."""
+        chunks: list[PackedChunk] = []
+        budget = self.token_budget(budget_s, MIN_PACKED_CHUNK_TOKENS)
+        for request in self.waiting:
+            if budget <= 0 or len(chunks) >= max_new_rows:
+                break
+            caches = self._caches.get(request.request_id)
+            if caches is None:
+                caches = self._caches[request.request_id] = self._start(request)
+                request.status = RequestStatus.PREFILLING
+            start = request.num_prefilled
+            num_tokens = min(budget, request.num_prompt_tokens - start)
+            chunks.append(PackedChunk(request, caches, start, num_tokens))
+            budget -= num_tokens
+            if not chunks[-1].is_last:
+                break
+        return chunks
+
+    def run_packed_chunk(self, chunk: PackedChunk, chunk_hidden: mx.array) -> None:
+        """Account a dispatched chunk (chunk_hidden (1, T, D), lazy); the last one leaves the
+        queue with its first token sampled (still lazy: read by land())."""
+        request = chunk.request
+        assert self.waiting and self.waiting[0] is request and request.num_prefilled == chunk.start
+        request.num_prefilled += chunk.num_tokens
+        if chunk.is_last:
+            self.waiting.popleft()
+            self._caches.pop(request.request_id, None)
+            chunk.last_hidden = chunk_hidden[:, -1:, :]
+            chunk.first_token = self._sample_first(request, chunk.last_hidden)
+
+    def measured_packed(self, num_tokens: int, extra_s: float) -> None:
+        """A packed chunk's cost: what its forward took beyond a decode round."""
+        self._last_chunk = (num_tokens, max(extra_s, 1e-4))
+
+    @staticmethod
+    def land(chunk: PackedChunk) -> Prefilled:
+        """The prompt a last chunk finished, its first token read (waits for its forward)."""
+        assert chunk.is_last and chunk.first_token is not None
+        mx.eval(chunk.first_token, chunk.last_hidden)
+        return Prefilled(chunk.request, chunk.caches, int(chunk.first_token.item()), chunk.last_hidden[0, 0])
+
     def drain(self, max_new_rows: int, budget_s: float | None = None) -> list[Prefilled]:
         """Prefill up to one budget of waiting prompts (token_budget(budget_s)), in arrival order."""
         done: list[Prefilled] = []
@@ -128,15 +198,20 @@ class InjectionQueue:
             if caches is not None:
                 request.num_prefilled = request.num_cached_prompt = num_cached
                 return caches
-        return make_ragged_cache(self.target.num_layers)
+        # Room for the prompt and the first decode steps: no growth copy while it prefills or just after.
+        return make_ragged_cache(self.target.num_layers, min_capacity=request.num_prompt_tokens + 64)
 
     def _finish(self, request: Request, caches, last_hidden: mx.array) -> Prefilled:
+        token = self._sample_first(request, last_hidden)
+        mx.eval(token, last_hidden, [c.keys for c in caches])
+        return Prefilled(request, caches, int(token.item()), last_hidden[0, 0])
+
+    def _sample_first(self, request: Request, last_hidden: mx.array) -> mx.array:
+        """The request's first token (1, 1) from its prompt's last hidden state (1, 1, D)."""
         logits = self.target.head(last_hidden)  # (1, 1, V)
         rows = SamplingRows.make([request.params], [request.seed])
         position = mx.array([[request.num_prompt_tokens]], dtype=mx.int32)
-        token = sample(logits, rows, position)
-        mx.eval(token, last_hidden, [c.keys for c in caches])
-        return Prefilled(request, caches, int(token.item()), last_hidden[0, 0])
+        return sample(logits, rows, position)
 
 
 def width_cap(configured: int | None, drafter, calibrated: int | None = None) -> int:

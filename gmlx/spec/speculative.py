@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from gmlx.models.loader import LoadedModel
+from gmlx.models.packed import Segment, packed_body, unpack
 from gmlx.sampling import sample
 from gmlx.spec.batch import DecodeBatch
 from gmlx.spec.rejection import stochastic_accept
@@ -23,10 +24,11 @@ class VerifyResult:
     tokens_by_row: list[list[int]]  # accepted drafts then the bonus, per row
     num_accepted: list[int]  # drafts accepted per row
     num_drafted: list[int]  # drafts proposed per row (its own k; 0 for a row that decodes plain)
+    chunk_hidden: tuple = ()  # (1, T, D) of each prompt chunk packed into the verify forward
 
 
 def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draft_by_row: list[int],
-                      is_stochastic: bool = False) -> VerifyResult:
+                      is_stochastic: bool = False, chunks: tuple[Segment, ...] = ()) -> VerifyResult:
     """Each row drafts its own k, all verify [pending, drafts] in one target forward, each keeps
     its matching prefix.
 
@@ -35,6 +37,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
     causal mask makes the padding invisible to the positions a row keeps, so exactness is that
     of the fixed-k round. A row with k = 0 decodes plain (its bonus is the target's next token).
     is_stochastic: accept by rejection sampling (rejection.py) with a drafter that has_distribution.
+    chunks: prompt chunks packed into the verify forward (models/packed.py).
     """
     assert batch.is_settled and batch.mode.is_armed
     assert len(num_draft_by_row) == batch.num_rows
@@ -57,7 +60,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
             draft_probs[view.index] = view_probs
     verify_in = mx.concatenate([batch.pending[:, None], drafts], axis=1)  # (B, k+1)
     positions = batch.positions(num_draft + 1, first_offset=1)
-    hidden, logits = target.forward(verify_in, batch.caches)  # (B, k+1, D), (B, k+1, V)
+    hidden, logits, chunk_hidden = _forward(target, verify_in, batch.caches, chunks)  # (B, k+1, D), (B, k+1, V)
     targets = sample(logits, batch.sampling, positions)  # (B, k+1)
     rows = mx.arange(batch.num_rows)
     if is_stochastic:
@@ -83,7 +86,16 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
             num_view_accepted = num_accepted
         drafter.on_verified(view, num_view_accepted, hidden if drafter.needs_hidden else None)
     tokens = [row[: a + 1] for row, a in zip(target_rows, num_accepted)]
-    return VerifyResult(tokens, num_accepted, list(num_draft_by_row))
+    return VerifyResult(tokens, num_accepted, list(num_draft_by_row), chunk_hidden)
+
+
+def _forward(target: LoadedModel, tokens: mx.array, caches, chunks: tuple[Segment, ...]):
+    """hidden and logits of the batch's tokens; with chunks, packed with them (and their hidden)."""
+    if not chunks:
+        return (*target.forward(tokens, caches), ())
+    segments = [Segment(tokens, caches), *chunks]
+    hidden, *chunk_hidden = unpack(packed_body(target.body, segments), segments)
+    return hidden, target.head(hidden), tuple(chunk_hidden)
 
 
 def _propose(drafter, rows, num_draft: int, is_stochastic: bool):
@@ -103,16 +115,28 @@ def plain_round(target: LoadedModel, batch: DecodeBatch, dispatch_next: bool) ->
     previous round dispatched (or, from a settled batch, one it dispatches itself), which
     leaves the batch settled.
     """
+    return _plain_round(target, batch, dispatch_next, ())[0]
+
+
+def packed_plain_round(target: LoadedModel, batch: DecodeBatch,
+                       chunks: tuple[Segment, ...]) -> tuple[list[list[int]], tuple]:
+    """A pipelined plain round whose dispatched forward also runs prompt chunks (one pass
+    over the weights for all, models/packed.py). Returns the tokens read and each chunk's
+    hidden states (1, T, D), lazy: they are computed with the lookahead."""
+    return _plain_round(target, batch, True, chunks)
+
+
+def _plain_round(target, batch, dispatch_next: bool, chunks: tuple[Segment, ...]):
+    assert not chunks or dispatch_next
     if batch.is_settled:
         _dispatch_plain(target, batch)  # first lookahead: emitted by the read below
     undelivered = [not d for d in batch.is_delivered]
     lookahead = batch.pending
-    if dispatch_next:
-        _dispatch_plain(target, batch)
+    chunk_hidden = _dispatch_plain(target, batch, chunks) if dispatch_next else ()
     values = lookahead.tolist() if any(undelivered) else []
     tokens = [[values[i]] if undelivered[i] else [] for i in range(batch.num_rows)]
     batch.is_delivered = [not dispatch_next] * batch.num_rows
-    return tokens
+    return tokens, chunk_hidden
 
 
 def capture_round(target: LoadedModel, batch: DecodeBatch) -> tuple[list[list[int]], mx.array]:
@@ -130,9 +154,11 @@ def capture_round(target: LoadedModel, batch: DecodeBatch) -> tuple[list[list[in
     return [[t] for t in tokens.tolist()], hidden[:, 0, :]
 
 
-def _dispatch_plain(target: LoadedModel, batch: DecodeBatch) -> None:
+def _dispatch_plain(target: LoadedModel, batch: DecodeBatch, chunks: tuple[Segment, ...] = ()) -> tuple:
+    """Dispatch the next forward (appends pending to the KV); with chunks, packed with them."""
     positions = batch.positions(1, first_offset=1)
-    _, logits = target.forward(batch.pending[:, None], batch.caches)  # appends pending to the KV
+    _, logits, chunk_hidden = _forward(target, batch.pending[:, None], batch.caches, chunks)
     batch.pending = sample(logits, batch.sampling, positions)[:, 0]
     mx.async_eval(batch.pending)
     batch.is_delivered = [False] * batch.num_rows
+    return chunk_hidden

@@ -1,0 +1,144 @@
+"""Prompt chunks packed into the decode forward (gmlx/models/packed.py): each segment gets the
+bits of a forward of its own, and every stream equals solo decoding while chunks ride the
+plain and gated rounds of random schedules."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
+from gmlx.config import EngineConfig
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.models.packed import Segment, packed_body, unpack
+from gmlx.platform import cpu_kernels
+from gmlx.request import SamplingParams
+from gmlx.spec import admission
+from schedules import SoloReference, check_schedule, make_schedule
+
+
+def _prefilled(target, num_tokens: int, rng: random.Random):
+    caches = make_ragged_cache(target.num_layers)
+    tokens = mx.array([[rng.randrange(target.vocab_size) for _ in range(num_tokens)]], dtype=mx.int32)
+    target.body(tokens, caches)
+    mx.eval([c.keys for c in caches])
+    return caches
+
+
+def _random_tokens(target, num_rows: int, num_tokens: int, rng: random.Random) -> mx.array:
+    return mx.array([[rng.randrange(target.vocab_size) for _ in range(num_tokens)] for _ in range(num_rows)],
+                    dtype=mx.int32)
+
+
+def _separate_and_packed(target, rng: random.Random):
+    """One random case: decode rows and a prompt chunk, each run alone and packed together."""
+    lengths = [rng.randint(1, 70) for _ in range(rng.randint(1, 3))]
+    batch = concat_layer_caches([_prefilled(target, n, rng) for n in lengths])
+    arrival = _prefilled(target, rng.randint(1, 90), rng)
+    pending = _random_tokens(target, len(lengths), 1, rng)
+    chunk = _random_tokens(target, 1, rng.randint(1, 20), rng)
+    alone = {"batch": concat_layer_caches([batch]), "arrival": concat_layer_caches([arrival])}
+    _, logits = target.forward(pending, alone["batch"])
+    chunk_hidden = target.body(chunk, alone["arrival"])
+    packed = {"batch": concat_layer_caches([batch]), "arrival": concat_layer_caches([arrival])}
+    segments = [Segment(pending, packed["batch"]), Segment(chunk, packed["arrival"])]
+    decode_hidden, packed_chunk_hidden = unpack(packed_body(target.body, segments), segments)
+    packed_logits = target.head(decode_hidden)
+    mx.eval(logits, chunk_hidden, packed_logits, packed_chunk_hidden)
+    return (logits, chunk_hidden, alone), (packed_logits, packed_chunk_hidden, packed)
+
+
+def _kv(caches) -> list[mx.array]:
+    return [a[:, :, : c.size(), :] for c in caches for a in (c.keys, c.values)]
+
+
+@pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx's CPU kernels are not built here")
+def test_packed_forward_gives_every_segment_its_own_bits_on_the_kernels(tiny_quantized_target):
+    target = tiny_quantized_target
+    assert target.is_packable
+    rng = random.Random(7)
+    for _ in range(6):
+        (logits, hidden, alone), (packed_logits, packed_hidden, packed) = _separate_and_packed(target, rng)
+        assert mx.array_equal(packed_logits, logits).item()
+        assert mx.array_equal(packed_hidden, hidden).item()
+        for name in alone:
+            assert alone[name][0].lengths == packed[name][0].lengths
+            assert all(mx.array_equal(a, b).item() for a, b in zip(_kv(alone[name]), _kv(packed[name])))
+
+
+def test_packed_forward_on_float32_stays_within_the_products_rounding(builtin_target):
+    # OpenBLAS's sgemm sums a row in an order that depends on the row count (blocks of 4),
+    # so float32 rows may move in the last bits when packed, as in a wider verify.
+    assert builtin_target.is_packable
+    rng = random.Random(3)
+    for _ in range(4):
+        (logits, hidden, _), (packed_logits, packed_hidden, _) = _separate_and_packed(builtin_target, rng)
+        assert mx.allclose(packed_logits, logits, atol=1e-4, rtol=1e-4).item()
+        assert mx.allclose(packed_hidden, hidden, atol=1e-4, rtol=1e-4).item()
+        assert mx.array_equal(packed_logits.argmax(-1), logits.argmax(-1)).item()
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_target):
+    return SoloReference(builtin_target)
+
+
+@pytest.mark.parametrize("drafter_kind", ["none", "mtp"])
+def test_streams_equal_solo_decoding_with_chunks_packed(builtin_target, reference, code_prompts, drafter_kind):
+    # A 0.1 ms budget keeps every packed chunk at its floor, so prompts take several chunks.
+    drafter = make_drafter(drafter_kind, builtin_target)
+    engine = Engine(builtin_target, drafter, EngineConfig(prefill_budget_s=0.0001))
+    for seed in range(5):
+        check_schedule(engine, reference, make_schedule(100 + seed, builtin_target.vocab_size, code_prompts))
+    assert engine.counters["num_packed_chunks"] > 0
+
+
+def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference, code_prompts):
+    engine = Engine(builtin_target, None, EngineConfig(prefill_budget_s=0.0001))
+    long_prompt = [t for p in code_prompts for t in p][:300]
+    prompts = {"A": code_prompts[2], "B": long_prompt}
+    params = {"A": SamplingParams(max_tokens=120), "B": SamplingParams(max_tokens=12, temperature=0.8, seed=4)}
+    engine.add_request(prompts["A"], params["A"], request_id="A")
+    got = {"A": [], "B": []}
+    chunk_sizes = []
+    for step in range(10_000):
+        if step == 2:
+            engine.add_request(prompts["B"], params["B"], request_id="B")
+        before = engine.counters["num_packed_chunks"], engine.requests.get("B") and engine.requests["B"].num_prefilled
+        outputs = engine.step()
+        if engine.counters["num_packed_chunks"] > before[0]:
+            chunk_sizes.append((engine.requests["B"].num_prefilled if "B" in engine.requests else 300) - before[1])
+        for output in outputs:
+            got[output.request_id].extend(output.new_token_ids)
+        if not engine.has_unfinished():
+            break
+    assert len(chunk_sizes) >= 300 // 32, chunk_sizes
+    assert all(n == admission.MIN_PACKED_CHUNK_TOKENS for n in chunk_sizes[1:-1]), chunk_sizes  # after the first
+    for request_id in got:
+        assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
+
+
+def test_a_request_cancelled_while_its_last_chunk_is_in_flight(builtin_target, reference, code_prompts):
+    engine = Engine(builtin_target, None, EngineConfig())
+    params = SamplingParams(max_tokens=30)
+    engine.add_request(code_prompts[0], params, request_id="A")
+    got = []
+    for _ in range(2):
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    engine.add_request(code_prompts[1], SamplingParams(max_tokens=5), request_id="B")
+    for output in engine.step():
+        assert output.request_id == "A"
+        got.extend(output.new_token_ids)
+    assert [c.request.request_id for c in engine._landing] == ["B"]
+    final = engine.abort_request("B")
+    assert final is not None and final.finish_reason == "cancelled"
+    b_outputs = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id == "B":
+                b_outputs.append(output)
+            else:
+                got.extend(output.new_token_ids)
+    assert [o.finish_reason for o in b_outputs] == ["cancelled"], "B ends once, with no token after its cancel"
+    assert got == reference.tokens(code_prompts[0], params)[0]
