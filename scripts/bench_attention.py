@@ -1,8 +1,8 @@
 """The ragged attention primitive alone: ms for 30 layers of SmolLM2-135M's heads (Hq 9,
 Hkv 3, D 64; each layer its own KV, so the keys come from memory as in a forward), T new
 positions at the end of S keys, one row, best of --reps. With --old PATH.so the same grid
-runs on another build of the extension (e.g. one built from an earlier commit), in child
-processes alternating with this tree's build, side by side in one table.
+also runs on another build of the extension (e.g. one built from an earlier commit), loaded
+beside this tree's in the same process, the two alternating cell by cell in one table.
 
     PYTHONPATH=. python3 scripts/bench_attention.py --old /tmp/old/_cpu_kernels.so --cpu-time
     PYTHONPATH=. python3 scripts/bench_attention.py --keys 1500 --new 4 --threads 2
@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,9 +30,10 @@ from gmlx.platform.timing import best_of_s  # noqa: E402
 NUM_LAYERS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
-def load_extension(path: str):
-    """The extension module in the file at path (mlx.core is imported first, as it must be)."""
-    spec = importlib.util.spec_from_file_location("gmlx.platform._cpu_kernels", path)
+def load_extension(path: str, name: str = "gmlx.platform._cpu_kernels"):
+    """The extension module in the file at path (mlx.core is imported first, as it must be);
+    another name loads a second build beside it, with its own thread pool."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -67,24 +67,25 @@ def measure(ext, args) -> dict[str, float]:
 
 
 def compare(args) -> None:
-    """Children alternate old and new builds for --rounds; the best of each cell is kept."""
-    sides = {"old": args.old, "new": args.extension}
-    best: dict[str, dict[str, float]] = {side: {} for side in sides}
-    forwarded = ["--reps", str(args.reps), "--threads", *map(str, args.threads), "--keys", *map(str, args.keys),
-                 "--new", *map(str, args.new)] + (["--cpu-time"] if args.cpu_time else [])
-    for _ in range(args.rounds):
-        for side, path in sides.items():
-            out = subprocess.run([sys.executable, __file__, "--extension", path, "--json", *forwarded],
-                                 check=True, capture_output=True, text=True).stdout
-            for cell, ms in json.loads(out).items():
-                best[side][cell] = min(best[side].get(cell, float("inf")), ms)
-    print(f"{platform.processor() or platform.machine()}; {'CPU' if args.cpu_time else 'wall'} ms for {NUM_LAYERS} "
-          f"layers (Hq {NUM_Q_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}), best of {args.reps} x {args.rounds} rounds")
+    """Both builds in this process, alternating cell by cell for --rounds; the best is kept."""
+    builds = {"old": load_extension(args.old, "gmlx_old._cpu_kernels"), "new": load_extension(args.extension)}
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    print(f"{platform.machine()}; {'CPU' if args.cpu_time else 'wall'} ms for {NUM_LAYERS} layers (Hq {NUM_Q_HEADS}, "
+          f"Hkv {NUM_KV_HEADS}, D {HEAD_DIM}), best of {args.reps} x {args.rounds} alternating rounds")
     print("| threads | keys S | new T | old ms | new ms | old / new |")
     print("|---|---|---|---|---|---|")
-    for cell in best["old"]:
-        old, new = best["old"][cell], best["new"][cell]
-        print(f"| {' | '.join(cell.split(','))} | {old:.2f} | {new:.2f} | {old / new:.2f}x |")
+    for num_threads in args.threads:
+        for ext in builds.values():
+            ext.set_num_threads(num_threads)
+        for num_keys in args.keys:
+            for num_new in args.new:
+                fns = {side: layers_fn(ext, num_keys, num_new) for side, ext in builds.items()}
+                best = {side: float("inf") for side in builds}
+                for _ in range(args.rounds):
+                    for side, fn in fns.items():
+                        best[side] = min(best[side], 1e3 * best_of_s(fn, args.reps, clock=clock))
+                old, new = best["old"], best["new"]
+                print(f"| {num_threads} | {num_keys} | {num_new} | {old:.2f} | {new:.2f} | {old / new:.2f}x |", flush=True)
 
 
 def main() -> None:
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, nargs="+", default=[160, 1000, 1500, 3000])
     parser.add_argument("--new", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of old and new (with --old)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of old and new (with --old)")
     parser.add_argument("--cpu-time", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
