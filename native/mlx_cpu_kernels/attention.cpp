@@ -120,12 +120,15 @@ void run_attention_tile(void* context, int64_t tile) {
   attend_tiles_avx512(*static_cast<const AttentionJob*>(context), tile, tile + 1);
 }
 
-// Tiles as large as the key sharing wants, yet at least ~4 per thread so the pool stays
-// busy at one query per head too; a query's bits do not depend on its tile.
+// Tiles of even size, the fewest that give each thread two (the pool's chunks are taken
+// in turn, so two evens out a short one): a kv head's keys and values then come from
+// memory about once per thread, not once per query. A query's bits do not depend on its tile.
 void plan_tiles(AttentionJob& job, int num_threads) {
   const int64_t per_kv_head = job.group * job.num_t;
-  const int64_t num_queries = job.num_b * job.num_q_heads * job.num_t;
-  job.tile_size = std::clamp<int64_t>(num_queries / (4 * num_threads), 1, std::min(kMaxAttentionTile, per_kv_head));
+  const int64_t num_kv_rows = job.num_b * (job.num_q_heads / job.group);
+  int64_t num_tiles = (per_kv_head + kMaxAttentionTile - 1) / kMaxAttentionTile;
+  while (num_kv_rows * num_tiles < 2 * num_threads && num_tiles < per_kv_head) ++num_tiles;
+  job.tile_size = (per_kv_head + num_tiles - 1) / num_tiles;
   job.num_tiles_per_kv_head = (per_kv_head + job.tile_size - 1) / job.tile_size;
 }
 
