@@ -117,7 +117,7 @@ void run_attention_chunk(void* context, int64_t chunk) {
 }
 
 void run_attention_tile(void* context, int64_t tile) {
-  attend_tiles_avx512(*static_cast<const AttentionJob*>(context), tile, tile + 1);
+  attend_tiles(*static_cast<const AttentionJob*>(context), tile, tile + 1);
 }
 
 // Tiles of even size, the fewest that give each thread two (the pool's chunks are taken
@@ -197,7 +197,7 @@ void RaggedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       plan_tiles(job, is_small ? 1 : pool_num_threads());
       const int64_t num_tiles = job.num_b * (job.num_q_heads / job.group) * job.num_tiles_per_kv_head;
       if (is_small) {
-        attend_tiles_avx512(job, 0, num_tiles);
+        attend_tiles(job, 0, num_tiles);
       } else {
         run_on_pool(run_attention_tile, &job, num_tiles);
       }

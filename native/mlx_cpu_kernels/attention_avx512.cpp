@@ -1,10 +1,9 @@
-// Ragged attention on AVX-512 for several queries of one (row, kv head) at a time: a block
-// of 16 keys is read once for the tile's queries, its 16 dot products are reduced
-// together, and the value sums of up to 4 queries run side by side. Every query keeps the
-// per-query code's operations and orders (attention.cpp), so the bits are the same.
+// The AVX-512 pieces of a key-blocked attention tile (attention_tiles.cpp): a block of 16
+// keys is read once for the tile's queries, its 16 dot products are reduced together, and
+// the value sums of up to 4 queries run side by side. Every query keeps the per-query
+// code's operations and orders (attention.cpp), so the bits are the same.
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "attention_job.h"
 #include "isa_target.h"
@@ -16,13 +15,6 @@ namespace gmlx_kernels {
 namespace {
 
 constexpr int kKeysPerBlock = 16;
-
-struct TileQuery {
-  const float* q;  // (D,)
-  float* out;  // (D,)
-  int64_t num_seen;  // keys [0, num_seen) are visible
-  float* score;  // scores, then probabilities, of keys [0, num_seen)
-};
 
 // One key's 16 lane sums over D, each lane's chain in d order from 0 (as dot()).
 template <int kChunks>
@@ -60,10 +52,9 @@ GMLX_AVX512 inline __attribute__((always_inline)) __m512 dot_block(const __m512*
   return _mm512_permutexvar_ps(key_order, sums);
 }
 
-// Scores of keys [0, num_seen) for every query of the tile, a key block at a time.
-template <int kChunks>
-GMLX_AVX512 inline __attribute__((always_inline)) void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head,
-                                                                  TileQuery* queries, int num_queries) {
+template <int kD>
+GMLX_AVX512 void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries, int num_queries) {
+  constexpr int kChunks = kD / 16;
   __m512 q[kMaxAttentionTile][kChunks];
   for (int n = 0; n < num_queries; ++n) {
     for (int c = 0; c < kChunks; ++c) q[n][c] = _mm512_loadu_ps(queries[n].q + 16 * c);
@@ -81,9 +72,17 @@ GMLX_AVX512 inline __attribute__((always_inline)) void score_tile(const Attentio
   }
 }
 
-// The running max of dot()'s loop: NaN scores never win a comparison there, nor in
+}  // namespace
+
+GMLX_AVX512 void score_tile_avx512(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries,
+                                   int num_queries) {
+  if (job.num_d == 64) return score_tile<64>(job, b, kv_head, queries, num_queries);
+  score_tile<128>(job, b, kv_head, queries, num_queries);
+}
+
+// The running max of the per-query loop: NaN scores never win a comparison there, nor in
 // max_ps(score, best), and which of +0 and -0 wins cannot change exp(score - max).
-GMLX_AVX512 inline float max_score(const float* score, int64_t num_seen) {
+GMLX_AVX512 float max_score_avx512(const float* score, int64_t num_seen) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 16 <= num_seen; j += 16) best = _mm512_max_ps(_mm512_loadu_ps(score + j), best);
@@ -91,6 +90,8 @@ GMLX_AVX512 inline float max_score(const float* score, int64_t num_seen) {
   best = _mm512_mask_max_ps(best, tail, _mm512_maskz_loadu_ps(tail, score + j), best);
   return _mm512_reduce_max_ps(best);
 }
+
+namespace {
 
 // The value sums of kNum queries (key order from 0, then / denominator), each value
 // vector read once for all of them; keys past a query's num_seen go to it alone.
@@ -128,62 +129,23 @@ GMLX_AVX512 inline __attribute__((always_inline)) void sum_values(const Attentio
   }
 }
 
-template <int kChunks>
-GMLX_AVX512 void attend_tile(const AttentionJob& job, int64_t tile, std::vector<float>& scores) {
-  const int64_t per_kv_head = job.group * job.num_t;
-  const int64_t b = tile / job.num_tiles_per_kv_head / (job.num_q_heads / job.group);
-  const int64_t kv_head = tile / job.num_tiles_per_kv_head % (job.num_q_heads / job.group);
-  const int64_t first = tile % job.num_tiles_per_kv_head * job.tile_size;
-  const int num_queries = static_cast<int>(std::min(job.tile_size, per_kv_head - first));
-  const int64_t offset = job.offsets[b * job.offset_stride];
-  const int64_t d = kChunks * 16;
-  // Room for each query's scores, whole key blocks.
-  const int64_t stride = (job.num_keys + kKeysPerBlock - 1) / kKeysPerBlock * kKeysPerBlock;
-  scores.resize(static_cast<size_t>(num_queries * stride));
-  TileQuery queries[kMaxAttentionTile];
-  for (int n = 0; n < num_queries; ++n) {
-    const int64_t t = (first + n) / job.group, h = kv_head * job.group + (first + n) % job.group;
-    queries[n].q = job.q.at(b, h, t);
-    queries[n].out = job.out + ((b * job.num_t + t) * job.num_q_heads + h) * d;
-    queries[n].num_seen = std::min(job.num_keys, offset + t + 1);
-    queries[n].score = scores.data() + n * stride;
-  }
-  score_tile<kChunks>(job, b, kv_head, queries, num_queries);
-  for (int n = 0; n < num_queries; ++n) {
-    TileQuery& query = queries[n];
-    // No chain runs through these calls (the denominator is summed with the values),
-    // so successive exps overlap.
-    const float max = max_score(query.score, query.num_seen);
-    for (int64_t j = 0; j < query.num_seen; ++j) query.score[j] = std::exp(query.score[j] - max);
-  }
-  constexpr int kValueGroup = kChunks <= 4 ? 4 : 2;  // accumulators: 16 registers
+template <int kD>
+GMLX_AVX512 void sum_tile_values(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries,
+                                 int num_queries) {
+  constexpr int kChunks = kD / 16, kGroup = kChunks <= 4 ? 4 : 2;  // accumulators: 16 registers
   int n = 0;
-  for (; n + kValueGroup <= num_queries; n += kValueGroup) sum_values<kChunks, kValueGroup>(job, b, kv_head, queries + n);
+  for (; n + kGroup <= num_queries; n += kGroup) sum_values<kChunks, kGroup>(job, b, kv_head, queries + n);
   for (; n + 2 <= num_queries; n += 2) sum_values<kChunks, 2>(job, b, kv_head, queries + n);
   for (; n < num_queries; ++n) sum_values<kChunks, 1>(job, b, kv_head, queries + n);
 }
 
 }  // namespace
 
-bool can_attend_blocked(const AttentionJob& job) {
-  return job.isa == Isa::kAvx512 && (job.num_d == 64 || job.num_d == 128);
+GMLX_AVX512 void sum_values_avx512(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries,
+                                   int num_queries) {
+  if (job.num_d == 64) return sum_tile_values<64>(job, b, kv_head, queries, num_queries);
+  sum_tile_values<128>(job, b, kv_head, queries, num_queries);
 }
-
-GMLX_AVX512 void attend_tiles_avx512(const AttentionJob& job, int64_t begin, int64_t end) {
-  thread_local std::vector<float> scores;
-  for (int64_t tile = begin; tile < end; ++tile) {
-    if (job.num_d == 64) {
-      attend_tile<4>(job, tile, scores);
-    } else {
-      attend_tile<8>(job, tile, scores);
-    }
-  }
-}
-
-#else
-
-bool can_attend_blocked(const AttentionJob&) { return false; }
-void attend_tiles_avx512(const AttentionJob&, int64_t, int64_t) {}
 
 #endif
 

@@ -30,11 +30,30 @@ struct AttentionJob {
 // Queries of one (row, kv head) the blocked kernel takes at once: their scores sit in a
 // buffer of tile * S floats, and a key block read once serves all of them.
 constexpr int64_t kMaxAttentionTile = 8;
+// Each query's score room is whole blocks of this many keys (the widest ISA's block).
+constexpr int64_t kScoreBlock = 16;
 
-// Does the AVX-512 key-blocked kernel take this job (head dims 64 and 128)?
+struct TileQuery {
+  const float* q;  // (D,)
+  float* out;  // (D,)
+  int64_t num_seen;  // keys [0, num_seen) are visible; it grows along a tile
+  float* score;  // scores, then probabilities, of keys [0, num_seen)
+};
+
+// Does the key-blocked kernel take this job (AVX-512 or AVX2, head dims 64 and 128)?
 bool can_attend_blocked(const AttentionJob& job);
 // Tiles [begin, end) of the job, numbered (row, kv head, tile); each query's bits equal
-// the per-query code's.
-void attend_tiles_avx512(const AttentionJob& job, int64_t begin, int64_t end);
+// the per-query code's (attention.cpp).
+void attend_tiles(const AttentionJob& job, int64_t begin, int64_t end);
+
+// Each ISA's pieces of a tile, head dim 64 or 128 (attention_avx512.cpp, attention_avx2.cpp):
+// the scores (scaled) of every query's visible keys, the running max of a query's
+// scores, and the value sums (with the probabilities' sum) divided, into out.
+void score_tile_avx512(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries, int num_queries);
+float max_score_avx512(const float* score, int64_t num_seen);
+void sum_values_avx512(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries, int num_queries);
+void score_tile_avx2(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries, int num_queries);
+float max_score_avx2(const float* score, int64_t num_seen);
+void sum_values_avx2(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries, int num_queries);
 
 }  // namespace gmlx_kernels
