@@ -15,22 +15,37 @@ namespace gmlx_kernels {
 namespace {
 
 constexpr int kKeysPerBlock = 16;
+constexpr int kMaxChunks = 16;  // head dims up to 256 in 16-lane chunks
 
-// One key's 16 lane sums over D, each lane's chain in d order from 0 (as dot()).
-template <int kChunks>
-GMLX_AVX512 inline __attribute__((always_inline)) __m512 lane_sums(const __m512* q, const float* key) {
+// A head dim known only at run time: its whole 16-lane chunks, then the lanes of a last
+// partial one (none when D is a multiple of 16).
+struct RuntimeDim {
+  int num_whole;
+  __mmask16 tail;
+};
+
+// One key's 16 lane sums over D, each lane's chain in d order from 0 (as dot()); dot()'s
+// leftover d < D % 16 go to lanes 0..D % 16 - 1 last, as the masked add does here.
+template <int kD>
+GMLX_AVX512 inline __attribute__((always_inline)) __m512 lane_sums(const __m512* q, const float* key, RuntimeDim dim) {
+  const int num_whole = kD > 0 ? kD / 16 : dim.num_whole;
   __m512 sums = _mm512_setzero_ps();
-  for (int c = 0; c < kChunks; ++c) sums = _mm512_add_ps(sums, _mm512_mul_ps(q[c], _mm512_loadu_ps(key + 16 * c)));
+  for (int c = 0; c < num_whole; ++c) sums = _mm512_add_ps(sums, _mm512_mul_ps(q[c], _mm512_loadu_ps(key + 16 * c)));
+  if constexpr (kD == 0) {
+    const __m512 products = _mm512_mul_ps(q[num_whole], _mm512_maskz_loadu_ps(dim.tail, key + 16 * num_whole));
+    sums = _mm512_mask_add_ps(sums, dim.tail, sums, products);
+  }
   return sums;
 }
 
 // The 16 keys' dot products, key k in lane k. The lane tree of dot() (width 8, 4, 2, 1)
 // runs on all keys at once: each add pairs the same two lanes, only transposed.
-template <int kChunks>
-GMLX_AVX512 inline __attribute__((always_inline)) __m512 dot_block(const __m512* q, const float* const* key) {
+template <int kD>
+GMLX_AVX512 inline __attribute__((always_inline)) __m512 dot_block(const __m512* q, const float* const* key,
+                                                                   RuntimeDim dim) {
   __m512 halves[8];  // keys 2i, 2i+1: lanes l + l+8 in lanes 0-7 and 8-15
   for (int i = 0; i < 8; ++i) {
-    const __m512 a = lane_sums<kChunks>(q, key[2 * i]), b = lane_sums<kChunks>(q, key[2 * i + 1]);
+    const __m512 a = lane_sums<kD>(q, key[2 * i], dim), b = lane_sums<kD>(q, key[2 * i + 1], dim);
     halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
   }
   __m512 quarters[4];  // keys 4i..4i+3, one per 128-bit block: lanes l + l+4
@@ -54,10 +69,13 @@ GMLX_AVX512 inline __attribute__((always_inline)) __m512 dot_block(const __m512*
 
 template <int kD>
 GMLX_AVX512 void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries, int num_queries) {
-  constexpr int kChunks = kD / 16;
-  __m512 q[kMaxAttentionTile][kChunks];
+  const RuntimeDim dim = {static_cast<int>(job.num_d / 16), static_cast<__mmask16>((1u << job.num_d % 16) - 1)};
+  const int num_chunks = kD > 0 ? kD / 16 : dim.num_whole + (dim.tail != 0);
+  __m512 q[kMaxAttentionTile][kD > 0 ? kD / 16 : kMaxChunks];
   for (int n = 0; n < num_queries; ++n) {
-    for (int c = 0; c < kChunks; ++c) q[n][c] = _mm512_loadu_ps(queries[n].q + 16 * c);
+    for (int c = 0; c < num_chunks; ++c) {
+      q[n][c] = c < dim.num_whole ? _mm512_loadu_ps(queries[n].q + 16 * c) : _mm512_maskz_loadu_ps(dim.tail, queries[n].q + 16 * c);
+    }
   }
   const __m512 scale = _mm512_set1_ps(job.scale);
   const int64_t num_seen = queries[num_queries - 1].num_seen;  // the tile's most
@@ -67,7 +85,7 @@ GMLX_AVX512 void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head,
     for (int k = 0; k < kKeysPerBlock; ++k) key[k] = job.keys.at(b, kv_head, std::min(j0 + k, num_seen - 1));
     for (int n = 0; n < num_queries; ++n) {
       if (j0 >= queries[n].num_seen) continue;
-      _mm512_storeu_ps(queries[n].score + j0, _mm512_mul_ps(dot_block<kChunks>(q[n], key), scale));
+      _mm512_storeu_ps(queries[n].score + j0, _mm512_mul_ps(dot_block<kD>(q[n], key, dim), scale));
     }
   }
 }
@@ -77,7 +95,8 @@ GMLX_AVX512 void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head,
 GMLX_AVX512 void score_tile_avx512(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries,
                                    int num_queries) {
   if (job.num_d == 64) return score_tile<64>(job, b, kv_head, queries, num_queries);
-  score_tile<128>(job, b, kv_head, queries, num_queries);
+  if (job.num_d == 128) return score_tile<128>(job, b, kv_head, queries, num_queries);
+  score_tile<0>(job, b, kv_head, queries, num_queries);
 }
 
 // The running max of the per-query loop: NaN scores never win a comparison there, nor in
@@ -129,6 +148,29 @@ GMLX_AVX512 inline __attribute__((always_inline)) void sum_values(const Attentio
   }
 }
 
+// One query's value sum at any head dim: the accumulators live in memory, lanes past D
+// are computed from zeros and never stored.
+GMLX_AVX512 void sum_values_any_dim(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery& query) {
+  const int num_chunks = static_cast<int>((job.num_d + 15) / 16);
+  const __mmask16 last = job.num_d % 16 ? static_cast<__mmask16>((1u << job.num_d % 16) - 1) : 0xFFFF;
+  __m512 acc[kMaxChunks];
+  for (int c = 0; c < num_chunks; ++c) acc[c] = _mm512_setzero_ps();
+  float denominator = 0.0f;
+  for (int64_t j = 0; j < query.num_seen; ++j) {
+    const float* value = job.values.at(b, kv_head, j);
+    denominator += query.score[j];
+    const __m512 p = _mm512_set1_ps(query.score[j]);
+    for (int c = 0; c < num_chunks; ++c) {
+      const __mmask16 lanes = c + 1 < num_chunks ? 0xFFFF : last;
+      acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(p, _mm512_maskz_loadu_ps(lanes, value + 16 * c)));
+    }
+  }
+  const __m512 sum = _mm512_set1_ps(denominator);
+  for (int c = 0; c < num_chunks; ++c) {
+    _mm512_mask_storeu_ps(query.out + 16 * c, c + 1 < num_chunks ? 0xFFFF : last, _mm512_div_ps(acc[c], sum));
+  }
+}
+
 template <int kD>
 GMLX_AVX512 void sum_tile_values(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries,
                                  int num_queries) {
@@ -144,7 +186,8 @@ GMLX_AVX512 void sum_tile_values(const AttentionJob& job, int64_t b, int64_t kv_
 GMLX_AVX512 void sum_values_avx512(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries,
                                    int num_queries) {
   if (job.num_d == 64) return sum_tile_values<64>(job, b, kv_head, queries, num_queries);
-  sum_tile_values<128>(job, b, kv_head, queries, num_queries);
+  if (job.num_d == 128) return sum_tile_values<128>(job, b, kv_head, queries, num_queries);
+  for (int n = 0; n < num_queries; ++n) sum_values_any_dim(job, b, kv_head, queries[n]);
 }
 
 #endif

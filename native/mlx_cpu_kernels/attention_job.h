@@ -40,13 +40,13 @@ struct TileQuery {
   float* score;  // scores, then probabilities, of keys [0, num_seen)
 };
 
-// Does the key-blocked kernel take this job (AVX-512 or AVX2, head dims 64 and 128)?
+// Does the key-blocked kernel take this job (AVX-512: head dims up to 256; AVX2: 64, 128)?
 bool can_attend_blocked(const AttentionJob& job);
 // Tiles [begin, end) of the job, numbered (row, kv head, tile); each query's bits equal
 // the per-query code's (attention.cpp).
 void attend_tiles(const AttentionJob& job, int64_t begin, int64_t end);
 
-// Each ISA's pieces of a tile, head dim 64 or 128 (attention_avx512.cpp, attention_avx2.cpp):
+// Each ISA's pieces of a tile, for the head dims it takes (attention_avx512.cpp, attention_avx2.cpp):
 // the scores (scaled) of every query's visible keys, the running max of a query's
 // scores, and the value sums (with the probabilities' sum) divided, into out.
 void score_tile_avx512(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries, int num_queries);

@@ -14,7 +14,6 @@ namespace gmlx_kernels {
 
 namespace {
 
-template <int kD>
 void attend_tile(const AttentionJob& job, int64_t tile, std::vector<float>& scores) {
   const int64_t num_kv_heads = job.num_q_heads / job.group;
   const int64_t b = tile / job.num_tiles_per_kv_head / num_kv_heads;
@@ -27,7 +26,7 @@ void attend_tile(const AttentionJob& job, int64_t tile, std::vector<float>& scor
   TileQuery queries[kMaxAttentionTile];
   for (int n = 0; n < num_queries; ++n) {
     const int64_t t = (first + n) / job.group, h = kv_head * job.group + (first + n) % job.group;
-    queries[n] = {job.q.at(b, h, t), job.out + ((b * job.num_t + t) * job.num_q_heads + h) * kD,
+    queries[n] = {job.q.at(b, h, t), job.out + ((b * job.num_t + t) * job.num_q_heads + h) * job.num_d,
                   std::min(job.num_keys, offset + t + 1), scores.data() + n * room};
   }
   const bool is_avx512 = job.isa == Isa::kAvx512;
@@ -54,17 +53,14 @@ void attend_tile(const AttentionJob& job, int64_t tile, std::vector<float>& scor
 }  // namespace
 
 bool can_attend_blocked(const AttentionJob& job) {
-  return (job.isa == Isa::kAvx512 || job.isa == Isa::kAvx2) && (job.num_d == 64 || job.num_d == 128);
+  if (job.isa == Isa::kAvx512) return job.num_d >= 1 && job.num_d <= 256;
+  return job.isa == Isa::kAvx2 && (job.num_d == 64 || job.num_d == 128);
 }
 
 void attend_tiles(const AttentionJob& job, int64_t begin, int64_t end) {
   thread_local std::vector<float> scores;
   for (int64_t tile = begin; tile < end; ++tile) {
-    if (job.num_d == 64) {
-      attend_tile<64>(job, tile, scores);
-    } else {
-      attend_tile<128>(job, tile, scores);
-    }
+    attend_tile(job, tile, scores);
   }
 }
 
