@@ -105,7 +105,7 @@ GMLX_AVX2 float max_score_avx2(const float* score, int64_t num_seen) {
 
 GMLX_AVX2 void sum_values_avx2(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries,
                                int num_queries) {
-  // One query at a time: its 2 * D / 16 accumulators already fill the 16 registers.
+  // One query at a time: at D 128 its accumulators alone fill the 16 registers.
   for (int n = 0; n < num_queries; ++n) {
     if (job.num_d == 64) {
       sum_values<4>(job, b, kv_head, queries[n]);

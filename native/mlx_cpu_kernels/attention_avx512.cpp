@@ -31,7 +31,7 @@ GMLX_AVX512 inline __attribute__((always_inline)) __m512 lane_sums(const __m512*
   const int num_whole = kD > 0 ? kD / 16 : dim.num_whole;
   __m512 sums = _mm512_setzero_ps();
   for (int c = 0; c < num_whole; ++c) sums = _mm512_add_ps(sums, _mm512_mul_ps(q[c], _mm512_loadu_ps(key + 16 * c)));
-  if constexpr (kD == 0) {
+  if (kD == 0 && dim.tail) {
     const __m512 products = _mm512_mul_ps(q[num_whole], _mm512_maskz_loadu_ps(dim.tail, key + 16 * num_whole));
     sums = _mm512_mask_add_ps(sums, dim.tail, sums, products);
   }
@@ -74,7 +74,8 @@ GMLX_AVX512 void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head,
   __m512 q[kMaxAttentionTile][kD > 0 ? kD / 16 : kMaxChunks];
   for (int n = 0; n < num_queries; ++n) {
     for (int c = 0; c < num_chunks; ++c) {
-      q[n][c] = c < dim.num_whole ? _mm512_loadu_ps(queries[n].q + 16 * c) : _mm512_maskz_loadu_ps(dim.tail, queries[n].q + 16 * c);
+      const float* chunk = queries[n].q + 16 * c;
+      q[n][c] = c < dim.num_whole ? _mm512_loadu_ps(chunk) : _mm512_maskz_loadu_ps(dim.tail, chunk);
     }
   }
   const __m512 scale = _mm512_set1_ps(job.scale);

@@ -1,5 +1,5 @@
 // What attention.cpp hands its kernels: one call's arrays and shape, shared with the
-// key-blocked AVX-512 kernel in attention_avx512.cpp.
+// key-blocked tiles (attention_tiles.cpp and each ISA's pieces).
 #pragma once
 
 #include <cstdint>
