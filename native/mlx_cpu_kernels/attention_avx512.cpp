@@ -69,8 +69,9 @@ GMLX_AVX512 inline __attribute__((always_inline)) __m512 dot_block(const __m512*
 
 template <int kD>
 GMLX_AVX512 void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head, TileQuery* queries, int num_queries) {
-  const RuntimeDim dim = {static_cast<int>(job.num_d / 16), static_cast<__mmask16>((1u << job.num_d % 16) - 1)};
-  const int num_chunks = kD > 0 ? kD / 16 : dim.num_whole + (dim.tail != 0);
+  const RuntimeDim dim = {static_cast<int>(kD > 0 ? kD / 16 : job.num_d / 16),
+                          static_cast<__mmask16>(kD > 0 ? 0 : (1u << job.num_d % 16) - 1)};
+  const int num_chunks = dim.num_whole + (dim.tail != 0);
   __m512 q[kMaxAttentionTile][kD > 0 ? kD / 16 : kMaxChunks];
   for (int n = 0; n < num_queries; ++n) {
     for (int c = 0; c < num_chunks; ++c) {
