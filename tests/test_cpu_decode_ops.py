@@ -216,6 +216,44 @@ def test_attention_rows_are_independent_of_row_count_threads_and_verify_width(ca
             assert bitwise_equal(step, together[1][one, t : t + 1]), (row, t)
 
 
+long_prefix_cases = st.fixed_dictionaries({
+    "num_rows": st.integers(1, 3),
+    "num_kv_heads": st.integers(1, 3),
+    "group": st.integers(1, 4),  # q heads per kv head
+    "num_new": st.integers(1, 16),
+    "num_keys": st.integers(1, 2000),
+    "head_dim": st.sampled_from([40, 64, 80, 128]),  # 64 and 128: AVX-512's key-blocked tiles
+    "seed": st.integers(0, 2**16),
+})
+
+
+@PROPERTY_SETTINGS
+@given(case=long_prefix_cases)
+def test_long_prefix_attention_has_the_portable_bits_on_every_isa_and_thread_count(case, ext):
+    key_q, key_k, key_v, key_offsets = mx.random.split(mx.random.key(case["seed"]), 4)
+    rows, new, dim = case["num_rows"], case["num_new"], case["head_dim"]
+    num_kv_heads, capacity = case["num_kv_heads"], case["num_keys"] + new
+    offsets = mx.random.randint(0, case["num_keys"] + 1, (rows,), key=key_offsets).astype(mx.int32)  # ragged
+    q = mx.random.normal((rows, num_kv_heads * case["group"], new, dim), key=key_q)  # (B, Hq, T, D)
+    # Past each row's last visible key the buffers hold NaN: a kernel that let one in would show it.
+    is_seen = (mx.arange(capacity)[None, :] < (offsets + new)[:, None])[:, None, :, None]  # (B, 1, S, 1)
+    keys = mx.where(is_seen, mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_k), mx.nan)
+    values = mx.where(is_seen, mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_v), mx.nan)
+    scale = dim**-0.5
+    ext.set_isa("portable")
+    ext.set_num_threads(1)
+    expected = cpu_kernels.ragged_attention(q, keys, values, offsets, scale)  # the per-query code
+    mx.eval(expected)
+    assert not mx.isnan(expected).any().item()
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        for num_threads in (1, 2):  # tiles are planned per thread count
+            ext.set_num_threads(num_threads)
+            got = cpu_kernels.ragged_attention(q, keys, values, offsets, scale)
+            assert bitwise_equal(got, expected), (isa, num_threads)
+    ext.set_isa(ext.best_isa())
+
+
 def test_long_attention_spreads_over_threads_with_the_same_bits(ext):
     case = {"num_rows": 2, "heads": (9, 3), "num_new": 200, "head_dim": 64, "seed": 11}
     q, keys, values, offsets, scale = attention_inputs(case)  # prefill-sized: many pool chunks

@@ -12,9 +12,10 @@ namespace mx = mlx::core;
 // (B, Hkv, S, D), Hq a multiple of Hkv (grouped heads). Row b's T new positions start
 // at offset[b] (an int scalar or one per row): query t sees keys [0, offset[b] + t], so
 // the mask is the cache's own lengths, causal within the new positions. Out (B, T, Hq * D).
-// Each query is computed alone in one fixed order (dot products in 16 lanes and a tree,
-// softmax and the value sum in key order), so its bits depend only on its own vector and
-// the keys it sees: not on T, B, the other rows or the thread count.
+// Each query is computed in one fixed order (dot products in 16 lanes and a tree, softmax
+// and the value sum in key order), so its bits depend only on its own vector and the keys
+// it sees: not on T, B, the other rows or the thread count. AVX-512 and AVX2 run the
+// queries of a kv head together (shared key reads) with the same operations per query.
 mx::array ragged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
                            const mx::array& offset, float scale);
 
