@@ -195,6 +195,12 @@ def cpu_compute_format_setting() -> str:
     return raw
 
 
+def is_malloc_tuned() -> bool:
+    """GMLX_MALLOC_TUNE (default on): glibc serves KV-sized blocks from a heap it keeps
+    (gmlx/platform/memory.py); 0 leaves malloc's defaults."""
+    return _env_flag("GMLX_MALLOC_TUNE", True)
+
+
 def log_level() -> str:
     level = os.environ.get("GMLX_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if level not in _LOG_LEVELS:
@@ -206,7 +212,8 @@ def validate_settings() -> None:
     """Read every GMLX_* setting once, so a malformed one fails start-up (ValueError naming
     it) instead of the first round that reads it."""
     for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
-                 is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads):
+                 is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
+                 is_malloc_tuned):
         read()
 
 

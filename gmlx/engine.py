@@ -30,6 +30,7 @@ from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.models.loader import LoadedModel, load_model, resolve_model_path
 from gmlx.platform.blas import ensure_fast_blas
+from gmlx.platform.memory import tune_malloc
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
@@ -51,6 +52,7 @@ _STAT_KEYS = (
 class Engine:
     def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, cost_table: CostTable | None = None):
         config.validate_settings()
+        tune_malloc()  # joins and growing batches then reuse warm pages
         self.target = target
         self.drafter = drafter
         self.config = engine_config
