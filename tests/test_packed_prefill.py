@@ -114,7 +114,7 @@ def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference
         if not engine.has_unfinished():
             break
     assert len(chunk_sizes) >= 300 // 32, chunk_sizes
-    assert all(n == admission.MIN_PACKED_CHUNK_TOKENS for n in chunk_sizes[1:-1]), chunk_sizes  # after the first
+    assert all(n == admission.MIN_CHUNK_TOKENS for n in chunk_sizes[1:-1]), chunk_sizes  # after the first
     for request_id in got:
         assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
 

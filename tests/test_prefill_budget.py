@@ -49,8 +49,7 @@ def test_a_long_arrival_is_prefilled_within_the_budget(builtin_target, reference
     if is_chunk_bounded:  # sized by time, not the fixed chunk
         assert max(chunk_sizes) < engine.config.prefill_chunk_tokens, chunk_sizes
         assert all(b <= a for a, b in zip(chunk_sizes, chunk_sizes[1:])), chunk_sizes  # each over budget: halves
-        floor = admission.MIN_PACKED_CHUNK_TOKENS if is_packed else admission.MIN_CHUNK_TOKENS
-        assert chunk_sizes[-2] == floor, chunk_sizes
+        assert chunk_sizes[-2] == admission.MIN_CHUNK_TOKENS, chunk_sizes
     for request_id in got:
         assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
 

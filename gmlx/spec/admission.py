@@ -20,9 +20,6 @@ from gmlx.request import Request, RequestStatus
 from gmlx.sampling import SamplingRows, sample
 
 MIN_CHUNK_TOKENS = 4  # a time budget never shrinks a chunk below this: prefill must progress
-# A packed chunk's floor: with the decode rows it makes >= 8 rows, where the 4-bit kernels'
-# many-row path costs ~1/8 of a row each; 2-6 rows cost 0.3-0.5 of a whole pass each.
-MIN_PACKED_CHUNK_TOKENS = 8
 FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
 
 
@@ -67,7 +64,7 @@ class InjectionQueue:
         self._caches: dict[str, list[RaggedKVCache]] = {}  # request id -> partial prefill
         self._last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of the last timed chunk
 
-    def token_budget(self, budget_s: float | None, min_tokens: int = MIN_CHUNK_TOKENS) -> int:
+    def token_budget(self, budget_s: float | None) -> int:
         """Prompt tokens one drain may prefill: chunk_tokens, or under a time budget the last
         timed chunk scaled by budget / its time (at most x2 or /2 a step: the cost per token
         has a fixed part and grows with the prefix, so a ratio tracks it better than a rate)."""
@@ -79,7 +76,7 @@ class InjectionQueue:
             last_tokens, last_s = self._last_chunk
             scale = min(2.0, max(0.5, budget_s / max(last_s, 1e-6)))
             tokens = int(last_tokens * scale)
-        return max(min(min_tokens, self.chunk_tokens), min(self.chunk_tokens, tokens))
+        return max(min(MIN_CHUNK_TOKENS, self.chunk_tokens), min(self.chunk_tokens, tokens))
 
     def _measured(self, num_tokens: int, start_s: float) -> None:
         self._last_chunk = (num_tokens, time.perf_counter() - start_s)
@@ -125,7 +122,7 @@ class InjectionQueue:
         """The waiters' next chunks within one budget, in arrival order, to ride a decode
         forward: whole prompts while they fit (they join together), then at most one part."""
         chunks: list[PackedChunk] = []
-        budget = self.token_budget(budget_s, MIN_PACKED_CHUNK_TOKENS)
+        budget = self.token_budget(budget_s)
         for request in self.waiting:
             if budget <= 0 or len(chunks) >= max_new_rows:
                 break
