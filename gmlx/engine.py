@@ -30,7 +30,7 @@ from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.models.loader import LoadedModel, load_model, resolve_model_path
 from gmlx.platform.blas import ensure_fast_blas
-from gmlx.platform.memory import tune_malloc
+from gmlx.platform.memory import tune_malloc, warm_heap
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
@@ -52,7 +52,8 @@ _STAT_KEYS = (
 class Engine:
     def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, cost_table: CostTable | None = None):
         config.validate_settings()
-        tune_malloc()  # joins and growing batches then reuse warm pages
+        if tune_malloc():  # joins and growing batches then reuse warm pages
+            warm_heap(2 * target.kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens))
         self.target = target
         self.drafter = drafter
         self.config = engine_config

@@ -47,6 +47,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     # Attention takes a PackedLayerCache (models/packed.py): prefill chunks ride decode forwards.
     is_packable: bool = False
+    kv_bytes_per_token: int = 0  # one row's keys and values for one token, every layer (float32)
 
     def forward(self, tokens: mx.array, cache) -> tuple[mx.array, mx.array]:
         hidden = self.body(tokens, cache)  # (B, T, D)
@@ -86,7 +87,15 @@ def load_model(path: str | Path | None) -> LoadedModel:
         max_context_tokens=int(config.get("max_position_embeddings") or 4096),
         eos_token_ids=frozenset(eos),
         is_packable=is_packable,
+        kv_bytes_per_token=_kv_bytes_per_token(config, len(body.layers)),
     )
+
+
+def _kv_bytes_per_token(config: dict, num_layers: int) -> int:
+    num_heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    return num_layers * 2 * num_kv_heads * head_dim * 4
 
 
 def _load_folder(folder: Path):
