@@ -10,6 +10,9 @@ picks the loop a round runs in (Loop):
             gated batch decides to resume once, before it pays for this round)
   capture - one-position verify with the hidden state kept; the drafter cold-starts from it
   plain   - no drafter loaded
+Prompts prefilled beside running rows ride the plain, gated and speculative rounds' forwards
+(models/packed.py): one pass over the weights for both; a prompt finished there yields its
+first token at the next step, where it joins.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from gmlx.cache.ragged import concat_layer_caches
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.models.loader import LoadedModel, load_model, resolve_model_path
+from gmlx.models.packed import Segment
 from gmlx.platform.blas import ensure_fast_blas
 from gmlx.platform.memory import tune_malloc, warm_heap
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -36,7 +40,6 @@ from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
 from gmlx.spec.calibration import CostTable, load_or_measure
 from gmlx.spec.depth import PRIOR_ACCEPTANCE, DepthPolicy
-from gmlx.models.packed import Segment
 from gmlx.spec.speculative import capture_round, packed_plain_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
