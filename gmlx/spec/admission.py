@@ -66,15 +66,16 @@ class InjectionQueue:
 
     def token_budget(self, budget_s: float | None) -> int:
         """Prompt tokens one drain may prefill: chunk_tokens, or under a time budget the last
-        timed chunk scaled by budget / its time (at most x2 or /2 a step: the cost per token
-        has a fixed part and grows with the prefix, so a ratio tracks it better than a rate)."""
+        timed chunk scaled by budget / its time (the cost per token has a fixed part and grows
+        with the prefix, so a ratio tracks it better than a rate). At most x1.25 up a step (a
+        chunk timed in a lull must not double the next) and /2 down."""
         if budget_s is None:
             return self.chunk_tokens
         if self._last_chunk is None:
             tokens = FIRST_BUDGETED_TOKENS
         else:
             last_tokens, last_s = self._last_chunk
-            scale = min(2.0, max(0.5, budget_s / max(last_s, 1e-6)))
+            scale = min(1.25, max(0.5, budget_s / max(last_s, 1e-6)))
             tokens = int(last_tokens * scale)
         return max(min(MIN_CHUNK_TOKENS, self.chunk_tokens), min(self.chunk_tokens, tokens))
 
