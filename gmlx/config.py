@@ -228,8 +228,9 @@ class EngineConfig:
     # Prefill time per step while rows decode, so an arrival stalls them a bounded time:
     # 0 = off (always prefill_chunk_tokens), None = from the measured decode round, x = x s.
     prefill_budget_s: float | None = 0.0
-    # Chunks prefilled beside plain rounds ride their forward (one pass over the weights).
-    is_prefill_packed: bool = True
+    # Chunks prefilled beside running rows ride their forward (one pass over the weights).
+    # None = when the model's weights outweigh the packing's extra ops (engine.py), or force it.
+    is_prefill_packed: bool | None = None
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)

@@ -10,6 +10,7 @@ import pytest
 from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
+from gmlx import engine as engine_module
 from gmlx.engine import Engine
 from gmlx.models.packed import Segment, packed_body, unpack
 from gmlx.platform import cpu_kernels
@@ -88,14 +89,14 @@ def reference(builtin_target):
 def test_streams_equal_solo_decoding_with_chunks_packed(builtin_target, reference, code_prompts, drafter_kind):
     # A 0.1 ms budget keeps every packed chunk at its floor, so prompts take several chunks.
     drafter = make_drafter(drafter_kind, builtin_target)
-    engine = Engine(builtin_target, drafter, EngineConfig(prefill_budget_s=0.0001))
+    engine = Engine(builtin_target, drafter, EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
     for seed in range(5):
         check_schedule(engine, reference, make_schedule(100 + seed, builtin_target.vocab_size, code_prompts))
     assert engine.counters["num_packed_chunks"] > 0
 
 
 def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference, code_prompts):
-    engine = Engine(builtin_target, None, EngineConfig(prefill_budget_s=0.0001))
+    engine = Engine(builtin_target, None, EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
     long_prompt = [t for p in code_prompts for t in p][:300]
     prompts = {"A": code_prompts[2], "B": long_prompt}
     params = {"A": SamplingParams(max_tokens=120), "B": SamplingParams(max_tokens=12, temperature=0.8, seed=4)}
@@ -113,14 +114,16 @@ def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference
             got[output.request_id].extend(output.new_token_ids)
         if not engine.has_unfinished():
             break
-    assert len(chunk_sizes) >= 300 // 32, chunk_sizes
-    assert all(n == admission.MIN_CHUNK_TOKENS for n in chunk_sizes[1:-1]), chunk_sizes  # after the first
+    assert len(chunk_sizes) >= 300 // admission.FIRST_BUDGETED_TOKENS, chunk_sizes
+    # Each chunk runs over a 0.1 ms budget: sizes halve to the floor and stay there.
+    assert all(b <= a for a, b in zip(chunk_sizes, chunk_sizes[1:-1])), chunk_sizes
+    assert chunk_sizes[-2] == admission.MIN_CHUNK_TOKENS, chunk_sizes
     for request_id in got:
         assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
 
 
 def test_a_request_cancelled_while_its_last_chunk_is_in_flight(builtin_target, reference, code_prompts):
-    engine = Engine(builtin_target, None, EngineConfig())
+    engine = Engine(builtin_target, None, EngineConfig(is_prefill_packed=True))
     params = SamplingParams(max_tokens=30)
     engine.add_request(code_prompts[0], params, request_id="A")
     got = []
@@ -142,3 +145,17 @@ def test_a_request_cancelled_while_its_last_chunk_is_in_flight(builtin_target, r
                 got.extend(output.new_token_ids)
     assert [o.finish_reason for o in b_outputs] == ["cancelled"], "B ends once, with no token after its cancel"
     assert got == reference.tokens(code_prompts[0], params)[0]
+
+
+def test_packing_is_chosen_by_the_weights_one_forward_reads(builtin_target):
+    # The built-in model's 17 MB of weights cost less than packing's extra ops: not packed unless asked.
+    assert builtin_target.num_weight_bytes < engine_module.PACKING_MIN_WEIGHT_BYTES
+    assert not Engine(builtin_target, None, EngineConfig()).is_prefill_packed
+    assert Engine(builtin_target, None, EngineConfig(is_prefill_packed=True)).is_prefill_packed
+    engine = Engine(builtin_target, None, EngineConfig())
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
+    engine.step()
+    engine.add_request([8, 9, 10], SamplingParams(max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.counters["num_packed_chunks"] == 0 and engine.stats()["is_prefill_packed"] is False

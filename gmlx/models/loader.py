@@ -15,6 +15,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_fusion_enabled, is_cpu_kernels_enabled,
                          is_input_major_enabled)
@@ -48,6 +49,7 @@ class LoadedModel:
     # Attention takes a PackedLayerCache (models/packed.py): prefill chunks ride decode forwards.
     is_packable: bool = False
     kv_bytes_per_token: int = 0  # one row's keys and values for one token, every layer (float32)
+    num_weight_bytes: int = 0  # what one forward reads of weights, as loaded
 
     def forward(self, tokens: mx.array, cache) -> tuple[mx.array, mx.array]:
         hidden = self.body(tokens, cache)  # (B, T, D)
@@ -88,6 +90,7 @@ def load_model(path: str | Path | None) -> LoadedModel:
         eos_token_ids=frozenset(eos),
         is_packable=is_packable,
         kv_bytes_per_token=_kv_bytes_per_token(config, len(body.layers)),
+        num_weight_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     )
 
 

@@ -19,7 +19,7 @@ from gmlx.models.loader import LoadedModel
 from gmlx.request import Request, RequestStatus
 from gmlx.sampling import SamplingRows, sample
 
-MIN_CHUNK_TOKENS = 4  # a time budget never shrinks a chunk below this: prefill must progress
+MIN_CHUNK_TOKENS = 1  # a time budget never shrinks a chunk below this: prefill must progress
 FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
 
 
