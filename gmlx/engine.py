@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 # the ops cost more (built-in model, 17 MB: 4.5 ms packed against 4.1 ms apart; SmolLM2 at
 # 4 bits, 100 MB: 55 against 70 ms).
 PACKING_MIN_WEIGHT_BYTES = 64 << 20
+# A packed chunk's cost is its round's time beyond a plain round's: one round in this many
+# carries no chunk, so that yardstick follows the machine's load during a long prefill.
+PACKED_ROUNDS_PER_PLAIN = 8
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
@@ -84,6 +87,7 @@ class Engine:
         # Last prompt chunks dispatched inside the batch's forward: their first tokens are read next step.
         self._landing: list[admission.PackedChunk] = []
         self._num_packed = 0  # prompt tokens in the forward this step's round dispatched
+        self._num_packed_rounds_in_a_row = 0
         self._is_joined_this_step = False
         is_packed = engine_config.is_prefill_packed
         self.is_prefill_packed = target.is_packable and (
@@ -164,7 +168,8 @@ class Engine:
         if self.batch is not None and not self.batch.has_boundary:
             if self._ready:
                 self._preempt()  # prefilled beside the lone stream last step: it joins now
-            elif self.queue and config.is_preempt_enabled() and not self._can_pack_prefill():
+            elif (self.queue and config.is_preempt_enabled() and not self._can_pack_prefill()
+                  and not self._is_packing_paused()):
                 budget_s = self._prefill_budget_s()
                 # Preempting for a waiter that cannot join yet would drop speculation for nothing.
                 if self.queue.can_join_next_drain(budget_s):
@@ -202,8 +207,8 @@ class Engine:
         if self._ready:  # prefilled last step: this step joins them and prefills nothing
             joining, self._ready = self._ready, []
             self._is_joined_this_step = True
-        elif self._can_pack_prefill():
-            return  # this step's forward carries the next prompt chunk
+        elif self._can_pack_prefill() or self._is_packing_paused():
+            return  # this step's forward carries the next prompt chunk (or, paused, none)
         else:
             joining = self._drain()
             if joining and self.batch is not None:
@@ -263,7 +268,13 @@ class Engine:
             return False
         is_packing_mode = (batch.mode in (BatchMode.PLAIN, BatchMode.GATED, BatchMode.ARMED)
                            or batch.mode is BatchMode.SCALAR and config.is_preempt_enabled())
-        return is_packing_mode and not self._landing and not self._is_joined_this_step and self._num_free_rows() > 0
+        return (is_packing_mode and not self._landing and not self._is_joined_this_step
+                and not self._is_packing_paused() and self._num_free_rows() > 0)
+
+    def _is_packing_paused(self) -> bool:
+        """One round in PACKED_ROUNDS_PER_PLAIN prefills nothing: it times a plain round."""
+        return (self.is_prefill_packed and self.batch is not None and self._round_s is not None
+                and self._num_packed_rounds_in_a_row >= PACKED_ROUNDS_PER_PLAIN)
 
     def _num_free_rows(self) -> int:
         return self.config.max_num_rows - (0 if self.batch is None else self.batch.num_rows) - len(self._ready)
@@ -374,6 +385,7 @@ class Engine:
         elapsed_s = time.perf_counter() - start_s
         # On the CPU, dispatching a forward waits for most of it (mlx throttles what is in
         # flight), so a chunk's cost shows in the round that dispatched it.
+        self._num_packed_rounds_in_a_row = self._num_packed_rounds_in_a_row + 1 if self._num_packed else 0
         if self._num_packed and self._round_s is not None:
             self.queue.measured_packed(self._num_packed, elapsed_s - self._round_s)
         elif not self._num_packed:

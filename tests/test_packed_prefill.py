@@ -102,7 +102,7 @@ def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference
     params = {"A": SamplingParams(max_tokens=120), "B": SamplingParams(max_tokens=12, temperature=0.8, seed=4)}
     engine.add_request(prompts["A"], params["A"], request_id="A")
     got = {"A": [], "B": []}
-    chunk_sizes = []
+    chunk_sizes, streaks = [], [0]
     for step in range(10_000):
         if step == 2:
             engine.add_request(prompts["B"], params["B"], request_id="B")
@@ -110,6 +110,9 @@ def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference
         outputs = engine.step()
         if engine.counters["num_packed_chunks"] > before[0]:
             chunk_sizes.append((engine.requests["B"].num_prefilled if "B" in engine.requests else 300) - before[1])
+            streaks[-1] += 1
+        elif streaks[-1]:
+            streaks.append(0)
         for output in outputs:
             got[output.request_id].extend(output.new_token_ids)
         if not engine.has_unfinished():
@@ -118,6 +121,8 @@ def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference
     # Each chunk runs over a 0.1 ms budget: sizes halve to the floor and stay there.
     assert all(b <= a for a, b in zip(chunk_sizes, chunk_sizes[1:-1])), chunk_sizes
     assert chunk_sizes[-2] == admission.MIN_CHUNK_TOKENS, chunk_sizes
+    # One round in PACKED_ROUNDS_PER_PLAIN runs plain, timing the yardstick a chunk is measured by.
+    assert len(streaks) > 2 and max(streaks) <= engine_module.PACKED_ROUNDS_PER_PLAIN, streaks
     for request_id in got:
         assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
 
