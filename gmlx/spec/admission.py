@@ -77,6 +77,8 @@ class InjectionQueue:
             last_tokens, last_s = self._last_chunk
             scale = min(1.25, max(0.5, budget_s / max(last_s, 1e-6)))
             tokens = int(last_tokens * scale)
+            if scale > 1.0:  # truncation would keep a 1-3 token chunk from ever growing
+                tokens = max(tokens, last_tokens + 1)
         return max(min(MIN_CHUNK_TOKENS, self.chunk_tokens), min(self.chunk_tokens, tokens))
 
     def _measured(self, num_tokens: int, start_s: float) -> None:
