@@ -2,6 +2,7 @@
 against mlx, and whole-engine identity (speculative and batched equal plain) with them on."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from serving_support import solo
 from hypothesis import HealthCheck, given, settings
@@ -234,3 +235,152 @@ def test_wide_plain_batch_equals_each_row_alone(tiny_quantized_target, code_prom
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_speculative_and_batched_equal_plain_with_kernels(kind, tiny_quantized_target, code_prompts):
     assert check_schedules_with_drafter(tiny_quantized_target, kind, code_prompts, range(500, 506)) > 0
+
+
+# ------------------------------------------------------------- int8 activations (4-bit weights)
+
+
+def int8_activation_reference(x, w, scales, biases, group_size):
+    """float64 product of the dequantized weights with x as the int8 path quantizes it: per
+    32 inputs d = amax / 127, q = round-half-even(x * (127 / amax)) (numpy, float32 steps)."""
+    x = np.array(x, dtype=np.float32)  # (M, K)
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inverse), -127, 127)
+    x_quantized = (q * (amax / np.float32(127)).astype(np.float32)).reshape(x.shape).astype(np.float64)
+    weight = np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=4), dtype=np.float64)
+    return x_quantized @ weight.T  # (M, N)
+
+
+def quantization_error_bound(x, w, scales, biases, group_size):
+    """Per output, the most that rounding x to int8 per 32 inputs can move it: each input moves
+    by at most amax / 254 of its block. (M, N)"""
+    x = np.abs(np.array(x, dtype=np.float64))  # (M, K)
+    half_steps = np.repeat(x.reshape(x.shape[0], -1, 32).max(axis=-1) / 254, 32, axis=-1)  # (M, K)
+    weight = np.abs(np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=4), dtype=np.float64))
+    return half_steps @ weight.T
+
+
+def relative_max_error(got, expected) -> float:
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    group_size=st.sampled_from([32, 64, 128]),
+    num_inputs_in_32s=st.integers(1, 52),  # K not a multiple of 128 leaves a partial last chunk
+    num_outputs=st.integers(1, 70),  # partial groups of 4 outputs and of 16-output thread chunks
+    num_rows=st.one_of(st.integers(1, 16), st.integers(8, 120)),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_activation_rows_are_independent_of_row_count_threads_and_isa(group_size, num_inputs_in_32s,
+                                                                           num_outputs, num_rows, seed, ext):
+    num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
+    w, scales, biases = make_weights(num_outputs, num_inputs, 4, group_size, seed)
+    x = 4.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
+    ext.set_num_threads(1)
+    ext.set_isa("portable")
+    full = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)  # (M, N)
+    weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=4)  # (N, K)
+    float_scale = np.abs(np.array(x)) @ np.abs(np.array(weight)).T  # (M, N): what float32 rounding scales with
+    error = np.abs(np.array(full, dtype=np.float64) - np.array(x @ weight.T, dtype=np.float64))
+    assert (error <= 1.001 * quantization_error_bound(x, w, scales, biases, group_size) + 1e-5 * float_scale).all()
+    emulated = int8_activation_reference(x, w, scales, biases, group_size)
+    assert (np.abs(np.array(full, dtype=np.float64) - emulated) <= 1e-5 * float_scale).all()
+    rows = sorted({0, num_rows // 2, num_rows - 1})
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        for isa in supported_isas(ext):
+            ext.set_isa(isa)
+            got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
+            assert mx.array_equal(got, full).item(), (num_threads, isa)
+            for row in rows:
+                alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, group_size, 4,
+                                                     int8_activations=True)
+                assert mx.array_equal(alone, full[row : row + 1]).item(), (num_threads, isa, row)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int8_activations_are_exact_for_integer_rows(group_size, ext):
+    """x of integers with |x| reaching 127 in every 32 quantizes without error (d = 1), so the
+    product is the float64 one up to float32 rounding: checks packing, lanes and the bias term."""
+    num_inputs = 4 * group_size + (32 if group_size == 32 else 0)  # a partial last chunk at group 32
+    w, scales, biases = make_weights(24, num_inputs, 4, group_size, seed=3)
+    x = mx.random.randint(-126, 127, (5, num_inputs), key=mx.random.key(4)).astype(mx.float32)
+    x[:, ::32] = 127.0  # (M, K): every block's amax 127
+    expected = np.array(x, dtype=np.float64) @ np.array(
+        mx.dequantize(w, scales, biases, group_size=group_size, bits=4), dtype=np.float64).T
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
+        assert relative_max_error(got, expected) <= 1e-6, isa
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int8_activations_pass_the_stated_tolerance_on_model_shapes(group_size):
+    """The load-time probe's measure (max error over max |reference|) on SmolLM2-like shapes."""
+    for num_outputs, num_inputs in ((576, 640), (1536, 640), (576, 1536)):  # K of 576 is no whole 128s
+        w, scales, biases = make_weights(num_outputs, num_inputs, 4, group_size, seed=num_inputs)
+        x = mx.random.normal((3, num_inputs), key=mx.random.key(num_outputs))  # (M, K)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
+        reference = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+        assert relative_max_error(got, reference) <= cpu_kernels.INT8_ACTIVATIONS_RTOL / 2, (num_outputs, num_inputs)
+
+
+def test_int8_activations_need_4_bit_weights_and_a_known_setting(monkeypatch):
+    w, scales, biases = make_weights(8, 64, 8, 32)
+    with pytest.raises(ValueError, match="int8 activations: bits 8"):
+        cpu_kernels.quantized_matmul(mx.zeros((1, 64)), w, scales, biases, 32, 8, int8_activations=True)
+    monkeypatch.setenv("GMLX_CPU_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="GMLX_CPU_QUANT_ACTIVATIONS='int4'"):
+        config.cpu_quant_activations()
+
+
+def num_int8_modules(target) -> int:
+    return sum(getattr(m, "is_int8_activations", False) for _, m in target.model.named_modules())
+
+
+@pytest.fixture(scope="module")
+def int8_quantized_target(tiny_quantized_target):
+    """The tiny 4-bit folder loaded with GMLX_CPU_QUANT_ACTIVATIONS=int8."""
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):
+        return load_model(tiny_quantized_target.path)
+
+
+def test_int8_probe_failure_keeps_the_float_path(tiny_quantized_target, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "INT8_ACTIVATIONS_RTOL", 1e-9)  # no quantized x is this close
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):
+        target = load_model(tiny_quantized_target.path)
+    assert num_kernel_modules(target) == 2 * 7 + 2 and num_int8_modules(target) == 0
+    assert "int8 activations off" in caplog.text
+
+
+def test_int8_model_decodes_close_to_float(int8_quantized_target, tiny_quantized_target, code_prompts):
+    assert num_int8_modules(int8_quantized_target) == num_kernel_modules(int8_quantized_target) == 2 * 7 + 2
+    assert num_int8_modules(tiny_quantized_target) == 0  # the default: float
+    prompt = mx.array([code_prompts[0][:8]])
+    _, logits_int8 = int8_quantized_target.forward(prompt, None)
+    _, logits_float = tiny_quantized_target.forward(prompt, None)
+    assert not mx.array_equal(logits_int8, logits_float).item()  # the switch changes the numerics
+    assert relative_max_error(logits_int8, logits_float) <= 0.05
+
+
+def test_int8_wide_plain_batch_equals_each_row_alone(int8_quantized_target, code_prompts):
+    engine = Engine(int8_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    reference = SoloReference(int8_quantized_target)
+    params = SamplingParams(max_tokens=12)
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(code_prompts[:20])}
+    got = {i: [] for i in ids.values()}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[ids[output.request_id]].extend(output.new_token_ids)
+    for i, tokens in got.items():
+        assert tokens == reference.tokens(code_prompts[i], params)[0], i
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_speculative_and_batched_equal_plain_with_int8_activations(kind, int8_quantized_target, code_prompts):
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):  # a draft model loads the same way
+        assert check_schedules_with_drafter(int8_quantized_target, kind, code_prompts, range(500, 506)) > 0

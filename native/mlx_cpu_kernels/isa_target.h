@@ -7,4 +7,6 @@
 #define GMLX_X86 1
 #define GMLX_AVX2 __attribute__((target("avx2,fma")))
 #define GMLX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+// The int8-activation kernels' dot products (vpdpbusd); chosen only where the CPU has VNNI.
+#define GMLX_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 #endif
