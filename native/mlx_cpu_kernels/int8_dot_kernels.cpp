@@ -85,12 +85,13 @@ inline __m128 group4(const float* row, int64_t c) {
 }
 
 // The scale or bias of each of the last chunk's num_valid blocks (1-3, K not a multiple
-// of 128), zero past K. A group of 128 never leaves a partial chunk.
+// of 128), zero past K; masked loads, so nothing is read past the row. A group of 64
+// leaves two blocks (one group), one of 128 never a partial chunk.
 template <int kBlocksPerGroup>
-inline __m128 tail_group4(const float* row, int64_t c, int num_valid) {
-  float values[kBlocksPerChunk] = {};
-  for (int k = 0; k < num_valid; ++k) values[k] = row[(c * kBlocksPerChunk + k) / kBlocksPerGroup];
-  return _mm_loadu_ps(values);
+GMLX_AVX2 inline __m128 tail_group4_avx2(const float* row, int64_t c, int num_valid) {
+  const __m128i valid = _mm_cmpgt_epi32(_mm_set1_epi32(num_valid), _mm_setr_epi32(0, 1, 2, 3));
+  if constexpr (kBlocksPerGroup == 1) return _mm_maskload_ps(row + c * kBlocksPerChunk, valid);
+  return _mm_and_ps(_mm_set1_ps(row[c * kBlocksPerChunk / kBlocksPerGroup]), _mm_castsi128_ps(valid));
 }
 
 // ---------------------------------------------------------------- AVX2
@@ -163,10 +164,10 @@ GMLX_AVX2 void quad_avx2(const QuadArgs& q) {
       const int num_valid = static_cast<int>(q.num_blocks - num_whole * kBlocksPerChunk);
       __m256 s[2], b[2];
       for (int h = 0; h < 2; ++h) {
-        s[h] = _mm256_set_m128(tail_group4<kBlocksPerGroup>(q.scales[2 * h + 1], num_whole, num_valid),
-                               tail_group4<kBlocksPerGroup>(q.scales[2 * h], num_whole, num_valid));
-        b[h] = _mm256_set_m128(tail_group4<kBlocksPerGroup>(q.biases[2 * h + 1], num_whole, num_valid),
-                               tail_group4<kBlocksPerGroup>(q.biases[2 * h], num_whole, num_valid));
+        s[h] = _mm256_set_m128(tail_group4_avx2<kBlocksPerGroup>(q.scales[2 * h + 1], num_whole, num_valid),
+                               tail_group4_avx2<kBlocksPerGroup>(q.scales[2 * h], num_whole, num_valid));
+        b[h] = _mm256_set_m128(tail_group4_avx2<kBlocksPerGroup>(q.biases[2 * h + 1], num_whole, num_valid),
+                               tail_group4_avx2<kBlocksPerGroup>(q.biases[2 * h], num_whole, num_valid));
       }
       chunk_avx2<kRows, true>(q, num_whole, num_valid, s, b, y);
     }
@@ -234,12 +235,17 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
     if (num_whole < q.num_chunks) {
       const int num_valid = static_cast<int>(q.num_blocks - num_whole * kBlocksPerChunk);
       __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+      const __mmask8 valid = static_cast<__mmask8>((1u << num_valid) - 1);
       for (int i = 0; i < kQuadOutputs; ++i) {
-        alignas(16) float values[kBlocksPerChunk];
-        _mm_store_ps(values, tail_group4<kBlocksPerGroup>(q.scales[i], num_whole, num_valid));
-        s = _mm512_mask_broadcast_f32x4(s, static_cast<__mmask16>(0xF << (4 * i)), _mm_load_ps(values));
-        _mm_store_ps(values, tail_group4<kBlocksPerGroup>(q.biases[i], num_whole, num_valid));
-        b = _mm512_mask_broadcast_f32x4(b, static_cast<__mmask16>(0xF << (4 * i)), _mm_load_ps(values));
+        const __mmask16 lanes = static_cast<__mmask16>(0xF << (4 * i));
+        if constexpr (kBlocksPerGroup == 1) {
+          s = _mm512_mask_broadcast_f32x4(s, lanes, _mm_maskz_loadu_ps(valid, q.scales[i] + num_whole * kBlocksPerChunk));
+          b = _mm512_mask_broadcast_f32x4(b, lanes, _mm_maskz_loadu_ps(valid, q.biases[i] + num_whole * kBlocksPerChunk));
+        } else {
+          const int64_t g = num_whole * kBlocksPerChunk / kBlocksPerGroup;
+          s = _mm512_mask_broadcast_f32x4(s, lanes, _mm_maskz_mov_ps(valid, _mm_set1_ps(q.scales[i][g])));
+          b = _mm512_mask_broadcast_f32x4(b, lanes, _mm_maskz_mov_ps(valid, _mm_set1_ps(q.biases[i][g])));
+        }
       }
       chunk_avx512<kRows, true>(q, num_whole, num_valid, s, b, y);
     }
