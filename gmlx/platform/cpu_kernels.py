@@ -126,7 +126,9 @@ def status() -> dict:
     report = {"built": ext is not None, "enabled": config.is_cpu_kernels_enabled(), "reason": reason or None}
     if ext is not None:
         report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads(),
-                      decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"))
+                      decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"),
+                      quant_activations=config.cpu_quant_activations() if hasattr(ext, "has_avx512_vnni") else "float",
+                      has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni())
     return report
 
 
@@ -135,5 +137,6 @@ def format_status(report: dict) -> str:
         return f"cpu kernels: unavailable, {report['reason']}; quantized products run in mlx"
     state = "on" if report["enabled"] else "off (GMLX_CPU_KERNELS=0)"
     ops = "on" if report["decode_ops"] else "off"
-    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}), {report['num_threads']} threads; "
-            f"norm/rope/attention ops {ops}")
+    vnni = ", VNNI" if report.get("has_vnni") else ""
+    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} threads; "
+            f"norm/rope/attention ops {ops}; 4-bit activations {report.get('quant_activations', 'float')}")
