@@ -329,6 +329,23 @@ def test_int8_activations_pass_the_stated_tolerance_on_model_shapes(group_size):
         assert relative_max_error(got, reference) <= cpu_kernels.INT8_ACTIVATIONS_RTOL / 2, (num_outputs, num_inputs)
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int8_activations_read_float16_scales_as_the_same_floats(group_size, ext):
+    """Scales and biases a float16 holds exactly (a GGUF's Q4_1 d and m) give the same bits
+    passed as float16 (fewer bytes read) as float32, on every ISA, partial chunks included."""
+    num_inputs = 4 * group_size + (64 if group_size < 128 else 0)  # a partial last chunk below 128
+    w, scales, biases = make_weights(37, num_inputs, 4, group_size, seed=7)
+    scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))  # exact in float16
+    x = mx.random.normal((6, num_inputs), key=mx.random.key(8))  # (M, K)
+    ext.set_isa("portable")
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        got = cpu_kernels.quantized_matmul(x, w, scales.astype(mx.float16), biases.astype(mx.float16), group_size, 4,
+                                           int8_activations=True)
+        assert got.dtype == mx.float32 and mx.array_equal(got, expected).item(), isa
+
+
 def test_int8_activations_need_4_bit_weights_and_a_known_setting(monkeypatch):
     w, scales, biases = make_weights(8, 64, 8, 32)
     with pytest.raises(ValueError, match="int8 activations: bits 8"):

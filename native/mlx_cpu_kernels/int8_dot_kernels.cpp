@@ -16,12 +16,40 @@ constexpr int kQuadOutputs = 4;  // outputs per kernel call; their lanes fill on
 constexpr int kMaxRows = 4;  // rows per kernel call (weights unpacked once for them)
 constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23
 
+// One output's scales or biases: float32, or half precision (f16 set: values a float32
+// holds exactly, so either gives the same floats).
+struct GroupRow {
+  const float* f32 = nullptr;
+  const uint16_t* f16 = nullptr;
+};
+
+// IEEE half to float, exact (subnormals included), for the portable path and scalar reads.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t bits = sign;
+  if (exponent == 0x1F) {
+    bits |= 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits |= ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa != 0) {  // subnormal: mantissa * 2^-24, normalized
+    uint32_t m = mantissa, shifts = 0;
+    while ((m & 0x400u) == 0) m <<= 1, ++shifts;
+    bits |= ((113 - shifts) << 23) | ((m & 0x3FFu) << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline float group_value(const GroupRow& row, int64_t g) { return row.f16 ? half_to_float(row.f16[g]) : row.f32[g]; }
+
 // One kernel call: four outputs (copies of the last one past the end) against rows
 // [r0, r0 + kRows); writes each row's 16 lane sums, output i's lane k at 4i + k.
 struct QuadArgs {
   const uint8_t* w[kQuadOutputs];  // each output's packed row
-  const float* scales[kQuadOutputs];
-  const float* biases[kQuadOutputs];
+  GroupRow scales[kQuadOutputs];
+  GroupRow biases[kQuadOutputs];
   int64_t num_blocks;  // K / 32
   int64_t num_chunks;  // padded K / 128
   int blocks_per_group;  // group_size / 32
@@ -31,10 +59,10 @@ struct QuadArgs {
 };
 
 // A group value (scale or bias) for each of the chunk's four blocks; 0 past K.
-inline void group_values(const float* row, int64_t c, int64_t num_blocks, int blocks_per_group, float* out4) {
+inline void group_values(const GroupRow& row, int64_t c, int64_t num_blocks, int blocks_per_group, float* out4) {
   for (int k = 0; k < kBlocksPerChunk; ++k) {
     const int64_t j = c * kBlocksPerChunk + k;
-    out4[k] = j < num_blocks ? row[j / blocks_per_group] : 0.0f;
+    out4[k] = j < num_blocks ? group_value(row, j / blocks_per_group) : 0.0f;
   }
 }
 
@@ -72,26 +100,52 @@ void quad_portable(const QuadArgs& q, int num_rows) {
 
 #if GMLX_X86
 
-// Four floats per output, one per block of a whole chunk c (SSE2 only: inlined into both ISAs).
+// Four floats per output, one per block of a whole chunk c.
 template <int kBlocksPerGroup>
-inline __m128 group4(const float* row, int64_t c) {
+__attribute__((target("f16c"))) inline __m128 group4(const GroupRow& row, int64_t c) {
   const int64_t j = c * kBlocksPerChunk;
-  if constexpr (kBlocksPerGroup == 1) return _mm_loadu_ps(row + j);
+  if (row.f16 != nullptr) {
+    if constexpr (kBlocksPerGroup == 1) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.f16 + j)));
+    if constexpr (kBlocksPerGroup == 2) {
+      uint32_t two;
+      std::memcpy(&two, row.f16 + j / 2, sizeof(two));
+      const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+      return _mm_unpacklo_ps(v, v);
+    }
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(row.f16[j / 4]));
+    return _mm_shuffle_ps(v, v, 0);
+  }
+  if constexpr (kBlocksPerGroup == 1) return _mm_loadu_ps(row.f32 + j);
   if constexpr (kBlocksPerGroup == 2) {
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(row + j / 2)));
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(row.f32 + j / 2)));
     return _mm_unpacklo_ps(two, two);
   }
-  return _mm_set1_ps(row[j / 4]);
+  return _mm_set1_ps(row.f32[j / 4]);
 }
 
 // The scale or bias of each of the last chunk's num_valid blocks (1-3, K not a multiple
-// of 128), zero past K; masked loads, so nothing is read past the row. A group of 64
-// leaves two blocks (one group), one of 128 never a partial chunk.
+// of 128), zero past K; nothing is read past the row. A group of 64 leaves two blocks (one
+// group), one of 128 never a partial chunk.
 template <int kBlocksPerGroup>
-GMLX_AVX2 inline __m128 tail_group4_avx2(const float* row, int64_t c, int num_valid) {
+GMLX_AVX2_F16C inline __m128 tail_group4(const GroupRow& row, int64_t c, int num_valid) {
+  const int64_t j = c * kBlocksPerChunk;
   const __m128i valid = _mm_cmpgt_epi32(_mm_set1_epi32(num_valid), _mm_setr_epi32(0, 1, 2, 3));
-  if constexpr (kBlocksPerGroup == 1) return _mm_maskload_ps(row + c * kBlocksPerChunk, valid);
-  return _mm_and_ps(_mm_set1_ps(row[c * kBlocksPerChunk / kBlocksPerGroup]), _mm_castsi128_ps(valid));
+  if constexpr (kBlocksPerGroup == 1) {
+    if (row.f32 != nullptr) return _mm_maskload_ps(row.f32 + j, valid);
+    // Up to three halves, without a loop (a loop here becomes a memcpy call).
+    const uint64_t packed = row.f16[j] | (num_valid > 1 ? static_cast<uint64_t>(row.f16[j + 1]) << 16 : 0) |
+                            (num_valid > 2 ? static_cast<uint64_t>(row.f16[j + 2]) << 32 : 0);
+    return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(packed)));
+  }
+  const int64_t g = j / kBlocksPerGroup;
+  __m128 value;
+  if (row.f32 != nullptr) {
+    value = _mm_set1_ps(row.f32[g]);
+  } else {
+    value = _mm_cvtph_ps(_mm_cvtsi32_si128(row.f16[g]));
+    value = _mm_shuffle_ps(value, value, 0);
+  }
+  return _mm_and_ps(value, _mm_castsi128_ps(valid));
 }
 
 // ---------------------------------------------------------------- AVX2
@@ -99,7 +153,7 @@ GMLX_AVX2 inline __m128 tail_group4_avx2(const float* row, int64_t c, int num_va
 // Lanes 4i + k of outputs 0-1 in one register (y[r][0]), 2-3 in another.
 // Chunk c for kRows rows; a tail chunk loads only its num_valid blocks' weight dwords.
 template <int kRows, bool kTail>
-GMLX_AVX2 inline __attribute__((always_inline)) void chunk_avx2(const QuadArgs& q, int64_t c, int num_valid,
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void chunk_avx2(const QuadArgs& q, int64_t c, int num_valid,
                                                                const __m256* s, const __m256* b, __m256 (*y)[2]) {
   const __m256i dword = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i mask01 = _mm256_cmpgt_epi32(_mm256_set1_epi32(4 * num_valid), dword);
@@ -147,7 +201,7 @@ GMLX_AVX2 inline __attribute__((always_inline)) void chunk_avx2(const QuadArgs& 
 }
 
 template <int kRows, int kBlocksPerGroup>
-GMLX_AVX2 void quad_avx2(const QuadArgs& q) {
+GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
   __m256 y[kRows][2];
   for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   const int64_t num_whole = q.num_blocks / kBlocksPerChunk;
@@ -164,10 +218,10 @@ GMLX_AVX2 void quad_avx2(const QuadArgs& q) {
       const int num_valid = static_cast<int>(q.num_blocks - num_whole * kBlocksPerChunk);
       __m256 s[2], b[2];
       for (int h = 0; h < 2; ++h) {
-        s[h] = _mm256_set_m128(tail_group4_avx2<kBlocksPerGroup>(q.scales[2 * h + 1], num_whole, num_valid),
-                               tail_group4_avx2<kBlocksPerGroup>(q.scales[2 * h], num_whole, num_valid));
-        b[h] = _mm256_set_m128(tail_group4_avx2<kBlocksPerGroup>(q.biases[2 * h + 1], num_whole, num_valid),
-                               tail_group4_avx2<kBlocksPerGroup>(q.biases[2 * h], num_whole, num_valid));
+        s[h] = _mm256_set_m128(tail_group4<kBlocksPerGroup>(q.scales[2 * h + 1], num_whole, num_valid),
+                               tail_group4<kBlocksPerGroup>(q.scales[2 * h], num_whole, num_valid));
+        b[h] = _mm256_set_m128(tail_group4<kBlocksPerGroup>(q.biases[2 * h + 1], num_whole, num_valid),
+                               tail_group4<kBlocksPerGroup>(q.biases[2 * h], num_whole, num_valid));
       }
       chunk_avx2<kRows, true>(q, num_whole, num_valid, s, b, y);
     }
@@ -215,7 +269,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void chunk_avx512(const Q
 }
 
 template <int kBlocksPerGroup>
-GMLX_AVX512_VNNI inline __m512 group16(const float* const* rows, int64_t c) {
+GMLX_AVX512_VNNI inline __m512 group16(const GroupRow* rows, int64_t c) {
   __m512 v = _mm512_castps128_ps512(group4<kBlocksPerGroup>(rows[0], c));
   v = _mm512_insertf32x4(v, group4<kBlocksPerGroup>(rows[1], c), 1);
   v = _mm512_insertf32x4(v, group4<kBlocksPerGroup>(rows[2], c), 2);
@@ -235,17 +289,10 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
     if (num_whole < q.num_chunks) {
       const int num_valid = static_cast<int>(q.num_blocks - num_whole * kBlocksPerChunk);
       __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-      const __mmask8 valid = static_cast<__mmask8>((1u << num_valid) - 1);
       for (int i = 0; i < kQuadOutputs; ++i) {
         const __mmask16 lanes = static_cast<__mmask16>(0xF << (4 * i));
-        if constexpr (kBlocksPerGroup == 1) {
-          s = _mm512_mask_broadcast_f32x4(s, lanes, _mm_maskz_loadu_ps(valid, q.scales[i] + num_whole * kBlocksPerChunk));
-          b = _mm512_mask_broadcast_f32x4(b, lanes, _mm_maskz_loadu_ps(valid, q.biases[i] + num_whole * kBlocksPerChunk));
-        } else {
-          const int64_t g = num_whole * kBlocksPerChunk / kBlocksPerGroup;
-          s = _mm512_mask_broadcast_f32x4(s, lanes, _mm_maskz_mov_ps(valid, _mm_set1_ps(q.scales[i][g])));
-          b = _mm512_mask_broadcast_f32x4(b, lanes, _mm_maskz_mov_ps(valid, _mm_set1_ps(q.biases[i][g])));
-        }
+        s = _mm512_mask_broadcast_f32x4(s, lanes, tail_group4<kBlocksPerGroup>(q.scales[i], num_whole, num_valid));
+        b = _mm512_mask_broadcast_f32x4(b, lanes, tail_group4<kBlocksPerGroup>(q.biases[i], num_whole, num_valid));
       }
       chunk_avx512<kRows, true>(q, num_whole, num_valid, s, b, y);
     }
@@ -285,6 +332,15 @@ struct Avx512Quad {
   static void run(const QuadArgs& q) { quad_avx512<kRows, kBlocksPerGroup>(q); }
 };
 #endif
+
+bool has_f16c() {
+#if GMLX_X86
+  static const bool is_supported = __builtin_cpu_supports("f16c");
+  return is_supported;
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -353,15 +409,20 @@ void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin
     for (int i = 0; i < kQuadOutputs; ++i) {
       const int64_t n = n0 + std::min(i, num_valid - 1);  // past the end: the last output again, dropped
       q.w[i] = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
-      q.scales[i] = a.scales + n * num_groups;
-      q.biases[i] = a.biases + n * num_groups;
+      if (a.scales_f16 != nullptr) {
+        q.scales[i].f16 = a.scales_f16 + n * num_groups;
+        q.biases[i].f16 = a.biases_f16 + n * num_groups;
+      } else {
+        q.scales[i].f32 = a.scales + n * num_groups;
+        q.biases[i].f32 = a.biases + n * num_groups;
+      }
     }
     for (q.r0 = 0; q.r0 < a.num_rows; q.r0 += kMaxRows) {
       const int num_rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.num_rows - q.r0));
 #if GMLX_X86
       if (isa == Isa::kAvx512 && has_avx512_vnni()) {
         run_rows<Avx512Quad>(q, num_rows);
-      } else if (isa != Isa::kPortable) {
+      } else if (isa != Isa::kPortable && has_f16c()) {
         run_rows<Avx2Quad>(q, num_rows);  // AVX-512 without VNNI too: the same integers
       } else {
         quad_portable(q, num_rows);

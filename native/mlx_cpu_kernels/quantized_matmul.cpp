@@ -140,10 +140,13 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   }
   auto s = mx::default_stream(mx::Device::cpu);
   auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
+  // The int8 path reads float16 scales and biases as they are (a GGUF's Q4_1 d and m: fewer
+  // bytes per weight, the same values); the float path takes float32.
+  const bool is_half_groups = int8_activations && scales.dtype() == mx::float16 && biases.dtype() == mx::float16;
   mx::Shape out_shape = x.shape();
   out_shape.back() = num_outputs;
   return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, int8_activations),
-                   {as_f32(x), w, as_f32(scales), as_f32(biases)});
+                   {as_f32(x), w, is_half_groups ? scales : as_f32(scales), is_half_groups ? biases : as_f32(biases)});
 }
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -168,11 +171,17 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
                     int8_activations = int8_activations_]() {
     std::vector<float> x_copy, scales_copy, biases_copy;
     std::vector<uint32_t> w_copy;
+    std::vector<mx::float16_t> scales_f16_copy, biases_f16_copy;
     QmmJob job;
     job.args.x = row_major_data<float>(x, x_copy);
     job.args.w = row_major_data<uint32_t>(w, w_copy);
-    job.args.scales = row_major_data<float>(scales, scales_copy);
-    job.args.biases = row_major_data<float>(biases, biases_copy);
+    if (scales.dtype() == mx::float16) {  // the int8 path only (quantized_matmul above)
+      job.args.scales_f16 = reinterpret_cast<const uint16_t*>(row_major_data<mx::float16_t>(scales, scales_f16_copy));
+      job.args.biases_f16 = reinterpret_cast<const uint16_t*>(row_major_data<mx::float16_t>(biases, biases_f16_copy));
+    } else {
+      job.args.scales = row_major_data<float>(scales, scales_copy);
+      job.args.biases = row_major_data<float>(biases, biases_copy);
+    }
     job.args.y = y_data;
     job.args.num_inputs = x.shape(-1);
     job.args.num_rows = x.size() / x.shape(-1);
