@@ -200,15 +200,22 @@ def greedy_tokens(engine, prompt, max_tokens=24):
     return solo(engine, prompt, max_tokens=max_tokens)[0]
 
 
-def test_loaded_quantized_model_uses_kernels_and_decodes_like_mlx(tiny_quantized_target, mlx_quantized_target,
+@pytest.fixture(scope="module")
+def float_kernels_target(tiny_quantized_target):
+    """The tiny 4-bit folder on the kernels with float activations, whatever the environment says."""
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "float"}):
+        return load_model(tiny_quantized_target.path)
+
+
+def test_loaded_quantized_model_uses_kernels_and_decodes_like_mlx(float_kernels_target, mlx_quantized_target,
                                                                   code_prompts):
-    assert num_kernel_modules(tiny_quantized_target) == 2 * 7 + 2  # per layer 7 projections; embed, lm_head
+    assert num_kernel_modules(float_kernels_target) == 2 * 7 + 2  # per layer 7 projections; embed, lm_head
     assert num_kernel_modules(mlx_quantized_target) == 0
     prompt = mx.array([code_prompts[0][:8]])
-    hidden_on, logits_on = tiny_quantized_target.forward(prompt, None)
+    hidden_on, logits_on = float_kernels_target.forward(prompt, None)
     hidden_off, logits_off = mlx_quantized_target.forward(prompt, None)
     assert mx.allclose(logits_on, logits_off, rtol=1e-3, atol=1e-3).item()
-    kernels = Engine(tiny_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    kernels = Engine(float_kernels_target, None, EngineConfig(prompt_cache_bytes=0))
     plain = Engine(mlx_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
     for prompt in code_prompts[:6]:
         assert greedy_tokens(kernels, prompt) == greedy_tokens(plain, prompt)
@@ -374,12 +381,13 @@ def test_int8_probe_failure_keeps_the_float_path(tiny_quantized_target, monkeypa
     assert "int8 activations off" in caplog.text
 
 
-def test_int8_model_decodes_close_to_float(int8_quantized_target, tiny_quantized_target, code_prompts):
+def test_int8_model_decodes_close_to_float(int8_quantized_target, float_kernels_target, code_prompts):
+    float_target = float_kernels_target
     assert num_int8_modules(int8_quantized_target) == num_kernel_modules(int8_quantized_target) == 2 * 7 + 2
-    assert num_int8_modules(tiny_quantized_target) == 0  # the default: float
+    assert num_int8_modules(float_target) == 0 and num_kernel_modules(float_target) == 2 * 7 + 2
     prompt = mx.array([code_prompts[0][:8]])
     _, logits_int8 = int8_quantized_target.forward(prompt, None)
-    _, logits_float = tiny_quantized_target.forward(prompt, None)
+    _, logits_float = float_target.forward(prompt, None)
     assert not mx.array_equal(logits_int8, logits_float).item()  # the switch changes the numerics
     assert relative_max_error(logits_int8, logits_float) <= 0.05
 
