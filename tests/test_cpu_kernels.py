@@ -1,9 +1,13 @@
 """gmlx's CPU kernels: the quantized product's layout, row/thread/ISA independence, tolerance
 against mlx, and whole-engine identity (speculative and batched equal plain) with them on."""
 
+import json
+
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from serving_support import solo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +16,7 @@ from gmlx import config
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.engine import Engine
 from gmlx.platform.cpu_quantized import KernelQuantizedEmbedding, KernelQuantizedLinear
+from gmlx.models import random_model
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
 from gmlx.request import SamplingParams
@@ -409,3 +414,40 @@ def test_int8_wide_plain_batch_equals_each_row_alone(int8_quantized_target, code
 def test_speculative_and_batched_equal_plain_with_int8_activations(kind, int8_quantized_target, code_prompts):
     with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):  # a draft model loads the same way
         assert check_schedules_with_drafter(int8_quantized_target, kind, code_prompts, range(500, 506)) > 0
+
+
+def test_half_exact_scales_are_stored_in_float16_with_the_same_results(tiny_llama_dir, tmp_path):
+    """A model whose scales and biases float16 holds exactly (as a GGUF's Q4_1) keeps them in
+    float16 under int8 activations: its products and embedding lookups give the same bits."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_llama_dir))
+    nn.quantize(model, group_size=32, bits=4)
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales, m.biases = (a.astype(mx.float16).astype(mx.float32) for a in (m.scales, m.biases))
+    folder = tmp_path / "half_exact"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    random_model.copy_tokenizer(tiny_llama_dir, folder)
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8", "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        target = load_model(folder)
+    stored = dict(tree_flatten(model.parameters()))  # the float32 originals
+    kernel_modules = [(n, m) for n, m in target.model.named_modules() if getattr(m, "is_int8_activations", False)]
+    assert len(kernel_modules) == 2 * 7 + 2 and all(m.scales.dtype == mx.float16 for _, m in kernel_modules)
+    x = mx.random.normal((3, config["hidden_size"]), key=mx.random.key(1))  # (M, K)
+    for name, m in kernel_modules:
+        if name.endswith("q_proj") or name.endswith("embed_tokens"):
+            expected = cpu_kernels.quantized_matmul(x, stored[f"{name}.weight"], stored[f"{name}.scales"],
+                                                    stored[f"{name}.biases"], 32, 4, int8_activations=True)
+            got = m.as_linear(x) if isinstance(m, nn.QuantizedEmbedding) else m(x)
+            assert mx.array_equal(got, expected).item(), name
+    embed = target.model.model.embed_tokens
+    ids = mx.array([[3, 17, 250]])
+    looked_up = embed(ids)
+    assert looked_up.dtype == mx.float32
+    assert mx.array_equal(looked_up, mx.dequantize(stored["model.embed_tokens.weight"][ids],
+                                                   stored["model.embed_tokens.scales"][ids],
+                                                   stored["model.embed_tokens.biases"][ids], group_size=32, bits=4)).item()
