@@ -172,11 +172,13 @@ CPU_QUANT_ACTIVATIONS = ("int8", "float")
 
 def cpu_quant_activations() -> str:
     """GMLX_CPU_QUANT_ACTIVATIONS: what the CPU kernels' 4-bit products multiply the weights
-    with. `float` (default): float32 x, the float path. `int8`: each row of x quantized per 32
-    inputs to int8 (like llama.cpp's Q8 activations) and integer dot products; other numerics
-    than mlx, kept only where a load-time probe finds them close to dequantize + matmul."""
+    with. `int8` (default): each row of x quantized per 32 inputs to int8 (like llama.cpp's Q8
+    activations) and integer dot products; other numerics than mlx, kept only where a load-time
+    probe finds them close to dequantize + matmul. `float`: float32 x, mlx's numerics to the
+    last bits. Default int8: ~1.3x less CPU per SmolLM2 step, greedy tokens off mlx-lm's only at
+    near-ties and closer to llama.cpp's (BENCHMARKS.md, "int8 activations")."""
     raw = os.environ.get("GMLX_CPU_QUANT_ACTIVATIONS")
-    value = (raw or "float").strip().lower() or "float"
+    value = (raw or "int8").strip().lower() or "int8"
     if value not in CPU_QUANT_ACTIVATIONS:
         raise ValueError(f"GMLX_CPU_QUANT_ACTIVATIONS={raw!r}: expected int8 or float")
     return value
