@@ -20,7 +20,8 @@ calls of every row count on the few-row kernels, as before the panel path (same 
 --panel-min-rows sets the row count from which the kernels take the panel path.
 --dequant-too adds mx.dequantize + the float32 product through the BLAS.
 --int8-too adds, per ISA, the kernels' int8-activation path (4 bits; GMLX_CPU_QUANT_ACTIVATIONS=int8:
-x quantized per 32 inputs, integer dots) beside the float path:
+x quantized per 32 inputs, integer dots) beside the float path, with float32 and with float16
+scales and biases (0.75 and 0.625 bytes a weight):
     OPENBLAS_NUM_THREADS=1 python scripts/bench_kernels.py --cpu-time --threads 1 --int8-too
 
 --prefill-tokens N (--prefill-only: only this) times a real model's prefill (--model,
@@ -85,7 +86,11 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
     q_copies = [(packed[0] + 0 * i, packed[1] + i * 1e-9, packed[2]) for i in range(num_copies)]
     num_float_copies = max(2, -(-min_bytes // float_bytes))
     f_copies = [weight + i * 1e-9 for i in range(num_float_copies)]
-    mx.eval(q_copies, f_copies)
+    # float16 scales and biases, as int8-activation modules keep a GGUF's (timing only: mx.quantize's
+    # float32 scales round here, a GGUF's Q4_1 ones are exact).
+    half_copies = [(w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in q_copies] if int8_too else []
+    half_bytes = sum(a.nbytes for a in half_copies[0]) if int8_too else 0
+    mx.eval(q_copies, f_copies, half_copies)
     ext = cpu_kernels.extension()
     rows = []
     for num_rows in num_rows_list:
@@ -101,6 +106,9 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
                 t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits, True)
                                          for w, s, b in q_copies], reps) / num_copies
                 row[f"int8_{isa}_ms"], row[f"int8_{isa}_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+                t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits, True)
+                                         for w, s, b in half_copies], reps) / num_copies
+                row[f"int8_half_{isa}_ms"], row[f"int8_half_{isa}_gbs"] = 1e3 * t, half_bytes / t / 1e9
             if panel_off_too:
                 panel_min_rows = ext.panel_min_rows()
                 ext.set_panel_min_rows(NEVER)
@@ -319,6 +327,7 @@ def main() -> None:
     is_int8 = args.int8_too and args.bits == 4
     if is_int8:
         header += [f"int8 x {isa} ms (GB/s, of DRAM)" for isa in isas] + [f"int8 / float {isa}" for isa in isas]
+        header += [f"int8 x, f16 scales {isa} ms (GB/s)" for isa in isas]
     if args.panel_off_too:
         header += [f"few-row only {isa} ms" for isa in isas]
     if args.dequant_too:
@@ -335,6 +344,7 @@ def main() -> None:
             cells += [f"{r[f'int8_{isa}_ms']:.3f} ({r[f'int8_{isa}_gbs']:.1f}, {r[f'int8_{isa}_gbs'] / dram_gbs:.2f})"
                       for isa in isas]
             cells += [f"{r[f'gmlx_{isa}_ms'] / r[f'int8_{isa}_ms']:.2f}x" for isa in isas]
+            cells += [f"{r[f'int8_half_{isa}_ms']:.3f} ({r[f'int8_half_{isa}_gbs']:.1f})" for isa in isas]
         if args.panel_off_too:
             cells += [f"{r[f'few_row_{isa}_ms']:.3f}" for isa in isas]
         if args.dequant_too:
