@@ -358,6 +358,23 @@ def test_int8_activations_read_float16_scales_as_the_same_floats(group_size, ext
         assert got.dtype == mx.float32 and mx.array_equal(got, expected).item(), isa
 
 
+def test_int8_activations_convert_every_finite_float16_scale_alike_on_every_isa(ext):
+    """One output per finite float16 value (subnormals included) as its scale and bias: the
+    portable path's bit conversion and F16C's give the same products."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]  # (N,)
+    scales = mx.array(halves.reshape(-1, 1))  # (N, 1) float16, one group of 32
+    biases = mx.array(halves.reshape(-1, 1))  # same magnitude: neither term hides the other
+    w = mx.random.randint(0, 2**32, (halves.size, 4), dtype=mx.uint32, key=mx.random.key(3))  # (N, 32 * 4 / 32)
+    x = mx.random.normal((2, 32), key=mx.random.key(4))  # (M, K)
+    ext.set_isa("portable")
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4, int8_activations=True)
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4, int8_activations=True)
+        assert np.array_equal(np.array(got), np.array(expected), equal_nan=True), isa
+
+
 def test_int8_activations_need_4_bit_weights_and_a_known_setting(monkeypatch):
     w, scales, biases = make_weights(8, 64, 8, 32)
     with pytest.raises(ValueError, match="int8 activations: bits 8"):
