@@ -9,6 +9,9 @@ Beside it, the decode step's small ops as one graph node each (RoPE with per-row
 offsets, RMSNorm, attention over the ragged KV), under the same row-independence.
 Calls of 8 rows or more (wide verifies, prefill chunks) take a blocked path that dequantizes each
 weight panel once for all rows and sums in that same order, near float32 BLAS speed.
+With GMLX_CPU_QUANT_ACTIVATIONS=int8 (the default) the 4-bit products instead quantize their
+input rows to int8 per 32 inputs and run integer dot products at every row count (llama.cpp's
+Q4 x Q8 scheme), under the same row, thread and ISA independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
