@@ -19,7 +19,7 @@ not inflate the way it inflates wall time; GB/s then means bytes per CPU second)
 calls of every row count on the few-row kernels, as before the panel path (same bits).
 --panel-min-rows sets the row count from which the kernels take the panel path.
 --dequant-too adds mx.dequantize + the float32 product through the BLAS.
---int8-too adds, per ISA, the kernels' int8-activation path (4 bits; GMLX_CPU_QUANT_ACTIVATIONS=int8:
+--int8-too adds, per ISA, the kernels' int8-activation path (GMLX_CPU_QUANT_ACTIVATIONS=int8:
 x quantized per 32 inputs, integer dots) beside the float path, with float32 and with float16
 scales and biases (0.75 and 0.625 bytes a weight):
     OPENBLAS_NUM_THREADS=1 python scripts/bench_kernels.py --cpu-time --threads 1 --int8-too
@@ -284,7 +284,7 @@ def main() -> None:
     parser.add_argument("--panel-min-rows", type=int, default=0,
                         help="rows from which the kernels take the panel path (0: the built-in default)")
     parser.add_argument("--dequant-too", action="store_true", help="add mx.dequantize + float32 product")
-    parser.add_argument("--int8-too", action="store_true", help="add the int8-activation path (4 bits)")
+    parser.add_argument("--int8-too", action="store_true", help="add the int8-activation path")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="add a real model's prefill (0: off)")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill comparison")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk")
@@ -316,7 +316,7 @@ def main() -> None:
         dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
         results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
                                  args.group_size, args.min_bytes, args.reps, isas, args.panel_off_too,
-                                 args.dequant_too, args.int8_too and args.bits == 4)
+                                 args.dequant_too, args.int8_too)
     ext.set_isa(ext.best_isa())
     dram_gbs = max(dram)
     print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
@@ -324,7 +324,7 @@ def main() -> None:
           f"{args.bits}-bit, group {args.group_size}; DRAM read {dram_gbs:.1f} GB/s "
           f"(per shape: {', '.join(f'{d:.1f}' for d in dram)})\n")
     header = ["shape (out x in)", "rows"] + [f"gmlx {isa} ms (GB/s, of DRAM)" for isa in isas]
-    is_int8 = args.int8_too and args.bits == 4
+    is_int8 = args.int8_too
     if is_int8:
         header += [f"int8 x {isa} ms (GB/s, of DRAM)" for isa in isas] + [f"int8 / float {isa}" for isa in isas]
         header += [f"int8 x, f16 scales {isa} ms (GB/s)" for isa in isas]

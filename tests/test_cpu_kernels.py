@@ -249,10 +249,10 @@ def test_speculative_and_batched_equal_plain_with_kernels(kind, tiny_quantized_t
     assert check_schedules_with_drafter(tiny_quantized_target, kind, code_prompts, range(500, 506)) > 0
 
 
-# ------------------------------------------------------------- int8 activations (4-bit weights)
+# ------------------------------------------------------------- int8 activations (4- and 8-bit weights)
 
 
-def int8_activation_reference(x, w, scales, biases, group_size):
+def int8_activation_reference(x, w, scales, biases, group_size, bits):
     """float64 product of the dequantized weights with x as the int8 path quantizes it: per
     32 inputs d = amax / 127, q = round-half-even(x * (127 / amax)) (numpy, float32 steps)."""
     x = np.array(x, dtype=np.float32)  # (M, K)
@@ -261,16 +261,16 @@ def int8_activation_reference(x, w, scales, biases, group_size):
     inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.clip(np.rint(blocks * inverse), -127, 127)
     x_quantized = (q * (amax / np.float32(127)).astype(np.float32)).reshape(x.shape).astype(np.float64)
-    weight = np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=4), dtype=np.float64)
+    weight = np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits), dtype=np.float64)
     return x_quantized @ weight.T  # (M, N)
 
 
-def quantization_error_bound(x, w, scales, biases, group_size):
+def quantization_error_bound(x, w, scales, biases, group_size, bits):
     """Per output, the most that rounding x to int8 per 32 inputs can move it: each input moves
     by at most amax / 254 of its block. (M, N)"""
     x = np.abs(np.array(x, dtype=np.float64))  # (M, K)
     half_steps = np.repeat(x.reshape(x.shape[0], -1, 32).max(axis=-1) / 254, 32, axis=-1)  # (M, K)
-    weight = np.abs(np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=4), dtype=np.float64))
+    weight = np.abs(np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits), dtype=np.float64))
     return half_steps @ weight.T
 
 
@@ -281,80 +281,85 @@ def relative_max_error(got, expected) -> float:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
+    bits=st.sampled_from([4, 8]),
     group_size=st.sampled_from([32, 64, 128]),
     num_inputs_in_32s=st.integers(1, 52),  # K not a multiple of 128 leaves a partial last chunk
     num_outputs=st.integers(1, 70),  # partial groups of 4 outputs and of 16-output thread chunks
     num_rows=st.one_of(st.integers(1, 16), st.integers(8, 120)),
     seed=st.integers(0, 2**16),
 )
-def test_int8_activation_rows_are_independent_of_row_count_threads_and_isa(group_size, num_inputs_in_32s,
+def test_int8_activation_rows_are_independent_of_row_count_threads_and_isa(bits, group_size, num_inputs_in_32s,
                                                                            num_outputs, num_rows, seed, ext):
     num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
-    w, scales, biases = make_weights(num_outputs, num_inputs, 4, group_size, seed)
+    w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed)
     x = 4.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
     ext.set_num_threads(1)
     ext.set_isa("portable")
-    full = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)  # (M, N)
-    weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=4)  # (N, K)
+    full = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)  # (M, N)
+    weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)  # (N, K)
     float_scale = np.abs(np.array(x)) @ np.abs(np.array(weight)).T  # (M, N): what float32 rounding scales with
     error = np.abs(np.array(full, dtype=np.float64) - np.array(x @ weight.T, dtype=np.float64))
-    assert (error <= 1.001 * quantization_error_bound(x, w, scales, biases, group_size) + 1e-5 * float_scale).all()
-    emulated = int8_activation_reference(x, w, scales, biases, group_size)
+    assert (error <= 1.001 * quantization_error_bound(x, w, scales, biases, group_size, bits)
+            + 1e-5 * float_scale).all()
+    emulated = int8_activation_reference(x, w, scales, biases, group_size, bits)
     assert (np.abs(np.array(full, dtype=np.float64) - emulated) <= 1e-5 * float_scale).all()
     rows = sorted({0, num_rows // 2, num_rows - 1})
     for num_threads in (1, 2):
         ext.set_num_threads(num_threads)
         for isa in supported_isas(ext):
             ext.set_isa(isa)
-            got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
+            got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
             assert mx.array_equal(got, full).item(), (num_threads, isa)
             for row in rows:
-                alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, group_size, 4,
+                alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, group_size, bits,
                                                      int8_activations=True)
                 assert mx.array_equal(alone, full[row : row + 1]).item(), (num_threads, isa, row)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int8_activations_are_exact_for_integer_rows(group_size, ext):
+def test_int8_activations_are_exact_for_integer_rows(bits, group_size, ext):
     """x of integers with |x| reaching 127 in every 32 quantizes without error (d = 1), so the
     product is the float64 one up to float32 rounding: checks packing, lanes and the bias term."""
     num_inputs = 4 * group_size + (32 if group_size == 32 else 0)  # a partial last chunk at group 32
-    w, scales, biases = make_weights(24, num_inputs, 4, group_size, seed=3)
+    w, scales, biases = make_weights(24, num_inputs, bits, group_size, seed=3)
     x = mx.random.randint(-126, 127, (5, num_inputs), key=mx.random.key(4)).astype(mx.float32)
     x[:, ::32] = 127.0  # (M, K): every block's amax 127
     expected = np.array(x, dtype=np.float64) @ np.array(
-        mx.dequantize(w, scales, biases, group_size=group_size, bits=4), dtype=np.float64).T
+        mx.dequantize(w, scales, biases, group_size=group_size, bits=bits), dtype=np.float64).T
     for isa in supported_isas(ext):
         ext.set_isa(isa)
-        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
         assert relative_max_error(got, expected) <= 1e-6, isa
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int8_activations_pass_the_stated_tolerance_on_model_shapes(group_size):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_pass_the_stated_tolerance_on_model_shapes(bits, group_size):
     """The load-time probe's measure (max error over max |reference|) on SmolLM2-like shapes."""
     for num_outputs, num_inputs in ((576, 640), (1536, 640), (576, 1536)):  # K of 576 is no whole 128s
-        w, scales, biases = make_weights(num_outputs, num_inputs, 4, group_size, seed=num_inputs)
+        w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed=num_inputs)
         x = mx.random.normal((3, num_inputs), key=mx.random.key(num_outputs))  # (M, K)
-        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
-        reference = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
+        reference = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
         assert relative_max_error(got, reference) <= cpu_kernels.INT8_ACTIVATIONS_RTOL / 2, (num_outputs, num_inputs)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int8_activations_read_float16_scales_as_the_same_floats(group_size, ext):
+def test_int8_activations_read_float16_scales_as_the_same_floats(bits, group_size, ext):
     """Scales and biases a float16 holds exactly (a GGUF's Q4_1 d and m) give the same bits
     passed as float16 (fewer bytes read) as float32, on every ISA, partial chunks included."""
     num_inputs = 4 * group_size + (64 if group_size < 128 else 0)  # a partial last chunk below 128
-    w, scales, biases = make_weights(37, num_inputs, 4, group_size, seed=7)
+    w, scales, biases = make_weights(37, num_inputs, bits, group_size, seed=7)
     scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))  # exact in float16
     x = mx.random.normal((6, num_inputs), key=mx.random.key(8))  # (M, K)
     ext.set_isa("portable")
-    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
     for isa in supported_isas(ext):
         ext.set_isa(isa)
-        got = cpu_kernels.quantized_matmul(x, w, scales.astype(mx.float16), biases.astype(mx.float16), group_size, 4,
-                                           int8_activations=True)
+        got = cpu_kernels.quantized_matmul(x, w, scales.astype(mx.float16), biases.astype(mx.float16), group_size,
+                                           bits, int8_activations=True)
         assert got.dtype == mx.float32 and mx.array_equal(got, expected).item(), isa
 
 
@@ -375,10 +380,7 @@ def test_int8_activations_convert_every_finite_float16_scale_alike_on_every_isa(
         assert np.array_equal(np.array(got), np.array(expected), equal_nan=True), isa
 
 
-def test_int8_activations_need_4_bit_weights_and_a_known_setting(monkeypatch):
-    w, scales, biases = make_weights(8, 64, 8, 32)
-    with pytest.raises(ValueError, match="int8 activations: bits 8"):
-        cpu_kernels.quantized_matmul(mx.zeros((1, 64)), w, scales, biases, 32, 8, int8_activations=True)
+def test_int8_activations_need_a_known_setting(monkeypatch):
     monkeypatch.setenv("GMLX_CPU_QUANT_ACTIVATIONS", "int4")
     with pytest.raises(ValueError, match="GMLX_CPU_QUANT_ACTIVATIONS='int4'"):
         config.cpu_quant_activations()

@@ -9,9 +9,9 @@ Beside it, the decode step's small ops as one graph node each (RoPE with per-row
 offsets, RMSNorm, attention over the ragged KV), under the same row-independence.
 Calls of 8 rows or more (wide verifies, prefill chunks) take a blocked path that dequantizes each
 weight panel once for all rows and sums in that same order, near float32 BLAS speed.
-With GMLX_CPU_QUANT_ACTIVATIONS=int8 (the default) the 4-bit products instead quantize their
+With GMLX_CPU_QUANT_ACTIVATIONS=int8 (the default) the 4/8-bit products instead quantize their
 input rows to int8 per 32 inputs and run integer dot products at every row count (llama.cpp's
-Q4 x Q8 scheme), under the same row, thread and ISA independence.
+Q4/Q8 x Q8 scheme), under the same row, thread and ISA independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-INT8_ACTIVATIONS_BITS = 4  # the int8-activation path runs 4-bit weights only
+INT8_ACTIVATIONS_BITS = (4, 8)  # the weights the int8-activation path runs
 # Load-time probe of the int8-activation path: largest |error| against dequantize + float32
 # matmul, relative to the largest |reference|. Measured on random normal x: 0.3-0.7%
 # (quantizing x to 8 bits per 32 inputs); the float path's probe allows 1e-4.
@@ -90,7 +90,7 @@ def can_run(bits: int, group_size: int, mode: str = "affine") -> bool:
 def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, int8_activations: bool = False):
     """x @ dequantize(w, scales, biases, group_size, bits).T, x float32 (..., K); float32 out.
 
-    int8_activations (4 bits only): x quantized to int8 per 32 inputs and integer dots,
+    int8_activations: x quantized to int8 per 32 inputs and integer dots,
     within INT8_ACTIVATIONS_RTOL of the float product rather than bit-close to it."""
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations)
 
@@ -142,4 +142,4 @@ def format_status(report: dict) -> str:
     ops = "on" if report["decode_ops"] else "off"
     vnni = ", VNNI" if report.get("has_vnni") else ""
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} threads; "
-            f"norm/rope/attention ops {ops}; 4-bit activations {report.get('quant_activations', 'float')}")
+            f"norm/rope/attention ops {ops}; activations {report.get('quant_activations', 'float')}")

@@ -9,7 +9,7 @@ rows share the call (a batch of 20 decode rows must give each row what it gets a
 and mlx's own product at some row counts would not), and mlx's CPU product is slower at
 every row count measured. The kernels sum in another order than mlx, so a probe at load
 checks each weight shape against dequantize + float32 matmul within a tolerance before
-any module is swapped. With GMLX_CPU_QUANT_ACTIVATIONS=int8 the 4-bit products quantize
+any module is swapped. With GMLX_CPU_QUANT_ACTIVATIONS=int8 the 4/8-bit products quantize
 their input rows to int8 (integer dots, like llama.cpp's Q4 x Q8), behind a looser probe of
 their own; where it fails, the whole model keeps the float path.
 """
@@ -79,15 +79,15 @@ def _is_close(module: nn.Module, int8_activations: bool) -> bool:
 
 
 def _can_quantize_activations(modules: list[nn.Module], probes: dict) -> bool:
-    """GMLX_CPU_QUANT_ACTIVATIONS=int8 and every 4-bit probe within the int8 path's tolerance."""
+    """GMLX_CPU_QUANT_ACTIVATIONS=int8 and every probe within the int8 path's tolerance."""
     if config.cpu_quant_activations() != "int8" or not hasattr(cpu_kernels.extension(), "has_avx512_vnni"):
         return False
     for key, module in probes.items():
-        if module.bits == cpu_kernels.INT8_ACTIVATIONS_BITS and not _is_close(module, True):
+        if module.bits in cpu_kernels.INT8_ACTIVATIONS_BITS and not _is_close(module, True):
             logger.warning("int8 activations off (float path kept): a %s product is not within %.0e of mlx's",
                            key[1], cpu_kernels.INT8_ACTIVATIONS_RTOL)
             return False
-    return any(m.bits == cpu_kernels.INT8_ACTIVATIONS_BITS for m in modules)
+    return any(m.bits in cpu_kernels.INT8_ACTIVATIONS_BITS for m in modules)
 
 
 def _store_half_groups(module: nn.Module) -> bool:
@@ -117,9 +117,9 @@ def use_cpu_kernels(model: nn.Module) -> int:
     num_half = 0
     for module in modules:
         module.__class__ = _SWAPS[type(module)]
-        module.is_int8_activations = is_int8 and module.bits == cpu_kernels.INT8_ACTIVATIONS_BITS
+        module.is_int8_activations = is_int8 and module.bits in cpu_kernels.INT8_ACTIVATIONS_BITS
         num_half += module.is_int8_activations and _store_half_groups(module)
     if is_int8:
-        logger.info("CPU kernels: 4-bit products quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS); "
+        logger.info("CPU kernels: quantized products quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS); "
                     "%d of %d modules keep exact float16 scales", num_half, len(modules))
     return len(modules)

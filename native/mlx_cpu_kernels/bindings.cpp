@@ -21,7 +21,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("quantized_matmul", &gmlx_kernels::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "int8_activations"_a = false,
         "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output "
-        "(int8_activations, 4 bits only: x quantized to int8 per 32 inputs, integer dots)");
+        "(int8_activations: x quantized to int8 per 32 inputs, integer dots)");
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b");

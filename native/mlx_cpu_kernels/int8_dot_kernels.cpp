@@ -11,7 +11,9 @@ namespace gmlx_kernels {
 namespace {
 
 constexpr int kBlocksPerChunk = 4;
-constexpr int64_t kChunkWeightBytes = kInt8ChunkInputs / 2;  // 64 bytes: 128 nibbles
+// Weight bytes of one output over one 128-input chunk: 64 at 4 bits, 128 at 8.
+template <int kBits>
+constexpr int64_t kChunkWeightBytes = kInt8ChunkInputs * kBits / 8;
 constexpr int kQuadOutputs = 4;  // outputs per kernel call; their lanes fill one zmm
 constexpr int kMaxRows = 4;  // rows per kernel call (weights unpacked once for them)
 constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23
@@ -68,6 +70,7 @@ inline void group_values(const GroupRow& row, int64_t c, int64_t num_blocks, int
 
 // ---------------------------------------------------------------- portable
 
+template <int kBits>
 void quad_portable(const QuadArgs& q, int num_rows) {
   for (int r = 0; r < num_rows; ++r) {
     const int8_t* xq = q.x->q_row(q.r0 + r);
@@ -82,10 +85,13 @@ void quad_portable(const QuadArgs& q, int num_rows) {
         for (int k = 0; k < kBlocksPerChunk; ++k) {
           const int64_t j = c * kBlocksPerChunk + k;
           int32_t isum = 0;
-          if (j < q.num_blocks) {
+          if (j < q.num_blocks && kBits == 4) {
             const uint8_t* w = q.w[i] + j * 16;
             const int8_t* x_even = xq + c * kInt8ChunkInputs + 16 * k;
             for (int t = 0; t < 16; ++t) isum += (w[t] & 0xF) * x_even[t] + (w[t] >> 4) * x_even[64 + t];
+          } else if (j < q.num_blocks) {
+            const uint8_t* w = q.w[i] + j * 32;
+            for (int t = 0; t < 32; ++t) isum += w[t] * xq[j * 32 + t];
           }
           const float p = d[j] * static_cast<float>(isum);
           float& lane = lanes[kBlocksPerChunk * i + k];
@@ -152,55 +158,92 @@ GMLX_AVX2_F16C inline __m128 tail_group4(const GroupRow& row, int64_t c, int num
 
 // Lanes 4i + k of outputs 0-1 in one register (y[r][0]), 2-3 in another.
 // Chunk c for kRows rows; a tail chunk loads only its num_valid blocks' weight dwords.
-template <int kRows, bool kTail>
+// 4 bits: hadd leaves an output's blocks at [j0, j0, j2, j2 | j1, j1, j3, j3] (pairs of partials).
+GMLX_AVX2_F16C inline __m256i pairs4_avx2(__m256i v01, __m256i v23, const __m256i* x) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // u8 nibbles x s8: pairs at most 2 * 15 * 127, so the int16 sums never saturate.
+  const __m256i d01 = _mm256_add_epi16(
+      _mm256_maddubs_epi16(_mm256_and_si256(v01, nibble), x[0]),
+      _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v01, 4), nibble), x[2]));
+  const __m256i d23 = _mm256_add_epi16(
+      _mm256_maddubs_epi16(_mm256_and_si256(v23, nibble), x[1]),
+      _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v23, 4), nibble), x[3]));
+  return _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
+}
+
+// 8 bits, one block (32 weights in v): its eight int32 partials. A byte splits into nibbles so
+// maddubs's int16 pairs stay below 2 * 15 * 127 (whole bytes would saturate them).
+GMLX_AVX2_F16C inline __m256i block8_avx2(__m256i v, __m256i x) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, nibble), x), ones);
+  const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), x), ones);
+  return _mm256_add_epi32(low, _mm256_slli_epi32(high, 4));
+}
+
+// 8 bits: an output's four block sums [j0, j1, j2, j3] from their partials.
+GMLX_AVX2_F16C inline __m128i blocks8_avx2(const __m256i* d) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+template <int kRows, bool kTail, int kBits>
 GMLX_AVX2_F16C inline __attribute__((always_inline)) void chunk_avx2(const QuadArgs& q, int64_t c, int num_valid,
                                                                const __m256* s, const __m256* b, __m256 (*y)[2]) {
   const __m256i dword = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i mask01 = _mm256_cmpgt_epi32(_mm256_set1_epi32(4 * num_valid), dword);
   const __m256i mask23 = _mm256_cmpgt_epi32(_mm256_set1_epi32(4 * num_valid - 8), dword);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  // hadd leaves (output, block) at [o0 j0, o0 j2, o1 j0, o1 j2 | o0 j1, o0 j3, o1 j1, o1 j3].
+  // 4 bits: the hadd of two outputs' pairs leaves [o0 j0, o0 j2, o1 j0, o1 j2 | o0 j1, o0 j3, o1 j1, o1 j3].
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int r = 0; r < kRows; ++r) {
     const int8_t* xq = q.x->q_row(q.r0 + r) + c * kInt8ChunkInputs;
-    const __m256i x_even01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    const __m256i x_even23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-    const __m256i x_odd01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64));
-    const __m256i x_odd23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 96));
-    __m256i pair[kQuadOutputs];  // per output: 4 partial pairs of each block
-    for (int i = 0; i < kQuadOutputs; ++i) {
-      const uint8_t* w = q.w[i] + c * kChunkWeightBytes;
-      __m256i v01, v23;
-      if constexpr (kTail) {
-        v01 = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), mask01);
-        v23 = _mm256_maskload_epi32(reinterpret_cast<const int*>(w + 32), mask23);
-      } else {
-        v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-        v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+    __m256i x[4];  // 4 bits: evens of j0-1, j2-3, odds of j0-1, j2-3; 8 bits: block k
+    for (int k = 0; k < 4; ++k) x[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * k));
+    __m256i isum[2];  // lanes 4i + k of outputs 0-1, 2-3
+    if constexpr (kBits == 4) {
+      __m256i pair[kQuadOutputs];
+      for (int i = 0; i < kQuadOutputs; ++i) {
+        const uint8_t* w = q.w[i] + c * kChunkWeightBytes<4>;
+        __m256i v01, v23;
+        if constexpr (kTail) {
+          v01 = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), mask01);
+          v23 = _mm256_maskload_epi32(reinterpret_cast<const int*>(w + 32), mask23);
+        } else {
+          v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+          v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+        }
+        pair[i] = pairs4_avx2(v01, v23, x);
       }
-      // u8 nibbles x s8: pairs at most 2 * 15 * 127, so the int16 sums never saturate.
-      const __m256i d01 = _mm256_add_epi16(
-          _mm256_maddubs_epi16(_mm256_and_si256(v01, nibble), x_even01),
-          _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v01, 4), nibble), x_odd01));
-      const __m256i d23 = _mm256_add_epi16(
-          _mm256_maddubs_epi16(_mm256_and_si256(v23, nibble), x_even23),
-          _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v23, 4), nibble), x_odd23));
-      pair[i] = _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
+      for (int h = 0; h < 2; ++h) {
+        isum[h] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[2 * h], pair[2 * h + 1]), order);
+      }
+    } else {
+      __m128i blocks[kQuadOutputs];
+      for (int i = 0; i < kQuadOutputs; ++i) {
+        const uint8_t* w = q.w[i] + c * kChunkWeightBytes<8>;
+        __m256i d[4];
+        for (int k = 0; k < 4; ++k) {
+          const bool is_valid = !kTail || k < num_valid;
+          d[k] = is_valid ? block8_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)), x[k])
+                          : _mm256_setzero_si256();
+        }
+        blocks[i] = blocks8_avx2(d);
+      }
+      for (int h = 0; h < 2; ++h) isum[h] = _mm256_set_m128i(blocks[2 * h + 1], blocks[2 * h]);
     }
     const __m128 d4 = _mm_loadu_ps(q.x->d_row(q.r0 + r) + c * kBlocksPerChunk);
     const __m128 xsd4 = _mm_loadu_ps(q.x->xsd_row(q.r0 + r) + c * kBlocksPerChunk);
     const __m256 d = _mm256_set_m128(d4, d4), xsd = _mm256_set_m128(xsd4, xsd4);
     for (int h = 0; h < 2; ++h) {
-      const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[2 * h], pair[2 * h + 1]), order);
-      const __m256 p = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum));
+      const __m256 p = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[h]));
       y[r][h] = _mm256_fmadd_ps(s[h], p, y[r][h]);
       y[r][h] = _mm256_fmadd_ps(b[h], xsd, y[r][h]);
     }
   }
 }
 
-template <int kRows, int kBlocksPerGroup>
+template <int kRows, int kBlocksPerGroup, int kBits>
 GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
   __m256 y[kRows][2];
   for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
@@ -211,7 +254,7 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
       s[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.scales[2 * h + 1], c), group4<kBlocksPerGroup>(q.scales[2 * h], c));
       b[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.biases[2 * h + 1], c), group4<kBlocksPerGroup>(q.biases[2 * h], c));
     }
-    chunk_avx2<kRows, false>(q, c, kBlocksPerChunk, s, b, y);
+    chunk_avx2<kRows, false, kBits>(q, c, kBlocksPerChunk, s, b, y);
   }
   if constexpr (kBlocksPerGroup < kBlocksPerChunk) {
     if (num_whole < q.num_chunks) {
@@ -223,7 +266,7 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
         b[h] = _mm256_set_m128(tail_group4<kBlocksPerGroup>(q.biases[2 * h + 1], num_whole, num_valid),
                                tail_group4<kBlocksPerGroup>(q.biases[2 * h], num_whole, num_valid));
       }
-      chunk_avx2<kRows, true>(q, num_whole, num_valid, s, b, y);
+      chunk_avx2<kRows, true, kBits>(q, num_whole, num_valid, s, b, y);
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -235,25 +278,41 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
 // ---------------------------------------------------------------- AVX-512 VNNI
 
 // Chunk c for kRows rows; a tail chunk loads only its num_valid blocks' 16 bytes each.
-template <int kRows, bool kTail>
+// The first num_bytes bytes of a 64-byte load (0-64).
+inline __mmask64 first_bytes(int num_bytes) { return num_bytes >= 64 ? ~0ull : (1ull << num_bytes) - 1; }
+
+template <int kRows, bool kTail, int kBits>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void chunk_avx512(const QuadArgs& q, int64_t c, int num_valid,
                                                                         __m512 s, __m512 b, __m512* y) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   // The transpose-add below leaves block k of output i at 4k + i; lanes want 4i + k.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  // 4 bits: low and high nibbles, 128-bit lane k = block k. 8 bits: blocks 0-1, then 2-3 (two lanes each).
   __m512i lo[kQuadOutputs], hi[kQuadOutputs];
   for (int i = 0; i < kQuadOutputs; ++i) {
-    const uint8_t* w = q.w[i] + c * kChunkWeightBytes;  // 128-bit lane k: block k's 32 nibbles
-    const __m512i v = kTail ? _mm512_maskz_loadu_epi8((1ull << (16 * num_valid)) - 1, w) : _mm512_loadu_si512(w);
-    lo[i] = _mm512_and_si512(v, nibble);
-    hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const uint8_t* w = q.w[i] + c * kChunkWeightBytes<kBits>;
+    if constexpr (kBits == 4) {
+      const __m512i v = kTail ? _mm512_maskz_loadu_epi8(first_bytes(16 * num_valid), w) : _mm512_loadu_si512(w);
+      lo[i] = _mm512_and_si512(v, nibble);
+      hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    } else {
+      lo[i] = kTail ? _mm512_maskz_loadu_epi8(first_bytes(32 * num_valid), w) : _mm512_loadu_si512(w);
+      hi[i] = kTail ? _mm512_maskz_loadu_epi8(first_bytes(std::max(0, 32 * num_valid - 64)), w + 64)
+                    : _mm512_loadu_si512(w + 64);
+    }
   }
   for (int r = 0; r < kRows; ++r) {
     const int8_t* xq = q.x->q_row(q.r0 + r) + c * kInt8ChunkInputs;
-    const __m512i x_even = _mm512_loadu_si512(xq), x_odd = _mm512_loadu_si512(xq + 64);
-    __m512i acc[kQuadOutputs];
+    const __m512i x_lo = _mm512_loadu_si512(xq), x_hi = _mm512_loadu_si512(xq + 64);
+    __m512i acc[kQuadOutputs];  // 128-bit lane k: four partials of block k
     for (int i = 0; i < kQuadOutputs; ++i) {
-      acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_even), hi[i], x_odd);
+      if constexpr (kBits == 4) {
+        acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo), hi[i], x_hi);
+      } else {  // whole bytes (u8 x s8: four products per dword stay far below 2^31)
+        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo);  // lanes j0, j0, j1, j1
+        const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[i], x_hi);  // lanes j2, j2, j3, j3
+        acc[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a, h, 0x88), _mm512_shuffle_i64x2(a, h, 0xDD));
+      }
     }
     // Sum each 128-bit lane's four partials, four outputs at once (exact integer adds).
     const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]), _mm512_unpackhi_epi32(acc[0], acc[1]));
@@ -276,13 +335,13 @@ GMLX_AVX512_VNNI inline __m512 group16(const GroupRow* rows, int64_t c) {
   return _mm512_insertf32x4(v, group4<kBlocksPerGroup>(rows[3], c), 3);
 }
 
-template <int kRows, int kBlocksPerGroup>
+template <int kRows, int kBlocksPerGroup, int kBits>
 GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
   __m512 y[kRows];
   for (int r = 0; r < kRows; ++r) y[r] = _mm512_setzero_ps();
   const int64_t num_whole = q.num_blocks / kBlocksPerChunk;
   for (int64_t c = 0; c < num_whole; ++c) {
-    chunk_avx512<kRows, false>(q, c, kBlocksPerChunk, group16<kBlocksPerGroup>(q.scales, c),
+    chunk_avx512<kRows, false, kBits>(q, c, kBlocksPerChunk, group16<kBlocksPerGroup>(q.scales, c),
                                group16<kBlocksPerGroup>(q.biases, c), y);
   }
   if constexpr (kBlocksPerGroup < kBlocksPerChunk) {
@@ -294,7 +353,7 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
         s = _mm512_mask_broadcast_f32x4(s, lanes, tail_group4<kBlocksPerGroup>(q.scales[i], num_whole, num_valid));
         b = _mm512_mask_broadcast_f32x4(b, lanes, tail_group4<kBlocksPerGroup>(q.biases[i], num_whole, num_valid));
       }
-      chunk_avx512<kRows, true>(q, num_whole, num_valid, s, b, y);
+      chunk_avx512<kRows, true, kBits>(q, num_whole, num_valid, s, b, y);
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(q.lanes + r * 16, y[r]);
@@ -302,34 +361,34 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
 
 #endif  // GMLX_X86
 
-// Kernel<kRows, kBlocksPerGroup>::run for a row count of 1-4 and a group size.
-template <template <int, int> class Kernel, int kRows>
+// Kernel<kRows, kBlocksPerGroup, kBits>::run for a row count of 1-4 and a group size.
+template <template <int, int, int> class Kernel, int kBits, int kRows>
 void run_group(const QuadArgs& q) {
   switch (q.blocks_per_group) {
-    case 1: return Kernel<kRows, 1>::run(q);
-    case 2: return Kernel<kRows, 2>::run(q);
-    default: return Kernel<kRows, 4>::run(q);
+    case 1: return Kernel<kRows, 1, kBits>::run(q);
+    case 2: return Kernel<kRows, 2, kBits>::run(q);
+    default: return Kernel<kRows, 4, kBits>::run(q);
   }
 }
 
-template <template <int, int> class Kernel>
+template <template <int, int, int> class Kernel, int kBits>
 void run_rows(const QuadArgs& q, int num_rows) {
   switch (num_rows) {
-    case 1: return run_group<Kernel, 1>(q);
-    case 2: return run_group<Kernel, 2>(q);
-    case 3: return run_group<Kernel, 3>(q);
-    default: return run_group<Kernel, 4>(q);
+    case 1: return run_group<Kernel, kBits, 1>(q);
+    case 2: return run_group<Kernel, kBits, 2>(q);
+    case 3: return run_group<Kernel, kBits, 3>(q);
+    default: return run_group<Kernel, kBits, 4>(q);
   }
 }
 
 #if GMLX_X86
-template <int kRows, int kBlocksPerGroup>
+template <int kRows, int kBlocksPerGroup, int kBits>
 struct Avx2Quad {
-  static void run(const QuadArgs& q) { quad_avx2<kRows, kBlocksPerGroup>(q); }
+  static void run(const QuadArgs& q) { quad_avx2<kRows, kBlocksPerGroup, kBits>(q); }
 };
-template <int kRows, int kBlocksPerGroup>
+template <int kRows, int kBlocksPerGroup, int kBits>
 struct Avx512Quad {
-  static void run(const QuadArgs& q) { quad_avx512<kRows, kBlocksPerGroup>(q); }
+  static void run(const QuadArgs& q) { quad_avx512<kRows, kBlocksPerGroup, kBits>(q); }
 };
 #endif
 
@@ -340,6 +399,18 @@ bool has_f16c() {
 #else
   return false;
 #endif
+}
+
+// One quad's rows [q.r0, q.r0 + num_rows) on an ISA, at kBits.
+template <int kBits>
+void run_quad(const QuadArgs& q, int num_rows, Isa isa) {
+#if GMLX_X86
+  if (isa == Isa::kAvx512 && has_avx512_vnni()) return run_rows<Avx512Quad, kBits>(q, num_rows);
+  // AVX-512 without VNNI too: the same integers.
+  if (isa != Isa::kPortable && has_f16c()) return run_rows<Avx2Quad, kBits>(q, num_rows);
+#endif
+  (void)isa;
+  quad_portable<kBits>(q, num_rows);
 }
 
 }  // namespace
@@ -361,7 +432,7 @@ void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_in
   rows.xsd.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
 }
 
-void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, QuantizedRows& rows) {
+void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, int bits, QuantizedRows& rows) {
   const int64_t num_blocks = num_inputs / kInt8BlockInputs;
   const int64_t padded_blocks = rows.padded_inputs / kInt8BlockInputs;
   for (int64_t r = begin; r < end; ++r) {
@@ -377,7 +448,8 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
       float amax = 0.0f;
       for (int t = 0; t < kInt8BlockInputs; ++t) amax = std::max(amax, std::fabs(xb[t]));
       const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;
+      int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;  // 4 bits
+      int8_t* block = q + j * kInt8BlockInputs;  // 8 bits
       int32_t sum = 0;
       for (int t = 0; t < kInt8BlockInputs; ++t) {
         // Round half to even without a libm call: adding and removing 1.5 * 2^23 leaves the
@@ -385,7 +457,7 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
         float v = xb[t] * inverse;
         v = v == v ? std::min(std::max(v, -127.0f), 127.0f) : 0.0f;
         const int32_t rounded = static_cast<int32_t>((v + kRoundingMagic) - kRoundingMagic);
-        even[t % 2 * 64 + t / 2] = static_cast<int8_t>(rounded);
+        (bits == 4 ? even[t % 2 * 64 + t / 2] : block[t]) = static_cast<int8_t>(rounded);
         sum += rounded;
       }
       d[j] = amax / 127.0f;
@@ -396,7 +468,7 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
 
 void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa) {
   const int64_t num_groups = a.num_inputs / a.group_size;
-  const int64_t row_bytes = a.num_inputs / 2;
+  const int64_t row_bytes = a.num_inputs * a.bits / 8;
   float lanes[kMaxRows * 16];
   QuadArgs q{};
   q.num_blocks = a.num_inputs / kInt8BlockInputs;
@@ -419,17 +491,11 @@ void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin
     }
     for (q.r0 = 0; q.r0 < a.num_rows; q.r0 += kMaxRows) {
       const int num_rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.num_rows - q.r0));
-#if GMLX_X86
-      if (isa == Isa::kAvx512 && has_avx512_vnni()) {
-        run_rows<Avx512Quad>(q, num_rows);
-      } else if (isa != Isa::kPortable && has_f16c()) {
-        run_rows<Avx2Quad>(q, num_rows);  // AVX-512 without VNNI too: the same integers
+      if (a.bits == 4) {
+        run_quad<4>(q, num_rows, isa);
       } else {
-        quad_portable(q, num_rows);
+        run_quad<8>(q, num_rows, isa);
       }
-#else
-      quad_portable(q, num_rows);
-#endif
       for (int r = 0; r < num_rows; ++r) {
         const float* l = lanes + r * 16;
         for (int i = 0; i < num_valid; ++i) {

@@ -1,4 +1,4 @@
-// 4-bit affine weights against int8-quantized activations (GMLX_CPU_QUANT_ACTIVATIONS=int8).
+// 4- and 8-bit affine weights against int8-quantized activations (GMLX_CPU_QUANT_ACTIVATIONS=int8).
 //
 // Each row of x is quantized once per call, per block of 32 inputs: d = amax / 127,
 // q = round-half-even(x * (127 / amax)) (0 when amax is 0), and xsd = d * sum(q). A weight
@@ -21,9 +21,10 @@ namespace gmlx_kernels {
 constexpr int64_t kInt8BlockInputs = 32;
 constexpr int64_t kInt8ChunkInputs = 128;  // four blocks: one zmm of packed 4-bit weights
 
-// x quantized per row. Per row, q holds padded_inputs bytes: for each 128-input chunk,
-// the 64 even-position values of its four blocks (16 each), then the 64 odd ones, to
-// match a byte's low (even) and high (odd) nibble. d and xsd hold one float per block.
+// x quantized per row. Per row, q holds padded_inputs bytes: for 4-bit weights, for each
+// 128-input chunk the 64 even-position values of its four blocks (16 each), then the 64 odd
+// ones, to match a byte's low (even) and high (odd) nibble; for 8-bit weights x's own order.
+// d and xsd hold one float per block.
 struct QuantizedRows {
   int64_t num_rows = 0;
   int64_t padded_inputs = 0;
@@ -37,10 +38,12 @@ struct QuantizedRows {
 
 // Sizes `rows` for x (num_rows, num_inputs).
 void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_inputs);
-// Quantizes rows [begin, end) of x (row-major, num_inputs wide) into `rows`.
-void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, QuantizedRows& rows);
+// Quantizes rows [begin, end) of x (row-major, num_inputs wide) into `rows`, laid out for
+// weights of `bits` (4 or 8).
+void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, int bits, QuantizedRows& rows);
 
-// Outputs [begin, end) of every row, for 4-bit weights (args.bits == 4; args.x unused).
+// Outputs [begin, end) of every row, for 4- or 8-bit weights (args.x unused). An 8-bit
+// weight's byte is split into nibbles on AVX2 (maddubs's int16 pairs) and taken whole by VNNI.
 void int8_dot_outputs(const QmmArgs& args, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa);
 
 bool has_avx512_vnni();

@@ -70,7 +70,7 @@ void run_quantize_chunk(void* context, int64_t chunk) {
   auto* job = static_cast<QmmJob*>(context);
   const int64_t begin = chunk * kRowsPerQuantizeChunk;
   const int64_t end = std::min(begin + kRowsPerQuantizeChunk, job->args.num_rows);
-  quantize_rows(job->args.x, job->args.num_inputs, begin, end, *job->quantized_rows);
+  quantize_rows(job->args.x, job->args.num_inputs, begin, end, job->args.bits, *job->quantized_rows);
 }
 
 void run_int8_chunk(void* context, int64_t chunk) {
@@ -119,9 +119,6 @@ Isa parse_isa(const std::string& name) {
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, bool int8_activations) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
-  if (int8_activations && bits != 4) {
-    throw std::invalid_argument("int8 activations: bits " + std::to_string(bits) + ", expected 4");
-  }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("group_size " + std::to_string(group_size) + ": expected 32, 64 or 128");
   }

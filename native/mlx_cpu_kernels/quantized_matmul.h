@@ -10,7 +10,7 @@ namespace mx = mlx::core;
 
 // y = x @ dequantize(w, scales, biases).T for float32 x (..., K); scales and biases
 // float32 (out, K / group_size); bits 4 or 8; group size 32, 64 or 128. With
-// int8_activations (4 bits only) x is quantized per 32 inputs and the products are
+// int8_activations x is quantized per 32 inputs and the products are
 // integer dots (int8_dot_kernels.h): other numerics than the float path; it also reads
 // float16 scales and biases without a conversion node.
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
