@@ -9,9 +9,9 @@ Beside it, the decode step's small ops as one graph node each (RoPE with per-row
 offsets, RMSNorm, attention over the ragged KV), under the same row-independence.
 Calls of 8 rows or more (wide verifies, prefill chunks) take a blocked path that dequantizes each
 weight panel once for all rows and sums in that same order, near float32 BLAS speed.
-With GMLX_CPU_QUANT_ACTIVATIONS=int8 (the default) the 4/8-bit products instead quantize their
+With GMLX_CPU_QUANT_ACTIVATIONS=int8 (the default) the 4-bit products instead quantize their
 input rows to int8 per 32 inputs and run integer dot products at every row count (llama.cpp's
-Q4/Q8 x Q8 scheme), under the same row, thread and ISA independence.
+Q4 x Q8 scheme), under the same row, thread and ISA independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-INT8_ACTIVATIONS_BITS = (4, 8)  # the weights the int8-activation path runs
+# Modules the int8 mode swaps in: 4-bit ones. The kernels run 8-bit weights too, but measured
+# 1.0-1.6x at 1-4 rows and 0.5-1.0x at 16-64 (prefill) there (BENCHMARKS.md), so 8-bit stays float.
+INT8_ACTIVATIONS_BITS = (4,)
 # Load-time probe of the int8-activation path: largest |error| against dequantize + float32
 # matmul, relative to the largest |reference|. Measured on random normal x: 0.3-0.7%
 # (quantizing x to 8 bits per 32 inputs); the float path's probe allows 1e-4.
