@@ -82,10 +82,17 @@ void run_int8_chunk(void* context, int64_t chunk) {
 
 // Activations quantized once per call, then integer dots: the same path at every row count.
 void run_int8(QmmJob& job) {
-  QuantizedRows rows;
+  // Reused across calls (a decode step makes ~200): this thread runs one product at a time,
+  // and the pool is done with the buffers before run_on_pool returns.
+  thread_local QuantizedRows rows;
   resize_quantized_rows(rows, job.args.num_rows, job.args.num_inputs);
   job.quantized_rows = &rows;
-  run_on_pool(run_quantize_chunk, &job, (job.args.num_rows + kRowsPerQuantizeChunk - 1) / kRowsPerQuantizeChunk);
+  const int64_t num_quantize_chunks = (job.args.num_rows + kRowsPerQuantizeChunk - 1) / kRowsPerQuantizeChunk;
+  if (num_quantize_chunks == 1) {
+    run_quantize_chunk(&job, 0);  // decode's few rows: not worth waking the pool
+  } else {
+    run_on_pool(run_quantize_chunk, &job, num_quantize_chunks);
+  }
   run_on_pool(run_int8_chunk, &job, (job.args.num_outputs + kOutputsPerChunk - 1) / kOutputsPerChunk);
 }
 
