@@ -120,6 +120,6 @@ def use_cpu_kernels(model: nn.Module) -> int:
         module.is_int8_activations = is_int8 and module.bits in cpu_kernels.INT8_ACTIVATIONS_BITS
         num_half += module.is_int8_activations and _store_half_groups(module)
     if is_int8:
-        logger.info("CPU kernels: quantized products quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS); "
+        logger.info("CPU kernels: 4-bit products quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS); "
                     "%d of %d modules keep exact float16 scales", num_half, len(modules))
     return len(modules)
