@@ -167,6 +167,23 @@ def cpu_kernels_isa() -> str | None:
     return value
 
 
+CPU_QUANT_ACTIVATIONS = ("int8", "float")
+
+
+def cpu_quant_activations() -> str:
+    """GMLX_CPU_QUANT_ACTIVATIONS: what the CPU kernels' 4-bit products multiply the weights
+    with. `int8` (default): each row of x quantized per 32 inputs to int8 (like llama.cpp's Q8
+    activations) and integer dot products; other numerics than mlx, kept only where a load-time
+    probe finds them close to dequantize + matmul. `float`: float32 x, mlx's numerics to the
+    last bits. Default int8: ~1.3x less CPU per SmolLM2 step, greedy tokens off mlx-lm's only at
+    near-ties and closer to llama.cpp's (BENCHMARKS.md, "int8 activations")."""
+    raw = os.environ.get("GMLX_CPU_QUANT_ACTIVATIONS")
+    value = (raw or "int8").strip().lower() or "int8"
+    if value not in CPU_QUANT_ACTIVATIONS:
+        raise ValueError(f"GMLX_CPU_QUANT_ACTIVATIONS={raw!r}: expected int8 or float")
+    return value
+
+
 def blas_threads() -> int:
     """GMLX_BLAS_THREADS: OpenBLAS's threads when OPENBLAS_NUM_THREADS is unset; 0 or unset =
     one fewer than the CPUs the process may use (at least 1). OpenBLAS's threaded sgemm
@@ -213,7 +230,7 @@ def validate_settings() -> None:
     it) instead of the first round that reads it."""
     for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
-                 is_malloc_tuned):
+                 is_malloc_tuned, cpu_quant_activations):
         read()
 
 

@@ -10,6 +10,10 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
     python3 scripts/bench_compute_format.py --model FILE.gguf --tokens 128 --repeats 5 --json
     python3 scripts/bench_compute_format.py --llama-bench .cache/llama.cpp/bin/llama-bench \
         --llama-gguf F32=.cache/llama.cpp/models/SmolLM2-135M-Instruct.F32.gguf
+    python3 scripts/bench_compute_format.py --quant-activations float,int8 --no-mlx-lm
+
+--quant-activations loads the quantized format once per GMLX_CPU_QUANT_ACTIVATIONS mode (float:
+float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ def main() -> None:
     parser.add_argument("--llama-gguf", action="append", default=[], metavar="LABEL=PATH",
                         help="another GGUF for llama-bench (e.g. F32=.cache/llama.cpp/models/X.F32.gguf, made "
                              "with llama-quantize --allow-requantize); repeatable")
+    parser.add_argument("--quant-activations", default="",
+                        help="comma list of GMLX_CPU_QUANT_ACTIVATIONS modes (float,int8), one quantized "
+                             "engine each (default: one, under the current setting)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     source = resolve_model_path(args.model)
@@ -100,9 +107,12 @@ def main() -> None:
             llama_models[f"llama.cpp {label}"] = Path(path)
 
     engines = {}
-    for compute_format in ("float32", "quantized"):
-        with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": compute_format}):
-            engines[f"gmlx {compute_format}"] = Engine.load(EngineConfig(model_path=str(source)))
+    modes = [m.strip() for m in args.quant_activations.split(",") if m.strip()]
+    for compute_format, mode in [("float32", None)] + [("quantized", m) for m in modes or [None]]:
+        overrides = {"GMLX_CPU_COMPUTE_FORMAT": compute_format, **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {})}
+        with env_overrides(overrides):
+            engines[f"gmlx {compute_format}" + (f" ({mode} x)" if mode else "")] = Engine.load(
+                EngineConfig(model_path=str(source)))
     baseline = None
     if not args.no_mlx_lm:
         import mlx_lm
@@ -133,7 +143,7 @@ def main() -> None:
     print(f"{source.name}, width 1, {args.tokens} tokens, median of {args.repeats}, "
           f"OpenBLAS threads {os.environ.get('OPENBLAS_NUM_THREADS')}, llama-bench -t {os.cpu_count()}")
     for name, value in medians.items():
-        print(f"  {name:16s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32)")
+        print(f"  {name:26s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32)")
 
 
 if __name__ == "__main__":

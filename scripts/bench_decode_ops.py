@@ -10,6 +10,12 @@ best of --reps each.
     python3 scripts/bench_decode_ops.py --model FILE.gguf --tokens 64 --repeats 5 --json
     OPENBLAS_NUM_THREADS=1 GMLX_CPU_KERNELS_THREADS=1 python3 scripts/bench_decode_ops.py --cpu-time
 
+--compare activations instead puts GMLX_CPU_QUANT_ACTIVATIONS=float and =int8 side by side (both
+with the fused ops on): the 4-bit products with float32 activations, and with activations
+quantized to int8 per 32 inputs (integer dots):
+
+    OPENBLAS_NUM_THREADS=1 GMLX_CPU_KERNELS_THREADS=1 python3 scripts/bench_decode_ops.py --compare activations --cpu-time
+
 --cpu-time times the forwards and products in process CPU seconds (with one kernel and one
 BLAS thread: the work per step, which an oversubscribed box does not inflate the way it
 inflates wall time); the engine's tok/s stays wall time.
@@ -41,7 +47,12 @@ from gmlx.engine import Engine  # noqa: E402
 from gmlx.models.source import resolve_model_path  # noqa: E402
 from gmlx.platform.timing import best_of_s  # noqa: E402
 
-SIDES = {"ops off": "0", "ops on": "1"}
+# What each comparison loads per side (GMLX_* overrides on top of the quantized format).
+COMPARISONS = {
+    "decode-ops": {"ops off": {"GMLX_CPU_DECODE_OPS": "0"}, "ops on": {"GMLX_CPU_DECODE_OPS": "1"}},
+    "activations": {"float x": {"GMLX_CPU_QUANT_ACTIVATIONS": "float"},
+                    "int8 x": {"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}},
+}
 MAX_POSITIONS = 4
 
 
@@ -98,16 +109,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160, help="KV tokens behind the verify-cost forwards")
     parser.add_argument("--reps", type=int, default=20, help="forwards per verify-cost measurement (best of)")
     parser.add_argument("--cpu-time", action="store_true", help="time forwards in process CPU seconds")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="decode-ops")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    sides = COMPARISONS[args.compare]
     if args.cpu_time:
         global CLOCK
         CLOCK = time.process_time
     source = resolve_model_path(args.model)
 
     engines = {}
-    for side, flag in SIDES.items():
-        with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", "GMLX_CPU_DECODE_OPS": flag}):
+    for side, overrides in sides.items():
+        with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", **overrides}):
             engines[side] = Engine.load(EngineConfig(model_path=str(source), prompt_cache_bytes=0))
     caches = {}
     for side, engine in engines.items():
@@ -146,8 +159,11 @@ def main() -> None:
         cost = report["verify_cost"][side]
         print(f"| {side} | {report['tok_per_s'][side]:.1f} | {nodes[side]} | {forward_ms[side][1]:.2f} | "
               f"{products_ms[side]:.2f} | {cost[2]:.2f} / {cost[3]:.2f} / {cost[4]:.2f} |")
-    ratio = report["tok_per_s"]["ops on"] / report["tok_per_s"]["ops off"]
-    print(f"decode tok/s, ops on over off: {ratio:.2f}x")
+    first, second = list(sides)
+    ratio = report["tok_per_s"][second] / report["tok_per_s"][first]
+    print(f"decode tok/s, {second} over {first}: {ratio:.2f}x; "
+          f"1-position forward {forward_ms[first][1] / forward_ms[second][1]:.2f}x, "
+          f"products {products_ms[first] / products_ms[second]:.2f}x less time")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ not inflate the way it inflates wall time; GB/s then means bytes per CPU second)
 calls of every row count on the few-row kernels, as before the panel path (same bits).
 --panel-min-rows sets the row count from which the kernels take the panel path.
 --dequant-too adds mx.dequantize + the float32 product through the BLAS.
+--int8-too adds, per ISA, the kernels' int8-activation path (GMLX_CPU_QUANT_ACTIVATIONS=int8:
+x quantized per 32 inputs, integer dots) beside the float path, with float32 and with float16
+scales and biases (0.75 and 0.625 bytes a weight):
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_kernels.py --cpu-time --threads 1 --int8-too
 
 --prefill-tokens N (--prefill-only: only this) times a real model's prefill (--model,
 default smollm2 at its 4-bit weights through the kernels): a direct forward of an N-token
@@ -72,7 +76,7 @@ NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
 
 
 def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas,
-                  panel_off_too=False, dequant_too=False):
+                  panel_off_too=False, dequant_too=False, int8_too=False):
     weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
     packed = mx.quantize(weight, group_size=group_size, bits=bits)
     quantized_bytes = sum(a.nbytes for a in packed)
@@ -82,7 +86,11 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
     q_copies = [(packed[0] + 0 * i, packed[1] + i * 1e-9, packed[2]) for i in range(num_copies)]
     num_float_copies = max(2, -(-min_bytes // float_bytes))
     f_copies = [weight + i * 1e-9 for i in range(num_float_copies)]
-    mx.eval(q_copies, f_copies)
+    # float16 scales and biases, as int8-activation modules keep a GGUF's (timing only: mx.quantize's
+    # float32 scales round here, a GGUF's Q4_1 ones are exact).
+    half_copies = [(w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in q_copies] if int8_too else []
+    half_bytes = sum(a.nbytes for a in half_copies[0]) if int8_too else 0
+    mx.eval(q_copies, f_copies, half_copies)
     ext = cpu_kernels.extension()
     rows = []
     for num_rows in num_rows_list:
@@ -94,6 +102,13 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
             t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits)
                                      for w, s, b in q_copies], reps) / num_copies
             row[f"gmlx_{isa}_ms"], row[f"gmlx_{isa}_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+            if int8_too:
+                t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits, True)
+                                         for w, s, b in q_copies], reps) / num_copies
+                row[f"int8_{isa}_ms"], row[f"int8_{isa}_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
+                t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits, True)
+                                         for w, s, b in half_copies], reps) / num_copies
+                row[f"int8_half_{isa}_ms"], row[f"int8_half_{isa}_gbs"] = 1e3 * t, half_bytes / t / 1e9
             if panel_off_too:
                 panel_min_rows = ext.panel_min_rows()
                 ext.set_panel_min_rows(NEVER)
@@ -269,6 +284,7 @@ def main() -> None:
     parser.add_argument("--panel-min-rows", type=int, default=0,
                         help="rows from which the kernels take the panel path (0: the built-in default)")
     parser.add_argument("--dequant-too", action="store_true", help="add mx.dequantize + float32 product")
+    parser.add_argument("--int8-too", action="store_true", help="add the int8-activation path")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="add a real model's prefill (0: off)")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill comparison")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk")
@@ -300,7 +316,7 @@ def main() -> None:
         dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
         results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
                                  args.group_size, args.min_bytes, args.reps, isas, args.panel_off_too,
-                                 args.dequant_too)
+                                 args.dequant_too, args.int8_too)
     ext.set_isa(ext.best_isa())
     dram_gbs = max(dram)
     print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
@@ -308,6 +324,10 @@ def main() -> None:
           f"{args.bits}-bit, group {args.group_size}; DRAM read {dram_gbs:.1f} GB/s "
           f"(per shape: {', '.join(f'{d:.1f}' for d in dram)})\n")
     header = ["shape (out x in)", "rows"] + [f"gmlx {isa} ms (GB/s, of DRAM)" for isa in isas]
+    is_int8 = args.int8_too
+    if is_int8:
+        header += [f"int8 x {isa} ms (GB/s, of DRAM)" for isa in isas] + [f"int8 / float {isa}" for isa in isas]
+        header += [f"int8 x, f16 scales {isa} ms (GB/s)" for isa in isas]
     if args.panel_off_too:
         header += [f"few-row only {isa} ms" for isa in isas]
     if args.dequant_too:
@@ -320,6 +340,11 @@ def main() -> None:
         cells = [r["shape"], str(r["rows"])]
         cells += [f"{r[f'gmlx_{isa}_ms']:.3f} ({r[f'gmlx_{isa}_gbs']:.1f}, {r[f'gmlx_{isa}_gbs'] / dram_gbs:.2f})"
                   for isa in isas]
+        if is_int8:
+            cells += [f"{r[f'int8_{isa}_ms']:.3f} ({r[f'int8_{isa}_gbs']:.1f}, {r[f'int8_{isa}_gbs'] / dram_gbs:.2f})"
+                      for isa in isas]
+            cells += [f"{r[f'gmlx_{isa}_ms'] / r[f'int8_{isa}_ms']:.2f}x" for isa in isas]
+            cells += [f"{r[f'int8_half_{isa}_ms']:.3f} ({r[f'int8_half_{isa}_gbs']:.1f})" for isa in isas]
         if args.panel_off_too:
             cells += [f"{r[f'few_row_{isa}_ms']:.3f}" for isa in isas]
         if args.dequant_too:

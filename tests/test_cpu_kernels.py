@@ -1,8 +1,13 @@
 """gmlx's CPU kernels: the quantized product's layout, row/thread/ISA independence, tolerance
 against mlx, and whole-engine identity (speculative and batched equal plain) with them on."""
 
+import json
+
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from serving_support import solo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,6 +16,7 @@ from gmlx import config
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.engine import Engine
 from gmlx.platform.cpu_quantized import KernelQuantizedEmbedding, KernelQuantizedLinear
+from gmlx.models import random_model
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
 from gmlx.request import SamplingParams
@@ -199,15 +205,22 @@ def greedy_tokens(engine, prompt, max_tokens=24):
     return solo(engine, prompt, max_tokens=max_tokens)[0]
 
 
-def test_loaded_quantized_model_uses_kernels_and_decodes_like_mlx(tiny_quantized_target, mlx_quantized_target,
+@pytest.fixture(scope="module")
+def float_kernels_target(tiny_quantized_target):
+    """The tiny 4-bit folder on the kernels with float activations, whatever the environment says."""
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "float"}):
+        return load_model(tiny_quantized_target.path)
+
+
+def test_loaded_quantized_model_uses_kernels_and_decodes_like_mlx(float_kernels_target, mlx_quantized_target,
                                                                   code_prompts):
-    assert num_kernel_modules(tiny_quantized_target) == 2 * 7 + 2  # per layer 7 projections; embed, lm_head
+    assert num_kernel_modules(float_kernels_target) == 2 * 7 + 2  # per layer 7 projections; embed, lm_head
     assert num_kernel_modules(mlx_quantized_target) == 0
     prompt = mx.array([code_prompts[0][:8]])
-    hidden_on, logits_on = tiny_quantized_target.forward(prompt, None)
+    hidden_on, logits_on = float_kernels_target.forward(prompt, None)
     hidden_off, logits_off = mlx_quantized_target.forward(prompt, None)
     assert mx.allclose(logits_on, logits_off, rtol=1e-3, atol=1e-3).item()
-    kernels = Engine(tiny_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    kernels = Engine(float_kernels_target, None, EngineConfig(prompt_cache_bytes=0))
     plain = Engine(mlx_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
     for prompt in code_prompts[:6]:
         assert greedy_tokens(kernels, prompt) == greedy_tokens(plain, prompt)
@@ -234,3 +247,226 @@ def test_wide_plain_batch_equals_each_row_alone(tiny_quantized_target, code_prom
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_speculative_and_batched_equal_plain_with_kernels(kind, tiny_quantized_target, code_prompts):
     assert check_schedules_with_drafter(tiny_quantized_target, kind, code_prompts, range(500, 506)) > 0
+
+
+# ------------------------------------------------------------- int8 activations (4- and 8-bit weights)
+
+
+def int8_activation_reference(x, w, scales, biases, group_size, bits):
+    """float64 product of the dequantized weights with x as the int8 path quantizes it: per
+    32 inputs d = amax / 127, q = round-half-even(x * (127 / amax)) (numpy, float32 steps)."""
+    x = np.array(x, dtype=np.float32)  # (M, K)
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inverse), -127, 127)
+    x_quantized = (q * (amax / np.float32(127)).astype(np.float32)).reshape(x.shape).astype(np.float64)
+    weight = np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits), dtype=np.float64)
+    return x_quantized @ weight.T  # (M, N)
+
+
+def quantization_error_bound(x, w, scales, biases, group_size, bits):
+    """Per output, the most that rounding x to int8 per 32 inputs can move it: each input moves
+    by at most amax / 254 of its block. (M, N)"""
+    x = np.abs(np.array(x, dtype=np.float64))  # (M, K)
+    half_steps = np.repeat(x.reshape(x.shape[0], -1, 32).max(axis=-1) / 254, 32, axis=-1)  # (M, K)
+    weight = np.abs(np.array(mx.dequantize(w, scales, biases, group_size=group_size, bits=bits), dtype=np.float64))
+    return half_steps @ weight.T
+
+
+def relative_max_error(got, expected) -> float:
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bits=st.sampled_from([4, 8]),
+    group_size=st.sampled_from([32, 64, 128]),
+    num_inputs_in_32s=st.integers(1, 52),  # K not a multiple of 128 leaves a partial last chunk
+    num_outputs=st.integers(1, 70),  # partial groups of 4 outputs and of 16-output thread chunks
+    num_rows=st.one_of(st.integers(1, 16), st.integers(8, 120)),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_activation_rows_are_independent_of_row_count_threads_and_isa(bits, group_size, num_inputs_in_32s,
+                                                                           num_outputs, num_rows, seed, ext):
+    num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
+    w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed)
+    x = 4.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
+    ext.set_num_threads(1)
+    ext.set_isa("portable")
+    full = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)  # (M, N)
+    weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)  # (N, K)
+    float_scale = np.abs(np.array(x)) @ np.abs(np.array(weight)).T  # (M, N): what float32 rounding scales with
+    error = np.abs(np.array(full, dtype=np.float64) - np.array(x @ weight.T, dtype=np.float64))
+    assert (error <= 1.001 * quantization_error_bound(x, w, scales, biases, group_size, bits)
+            + 1e-5 * float_scale).all()
+    emulated = int8_activation_reference(x, w, scales, biases, group_size, bits)
+    assert (np.abs(np.array(full, dtype=np.float64) - emulated) <= 1e-5 * float_scale).all()
+    rows = sorted({0, num_rows // 2, num_rows - 1})
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        for isa in supported_isas(ext):
+            ext.set_isa(isa)
+            got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
+            assert mx.array_equal(got, full).item(), (num_threads, isa)
+            for row in rows:
+                alone = cpu_kernels.quantized_matmul(x[row : row + 1], w, scales, biases, group_size, bits,
+                                                     int8_activations=True)
+                assert mx.array_equal(alone, full[row : row + 1]).item(), (num_threads, isa, row)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int8_activations_are_exact_for_integer_rows(bits, group_size, ext):
+    """x of integers with |x| reaching 127 in every 32 quantizes without error (d = 1), so the
+    product is the float64 one up to float32 rounding: checks packing, lanes and the bias term."""
+    num_inputs = 4 * group_size + (32 if group_size == 32 else 0)  # a partial last chunk at group 32
+    w, scales, biases = make_weights(24, num_inputs, bits, group_size, seed=3)
+    x = mx.random.randint(-126, 127, (5, num_inputs), key=mx.random.key(4)).astype(mx.float32)
+    x[:, ::32] = 127.0  # (M, K): every block's amax 127
+    expected = np.array(x, dtype=np.float64) @ np.array(
+        mx.dequantize(w, scales, biases, group_size=group_size, bits=bits), dtype=np.float64).T
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
+        assert relative_max_error(got, expected) <= 1e-6, isa
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_pass_the_stated_tolerance_on_model_shapes(bits, group_size):
+    """The load-time probe's measure (max error over max |reference|) on SmolLM2-like shapes."""
+    for num_outputs, num_inputs in ((576, 640), (1536, 640), (576, 1536)):  # K of 576 is no whole 128s
+        w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed=num_inputs)
+        x = mx.random.normal((3, num_inputs), key=mx.random.key(num_outputs))  # (M, K)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
+        reference = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
+        assert relative_max_error(got, reference) <= cpu_kernels.INT8_ACTIVATIONS_RTOL / 2, (num_outputs, num_inputs)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int8_activations_read_float16_scales_as_the_same_floats(bits, group_size, ext):
+    """Scales and biases a float16 holds exactly (a GGUF's Q4_1 d and m) give the same bits
+    passed as float16 (fewer bytes read) as float32, on every ISA, partial chunks included."""
+    num_inputs = 4 * group_size + (64 if group_size < 128 else 0)  # a partial last chunk below 128
+    w, scales, biases = make_weights(37, num_inputs, bits, group_size, seed=7)
+    scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))  # exact in float16
+    x = mx.random.normal((6, num_inputs), key=mx.random.key(8))  # (M, K)
+    ext.set_isa("portable")
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        got = cpu_kernels.quantized_matmul(x, w, scales.astype(mx.float16), biases.astype(mx.float16), group_size,
+                                           bits, int8_activations=True)
+        assert got.dtype == mx.float32 and mx.array_equal(got, expected).item(), isa
+
+
+def test_int8_activations_convert_every_finite_float16_scale_alike_on_every_isa(ext):
+    """One output per finite float16 value (subnormals included) as its scale and bias: the
+    portable path's bit conversion and F16C's give the same products."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]  # (N,)
+    scales = mx.array(halves.reshape(-1, 1))  # (N, 1) float16, one group of 32
+    biases = mx.array(halves.reshape(-1, 1))  # same magnitude: neither term hides the other
+    w = mx.random.randint(0, 2**32, (halves.size, 4), dtype=mx.uint32, key=mx.random.key(3))  # (N, 32 * 4 / 32)
+    x = mx.random.normal((2, 32), key=mx.random.key(4))  # (M, K)
+    ext.set_isa("portable")
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4, int8_activations=True)
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        got = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4, int8_activations=True)
+        assert np.array_equal(np.array(got), np.array(expected), equal_nan=True), isa
+
+
+def test_int8_activations_need_a_known_setting(monkeypatch):
+    monkeypatch.setenv("GMLX_CPU_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="GMLX_CPU_QUANT_ACTIVATIONS='int4'"):
+        config.cpu_quant_activations()
+
+
+def num_int8_modules(target) -> int:
+    return sum(getattr(m, "is_int8_activations", False) for _, m in target.model.named_modules())
+
+
+@pytest.fixture(scope="module")
+def int8_quantized_target(tiny_quantized_target):
+    """The tiny 4-bit folder loaded with GMLX_CPU_QUANT_ACTIVATIONS=int8."""
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):
+        return load_model(tiny_quantized_target.path)
+
+
+def test_int8_probe_failure_keeps_the_float_path(tiny_quantized_target, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "INT8_ACTIVATIONS_RTOL", 1e-9)  # no quantized x is this close
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):
+        target = load_model(tiny_quantized_target.path)
+    assert num_kernel_modules(target) == 2 * 7 + 2 and num_int8_modules(target) == 0
+    assert "int8 activations off" in caplog.text
+
+
+def test_int8_model_decodes_close_to_float(int8_quantized_target, float_kernels_target, code_prompts):
+    float_target = float_kernels_target
+    assert num_int8_modules(int8_quantized_target) == num_kernel_modules(int8_quantized_target) == 2 * 7 + 2
+    assert num_int8_modules(float_target) == 0 and num_kernel_modules(float_target) == 2 * 7 + 2
+    prompt = mx.array([code_prompts[0][:8]])
+    _, logits_int8 = int8_quantized_target.forward(prompt, None)
+    _, logits_float = float_target.forward(prompt, None)
+    assert not mx.array_equal(logits_int8, logits_float).item()  # the switch changes the numerics
+    assert relative_max_error(logits_int8, logits_float) <= 0.05
+
+
+def test_int8_wide_plain_batch_equals_each_row_alone(int8_quantized_target, code_prompts):
+    engine = Engine(int8_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
+    reference = SoloReference(int8_quantized_target)
+    params = SamplingParams(max_tokens=12)
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(code_prompts[:20])}
+    got = {i: [] for i in ids.values()}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[ids[output.request_id]].extend(output.new_token_ids)
+    for i, tokens in got.items():
+        assert tokens == reference.tokens(code_prompts[i], params)[0], i
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_speculative_and_batched_equal_plain_with_int8_activations(kind, int8_quantized_target, code_prompts):
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):  # a draft model loads the same way
+        assert check_schedules_with_drafter(int8_quantized_target, kind, code_prompts, range(500, 506)) > 0
+
+
+def test_half_exact_scales_are_stored_in_float16_with_the_same_results(tiny_llama_dir, tmp_path):
+    """A model whose scales and biases float16 holds exactly (as a GGUF's Q4_1) keeps them in
+    float16 under int8 activations: its products and embedding lookups give the same bits."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_llama_dir))
+    nn.quantize(model, group_size=32, bits=4)
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales, m.biases = (a.astype(mx.float16).astype(mx.float32) for a in (m.scales, m.biases))
+    folder = tmp_path / "half_exact"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    random_model.copy_tokenizer(tiny_llama_dir, folder)
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8", "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+        target = load_model(folder)
+    stored = dict(tree_flatten(model.parameters()))  # the float32 originals
+    kernel_modules = [(n, m) for n, m in target.model.named_modules() if getattr(m, "is_int8_activations", False)]
+    assert len(kernel_modules) == 2 * 7 + 2 and all(m.scales.dtype == mx.float16 for _, m in kernel_modules)
+    x = mx.random.normal((3, config["hidden_size"]), key=mx.random.key(1))  # (M, K)
+    for name, m in kernel_modules:
+        if name.endswith("q_proj") or name.endswith("embed_tokens"):
+            expected = cpu_kernels.quantized_matmul(x, stored[f"{name}.weight"], stored[f"{name}.scales"],
+                                                    stored[f"{name}.biases"], 32, 4, int8_activations=True)
+            got = m.as_linear(x) if isinstance(m, nn.QuantizedEmbedding) else m(x)
+            assert mx.array_equal(got, expected).item(), name
+    embed = target.model.model.embed_tokens
+    ids = mx.array([[3, 17, 250]])
+    looked_up = embed(ids)
+    assert looked_up.dtype == mx.float32
+    assert mx.array_equal(looked_up, mx.dequantize(stored["model.embed_tokens.weight"][ids],
+                                                   stored["model.embed_tokens.scales"][ids],
+                                                   stored["model.embed_tokens.biases"][ids], group_size=32, bits=4)).item()

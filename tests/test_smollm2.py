@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from gmlx.config import EngineConfig
+from gmlx.config import EngineConfig, env_overrides
 from gmlx.engine import Engine
 from gmlx.generate import render_chat
 from gmlx.models.source import smollm2_path
@@ -29,9 +29,55 @@ GREEDY_PROMPTS = [
 CHAT_QUESTION = "What is the boiling point of water?"
 
 
+# At the first token where int8 activations (GMLX_CPU_QUANT_ACTIVATIONS=int8) leave mlx-lm's
+# greedy path, mlx-lm's token must trail gmlx's top-1 by at most this many logits (a near-tie:
+# against llama.cpp the float path's divergences were 0.005-0.22 apart).
+NEAR_TIE_LOGITS = 0.5
+
+
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.load(EngineConfig(model_path="smollm2"))
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "float"}):  # mlx's numerics: compared exactly below
+        return Engine.load(EngineConfig(model_path="smollm2"))
+
+
+def greedy_batch(engine, prompts: list[list[int]]) -> list[list[int]]:
+    """NUM_GREEDY_TOKENS greedy tokens per prompt, all prompts in one batch."""
+    params = SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0.0)
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(prompts)}
+    got = [[] for _ in prompts]
+    num_finished = 0
+    while num_finished < len(ids):
+        for output in engine.step():
+            got[ids[output.request_id]] += output.new_token_ids
+            num_finished += output.finish_reason is not None
+    return got
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_greedy(engine, tmp_path_factory) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, mlx-lm's greedy tokens for each) on `gmlx convert`'s folder, dequantized to
+    float32 as gmlx computes on CPU."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import dequantize_model
+
+    from gmlx.models.gguf import write_mlx_lm_folder
+
+    prompts = [engine.tokenizer.encode(p) for p in GREEDY_PROMPTS]
+    prompts.append(engine.tokenizer.encode(render_chat(engine.tokenizer, [{"role": "user", "content": CHAT_QUESTION}])))
+    model, _ = mlx_lm.load(str(write_mlx_lm_folder(SMOLLM2, tmp_path_factory.mktemp("smollm2") / "smollm2")))
+    model.set_dtype(mx.float32)
+    dequantize_model(model)
+    expected = []
+    for prompt in prompts:
+        tokens = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=NUM_GREEDY_TOKENS):
+            tokens.append(int(token))
+            if int(token) in engine.target.eos_token_ids:
+                break
+        expected.append(tokens)
+    return prompts, expected
 
 
 def test_chat_renders_the_gguf_template(engine):
@@ -54,36 +100,33 @@ def test_tokenization_equals_llama_cpp():
 
 
 @pytest.mark.slow
-def test_greedy_equals_mlx_lm_on_the_converted_folder(engine, tmp_path):
-    # Reference: mlx-lm on `gmlx convert`'s folder, dequantized to float32 as gmlx computes on CPU.
-    import mlx_lm
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import dequantize_model
-
-    from gmlx.models.gguf import write_mlx_lm_folder
-
-    prompts = [engine.tokenizer.encode(p) for p in GREEDY_PROMPTS]
-    prompts.append(engine.tokenizer.encode(render_chat(engine.tokenizer, [{"role": "user", "content": CHAT_QUESTION}])))
-    model, _ = mlx_lm.load(str(write_mlx_lm_folder(SMOLLM2, tmp_path / "smollm2")))
-    model.set_dtype(mx.float32)
-    dequantize_model(model)
-
-    params = SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0.0)
-    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(prompts)}  # one batch of 5
-    got = {i: [] for i in ids.values()}
-    num_finished = 0
-    while num_finished < len(ids):
-        for output in engine.step():
-            got[ids[output.request_id]] += output.new_token_ids
-            num_finished += output.finish_reason is not None
-    for i, prompt in enumerate(prompts):
-        expected = []
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=NUM_GREEDY_TOKENS):
-            expected.append(int(token))
-            if int(token) in engine.target.eos_token_ids:
-                break
-        assert got[i] == expected, (i, engine.tokenizer.decode(got[i]), engine.tokenizer.decode(expected))
+def test_greedy_equals_mlx_lm_on_the_converted_folder(engine, mlx_lm_greedy):
+    prompts, expected = mlx_lm_greedy
+    got = greedy_batch(engine, prompts)  # one batch of 5
+    for i in range(len(prompts)):
+        assert got[i] == expected[i], (i, engine.tokenizer.decode(got[i]), engine.tokenizer.decode(expected[i]))
     assert engine.tokenizer.decode(got[0]).startswith(" Paris")
+
+
+@pytest.mark.slow
+def test_int8_activations_leave_mlx_lm_only_at_near_ties(mlx_lm_greedy):
+    """int8 activations change the numerics (like llama.cpp's): greedy tokens may leave mlx-lm's,
+    but only where mlx-lm's token is a close second; the margin is printed (pytest -s)."""
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):
+        engine = Engine.load(EngineConfig(model_path="smollm2"))
+    assert any(getattr(m, "is_int8_activations", False) for _, m in engine.target.model.named_modules())
+    prompts, expected = mlx_lm_greedy
+    got = greedy_batch(engine, prompts)
+    assert engine.tokenizer.decode(got[0]).startswith(" Paris")
+    for i, prompt in enumerate(prompts):
+        same = next((t for t, (a, b) in enumerate(zip(got[i], expected[i])) if a != b), None)
+        if same is None:  # the same tokens (up to an EOS)
+            continue
+        _, logits = engine.target.forward(mx.array([prompt + got[i][:same]]), None)  # (1, T, V)
+        last = logits[0, -1]
+        gap = (last[got[i][same]] - last[expected[i][same]]).item()
+        print(f"prompt {i}: leaves mlx-lm at token {same}, mlx-lm's token {gap:.3f} logits behind")
+        assert int(mx.argmax(last).item()) == got[i][same] and 0.0 <= gap <= NEAR_TIE_LOGITS, (i, same, gap)
 
 
 @pytest.mark.slow
@@ -91,9 +134,15 @@ def test_generate_chat_answers_through_the_cli():
     import subprocess
     import sys
 
+    import os
+
     command = [sys.executable, "-m", "workers.cli", "generate", "--model", "smollm2", "--chat",
                "What is the capital of France?", "--max-tokens", "12", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    # Float activations: with int8 ones SmolLM2 answers "L'Étoile, la Marseillaise, ..." here,
+    # as llama.cpp does on the same GGUF (its activations are 8-bit too).
+    env = {**os.environ, "GMLX_CPU_QUANT_ACTIVATIONS": "float"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
+                            env=env)
     assert result.returncode == 0, result.stderr
     reply = json.loads(result.stdout.strip().splitlines()[-1])
     assert "Paris" in reply["text"] and reply["model"] == str(SMOLLM2)

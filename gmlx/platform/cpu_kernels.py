@@ -9,6 +9,9 @@ Beside it, the decode step's small ops as one graph node each (RoPE with per-row
 offsets, RMSNorm, attention over the ragged KV), under the same row-independence.
 Calls of 8 rows or more (wide verifies, prefill chunks) take a blocked path that dequantizes each
 weight panel once for all rows and sums in that same order, near float32 BLAS speed.
+With GMLX_CPU_QUANT_ACTIVATIONS=int8 (the default) the 4-bit products instead quantize their
+input rows to int8 per 32 inputs and run integer dot products at every row count (llama.cpp's
+Q4 x Q8 scheme), under the same row, thread and ISA independence.
 When the extension is not built, or was built against another mlx release, gmlx runs
 on MLX's own ops; `status()` says which and why.
 """
@@ -25,6 +28,13 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# Modules the int8 mode swaps in: 4-bit ones. The kernels run 8-bit weights too, but measured
+# 1.0-1.6x at 1-4 rows and 0.5-1.0x at 16-64 (prefill) there (BENCHMARKS.md), so 8-bit stays float.
+INT8_ACTIVATIONS_BITS = (4,)
+# Load-time probe of the int8-activation path: largest |error| against dequantize + float32
+# matmul, relative to the largest |reference|. Measured on random normal x: 0.3-0.7%
+# (quantizing x to 8 bits per 32 inputs); the float path's probe allows 1e-4.
+INT8_ACTIVATIONS_RTOL = 2e-2
 
 
 @functools.cache
@@ -79,9 +89,12 @@ def can_run(bits: int, group_size: int, mode: str = "affine") -> bool:
     return mode == "affine" and bits in SUPPORTED_BITS and group_size in SUPPORTED_GROUP_SIZES
 
 
-def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
-    """x @ dequantize(w, scales, biases, group_size, bits).T, x float32 (..., K); float32 out."""
-    return extension().quantized_matmul(x, w, scales, biases, group_size, bits)
+def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, int8_activations: bool = False):
+    """x @ dequantize(w, scales, biases, group_size, bits).T, x float32 (..., K); float32 out.
+
+    int8_activations: x quantized to int8 per 32 inputs and integer dots,
+    within INT8_ACTIVATIONS_RTOL of the float product rather than bit-close to it."""
+    return extension().quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations)
 
 
 def rms_norm(x, weight, eps: float):
@@ -118,7 +131,9 @@ def status() -> dict:
     report = {"built": ext is not None, "enabled": config.is_cpu_kernels_enabled(), "reason": reason or None}
     if ext is not None:
         report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads(),
-                      decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"))
+                      decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"),
+                      quant_activations=config.cpu_quant_activations() if hasattr(ext, "has_avx512_vnni") else "float",
+                      has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni())
     return report
 
 
@@ -127,5 +142,6 @@ def format_status(report: dict) -> str:
         return f"cpu kernels: unavailable, {report['reason']}; quantized products run in mlx"
     state = "on" if report["enabled"] else "off (GMLX_CPU_KERNELS=0)"
     ops = "on" if report["decode_ops"] else "off"
-    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}), {report['num_threads']} threads; "
-            f"norm/rope/attention ops {ops}")
+    vnni = ", VNNI" if report.get("has_vnni") else ""
+    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} threads; "
+            f"norm/rope/attention ops {ops}; activations {report.get('quant_activations', 'float')}")

@@ -4,6 +4,7 @@
 
 #include "mlx/version.h"
 #include "attention.h"
+#include "int8_dot_kernels.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -18,8 +19,10 @@ NB_MODULE(_cpu_kernels, m) {
   m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
   m.def("quantized_matmul", &gmlx_kernels::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a,
-        "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output");
+        "group_size"_a, "bits"_a, "int8_activations"_a = false,
+        "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output "
+        "(int8_activations: x quantized to int8 per 32 inputs, integer dots)");
+  m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,

@@ -7,4 +7,8 @@
 #define GMLX_X86 1
 #define GMLX_AVX2 __attribute__((target("avx2,fma")))
 #define GMLX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+// The int8-activation kernels: dot products with vpdpbusd (chosen only where the CPU has VNNI),
+// half-precision scales converted with F16C (every AVX2 CPU has it; checked at dispatch).
+#define GMLX_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define GMLX_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #endif

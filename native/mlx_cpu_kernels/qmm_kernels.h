@@ -21,6 +21,9 @@ struct QmmArgs {
   const uint32_t* w;  // (num_outputs, num_inputs * bits / 32) packed, low bits first
   const float* scales;  // (num_outputs, num_inputs / group_size)
   const float* biases;  // (num_outputs, num_inputs / group_size)
+  // Half-precision scales and biases instead (int8-activation path only; null otherwise).
+  const uint16_t* scales_f16 = nullptr;
+  const uint16_t* biases_f16 = nullptr;
   float* y;  // (num_rows, num_outputs) row-major
   int64_t num_rows;
   int64_t num_inputs;

@@ -11,6 +11,7 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "int8_dot_kernels.h"
 #include "qmm_kernels.h"
 #include "thread_pool.h"
 
@@ -45,6 +46,7 @@ struct QmmJob {
   Isa isa;
   int64_t num_padded_rows;  // panel path: rows of x_blocked (in lane order, zero past num_rows)
   int64_t outputs_per_chunk;  // panel path
+  QuantizedRows* quantized_rows;  // int8-activation path
 };
 
 void run_qmm_chunk(void* context, int64_t chunk) {
@@ -59,6 +61,39 @@ void run_panel_chunk(void* context, int64_t chunk) {
   int64_t begin = chunk * job->outputs_per_chunk;
   int64_t end = std::min(begin + job->outputs_per_chunk, job->args.num_outputs);
   qmm_panel_outputs(job->args, job->x_blocked, job->num_padded_rows, begin, end, job->isa);
+}
+
+// Rows of x each chunk of the int8-activation path quantizes.
+constexpr int64_t kRowsPerQuantizeChunk = 8;
+
+void run_quantize_chunk(void* context, int64_t chunk) {
+  auto* job = static_cast<QmmJob*>(context);
+  const int64_t begin = chunk * kRowsPerQuantizeChunk;
+  const int64_t end = std::min(begin + kRowsPerQuantizeChunk, job->args.num_rows);
+  quantize_rows(job->args.x, job->args.num_inputs, begin, end, job->args.bits, *job->quantized_rows);
+}
+
+void run_int8_chunk(void* context, int64_t chunk) {
+  auto* job = static_cast<QmmJob*>(context);
+  int64_t begin = chunk * kOutputsPerChunk;
+  int64_t end = std::min(begin + kOutputsPerChunk, job->args.num_outputs);
+  int8_dot_outputs(job->args, *job->quantized_rows, begin, end, job->isa);
+}
+
+// Activations quantized once per call, then integer dots: the same path at every row count.
+void run_int8(QmmJob& job) {
+  // Reused across calls (a decode step makes ~200): this thread runs one product at a time,
+  // and the pool is done with the buffers before run_on_pool returns.
+  thread_local QuantizedRows rows;
+  resize_quantized_rows(rows, job.args.num_rows, job.args.num_inputs);
+  job.quantized_rows = &rows;
+  const int64_t num_quantize_chunks = (job.args.num_rows + kRowsPerQuantizeChunk - 1) / kRowsPerQuantizeChunk;
+  if (num_quantize_chunks == 1) {
+    run_quantize_chunk(&job, 0);  // decode's few rows: not worth waking the pool
+  } else {
+    run_on_pool(run_quantize_chunk, &job, num_quantize_chunks);
+  }
+  run_on_pool(run_int8_chunk, &job, (job.args.num_outputs + kOutputsPerChunk - 1) / kOutputsPerChunk);
 }
 
 // Many rows: x in lane order as one block, padded with zero rows to whole tiles.
@@ -89,7 +124,7 @@ Isa parse_isa(const std::string& name) {
 }  // namespace
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
+                           const mx::array& biases, int group_size, int bits, bool int8_activations) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("group_size " + std::to_string(group_size) + ": expected 32, 64 or 128");
@@ -109,10 +144,13 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   }
   auto s = mx::default_stream(mx::Device::cpu);
   auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
+  // The int8 path reads float16 scales and biases as they are (a GGUF's Q4_1 d and m: fewer
+  // bytes per weight, the same values); the float path takes float32.
+  const bool is_half_groups = int8_activations && scales.dtype() == mx::float16 && biases.dtype() == mx::float16;
   mx::Shape out_shape = x.shape();
   out_shape.back() = num_outputs;
-  return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits),
-                   {as_f32(x), w, as_f32(scales), as_f32(biases)});
+  return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, int8_activations),
+                   {as_f32(x), w, is_half_groups ? scales : as_f32(scales), is_half_groups ? biases : as_f32(biases)});
 }
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -133,14 +171,21 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   // graph node's last reference on the scheduler thread while the main thread edits it.
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                     scales = mx::array::unsafe_weak_copy(scales), biases = mx::array::unsafe_weak_copy(biases),
-                    y_data = y.data<float>(), group_size = group_size_, bits = bits_]() {
+                    y_data = y.data<float>(), group_size = group_size_, bits = bits_,
+                    int8_activations = int8_activations_]() {
     std::vector<float> x_copy, scales_copy, biases_copy;
     std::vector<uint32_t> w_copy;
+    std::vector<mx::float16_t> scales_f16_copy, biases_f16_copy;
     QmmJob job;
     job.args.x = row_major_data<float>(x, x_copy);
     job.args.w = row_major_data<uint32_t>(w, w_copy);
-    job.args.scales = row_major_data<float>(scales, scales_copy);
-    job.args.biases = row_major_data<float>(biases, biases_copy);
+    if (scales.dtype() == mx::float16) {  // the int8 path only (quantized_matmul above)
+      job.args.scales_f16 = reinterpret_cast<const uint16_t*>(row_major_data<mx::float16_t>(scales, scales_f16_copy));
+      job.args.biases_f16 = reinterpret_cast<const uint16_t*>(row_major_data<mx::float16_t>(biases, biases_f16_copy));
+    } else {
+      job.args.scales = row_major_data<float>(scales, scales_copy);
+      job.args.biases = row_major_data<float>(biases, biases_copy);
+    }
     job.args.y = y_data;
     job.args.num_inputs = x.shape(-1);
     job.args.num_rows = x.size() / x.shape(-1);
@@ -148,6 +193,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     job.args.group_size = group_size;
     job.args.bits = bits;
     job.isa = g_isa.load();
+    if (int8_activations) return run_int8(job);
     if (job.isa != Isa::kPortable && job.args.num_rows >= g_panel_min_rows.load()) return run_panel(job);
     job.block = inputs_per_block(job.args.num_rows, job.args.num_inputs, group_size);
     std::vector<float> x_blocked;
@@ -169,7 +215,7 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_activations_ == o.int8_activations_;
 }
 
 void set_isa(const std::string& name) {

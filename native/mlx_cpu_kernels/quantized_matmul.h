@@ -9,14 +9,17 @@ namespace gmlx_kernels {
 namespace mx = mlx::core;
 
 // y = x @ dequantize(w, scales, biases).T for float32 x (..., K); scales and biases
-// float32 (out, K / group_size); bits 4 or 8; group size 32, 64 or 128.
+// float32 (out, K / group_size); bits 4 or 8; group size 32, 64 or 128. With
+// int8_activations x is quantized per 32 inputs and the products are
+// integer dots (int8_dot_kernels.h): other numerics than the float path; it also reads
+// float16 scales and biases without a conversion node.
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits);
+                           const mx::array& biases, int group_size, int bits, bool int8_activations);
 
 class QuantizedMatmul : public mx::Primitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool int8_activations)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), int8_activations_(int8_activations) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -26,6 +29,7 @@ class QuantizedMatmul : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+  bool int8_activations_;
 };
 
 // The instruction set the kernels use; set_isa refuses one this CPU lacks.

@@ -1,0 +1,509 @@
+#include "int8_dot_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "isa_target.h"
+
+namespace gmlx_kernels {
+
+namespace {
+
+constexpr int kBlocksPerChunk = 4;
+// Weight bytes of one output over one 128-input chunk: 64 at 4 bits, 128 at 8.
+template <int kBits>
+constexpr int64_t kChunkWeightBytes = kInt8ChunkInputs * kBits / 8;
+constexpr int kQuadOutputs = 4;  // outputs per kernel call; their lanes fill one zmm
+constexpr int kMaxRows = 4;  // rows per kernel call (weights unpacked once for them)
+constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23
+
+// One output's scales or biases: float32, or half precision (f16 set: values a float32
+// holds exactly, so either gives the same floats).
+struct GroupRow {
+  const float* f32 = nullptr;
+  const uint16_t* f16 = nullptr;
+};
+
+// IEEE half to float, exact (subnormals included), for the portable path and scalar reads.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t bits = sign;
+  if (exponent == 0x1F) {
+    bits |= 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits |= ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa != 0) {  // subnormal: mantissa * 2^-24, normalized
+    uint32_t m = mantissa, shifts = 0;
+    while ((m & 0x400u) == 0) m <<= 1, ++shifts;
+    bits |= ((113 - shifts) << 23) | ((m & 0x3FFu) << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline float group_value(const GroupRow& row, int64_t g) { return row.f16 ? half_to_float(row.f16[g]) : row.f32[g]; }
+
+// One kernel call: four outputs (copies of the last one past the end) against rows
+// [r0, r0 + kRows); writes each row's 16 lane sums, output i's lane k at 4i + k.
+struct QuadArgs {
+  const uint8_t* w[kQuadOutputs];  // each output's packed row
+  GroupRow scales[kQuadOutputs];
+  GroupRow biases[kQuadOutputs];
+  int64_t num_blocks;  // K / 32
+  int64_t num_chunks;  // padded K / 128
+  int blocks_per_group;  // group_size / 32
+  const QuantizedRows* x;
+  int64_t r0;
+  float* lanes;  // (kRows, 16)
+};
+
+// A group value (scale or bias) for each of the chunk's four blocks; 0 past K.
+inline void group_values(const GroupRow& row, int64_t c, int64_t num_blocks, int blocks_per_group, float* out4) {
+  for (int k = 0; k < kBlocksPerChunk; ++k) {
+    const int64_t j = c * kBlocksPerChunk + k;
+    out4[k] = j < num_blocks ? group_value(row, j / blocks_per_group) : 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------- portable
+
+template <int kBits>
+void quad_portable(const QuadArgs& q, int num_rows) {
+  for (int r = 0; r < num_rows; ++r) {
+    const int8_t* xq = q.x->q_row(q.r0 + r);
+    const float* d = q.x->d_row(q.r0 + r);
+    const float* xsd = q.x->xsd_row(q.r0 + r);
+    float lanes[kQuadOutputs * kBlocksPerChunk] = {};
+    for (int64_t c = 0; c < q.num_chunks; ++c) {
+      for (int i = 0; i < kQuadOutputs; ++i) {
+        float s[kBlocksPerChunk], b[kBlocksPerChunk];
+        group_values(q.scales[i], c, q.num_blocks, q.blocks_per_group, s);
+        group_values(q.biases[i], c, q.num_blocks, q.blocks_per_group, b);
+        for (int k = 0; k < kBlocksPerChunk; ++k) {
+          const int64_t j = c * kBlocksPerChunk + k;
+          int32_t isum = 0;
+          if (j < q.num_blocks && kBits == 4) {
+            const uint8_t* w = q.w[i] + j * 16;
+            const int8_t* x_even = xq + c * kInt8ChunkInputs + 16 * k;
+            for (int t = 0; t < 16; ++t) isum += (w[t] & 0xF) * x_even[t] + (w[t] >> 4) * x_even[64 + t];
+          } else if (j < q.num_blocks) {
+            const uint8_t* w = q.w[i] + j * 32;
+            for (int t = 0; t < 32; ++t) isum += w[t] * xq[j * 32 + t];
+          }
+          const float p = d[j] * static_cast<float>(isum);
+          float& lane = lanes[kBlocksPerChunk * i + k];
+          lane = std::fma(s[k], p, lane);
+          lane = std::fma(b[k], xsd[j], lane);
+        }
+      }
+    }
+    std::memcpy(q.lanes + r * 16, lanes, sizeof(lanes));
+  }
+}
+
+#if GMLX_X86
+
+// Four floats per output, one per block of a whole chunk c.
+template <int kBlocksPerGroup>
+__attribute__((target("f16c"))) inline __m128 group4(const GroupRow& row, int64_t c) {
+  const int64_t j = c * kBlocksPerChunk;
+  if (row.f16 != nullptr) {
+    if constexpr (kBlocksPerGroup == 1) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.f16 + j)));
+    if constexpr (kBlocksPerGroup == 2) {
+      uint32_t two;
+      std::memcpy(&two, row.f16 + j / 2, sizeof(two));
+      const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+      return _mm_unpacklo_ps(v, v);
+    }
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(row.f16[j / 4]));
+    return _mm_shuffle_ps(v, v, 0);
+  }
+  if constexpr (kBlocksPerGroup == 1) return _mm_loadu_ps(row.f32 + j);
+  if constexpr (kBlocksPerGroup == 2) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(row.f32 + j / 2)));
+    return _mm_unpacklo_ps(two, two);
+  }
+  return _mm_set1_ps(row.f32[j / 4]);
+}
+
+// The scale or bias of each of the last chunk's num_valid blocks (1-3, K not a multiple
+// of 128), zero past K; nothing is read past the row. A group of 64 leaves two blocks (one
+// group), one of 128 never a partial chunk.
+template <int kBlocksPerGroup>
+GMLX_AVX2_F16C inline __m128 tail_group4(const GroupRow& row, int64_t c, int num_valid) {
+  const int64_t j = c * kBlocksPerChunk;
+  const __m128i valid = _mm_cmpgt_epi32(_mm_set1_epi32(num_valid), _mm_setr_epi32(0, 1, 2, 3));
+  if constexpr (kBlocksPerGroup == 1) {
+    if (row.f32 != nullptr) return _mm_maskload_ps(row.f32 + j, valid);
+    // Up to three halves, without a loop (a loop here becomes a memcpy call).
+    const uint64_t packed = row.f16[j] | (num_valid > 1 ? static_cast<uint64_t>(row.f16[j + 1]) << 16 : 0) |
+                            (num_valid > 2 ? static_cast<uint64_t>(row.f16[j + 2]) << 32 : 0);
+    return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(packed)));
+  }
+  const int64_t g = j / kBlocksPerGroup;
+  __m128 value;
+  if (row.f32 != nullptr) {
+    value = _mm_set1_ps(row.f32[g]);
+  } else {
+    value = _mm_cvtph_ps(_mm_cvtsi32_si128(row.f16[g]));
+    value = _mm_shuffle_ps(value, value, 0);
+  }
+  return _mm_and_ps(value, _mm_castsi128_ps(valid));
+}
+
+// ---------------------------------------------------------------- AVX2
+
+// Lanes 4i + k of outputs 0-1 in one register (y[r][0]), 2-3 in another.
+// Chunk c for kRows rows; a tail chunk loads only its num_valid blocks' weight dwords.
+// 4 bits: hadd leaves an output's blocks at [j0, j0, j2, j2 | j1, j1, j3, j3] (pairs of partials).
+GMLX_AVX2_F16C inline __m256i pairs4_avx2(__m256i v01, __m256i v23, const __m256i* x) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // u8 nibbles x s8: pairs at most 2 * 15 * 127, so the int16 sums never saturate.
+  const __m256i d01 = _mm256_add_epi16(
+      _mm256_maddubs_epi16(_mm256_and_si256(v01, nibble), x[0]),
+      _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v01, 4), nibble), x[2]));
+  const __m256i d23 = _mm256_add_epi16(
+      _mm256_maddubs_epi16(_mm256_and_si256(v23, nibble), x[1]),
+      _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v23, 4), nibble), x[3]));
+  return _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
+}
+
+// 8 bits, one block (32 weights in v): its eight int32 partials. A byte splits into nibbles so
+// maddubs's int16 pairs stay below 2 * 15 * 127 (whole bytes would saturate them).
+GMLX_AVX2_F16C inline __m256i block8_avx2(__m256i v, __m256i x) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, nibble), x), ones);
+  const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), x), ones);
+  return _mm256_add_epi32(low, _mm256_slli_epi32(high, 4));
+}
+
+// 8 bits: an output's four block sums [j0, j1, j2, j3] from their partials.
+GMLX_AVX2_F16C inline __m128i blocks8_avx2(const __m256i* d) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+template <int kRows, bool kTail, int kBits>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void chunk_avx2(const QuadArgs& q, int64_t c, int num_valid,
+                                                               const __m256* s, const __m256* b, __m256 (*y)[2]) {
+  const __m256i dword = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask01 = _mm256_cmpgt_epi32(_mm256_set1_epi32(4 * num_valid), dword);
+  const __m256i mask23 = _mm256_cmpgt_epi32(_mm256_set1_epi32(4 * num_valid - 8), dword);
+  // 4 bits: the hadd of two outputs' pairs leaves [o0 j0, o0 j2, o1 j0, o1 j2 | o0 j1, o0 j3, o1 j1, o1 j3].
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int r = 0; r < kRows; ++r) {
+    const int8_t* xq = q.x->q_row(q.r0 + r) + c * kInt8ChunkInputs;
+    __m256i x[4];  // 4 bits: evens of j0-1, j2-3, odds of j0-1, j2-3; 8 bits: block k
+    for (int k = 0; k < 4; ++k) x[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * k));
+    __m256i isum[2];  // lanes 4i + k of outputs 0-1, 2-3
+    if constexpr (kBits == 4) {
+      __m256i pair[kQuadOutputs];
+      for (int i = 0; i < kQuadOutputs; ++i) {
+        const uint8_t* w = q.w[i] + c * kChunkWeightBytes<4>;
+        __m256i v01, v23;
+        if constexpr (kTail) {
+          v01 = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), mask01);
+          v23 = _mm256_maskload_epi32(reinterpret_cast<const int*>(w + 32), mask23);
+        } else {
+          v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+          v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+        }
+        pair[i] = pairs4_avx2(v01, v23, x);
+      }
+      for (int h = 0; h < 2; ++h) {
+        isum[h] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[2 * h], pair[2 * h + 1]), order);
+      }
+    } else {
+      __m128i blocks[kQuadOutputs];
+      for (int i = 0; i < kQuadOutputs; ++i) {
+        const uint8_t* w = q.w[i] + c * kChunkWeightBytes<8>;
+        __m256i d[4];
+        for (int k = 0; k < 4; ++k) {
+          const bool is_valid = !kTail || k < num_valid;
+          d[k] = is_valid ? block8_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)), x[k])
+                          : _mm256_setzero_si256();
+        }
+        blocks[i] = blocks8_avx2(d);
+      }
+      for (int h = 0; h < 2; ++h) isum[h] = _mm256_set_m128i(blocks[2 * h + 1], blocks[2 * h]);
+    }
+    const __m128 d4 = _mm_loadu_ps(q.x->d_row(q.r0 + r) + c * kBlocksPerChunk);
+    const __m128 xsd4 = _mm_loadu_ps(q.x->xsd_row(q.r0 + r) + c * kBlocksPerChunk);
+    const __m256 d = _mm256_set_m128(d4, d4), xsd = _mm256_set_m128(xsd4, xsd4);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 p = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[h]));
+      y[r][h] = _mm256_fmadd_ps(s[h], p, y[r][h]);
+      y[r][h] = _mm256_fmadd_ps(b[h], xsd, y[r][h]);
+    }
+  }
+}
+
+template <int kRows, int kBlocksPerGroup, int kBits>
+GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
+  __m256 y[kRows][2];
+  for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  const int64_t num_whole = q.num_blocks / kBlocksPerChunk;
+  for (int64_t c = 0; c < num_whole; ++c) {
+    __m256 s[2], b[2];
+    for (int h = 0; h < 2; ++h) {
+      s[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.scales[2 * h + 1], c), group4<kBlocksPerGroup>(q.scales[2 * h], c));
+      b[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.biases[2 * h + 1], c), group4<kBlocksPerGroup>(q.biases[2 * h], c));
+    }
+    chunk_avx2<kRows, false, kBits>(q, c, kBlocksPerChunk, s, b, y);
+  }
+  if constexpr (kBlocksPerGroup < kBlocksPerChunk) {
+    if (num_whole < q.num_chunks) {
+      const int num_valid = static_cast<int>(q.num_blocks - num_whole * kBlocksPerChunk);
+      __m256 s[2], b[2];
+      for (int h = 0; h < 2; ++h) {
+        s[h] = _mm256_set_m128(tail_group4<kBlocksPerGroup>(q.scales[2 * h + 1], num_whole, num_valid),
+                               tail_group4<kBlocksPerGroup>(q.scales[2 * h], num_whole, num_valid));
+        b[h] = _mm256_set_m128(tail_group4<kBlocksPerGroup>(q.biases[2 * h + 1], num_whole, num_valid),
+                               tail_group4<kBlocksPerGroup>(q.biases[2 * h], num_whole, num_valid));
+      }
+      chunk_avx2<kRows, true, kBits>(q, num_whole, num_valid, s, b, y);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(q.lanes + r * 16, y[r][0]);
+    _mm256_storeu_ps(q.lanes + r * 16 + 8, y[r][1]);
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI
+
+// Chunk c for kRows rows; a tail chunk loads only its num_valid blocks' 16 bytes each.
+// The first num_bytes bytes of a 64-byte load (0-64).
+inline __mmask64 first_bytes(int num_bytes) { return num_bytes >= 64 ? ~0ull : (1ull << num_bytes) - 1; }
+
+template <int kRows, bool kTail, int kBits>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void chunk_avx512(const QuadArgs& q, int64_t c, int num_valid,
+                                                                        __m512 s, __m512 b, __m512* y) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // The transpose-add below leaves block k of output i at 4k + i; lanes want 4i + k.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  // 4 bits: low and high nibbles, 128-bit lane k = block k. 8 bits: blocks 0-1, then 2-3 (two lanes each).
+  __m512i lo[kQuadOutputs], hi[kQuadOutputs];
+  for (int i = 0; i < kQuadOutputs; ++i) {
+    const uint8_t* w = q.w[i] + c * kChunkWeightBytes<kBits>;
+    if constexpr (kBits == 4) {
+      const __m512i v = kTail ? _mm512_maskz_loadu_epi8(first_bytes(16 * num_valid), w) : _mm512_loadu_si512(w);
+      lo[i] = _mm512_and_si512(v, nibble);
+      hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    } else {
+      lo[i] = kTail ? _mm512_maskz_loadu_epi8(first_bytes(32 * num_valid), w) : _mm512_loadu_si512(w);
+      hi[i] = kTail ? _mm512_maskz_loadu_epi8(first_bytes(std::max(0, 32 * num_valid - 64)), w + 64)
+                    : _mm512_loadu_si512(w + 64);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const int8_t* xq = q.x->q_row(q.r0 + r) + c * kInt8ChunkInputs;
+    const __m512i x_lo = _mm512_loadu_si512(xq), x_hi = _mm512_loadu_si512(xq + 64);
+    __m512i acc[kQuadOutputs];  // 128-bit lane k: four partials of block k
+    for (int i = 0; i < kQuadOutputs; ++i) {
+      if constexpr (kBits == 4) {
+        acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo), hi[i], x_hi);
+      } else {  // whole bytes (u8 x s8: four products per dword stay far below 2^31)
+        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo);  // lanes j0, j0, j1, j1
+        const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[i], x_hi);  // lanes j2, j2, j3, j3
+        acc[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a, h, 0x88), _mm512_shuffle_i64x2(a, h, 0xDD));
+      }
+    }
+    // Sum each 128-bit lane's four partials, four outputs at once (exact integer adds).
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]), _mm512_unpackhi_epi32(acc[0], acc[1]));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]), _mm512_unpackhi_epi32(acc[2], acc[3]));
+    const __m512i isum = _mm512_permutexvar_epi32(
+        order, _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23)));
+    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(q.x->d_row(q.r0 + r) + c * kBlocksPerChunk));
+    const __m512 xsd = _mm512_broadcast_f32x4(_mm_loadu_ps(q.x->xsd_row(q.r0 + r) + c * kBlocksPerChunk));
+    const __m512 p = _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum));
+    y[r] = _mm512_fmadd_ps(s, p, y[r]);
+    y[r] = _mm512_fmadd_ps(b, xsd, y[r]);
+  }
+}
+
+template <int kBlocksPerGroup>
+GMLX_AVX512_VNNI inline __m512 group16(const GroupRow* rows, int64_t c) {
+  __m512 v = _mm512_castps128_ps512(group4<kBlocksPerGroup>(rows[0], c));
+  v = _mm512_insertf32x4(v, group4<kBlocksPerGroup>(rows[1], c), 1);
+  v = _mm512_insertf32x4(v, group4<kBlocksPerGroup>(rows[2], c), 2);
+  return _mm512_insertf32x4(v, group4<kBlocksPerGroup>(rows[3], c), 3);
+}
+
+template <int kRows, int kBlocksPerGroup, int kBits>
+GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
+  __m512 y[kRows];
+  for (int r = 0; r < kRows; ++r) y[r] = _mm512_setzero_ps();
+  const int64_t num_whole = q.num_blocks / kBlocksPerChunk;
+  for (int64_t c = 0; c < num_whole; ++c) {
+    chunk_avx512<kRows, false, kBits>(q, c, kBlocksPerChunk, group16<kBlocksPerGroup>(q.scales, c),
+                               group16<kBlocksPerGroup>(q.biases, c), y);
+  }
+  if constexpr (kBlocksPerGroup < kBlocksPerChunk) {
+    if (num_whole < q.num_chunks) {
+      const int num_valid = static_cast<int>(q.num_blocks - num_whole * kBlocksPerChunk);
+      __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+      for (int i = 0; i < kQuadOutputs; ++i) {
+        const __mmask16 lanes = static_cast<__mmask16>(0xF << (4 * i));
+        s = _mm512_mask_broadcast_f32x4(s, lanes, tail_group4<kBlocksPerGroup>(q.scales[i], num_whole, num_valid));
+        b = _mm512_mask_broadcast_f32x4(b, lanes, tail_group4<kBlocksPerGroup>(q.biases[i], num_whole, num_valid));
+      }
+      chunk_avx512<kRows, true, kBits>(q, num_whole, num_valid, s, b, y);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(q.lanes + r * 16, y[r]);
+}
+
+#endif  // GMLX_X86
+
+// Kernel<kRows, kBlocksPerGroup, kBits>::run for a row count of 1-4 and a group size.
+template <template <int, int, int> class Kernel, int kBits, int kRows>
+void run_group(const QuadArgs& q) {
+  switch (q.blocks_per_group) {
+    case 1: return Kernel<kRows, 1, kBits>::run(q);
+    case 2: return Kernel<kRows, 2, kBits>::run(q);
+    default: return Kernel<kRows, 4, kBits>::run(q);
+  }
+}
+
+template <template <int, int, int> class Kernel, int kBits>
+void run_rows(const QuadArgs& q, int num_rows) {
+  switch (num_rows) {
+    case 1: return run_group<Kernel, kBits, 1>(q);
+    case 2: return run_group<Kernel, kBits, 2>(q);
+    case 3: return run_group<Kernel, kBits, 3>(q);
+    default: return run_group<Kernel, kBits, 4>(q);
+  }
+}
+
+#if GMLX_X86
+template <int kRows, int kBlocksPerGroup, int kBits>
+struct Avx2Quad {
+  static void run(const QuadArgs& q) { quad_avx2<kRows, kBlocksPerGroup, kBits>(q); }
+};
+template <int kRows, int kBlocksPerGroup, int kBits>
+struct Avx512Quad {
+  static void run(const QuadArgs& q) { quad_avx512<kRows, kBlocksPerGroup, kBits>(q); }
+};
+#endif
+
+bool has_f16c() {
+#if GMLX_X86
+  static const bool is_supported = __builtin_cpu_supports("f16c");
+  return is_supported;
+#else
+  return false;
+#endif
+}
+
+// One quad's rows [q.r0, q.r0 + num_rows) on an ISA, at kBits.
+template <int kBits>
+void run_quad(const QuadArgs& q, int num_rows, Isa isa) {
+#if GMLX_X86
+  if (isa == Isa::kAvx512 && has_avx512_vnni()) return run_rows<Avx512Quad, kBits>(q, num_rows);
+  // AVX-512 without VNNI too: the same integers.
+  if (isa != Isa::kPortable && has_f16c()) return run_rows<Avx2Quad, kBits>(q, num_rows);
+#endif
+  (void)isa;
+  quad_portable<kBits>(q, num_rows);
+}
+
+}  // namespace
+
+bool has_avx512_vnni() {
+#if GMLX_X86
+  static const bool is_supported = is_isa_supported(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
+  return is_supported;
+#else
+  return false;
+#endif
+}
+
+void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_inputs) {
+  rows.num_rows = num_rows;
+  rows.padded_inputs = (num_inputs + kInt8ChunkInputs - 1) / kInt8ChunkInputs * kInt8ChunkInputs;
+  rows.q.resize(num_rows * rows.padded_inputs);
+  rows.d.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
+  rows.xsd.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
+}
+
+void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, int bits, QuantizedRows& rows) {
+  const int64_t num_blocks = num_inputs / kInt8BlockInputs;
+  const int64_t padded_blocks = rows.padded_inputs / kInt8BlockInputs;
+  for (int64_t r = begin; r < end; ++r) {
+    const float* xr = x + r * num_inputs;
+    int8_t* q = rows.q.data() + r * rows.padded_inputs;
+    float* d = rows.d.data() + r * padded_blocks;
+    float* xsd = rows.xsd.data() + r * padded_blocks;
+    std::memset(q, 0, rows.padded_inputs);
+    std::fill(d, d + padded_blocks, 0.0f);
+    std::fill(xsd, xsd + padded_blocks, 0.0f);
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const float* xb = xr + j * kInt8BlockInputs;
+      float amax = 0.0f;
+      for (int t = 0; t < kInt8BlockInputs; ++t) amax = std::max(amax, std::fabs(xb[t]));
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;  // 4 bits
+      int8_t* block = q + j * kInt8BlockInputs;  // 8 bits
+      int32_t sum = 0;
+      for (int t = 0; t < kInt8BlockInputs; ++t) {
+        // Round half to even without a libm call: adding and removing 1.5 * 2^23 leaves the
+        // nearest integer of any |v| <= 127 (v clamped first; NaN becomes 0).
+        float v = xb[t] * inverse;
+        v = v == v ? std::min(std::max(v, -127.0f), 127.0f) : 0.0f;
+        const int32_t rounded = static_cast<int32_t>((v + kRoundingMagic) - kRoundingMagic);
+        (bits == 4 ? even[t % 2 * 64 + t / 2] : block[t]) = static_cast<int8_t>(rounded);
+        sum += rounded;
+      }
+      d[j] = amax / 127.0f;
+      xsd[j] = d[j] * static_cast<float>(sum);
+    }
+  }
+}
+
+void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa) {
+  const int64_t num_groups = a.num_inputs / a.group_size;
+  const int64_t row_bytes = a.num_inputs * a.bits / 8;
+  float lanes[kMaxRows * 16];
+  QuadArgs q{};
+  q.num_blocks = a.num_inputs / kInt8BlockInputs;
+  q.num_chunks = rows.padded_inputs / kInt8ChunkInputs;
+  q.blocks_per_group = a.group_size / static_cast<int>(kInt8BlockInputs);
+  q.x = &rows;
+  q.lanes = lanes;
+  for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
+    const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
+    for (int i = 0; i < kQuadOutputs; ++i) {
+      const int64_t n = n0 + std::min(i, num_valid - 1);  // past the end: the last output again, dropped
+      q.w[i] = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
+      if (a.scales_f16 != nullptr) {
+        q.scales[i].f16 = a.scales_f16 + n * num_groups;
+        q.biases[i].f16 = a.biases_f16 + n * num_groups;
+      } else {
+        q.scales[i].f32 = a.scales + n * num_groups;
+        q.biases[i].f32 = a.biases + n * num_groups;
+      }
+    }
+    for (q.r0 = 0; q.r0 < a.num_rows; q.r0 += kMaxRows) {
+      const int num_rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.num_rows - q.r0));
+      if (a.bits == 4) {
+        run_quad<4>(q, num_rows, isa);
+      } else {
+        run_quad<8>(q, num_rows, isa);
+      }
+      for (int r = 0; r < num_rows; ++r) {
+        const float* l = lanes + r * 16;
+        for (int i = 0; i < num_valid; ++i) {
+          a.y[(q.r0 + r) * a.num_outputs + n0 + i] = (l[4 * i] + l[4 * i + 1]) + (l[4 * i + 2] + l[4 * i + 3]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace gmlx_kernels

@@ -1,0 +1,51 @@
+// 4- and 8-bit affine weights against int8-quantized activations (GMLX_CPU_QUANT_ACTIVATIONS=int8).
+//
+// Each row of x is quantized once per call, per block of 32 inputs: d = amax / 127,
+// q = round-half-even(x * (127 / amax)) (0 when amax is 0), and xsd = d * sum(q). A weight
+// w = s * qw + b then contributes, per block j of group g:
+//   p = d_j * float(sum_i qw_i * q_i)        the integer dot is exact in any order
+//   lane[j % 4] = fma(s_g, p, lane[j % 4]);  lane[j % 4] = fma(b_g, xsd_j, lane[j % 4])
+// and the output is (lane0 + lane1) + (lane2 + lane3). Blocks past K (K padded to a
+// multiple of 128) run the same two fmas with zeros. Every ISA computes exactly these
+// float operations per output, so a row's bits never depend on the ISA, the row count
+// or the thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qmm_kernels.h"
+
+namespace gmlx_kernels {
+
+constexpr int64_t kInt8BlockInputs = 32;
+constexpr int64_t kInt8ChunkInputs = 128;  // four blocks: one zmm of packed 4-bit weights
+
+// x quantized per row. Per row, q holds padded_inputs bytes: for 4-bit weights, for each
+// 128-input chunk the 64 even-position values of its four blocks (16 each), then the 64 odd
+// ones, to match a byte's low (even) and high (odd) nibble; for 8-bit weights x's own order.
+// d and xsd hold one float per block.
+struct QuantizedRows {
+  int64_t num_rows = 0;
+  int64_t padded_inputs = 0;
+  std::vector<int8_t> q;  // (num_rows, padded_inputs)
+  std::vector<float> d;  // (num_rows, padded_inputs / 32)
+  std::vector<float> xsd;  // (num_rows, padded_inputs / 32)
+  const int8_t* q_row(int64_t r) const { return q.data() + r * padded_inputs; }
+  const float* d_row(int64_t r) const { return d.data() + r * (padded_inputs / kInt8BlockInputs); }
+  const float* xsd_row(int64_t r) const { return xsd.data() + r * (padded_inputs / kInt8BlockInputs); }
+};
+
+// Sizes `rows` for x (num_rows, num_inputs).
+void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_inputs);
+// Quantizes rows [begin, end) of x (row-major, num_inputs wide) into `rows`, laid out for
+// weights of `bits` (4 or 8).
+void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, int bits, QuantizedRows& rows);
+
+// Outputs [begin, end) of every row, for 4- or 8-bit weights (args.x unused). An 8-bit
+// weight's byte is split into nibbles on AVX2 (maddubs's int16 pairs) and taken whole by VNNI.
+void int8_dot_outputs(const QmmArgs& args, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa);
+
+bool has_avx512_vnni();
+
+}  // namespace gmlx_kernels
