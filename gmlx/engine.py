@@ -64,7 +64,7 @@ class Engine:
     def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, cost_table: CostTable | None = None):
         config.validate_settings()
         if tune_malloc():  # joins and growing batches then reuse warm pages
-            warm_heap(2 * target.kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens))
+            warm_heap(4 * target.kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens))
         self.target = target
         self.drafter = drafter
         self.config = engine_config
@@ -89,6 +89,7 @@ class Engine:
         self._num_packed = 0  # prompt tokens in the forward this step's round dispatched
         self._num_packed_rounds_in_a_row = 0
         self._is_joined_this_step = False
+        self._is_landed_this_step = False
         is_packed = engine_config.is_prefill_packed
         self.is_prefill_packed = target.is_packable and (
             target.num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_packed is None else is_packed)
@@ -164,9 +165,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
         self._is_joined_this_step = False
-        self._land()
+        self._is_landed_this_step = self._land()
         if self.batch is not None and not self.batch.has_boundary:
-            if self._ready:
+            if self._ready and not self._is_landed_this_step:
                 self._preempt()  # prefilled beside the lone stream last step: it joins now
             elif (self.queue and config.is_preempt_enabled() and not self._can_pack_prefill()
                   and not self._is_packing_paused()):
@@ -204,10 +205,10 @@ class Engine:
     # --- admission and transitions ------------------------------------------------------
 
     def _admit(self) -> None:
-        if self._ready:  # prefilled last step: this step joins them and prefills nothing
+        if self._ready and not self._is_landed_this_step:  # prefilled: this step joins them, prefills nothing
             joining, self._ready = self._ready, []
             self._is_joined_this_step = True
-        elif self._can_pack_prefill() or self._is_packing_paused():
+        elif self._can_pack_prefill() or self._is_packing_paused() or self._is_landed_this_step:
             return  # this step's forward carries the next prompt chunk (or, paused, none)
         else:
             joining = self._drain()
@@ -279,8 +280,9 @@ class Engine:
     def _num_free_rows(self) -> int:
         return self.config.max_num_rows - (0 if self.batch is None else self.batch.num_rows) - len(self._ready)
 
-    def _land(self) -> None:
-        """Prompts finished inside last step's forward: first tokens out; they join at the next admission."""
+    def _land(self) -> bool:
+        """Prompts finished inside last step's forward: first tokens out; they join next step
+        (reading the forward and merging a long row's KV would each take about a round)."""
         landing, self._landing = self._landing, []
         for chunk in landing:
             if chunk.request.status.is_finished:  # aborted meanwhile
@@ -288,6 +290,7 @@ class Engine:
             item = self.queue.land(chunk)
             if self._start_decoding(item):
                 self._ready.append(item)
+        return bool(landing)
 
     def _plain_round(self, dispatch_next: bool) -> list[list[int]]:
         """A plain round; when allowed, its dispatched forward also runs the first waiter's next chunk."""

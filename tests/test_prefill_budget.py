@@ -64,7 +64,8 @@ def test_serve_refuses_a_malformed_budget():
 def test_a_prompt_prefilled_beside_running_rows_joins_one_step_later(builtin_target, reference, code_prompts,
                                                                      is_packed):
     # A step pays either a prefill chunk or the cache merge on top of its round, never both.
-    # Packed, the chunk rides the round's forward and its first token is read the step after.
+    # Packed, the chunk rides the round's forward; its first token is read the step after, and
+    # it joins the step after that.
     engine = Engine(builtin_target, None, EngineConfig(is_prefill_packed=is_packed))
     params = {"A": SamplingParams(max_tokens=40), "B": SamplingParams(max_tokens=20, temperature=0.7, seed=5)}
     prompts = {"A": code_prompts[0], "B": code_prompts[1]}
@@ -78,7 +79,7 @@ def test_a_prompt_prefilled_beside_running_rows_joins_one_step_later(builtin_tar
         for output in engine.step():
             got[output.request_id].extend(output.new_token_ids)
         assert not got["B"] and engine.counters["num_packed_chunks"] == 1
-    for expected_width in (1, 2) if not is_packed else (2,):
+    for expected_width in (1, 2):
         for output in engine.step():
             got[output.request_id].extend(output.new_token_ids)
         assert got["B"], "the first token goes out in the step that read the prefill's last forward"
