@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import json
+from dataclasses import dataclass
 import logging
 import random
 import time
@@ -51,6 +52,10 @@ PACKING_MIN_WEIGHT_BYTES = 64 << 20
 # A packed chunk's cost is its round's time beyond a plain round's: one round in this many
 # carries no chunk, so that yardstick follows the machine's load during a long prefill.
 PACKED_ROUNDS_PER_PLAIN = 8
+# A joining row with this much KV is staged over JOIN_STAGES steps (merging a 1,500-token
+# SmolLM2 row at once, 69 MB of KV into 165 MB of buffers, took ~2.5 rounds on the 2-core box).
+STAGED_JOIN_MIN_BYTES = 16 << 20
+JOIN_STAGES = 3
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
@@ -90,6 +95,7 @@ class Engine:
         self._num_packed_rounds_in_a_row = 0
         self._is_joined_this_step = False
         self._is_landed_this_step = False
+        self._staging: _StagedJoin | None = None
         is_packed = engine_config.is_prefill_packed
         self.is_prefill_packed = target.is_packable and (
             target.num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_packed is None else is_packed)
@@ -150,6 +156,7 @@ class Engine:
         ready = [p for p in self._ready if p.request.request_id == request_id]
         if ready:
             self._ready.remove(ready[0])
+            self._staging = None
         elif self.queue.remove(request_id) is None and self.batch is not None:
             rows = [i for i, r in enumerate(self.batch.requests) if r.request_id != request_id]
             self._keep_rows(rows)
@@ -205,9 +212,13 @@ class Engine:
     # --- admission and transitions ------------------------------------------------------
 
     def _admit(self) -> None:
+        staged = None
         if self._ready and not self._is_landed_this_step:  # prefilled: this step joins them, prefills nothing
-            joining, self._ready = self._ready, []
             self._is_joined_this_step = True
+            if self._stage_join():
+                return  # a long row's KV is copied into the joined buffers a few layers a step
+            staged = self._take_staged()
+            joining, self._ready = self._ready, []
         elif self._can_pack_prefill() or self._is_packing_paused() or self._is_landed_this_step:
             return  # this step's forward carries the next prompt chunk (or, paused, none)
         else:
@@ -217,7 +228,7 @@ class Engine:
                 return
         if not joining:
             return
-        merged = concat_layer_caches([p.caches for p in joining])
+        merged = staged or concat_layer_caches([p.caches for p in joining])
         pending = mx.array([p.first_token for p in joining], dtype=mx.int32)
         requests = [p.request for p in joining]
         if self.batch is None:
@@ -233,7 +244,7 @@ class Engine:
                 self.drafter.reset()
         else:
             first = self.batch.num_rows
-            self.batch.append_rows(requests, merged, pending)
+            self.batch.append_rows(requests, merged, pending, is_staged=staged is not None)
         self._event("admit", num_new=len(requests))
         if self.drafter is not None and not admission.is_within_cap(self._width_cap(), self.batch.num_draft_rows):
             self._gate()
@@ -244,6 +255,35 @@ class Engine:
             if new_rows:
                 hidden = mx.stack([joining[draft_rows[j] - first].hidden for j in new_rows])
                 self.drafter.add_rows(self.batch.draft_view, new_rows, hidden if self.drafter.needs_hidden else None)
+
+    def _stage_join(self) -> bool:
+        """True while the one prompt ready to join has KV left to stage: its row is copied into
+        buffers with room for the batch's rows first, JOIN_STAGES steps for all layers, so no
+        single step pays the whole merge (the batch's own short rows move at the join)."""
+        item = self._ready[0]
+        num_bytes = sum(c.nbytes for c in item.caches)
+        if self.batch is None or len(self._ready) != 1 or num_bytes < STAGED_JOIN_MIN_BYTES:
+            self._staging = None
+            return False
+        width = max(item.caches[0].keys.shape[2], self.batch.caches[0].keys.shape[2])
+        staging = self._staging
+        if staging is None or staging.item is not item or staging.num_rows != self.batch.num_rows:
+            staging = self._staging = _StagedJoin(item, self.batch.num_rows, width, [None] * len(item.caches))
+        todo = [i for i, c in enumerate(staging.caches) if c is None]
+        if not todo:
+            return False
+        for i in todo[: -(-len(staging.caches) // JOIN_STAGES)]:
+            staging.caches[i] = item.caches[i].with_leading_rows(staging.num_rows, staging.width)
+            mx.eval(staging.caches[i].keys, staging.caches[i].values)
+        return True
+
+    def _take_staged(self) -> list | None:
+        """The staged buffers when they still fit the batch (else the join merges as usual)."""
+        staging, self._staging = self._staging, None
+        if staging is None or staging.num_rows != self.batch.num_rows:
+            return None
+        fits = all(c.can_fill_leading_rows(own) for c, own in zip(staging.caches, self.batch.caches, strict=True))
+        return staging.caches if fits else None
 
     def _drain(self) -> list[admission.Prefilled]:
         """One drain of the injection queue; the prompts it completed, first token delivered."""
@@ -545,6 +585,14 @@ def check_model_config(folder) -> None:
         raise ValueError(f"model {folder}: sliding-window attention is not supported "
                          f"({num_sliding} of {len(layer_types)} layers, "
                          f"window {cfg.get('sliding_window')}); use a model with full attention in every layer")
+
+
+@dataclass
+class _StagedJoin:
+    item: admission.Prefilled
+    num_rows: int  # the batch's rows the staged buffers leave room for
+    width: int
+    caches: list  # per layer: RaggedKVCache.with_leading_rows, or None until staged
 
 
 def _segments(chunks: list[admission.PackedChunk]) -> tuple[Segment, ...]:

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from gmlx.cache.ragged import concat_layer_caches, make_ragged_cache
+from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches, make_ragged_cache
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx import engine as engine_module
@@ -164,3 +164,35 @@ def test_packing_is_chosen_by_the_weights_one_forward_reads(builtin_target):
     while engine.has_unfinished():
         engine.step()
     assert engine.counters["num_packed_chunks"] == 0 and engine.stats()["is_prefill_packed"] is False
+
+
+@pytest.mark.parametrize("drafter_kind", ["none", "mtp"])
+def test_long_joiners_are_staged_over_steps_and_every_stream_stays_exact(builtin_target, reference, code_prompts,
+                                                                         monkeypatch, drafter_kind):
+    # Every join staged (the threshold is for long rows on real models): streams equal solo decoding.
+    monkeypatch.setattr(engine_module, "STAGED_JOIN_MIN_BYTES", 0)
+    num_filled = []
+    fill = RaggedKVCache.fill_leading_rows
+    monkeypatch.setattr(RaggedKVCache, "fill_leading_rows", lambda self, source: (num_filled.append(1),
+                                                                                   fill(self, source))[1])
+    engine = Engine(builtin_target, make_drafter(drafter_kind, builtin_target),
+                    EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
+    for seed in range(10):
+        check_schedule(engine, reference, make_schedule(200 + seed, builtin_target.vocab_size, code_prompts))
+    assert num_filled, "no join was staged"
+
+
+def test_a_staged_join_spreads_over_join_stages_steps(builtin_target, code_prompts, monkeypatch):
+    monkeypatch.setattr(engine_module, "STAGED_JOIN_MIN_BYTES", 0)
+    engine = Engine(builtin_target, None, EngineConfig(is_prefill_packed=True))
+    engine.add_request(code_prompts[0], SamplingParams(max_tokens=60), request_id="A")
+    engine.step()
+    engine.add_request(code_prompts[1], SamplingParams(max_tokens=20), request_id="B")
+    num_layers = builtin_target.num_layers
+    layers_per_step = -(-num_layers // engine_module.JOIN_STAGES)
+    num_staging_steps = -(-num_layers // layers_per_step)
+    widths = []
+    for _ in range(2 + num_staging_steps + 1):  # chunk, landing, staging steps, join
+        engine.step()
+        widths.append(engine.batch.num_rows)
+    assert widths == [1] * (2 + num_staging_steps) + [2], widths

@@ -54,3 +54,34 @@ def test_uniform_rows_use_the_cheap_masks():
     mask = cache.make_mask(2)
     assert mask.shape == (3, 1, 2, 5)
     assert mask[1, 0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_staged_join_holds_what_a_merge_holds(seed):
+    # with_leading_rows copies the joiner ahead; fill_leading_rows later writes only the batch's rows.
+    rng = random.Random(seed)
+
+    def filled(num_rows: int) -> RaggedKVCache:
+        cache = RaggedKVCache(num_rows)
+        for _ in range(rng.randint(1, 3)):
+            num_new = rng.randint(1, 300)
+            keys, values = (mx.random.normal((num_rows, 2, num_new, 8), key=mx.random.key(rng.randrange(1 << 30)))
+                            for _ in range(2))
+            cache.update_and_fetch(keys, values)
+            cache.trim_rows([rng.randint(0, min(3, n)) for n in cache.lengths])
+        return cache
+
+    batch, joiner = filled(rng.randint(1, 3)), filled(1)
+    width = max(batch.keys.shape[2], joiner.keys.shape[2]) + rng.choice((0, 256))
+    staged = joiner.with_leading_rows(batch.num_rows, width)
+    assert staged.can_fill_leading_rows(batch)
+    staged.fill_leading_rows(batch)
+    merged = concat_layer_caches([[batch], [joiner]])[0]
+    assert staged.lengths == merged.lengths
+    for row, length in enumerate(merged.lengths):
+        for name in ("keys", "values"):
+            assert mx.array_equal(getattr(staged, name)[row, :, :length], getattr(merged, name)[row, :, :length]).item()
+    # A batch grown past the staged width cannot be filled in: the engine merges as usual then.
+    wider = filled(batch.num_rows)
+    wider.update_and_fetch(*(mx.zeros((batch.num_rows, 2, width + 1, 8)) for _ in range(2)))
+    assert not joiner.with_leading_rows(batch.num_rows, width).can_fill_leading_rows(wider)

@@ -122,6 +122,32 @@ class RaggedKVCache:
         merged.values = mx.concatenate([_pad_to(c, "values", width, proto) for c in caches], axis=0)
         return merged
 
+    def with_leading_rows(self, num_rows: int, width: int) -> RaggedKVCache:
+        """This cache's rows after `num_rows` empty ones, buffers `width` positions wide: a join
+        staged ahead, whose leading rows fill_leading_rows writes when it happens."""
+        assert self.keys is not None and width >= self.keys.shape[2]
+        staged = RaggedKVCache(0)
+        staged.lengths = [0] * num_rows + self.lengths
+        for name in ("keys", "values"):
+            own = _pad_to(self, name, width, self)
+            setattr(staged, name, mx.concatenate([mx.zeros((num_rows, *own.shape[1:]), own.dtype), own], axis=0))
+        return staged
+
+    def can_fill_leading_rows(self, source: RaggedKVCache) -> bool:
+        num_rows = source.num_rows
+        return (self.lengths[:num_rows] == [0] * num_rows and source.keys is not None
+                and source.keys.shape[2] <= self.keys.shape[2])
+
+    def fill_leading_rows(self, source: RaggedKVCache) -> None:
+        """Write source's rows into the first rows left empty by with_leading_rows; only the
+        source's bytes move (the staged buffers are updated in place)."""
+        assert self.can_fill_leading_rows(source)
+        num_rows, width = source.num_rows, source.keys.shape[2]
+        self.keys[:num_rows, :, :width, :] = source.keys
+        self.values[:num_rows, :, :width, :] = source.values
+        self.lengths = source.lengths + self.lengths[num_rows:]
+        self._offset = None
+
     def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
         if self.keys is not None and end <= self.keys.shape[2]:
             return

@@ -135,9 +135,16 @@ class DecodeBatch:
         self.pending = self.pending[mx.array(rows, dtype=mx.int32)] if rows else self.pending[:0]
         self._refresh_sampling()
 
-    def append_rows(self, requests: list[Request], caches: list[RaggedKVCache], pending: mx.array) -> None:
-        """Add rows whose pending token is delivered (freshly prefilled requests)."""
-        self.caches = concat_layer_caches([self.caches, caches])
+    def append_rows(self, requests: list[Request], caches: list[RaggedKVCache], pending: mx.array,
+                    is_staged: bool = False) -> None:
+        """Add rows whose pending token is delivered (freshly prefilled requests). is_staged:
+        `caches` already hold the batch's rows' room first (RaggedKVCache.with_leading_rows)."""
+        if is_staged:
+            for staged, own in zip(caches, self.caches, strict=True):
+                staged.fill_leading_rows(own)
+            self.caches = caches
+        else:
+            self.caches = concat_layer_caches([self.caches, caches])
         self.requests = self.requests + requests
         self.is_delivered = self.is_delivered + [True] * len(requests)
         self.pending = mx.concatenate([self.pending, pending])
