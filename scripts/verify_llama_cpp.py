@@ -71,8 +71,9 @@ def llama_cpp_text(binary: Path, model: Path, prompt: str, num_threads: int) -> 
     return text.split(" [end of text]")[0]  # its EOS marker, not model text
 
 
-def gmlx_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0)
+def gmlx_tokens(engine: Engine, prompts: list[list[int]], num_tokens: int = NUM_TOKENS) -> list[list[int]]:
+    """num_tokens greedy tokens per prompt, all prompts decoding in one batch."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0)
     rows = {engine.add_request(prompt, params): i for i, prompt in enumerate(prompts)}
     tokens = [[] for _ in prompts]
     num_finished = 0

@@ -232,16 +232,21 @@ def test_wide_plain_batch_equals_each_row_alone(tiny_quantized_target, code_prom
     x = mx.random.normal((20, 1, module.scales.shape[1] * module.group_size), key=mx.random.key(9))  # (B, T, K)
     together = module(x)
     assert all(mx.array_equal(module(x[i : i + 1]), together[i : i + 1]).item() for i in range(20))
-    engine = Engine(tiny_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
-    reference = SoloReference(tiny_quantized_target)
+    check_rows_decode_as_alone(tiny_quantized_target, code_prompts[:20])
+
+
+def check_rows_decode_as_alone(target, prompts) -> None:
+    """Every prompt decoding in one batch gets the tokens it gets alone."""
+    engine = Engine(target, None, EngineConfig(prompt_cache_bytes=0))
+    reference = SoloReference(target)
     params = SamplingParams(max_tokens=12)
-    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(code_prompts[:20])}
+    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(prompts)}
     got = {i: [] for i in ids.values()}
     while engine.has_unfinished():
         for output in engine.step():
             got[ids[output.request_id]].extend(output.new_token_ids)
     for i, tokens in got.items():
-        assert tokens == reference.tokens(code_prompts[i], params)[0], i
+        assert tokens == reference.tokens(prompts[i], params)[0], i
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
@@ -417,16 +422,7 @@ def test_int8_model_decodes_close_to_float(int8_quantized_target, float_kernels_
 
 
 def test_int8_wide_plain_batch_equals_each_row_alone(int8_quantized_target, code_prompts):
-    engine = Engine(int8_quantized_target, None, EngineConfig(prompt_cache_bytes=0))
-    reference = SoloReference(int8_quantized_target)
-    params = SamplingParams(max_tokens=12)
-    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(code_prompts[:20])}
-    got = {i: [] for i in ids.values()}
-    while engine.has_unfinished():
-        for output in engine.step():
-            got[ids[output.request_id]].extend(output.new_token_ids)
-    for i, tokens in got.items():
-        assert tokens == reference.tokens(code_prompts[i], params)[0], i
+    check_rows_decode_as_alone(int8_quantized_target, code_prompts[:20])
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])

@@ -11,7 +11,7 @@ from gmlx.config import EngineConfig, env_overrides
 from gmlx.engine import Engine
 from gmlx.generate import render_chat
 from gmlx.models.source import smollm2_path
-from gmlx.request import SamplingParams
+from verify_llama_cpp import gmlx_tokens
 
 try:
     SMOLLM2 = smollm2_path()
@@ -43,15 +43,7 @@ def engine():
 
 def greedy_batch(engine, prompts: list[list[int]]) -> list[list[int]]:
     """NUM_GREEDY_TOKENS greedy tokens per prompt, all prompts in one batch."""
-    params = SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0.0)
-    ids = {engine.add_request(prompt, params): i for i, prompt in enumerate(prompts)}
-    got = [[] for _ in prompts]
-    num_finished = 0
-    while num_finished < len(ids):
-        for output in engine.step():
-            got[ids[output.request_id]] += output.new_token_ids
-            num_finished += output.finish_reason is not None
-    return got
+    return gmlx_tokens(engine, prompts, NUM_GREEDY_TOKENS)
 
 
 @pytest.fixture(scope="module")
