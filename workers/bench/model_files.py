@@ -5,7 +5,7 @@ A `--model` value is the built-in folder, an mlx-lm folder, a .gguf file or the 
 needs an mlx-lm folder, so a GGUF is converted once with gmlx's own converter (`gmlx convert`).
 The workload's tokenizer.json comes from that folder too, so every target tokenizes alike.
 mlx_lm.server computes in the dtypes it finds on disk, so it gets a copy in the format gmlx
-computes in on this machine (float32, or quantized weights with float32 scales).
+computes in on this machine (float32, or quantized weights with int8 or float32 activations).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from gmlx import config
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def gmlx_format(model: str | None) -> str:
     """What a gmlx target computes in here (the choice its worker makes at load, from the same settings)."""
     source = model_source(model)
     compute_format = gmlx_compute_format(mlx_lm_folder(model))
-    shown = {FLOAT32: "float32", QUANTIZED: "quantized weights, float32 scales"}
+    shown = {FLOAT32: "float32", QUANTIZED: f"quantized weights, {config.cpu_quant_activations()} activations"}
     return f"{shown[compute_format]}" + (f", from GGUF {source.name}" if is_gguf(source) else "")
 
 
