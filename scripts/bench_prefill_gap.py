@@ -65,6 +65,25 @@ def measure(target, drafter_kind: str, budget_s: float | None, is_packed: bool, 
     return result
 
 
+def measure_alone(target, num_steps: int) -> dict:
+    """The same stream with nobody arriving, num_steps gaps: the box's own jitter, for scale."""
+    engine = Engine(target, None, EngineConfig(max_context_tokens=num_steps + 600))
+    tokens = target.tokenizer.encode(Path(statistics.__file__).read_text())
+    engine.add_request(tokens[:16], SamplingParams(max_tokens=100_000), request_id="running")
+    for _ in range(20):
+        engine.step()
+    stamps, cpu_stamps = [], []
+    for _ in range(num_steps + 1):
+        engine.step()
+        stamps.append(time.perf_counter())
+        cpu_stamps.append(time.process_time())
+    result = {}
+    for prefix, times in (("", stamps), ("cpu_", cpu_stamps)):
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        result[prefix + "median_ms"], result[prefix + "worst_ms"] = statistics.median(gaps) * 1000, max(gaps) * 1000
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
@@ -80,12 +99,18 @@ def main() -> int:
     runs = (("fixed 256-token chunks, own forward", 0, False), ("fixed 256-token chunks, packed", 0, True),
             ("time budget auto, own forward (2x round)", None, False),
             ("time budget auto, packed (0.75x round)", None, True))
+    num_gaps = 0
     for name, budget_s, is_packed in runs:
         r = measure(target, args.drafter, budget_s, is_packed, args.prompt_tokens, args.warmup_steps)
+        num_gaps = max(num_gaps, r["num_gaps_during"])
         print(f"| {name} | {args.prompt_tokens} | {r['median_ms']:.1f} | {r['worst_ms']:.1f} | "
               f"{r['worst_ms'] / r['median_ms']:.2f} ({r['num_gaps_during']} gaps) | "
               f"{r['cpu_median_ms']:.1f} / {r['cpu_worst_ms']:.1f} | {r['cpu_worst_ms'] / r['cpu_median_ms']:.2f} | "
               f"{r['ttft_ms']:.0f} |")
+    r = measure_alone(target, num_gaps)
+    print(f"| nobody arrives (the stream alone, as many gaps) | 0 | {r['median_ms']:.1f} | {r['worst_ms']:.1f} | "
+          f"{r['worst_ms'] / r['median_ms']:.2f} ({num_gaps} gaps) | {r['cpu_median_ms']:.1f} / "
+          f"{r['cpu_worst_ms']:.1f} | {r['cpu_worst_ms'] / r['cpu_median_ms']:.2f} | - |")
     return 0
 
 
