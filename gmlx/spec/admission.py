@@ -193,13 +193,16 @@ class InjectionQueue:
         return done
 
     def _start(self, request: Request) -> list[RaggedKVCache]:
+        # Room for the prompt and the first decode steps: no growth copy while it prefills or just after.
+        min_capacity = request.num_prompt_tokens + 64
         if self.prompt_cache is not None:
             caches, num_cached = self.prompt_cache.fetch(request.prompt_token_ids)
             if caches is not None:
                 request.num_prefilled = request.num_cached_prompt = num_cached
+                for cache in caches:
+                    cache.min_capacity = min_capacity
                 return caches
-        # Room for the prompt and the first decode steps: no growth copy while it prefills or just after.
-        return make_ragged_cache(self.target.num_layers, min_capacity=request.num_prompt_tokens + 64)
+        return make_ragged_cache(self.target.num_layers, min_capacity=min_capacity)
 
     def _finish(self, request: Request, caches, last_hidden: mx.array) -> Prefilled:
         token = self._sample_first(request, last_hidden)
