@@ -304,7 +304,8 @@ class Engine:
 
     def _can_pack_prefill(self) -> bool:
         """Whether this step's round may carry a prompt chunk in its forward: a plain, gated or
-        speculative round (a lone stream only when waiters may preempt it), one chunk in flight."""
+        speculative round (a lone stream only when waiters may preempt it), while no finished
+        prompt's forward is still unread, nothing joins this step, and a row is free."""
         batch = self.batch
         if batch is None or not (self.is_prefill_packed and self.queue):
             return False
