@@ -52,7 +52,7 @@ PACKING_MIN_WEIGHT_BYTES = 64 << 20
 # A packed chunk's cost is its round's time beyond a plain round's: one round in this many
 # carries no chunk, so that yardstick follows the machine's load during a long prefill.
 PACKED_ROUNDS_PER_PLAIN = 8
-PACKED_BUDGET_ROUNDS = 0.75  # the auto prefill budget of a packed chunk, in decode rounds
+PACKED_BUDGET_ROUNDS = 0.5  # the auto prefill budget of a packed chunk, in decode rounds
 # A joining row with this much KV is staged over JOIN_STAGES steps (merging a 1,500-token
 # SmolLM2 row at once, 69 MB of KV into 165 MB of buffers, took ~2.5 rounds on the 2-core box).
 STAGED_JOIN_MIN_BYTES = 16 << 20
@@ -369,9 +369,9 @@ class Engine:
         if budget_s is None:
             if self._round_s is None:
                 return None
-            # A packed chunk adds to one forward: 3/4 of a round keeps the gap under 2x a round
-            # with room for the chunk size overshooting a step (its cost per token grows with the
-            # prefix). A chunk of its own also reads every weight (about a round) on top of it.
+            # A packed chunk adds to one forward: half a round keeps its step near 1.5x a round,
+            # with room for a chunk that overshoots (its cost per token grows with the prefix) and
+            # for the machine's own jitter. A chunk of its own also reads every weight on top.
             return (PACKED_BUDGET_ROUNDS if self.is_prefill_packed else 2.0) * self._round_s
         return budget_s
 

@@ -98,7 +98,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     runs = (("fixed 256-token chunks, own forward", 0, False), ("fixed 256-token chunks, packed", 0, True),
             ("time budget auto, own forward (2x round)", None, False),
-            ("time budget auto, packed (0.75x round)", None, True))
+            ("time budget auto, packed (0.5x round)", None, True))
     num_gaps = 0
     for name, budget_s, is_packed in runs:
         r = measure(target, args.drafter, budget_s, is_packed, args.prompt_tokens, args.warmup_steps)

@@ -80,7 +80,7 @@ def _check_drafter(drafter: str) -> str:
               help="`gmlx keys` folder: clients must authenticate with CURVE (needed off loopback).")
 @click.option("--insecure", is_flag=True, help="Serve a non-loopback address without authentication.")
 @click.option("--prefill-budget-ms", default=None,
-              help="Prefill time per round while rows decode: 'auto' (3/4 of a decode round for chunks packed "
+              help="Prefill time per round while rows decode: 'auto' (half a decode round for chunks packed "
                    "into plain rounds, two for chunks of their own), N ms, or 0 (off, the default: fixed "
                    "256-token chunks). TOML: prefill_budget_ms.")
 @click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096, show_default=True,
