@@ -129,10 +129,7 @@ class InjectionQueue:
         for request in self.waiting:
             if budget <= 0 or len(chunks) >= max_new_rows:
                 break
-            caches = self._caches.get(request.request_id)
-            if caches is None:
-                caches = self._caches[request.request_id] = self._start(request)
-                request.status = RequestStatus.PREFILLING
+            caches = self._prefilling_caches(request)
             start = request.num_prefilled
             num_tokens = min(budget, request.num_prompt_tokens - start)
             chunks.append(PackedChunk(request, caches, start, num_tokens))
@@ -170,10 +167,7 @@ class InjectionQueue:
         budget = self.token_budget(budget_s)
         while self.waiting and budget > 0 and len(done) < max_new_rows:
             request = self.waiting[0]
-            caches = self._caches.get(request.request_id)
-            if caches is None:
-                caches = self._start(request)
-            request.status = RequestStatus.PREFILLING
+            caches = self._prefilling_caches(request)
             remaining = request.num_prompt_tokens - request.num_prefilled
             num_tokens = min(budget, remaining)
             start_s, start = time.perf_counter(), request.num_prefilled
@@ -183,7 +177,6 @@ class InjectionQueue:
             budget -= num_tokens
             if request.num_prefilled < request.num_prompt_tokens:
                 mx.eval([c.keys for c in caches])
-                self._caches[request.request_id] = caches
                 self._measured(num_tokens, start_s)
                 continue
             self.waiting.popleft()
@@ -191,6 +184,14 @@ class InjectionQueue:
             done.append(self._finish(request, caches, hidden[:, -1:, :]))
             self._measured(num_tokens, start_s)
         return done
+
+    def _prefilling_caches(self, request: Request) -> list[RaggedKVCache]:
+        """The request's partial prefill (started on first use, a prompt-cache prefix included)."""
+        caches = self._caches.get(request.request_id)
+        if caches is None:
+            caches = self._caches[request.request_id] = self._start(request)
+        request.status = RequestStatus.PREFILLING
+        return caches
 
     def _start(self, request: Request) -> list[RaggedKVCache]:
         # Room for the prompt and the first decode steps: no growth copy while it prefills or just after.
