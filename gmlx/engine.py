@@ -273,9 +273,10 @@ class Engine:
         todo = [i for i, c in enumerate(staging.caches) if c is None]
         if not todo:
             return False
-        for i in todo[: -(-len(staging.caches) // JOIN_STAGES)]:
+        staged = todo[: -(-len(staging.caches) // JOIN_STAGES)]
+        for i in staged:
             staging.caches[i] = item.caches[i].with_leading_rows(staging.num_rows, staging.width)
-            mx.eval(staging.caches[i].keys, staging.caches[i].values)
+        mx.eval([(staging.caches[i].keys, staging.caches[i].values) for i in staged])  # the copy lands in this step
         return True
 
     def _take_staged(self) -> list | None:
