@@ -24,13 +24,17 @@ requires_kernels = pytest.mark.skipif(
 
 @pytest.fixture
 def ext():
-    """The extension, with its thread count, ISA and panel switch point restored after the test."""
+    """The extension, with its thread count, ISA, panel switch point, pool threshold and
+    prefetch distance restored after the test."""
     ext = cpu_kernels.extension()
     num_threads, isa, panel_min_rows = ext.num_threads(), ext.isa(), ext.panel_min_rows()
+    min_pool_macs, prefetch_chunks = ext.min_pool_macs(), ext.prefetch_chunks()
     yield ext
     ext.set_num_threads(num_threads)
     ext.set_isa(isa)
     ext.set_panel_min_rows(panel_min_rows)
+    ext.set_min_pool_macs(min_pool_macs)
+    ext.set_prefetch_chunks(prefetch_chunks)
 
 
 def supported_isas(ext) -> list[str]:

@@ -368,6 +368,68 @@ def test_int8_activations_read_float16_scales_as_the_same_floats(bits, group_siz
         assert got.dtype == mx.float32 and mx.array_equal(got, expected).item(), isa
 
 
+def half_exact_weights(num_outputs, num_inputs, bits, group_size, seed):
+    """Quantized weights whose scales and biases float16 holds exactly, in float16 (a GGUF's)."""
+    w, scales, biases = make_weights(num_outputs, num_inputs, bits, group_size, seed)
+    return w, scales.astype(mx.float16), biases.astype(mx.float16)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bits=st.sampled_from([4, 8]),
+    group_size=st.sampled_from([32, 64, 128]),
+    num_inputs_in_32s=st.integers(1, 52),  # partial last chunks
+    num_outputs=st.integers(1, 70),  # partial quads and thread chunks
+    num_rows=st.one_of(st.integers(1, 6), st.integers(7, 40)),
+    prefetch_chunks=st.sampled_from([0, 1, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_quad_layout_gives_the_plain_rows_bits(bits, group_size, num_inputs_in_32s, num_outputs, num_rows,
+                                               prefetch_chunks, seed, ext):
+    """The one-stream layout is a reordering: every row, thread count, ISA, pool split and
+    prefetch distance gives the int8 path's bits over the plain rows."""
+    num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
+    w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed)
+    quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
+    assert quads.size == ext.quad_layout_bytes(num_outputs, num_inputs, bits)
+    x = 3.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
+    ext.set_num_threads(1)
+    ext.set_isa("portable")
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
+    ext.set_prefetch_chunks(prefetch_chunks)
+    for num_threads, min_pool_macs in ((1, -1), (2, 0), (2, -1)):
+        ext.set_num_threads(num_threads)
+        ext.set_min_pool_macs(min_pool_macs)
+        for isa in supported_isas(ext):
+            ext.set_isa(isa)
+            got = cpu_kernels.quantized_matmul_quads(x, quads, num_outputs, bits)
+            assert got.shape == (num_rows, num_outputs) and mx.array_equal(got, expected).item(), (num_threads, isa)
+            alone = cpu_kernels.quantized_matmul_quads(x[-1:], quads, num_outputs, bits)
+            assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa)
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 32), (8, 64)])
+def test_quad_layout_lookups_are_the_dequantized_rows(bits, group_size):
+    """A tied head kept only in the layout still embeds: any ids, the plain rows' very floats."""
+    num_outputs, num_inputs = 53, 3 * group_size + (32 if group_size == 32 else 0)
+    w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed=4)
+    quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
+    ids = mx.array([[0, 52, 3], [17, 17, 50]])
+    expected = mx.dequantize(w[ids], scales[ids].astype(mx.float32), biases[ids].astype(mx.float32),
+                             group_size=group_size, bits=bits)
+    got = cpu_kernels.lookup_quads(quads, ids, num_outputs, num_inputs, bits)
+    assert got.dtype == mx.float32 and mx.array_equal(got, expected).item()
+
+
+def test_quad_layout_of_another_shape_is_refused(ext):
+    w, scales, biases = half_exact_weights(12, 128, 4, 32, seed=1)
+    quads = cpu_kernels.pack_quads(w, scales, biases, 32, 4)
+    with pytest.raises(ValueError, match="quads must be the uint8 layout of 13 outputs x 128 inputs"):
+        cpu_kernels.quantized_matmul_quads(mx.ones((1, 128)), quads, 13, 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.quantized_matmul_quads(mx.ones((1, 100)), quads, 12, 4)
+
+
 def test_int8_activations_convert_every_finite_float16_scale_alike_on_every_isa(ext):
     """One output per finite float16 value (subnormals included) as its scale and bias: the
     portable path's bit conversion and F16C's give the same products."""

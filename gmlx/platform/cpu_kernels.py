@@ -28,9 +28,11 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-# Modules the int8 mode swaps in: 4-bit ones. The kernels run 8-bit weights too, but measured
-# 1.0-1.6x at 1-4 rows and 0.5-1.0x at 16-64 (prefill) there (BENCHMARKS.md), so 8-bit stays float.
+# Modules the int8 mode swaps in: 4-bit ones, and the output head at 8 bits too. 8-bit weights
+# measured 1.0-1.6x at 1-4 rows but 0.5-1.0x at 16-64 (prefill, BENCHMARKS.md), so 8-bit layers
+# stay float; the head sees decode rows only (a prompt's last position), 3x faster in int8.
 INT8_ACTIVATIONS_BITS = (4,)
+INT8_ACTIVATIONS_HEAD_BITS = (4, 8)
 # Load-time probe of the int8-activation path: largest |error| against dequantize + float32
 # matmul, relative to the largest |reference|. Measured on random normal x: 0.3-0.7%
 # (quantizing x to 8 bits per 32 inputs); the float path's probe allows 1e-4.
@@ -95,6 +97,68 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, int8_acti
     int8_activations: x quantized to int8 per 32 inputs and integer dots,
     within INT8_ACTIVATIONS_RTOL of the float product rather than bit-close to it."""
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations)
+
+
+_QUAD_OUTPUTS = 4  # outputs interleaved per quad (int8_dot_kernels.h)
+_CHUNK_INPUTS = 128  # inputs per chunk
+_BLOCK_INPUTS = 32  # inputs per int8 block: a scale and bias per block in the layout
+
+
+def pack_quads(w, scales, biases, group_size: int, bits: int):
+    """The int8 path's weights as one stream (quad-interleaved, int8_dot_kernels.h): per four
+    outputs and 128-input chunk, their packed weights, then 16 float16 scales and 16 biases.
+
+    scales and biases must be float16 (exact: the kernels read those very values)."""
+    import mlx.core as mx
+
+    assert scales.dtype == mx.float16 and biases.dtype == mx.float16, (scales.dtype, biases.dtype)
+    num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
+    num_quads = -(-num_outputs // _QUAD_OUTPUTS)
+    num_chunks = -(-num_inputs // _CHUNK_INPUTS)
+    pad_outputs = num_quads * _QUAD_OUTPUTS - num_outputs
+    chunk_bytes = _CHUNK_INPUTS * bits // 8
+    weights = mx.view(w, mx.uint8)  # (N, K * bits / 8), low nibble first, as the kernels read it
+    weights = mx.pad(weights, [(0, pad_outputs), (0, num_chunks * chunk_bytes - weights.shape[1])])
+    weights = weights.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, chunk_bytes).transpose(0, 2, 1, 3)
+
+    def per_block(values):  # (N, K / group) -> (Q, C, 16) float16 viewed as (Q, C, 32) bytes
+        values = mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1)  # one per block
+        blocks_per_chunk = _CHUNK_INPUTS // _BLOCK_INPUTS
+        values = mx.pad(values, [(0, pad_outputs), (0, num_chunks * blocks_per_chunk - values.shape[1])])
+        values = values.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, blocks_per_chunk).transpose(0, 2, 1, 3)
+        return mx.view(values.reshape(num_quads, num_chunks, -1), mx.uint8)
+
+    parts = [weights.reshape(num_quads, num_chunks, -1), per_block(scales), per_block(biases)]
+    quads = mx.concatenate(parts, axis=2).reshape(-1)
+    assert quads.size == extension().quad_layout_bytes(num_outputs, num_inputs, bits), quads.size
+    return mx.contiguous(quads)
+
+
+def lookup_quads(quads, ids, num_outputs: int, num_inputs: int, bits: int):
+    """Rows `ids` of the weights pack_quads laid out, dequantized: an embedding's lookup when its
+    weights live only in that layout (the tied output head). The very floats of the plain rows."""
+    import mlx.core as mx
+
+    num_quads, num_chunks = -(-num_outputs // _QUAD_OUTPUTS), -(-num_inputs // _CHUNK_INPUTS)
+    chunk_bytes = _CHUNK_INPUTS * bits // 8  # one output's weights per chunk
+    blocks_per_chunk = _CHUNK_INPUTS // _BLOCK_INPUTS
+    rows = quads.reshape(num_quads, num_chunks, -1)[ids // _QUAD_OUTPUTS]  # (..., C, chunk bytes)
+    lane = (ids % _QUAD_OUTPUTS)[..., None, None]
+
+    def take(start: int, width: int, dtype):  # the lane's `width` items from byte `start` of each chunk
+        items = mx.view(mx.contiguous(rows[..., start : start + _QUAD_OUTPUTS * width * dtype.size]), dtype)
+        return mx.take_along_axis(items, lane * width + mx.arange(width), axis=-1)
+
+    weights = take(0, chunk_bytes, mx.uint8).reshape(*ids.shape, -1)[..., : num_inputs * bits // 8]
+    halves_start = _QUAD_OUTPUTS * chunk_bytes  # the chunk's 16 scales, then its 16 biases
+    scales, biases = (take(halves_start + 32 * k, blocks_per_chunk, mx.float16).reshape(*ids.shape, -1)
+                      [..., : num_inputs // _BLOCK_INPUTS].astype(mx.float32) for k in (0, 1))
+    return mx.dequantize(mx.view(mx.contiguous(weights), mx.uint32), scales, biases, group_size=_BLOCK_INPUTS, bits=bits)
+
+
+def quantized_matmul_quads(x, quads, num_outputs: int, bits: int):
+    """quantized_matmul(..., int8_activations=True) over pack_quads's layout: the same bits."""
+    return extension().quantized_matmul_quads(x, quads, num_outputs, bits)
 
 
 def rms_norm(x, weight, eps: float):

@@ -22,6 +22,12 @@ NB_MODULE(_cpu_kernels, m) {
         "group_size"_a, "bits"_a, "int8_activations"_a = false,
         "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output "
         "(int8_activations: x quantized to int8 per 32 inputs, integer dots)");
+  m.def("quantized_matmul_quads", &gmlx_kernels::quantized_matmul_quads, "x"_a, "quads"_a, "num_outputs"_a, "bits"_a,
+        "quantized_matmul's int8 path over weights in the quad-interleaved layout (same bits)");
+  m.def("set_prefetch_chunks", &gmlx_kernels::set_prefetch_chunks, "num_chunks"_a,
+        "Chunks ahead the quad-layout kernels prefetch (0: off, < 0: the default; same bits)");
+  m.def("prefetch_chunks", &gmlx_kernels::prefetch_chunks);
+  m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b");
@@ -39,6 +45,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_panel_min_rows", &gmlx_kernels::set_panel_min_rows, "num_rows"_a,
         "Rows from which calls take the many-row kernels (same bits; < 1: the default)");
   m.def("panel_min_rows", &gmlx_kernels::panel_min_rows);
+  m.def("set_min_pool_macs", &gmlx_kernels::set_min_pool_macs, "num_macs"_a,
+        "Products from this many multiply-adds run on the thread pool (same bits; < 0: the default)");
+  m.def("min_pool_macs", &gmlx_kernels::min_pool_macs);
   m.def("read_bandwidth", &gmlx_kernels::read_bandwidth, "num_bytes"_a, "num_passes"_a,
         "GB/s of the best of num_passes threaded sums over a num_bytes buffer");
 }

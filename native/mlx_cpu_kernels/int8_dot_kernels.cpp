@@ -1,6 +1,8 @@
 #include "int8_dot_kernels.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cassert>
 #include <cmath>
 #include <cstring>
 
@@ -15,6 +17,11 @@ constexpr int kBlocksPerChunk = 4;
 template <int kBits>
 constexpr int64_t kChunkWeightBytes = kInt8ChunkInputs * kBits / 8;
 constexpr int kQuadOutputs = 4;  // outputs per kernel call; their lanes fill one zmm
+constexpr int kQuadHalves = 16;
+// The interleaved layout is one stream; the hardware prefetcher alone leaves the kernel
+// waiting on its first loads of each chunk, so it fetches the chunk this many ahead (0: off).
+constexpr int64_t kDefaultPrefetchChunks = 8;  // 1.1-1.2x on SmolLM2 shapes (scripts/bench_kernels.py)
+std::atomic<int64_t> g_prefetch_chunks{kDefaultPrefetchChunks};  // a quad's scales (or biases) per chunk in the interleaved layout
 constexpr int kMaxRows = 4;  // rows per kernel call (weights unpacked once for them)
 constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23
 
@@ -23,6 +30,9 @@ constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23
 struct GroupRow {
   const float* f32 = nullptr;
   const uint16_t* f16 = nullptr;
+  // Elements from one 128-input chunk's values to the next: 4 / blocks per group in a plain
+  // row; a quad-interleaved layout (int8_dot_kernels.h) stores each chunk's beside its weights.
+  int64_t chunk_stride = 0;
 };
 
 // IEEE half to float, exact (subnormals included), for the portable path and scalar reads.
@@ -44,12 +54,15 @@ inline float half_to_float(uint16_t h) {
   return value;
 }
 
-inline float group_value(const GroupRow& row, int64_t g) { return row.f16 ? half_to_float(row.f16[g]) : row.f32[g]; }
+inline float group_value(const GroupRow& row, int64_t i) { return row.f16 ? half_to_float(row.f16[i]) : row.f32[i]; }
 
 // One kernel call: four outputs (copies of the last one past the end) against rows
 // [r0, r0 + kRows); writes each row's 16 lane sums, output i's lane k at 4i + k.
 struct QuadArgs {
   const uint8_t* w[kQuadOutputs];  // each output's packed row
+  int64_t w_chunk_stride;  // bytes from one chunk's weights of an output to the next chunk's
+  int64_t prefetch_bytes;  // the interleaved layout: bytes of one chunk to prefetch ahead (0: none)
+  int64_t prefetch_chunks;  // how many chunks ahead
   GroupRow scales[kQuadOutputs];
   GroupRow biases[kQuadOutputs];
   int64_t num_blocks;  // K / 32
@@ -64,7 +77,7 @@ struct QuadArgs {
 inline void group_values(const GroupRow& row, int64_t c, int64_t num_blocks, int blocks_per_group, float* out4) {
   for (int k = 0; k < kBlocksPerChunk; ++k) {
     const int64_t j = c * kBlocksPerChunk + k;
-    out4[k] = j < num_blocks ? group_value(row, j / blocks_per_group) : 0.0f;
+    out4[k] = j < num_blocks ? group_value(row, c * row.chunk_stride + k / blocks_per_group) : 0.0f;
   }
 }
 
@@ -86,11 +99,11 @@ void quad_portable(const QuadArgs& q, int num_rows) {
           const int64_t j = c * kBlocksPerChunk + k;
           int32_t isum = 0;
           if (j < q.num_blocks && kBits == 4) {
-            const uint8_t* w = q.w[i] + j * 16;
+            const uint8_t* w = q.w[i] + c * q.w_chunk_stride + k * 16;
             const int8_t* x_even = xq + c * kInt8ChunkInputs + 16 * k;
             for (int t = 0; t < 16; ++t) isum += (w[t] & 0xF) * x_even[t] + (w[t] >> 4) * x_even[64 + t];
           } else if (j < q.num_blocks) {
-            const uint8_t* w = q.w[i] + j * 32;
+            const uint8_t* w = q.w[i] + c * q.w_chunk_stride + k * 32;
             for (int t = 0; t < 32; ++t) isum += w[t] * xq[j * 32 + t];
           }
           const float p = d[j] * static_cast<float>(isum);
@@ -106,27 +119,33 @@ void quad_portable(const QuadArgs& q, int num_rows) {
 
 #if GMLX_X86
 
+inline void prefetch_ahead(const QuadArgs& q, int64_t c) {
+  if (q.prefetch_bytes == 0) return;
+  const char* ahead = reinterpret_cast<const char*>(q.w[0]) + (c + q.prefetch_chunks) * q.w_chunk_stride;
+  for (int64_t b = 0; b < q.prefetch_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+}
+
 // Four floats per output, one per block of a whole chunk c.
 template <int kBlocksPerGroup>
 __attribute__((target("f16c"))) inline __m128 group4(const GroupRow& row, int64_t c) {
-  const int64_t j = c * kBlocksPerChunk;
+  const int64_t j = c * row.chunk_stride;  // the chunk's first value: blocks per group 1, 2 or 4 blocks
   if (row.f16 != nullptr) {
     if constexpr (kBlocksPerGroup == 1) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.f16 + j)));
     if constexpr (kBlocksPerGroup == 2) {
       uint32_t two;
-      std::memcpy(&two, row.f16 + j / 2, sizeof(two));
+      std::memcpy(&two, row.f16 + j, sizeof(two));
       const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
       return _mm_unpacklo_ps(v, v);
     }
-    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(row.f16[j / 4]));
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(row.f16[j]));
     return _mm_shuffle_ps(v, v, 0);
   }
   if constexpr (kBlocksPerGroup == 1) return _mm_loadu_ps(row.f32 + j);
   if constexpr (kBlocksPerGroup == 2) {
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(row.f32 + j / 2)));
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(row.f32 + j)));
     return _mm_unpacklo_ps(two, two);
   }
-  return _mm_set1_ps(row.f32[j / 4]);
+  return _mm_set1_ps(row.f32[j]);
 }
 
 // The scale or bias of each of the last chunk's num_valid blocks (1-3, K not a multiple
@@ -204,7 +223,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void chunk_avx2(const QuadA
     if constexpr (kBits == 4) {
       __m256i pair[kQuadOutputs];
       for (int i = 0; i < kQuadOutputs; ++i) {
-        const uint8_t* w = q.w[i] + c * kChunkWeightBytes<4>;
+        const uint8_t* w = q.w[i] + c * q.w_chunk_stride;
         __m256i v01, v23;
         if constexpr (kTail) {
           v01 = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), mask01);
@@ -221,7 +240,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void chunk_avx2(const QuadA
     } else {
       __m128i blocks[kQuadOutputs];
       for (int i = 0; i < kQuadOutputs; ++i) {
-        const uint8_t* w = q.w[i] + c * kChunkWeightBytes<8>;
+        const uint8_t* w = q.w[i] + c * q.w_chunk_stride;
         __m256i d[4];
         for (int k = 0; k < 4; ++k) {
           const bool is_valid = !kTail || k < num_valid;
@@ -254,6 +273,7 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
       s[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.scales[2 * h + 1], c), group4<kBlocksPerGroup>(q.scales[2 * h], c));
       b[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.biases[2 * h + 1], c), group4<kBlocksPerGroup>(q.biases[2 * h], c));
     }
+    prefetch_ahead(q, c);
     chunk_avx2<kRows, false, kBits>(q, c, kBlocksPerChunk, s, b, y);
   }
   if constexpr (kBlocksPerGroup < kBlocksPerChunk) {
@@ -290,7 +310,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void chunk_avx512(const Q
   // 4 bits: low and high nibbles, 128-bit lane k = block k. 8 bits: blocks 0-1, then 2-3 (two lanes each).
   __m512i lo[kQuadOutputs], hi[kQuadOutputs];
   for (int i = 0; i < kQuadOutputs; ++i) {
-    const uint8_t* w = q.w[i] + c * kChunkWeightBytes<kBits>;
+    const uint8_t* w = q.w[i] + c * q.w_chunk_stride;
     if constexpr (kBits == 4) {
       const __m512i v = kTail ? _mm512_maskz_loadu_epi8(first_bytes(16 * num_valid), w) : _mm512_loadu_si512(w);
       lo[i] = _mm512_and_si512(v, nibble);
@@ -341,6 +361,7 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
   for (int r = 0; r < kRows; ++r) y[r] = _mm512_setzero_ps();
   const int64_t num_whole = q.num_blocks / kBlocksPerChunk;
   for (int64_t c = 0; c < num_whole; ++c) {
+    prefetch_ahead(q, c);
     chunk_avx512<kRows, false, kBits>(q, c, kBlocksPerChunk, group16<kBlocksPerGroup>(q.scales, c),
                                group16<kBlocksPerGroup>(q.biases, c), y);
   }
@@ -466,29 +487,73 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
   }
 }
 
-void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa) {
+void set_prefetch_chunks(int64_t num_chunks) { g_prefetch_chunks.store(num_chunks < 0 ? kDefaultPrefetchChunks : num_chunks); }
+int64_t prefetch_chunks() { return g_prefetch_chunks.load(); }
+
+int64_t quad_chunk_bytes(int bits) { return kQuadOutputs * kInt8ChunkInputs * bits / 8 + 2 * kQuadHalves * 2; }
+
+int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
+  const int64_t num_quads = (num_outputs + kQuadOutputs - 1) / kQuadOutputs;
+  const int64_t num_chunks = (num_inputs + kInt8ChunkInputs - 1) / kInt8ChunkInputs;
+  return num_quads * num_chunks * quad_chunk_bytes(bits);
+}
+
+namespace {
+
+// Points q at the four outputs from n0 on: their own rows, or their quad in the interleaved layout.
+void point_quad(const QmmArgs& a, int64_t n0, int num_valid, QuadArgs& q) {
+  if (a.quads != nullptr) {
+    // One stream: per chunk the quad's weights (output i's at i * W), 16 scales, 16 biases
+    // (lane 4i + k: output i, block k, a group's value repeated over its blocks).
+    const int64_t chunk_bytes = quad_chunk_bytes(a.bits);
+    const int64_t weight_bytes = kInt8ChunkInputs * a.bits / 8;
+    const uint8_t* quad = a.quads + n0 / kQuadOutputs * q.num_chunks * chunk_bytes;
+    const auto* scales = reinterpret_cast<const uint16_t*>(quad + kQuadOutputs * weight_bytes);
+    q.w_chunk_stride = chunk_bytes;
+    const int64_t prefetch_chunks = g_prefetch_chunks.load(std::memory_order_relaxed);
+    q.prefetch_bytes = prefetch_chunks > 0 ? chunk_bytes : 0;
+    q.prefetch_chunks = prefetch_chunks;
+    for (int i = 0; i < kQuadOutputs; ++i) {
+      q.w[i] = quad + i * weight_bytes;
+      q.scales[i] = GroupRow{nullptr, scales + kBlocksPerChunk * i, chunk_bytes / 2};
+      q.biases[i] = GroupRow{nullptr, scales + kQuadHalves + kBlocksPerChunk * i, chunk_bytes / 2};
+    }
+    return;
+  }
   const int64_t num_groups = a.num_inputs / a.group_size;
   const int64_t row_bytes = a.num_inputs * a.bits / 8;
+  const int64_t group_stride = kBlocksPerChunk / q.blocks_per_group;
+  q.w_chunk_stride = kInt8ChunkInputs * a.bits / 8;
+  q.prefetch_bytes = 0;
+  for (int i = 0; i < kQuadOutputs; ++i) {
+    const int64_t n = n0 + std::min(i, num_valid - 1);  // past the end: the last output again, dropped
+    q.w[i] = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
+    if (a.scales_f16 != nullptr) {
+      q.scales[i] = GroupRow{nullptr, a.scales_f16 + n * num_groups, group_stride};
+      q.biases[i] = GroupRow{nullptr, a.biases_f16 + n * num_groups, group_stride};
+    } else {
+      q.scales[i] = GroupRow{a.scales + n * num_groups, nullptr, group_stride};
+      q.biases[i] = GroupRow{a.biases + n * num_groups, nullptr, group_stride};
+    }
+  }
+}
+
+}  // namespace
+
+void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa) {
   float lanes[kMaxRows * 16];
   QuadArgs q{};
-  q.num_blocks = a.num_inputs / kInt8BlockInputs;
   q.num_chunks = rows.padded_inputs / kInt8ChunkInputs;
-  q.blocks_per_group = a.group_size / static_cast<int>(kInt8BlockInputs);
+  // The interleaved layout pads K with zero weights, scales and biases, so every chunk is
+  // whole there; the blocks past K then add fma(0, 0, lane), as a plain row's tail does.
+  q.num_blocks = a.quads != nullptr ? q.num_chunks * kBlocksPerChunk : a.num_inputs / kInt8BlockInputs;
+  q.blocks_per_group = a.quads != nullptr ? 1 : a.group_size / static_cast<int>(kInt8BlockInputs);
   q.x = &rows;
   q.lanes = lanes;
+  assert(a.quads == nullptr || begin % kQuadOutputs == 0);
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
     const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
-    for (int i = 0; i < kQuadOutputs; ++i) {
-      const int64_t n = n0 + std::min(i, num_valid - 1);  // past the end: the last output again, dropped
-      q.w[i] = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
-      if (a.scales_f16 != nullptr) {
-        q.scales[i].f16 = a.scales_f16 + n * num_groups;
-        q.biases[i].f16 = a.biases_f16 + n * num_groups;
-      } else {
-        q.scales[i].f32 = a.scales + n * num_groups;
-        q.biases[i].f32 = a.biases + n * num_groups;
-      }
-    }
+    point_quad(a, n0, num_valid, q);
     for (q.r0 = 0; q.r0 < a.num_rows; q.r0 += kMaxRows) {
       const int num_rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.num_rows - q.r0));
       if (a.bits == 4) {

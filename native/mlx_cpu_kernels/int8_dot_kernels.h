@@ -48,4 +48,15 @@ void int8_dot_outputs(const QmmArgs& args, const QuantizedRows& rows, int64_t be
 
 bool has_avx512_vnni();
 
+// The quad-interleaved layout: the weights read as one stream, in the order the kernels read
+// them. For each four outputs (zero rows past the last), for each 128-input chunk (zeros past
+// K): the four outputs' packed weights of the chunk (64 bytes each at 4 bits, 128 at 8), then
+// 16 float16 scales and 16 float16 biases, value 4i + k for output i's block k (a group's
+// value once per block of 32). The same floats as the plain rows, so the same bits.
+int64_t quad_chunk_bytes(int bits);
+int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
+// Chunks ahead the kernels prefetch in that layout (0: off; < 0: the default). Same bits.
+void set_prefetch_chunks(int64_t num_chunks);
+int64_t prefetch_chunks();
+
 }  // namespace gmlx_kernels

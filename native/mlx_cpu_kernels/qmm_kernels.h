@@ -24,6 +24,8 @@ struct QmmArgs {
   // Half-precision scales and biases instead (int8-activation path only; null otherwise).
   const uint16_t* scales_f16 = nullptr;
   const uint16_t* biases_f16 = nullptr;
+  // The int8 path's quad-interleaved layout instead of w, scales and biases (int8_dot_kernels.h).
+  const uint8_t* quads = nullptr;
   float* y;  // (num_rows, num_outputs) row-major
   int64_t num_rows;
   int64_t num_inputs;

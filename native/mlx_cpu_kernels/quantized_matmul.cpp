@@ -45,7 +45,7 @@ struct QmmJob {
   int64_t block;
   Isa isa;
   int64_t num_padded_rows;  // panel path: rows of x_blocked (in lane order, zero past num_rows)
-  int64_t outputs_per_chunk;  // panel path
+  int64_t outputs_per_chunk;  // panel and int8 paths
   QuantizedRows* quantized_rows;  // int8-activation path
 };
 
@@ -66,16 +66,20 @@ void run_panel_chunk(void* context, int64_t chunk) {
 // Products under this many multiply-adds run on the caller: waking the pool and waiting for
 // its straggler cost ~17 us a product at 2 threads, more than half of a 1536x576 row's work
 // (a SmolLM2 step at width 1: 18.1 ms on one thread against 21.8 ms on two).
-constexpr int64_t kMinPoolMacs = int64_t{2} << 20;
+constexpr int64_t kDefaultMinPoolMacs = int64_t{2} << 20;
+std::atomic<int64_t> g_min_pool_macs{kDefaultMinPoolMacs};
 
 void run_chunks(ThreadPool::ChunkFn fn, QmmJob& job, int64_t num_chunks) {
   const int64_t num_macs = job.args.num_rows * job.args.num_outputs * job.args.num_inputs;
-  if (num_macs < kMinPoolMacs) {
+  if (num_macs < g_min_pool_macs.load(std::memory_order_relaxed)) {
     for (int64_t i = 0; i < num_chunks; ++i) fn(&job, i);
   } else {
     run_on_pool(fn, &job, num_chunks);
   }
 }
+
+// Chunks per pool thread the int8 path splits a product's outputs into.
+constexpr int64_t kInt8ChunksPerThread = 4;
 
 // Rows of x each chunk of the int8-activation path quantizes.
 constexpr int64_t kRowsPerQuantizeChunk = 8;
@@ -89,8 +93,8 @@ void run_quantize_chunk(void* context, int64_t chunk) {
 
 void run_int8_chunk(void* context, int64_t chunk) {
   auto* job = static_cast<QmmJob*>(context);
-  int64_t begin = chunk * kOutputsPerChunk;
-  int64_t end = std::min(begin + kOutputsPerChunk, job->args.num_outputs);
+  int64_t begin = chunk * job->outputs_per_chunk;
+  int64_t end = std::min(begin + job->outputs_per_chunk, job->args.num_outputs);
   int8_dot_outputs(job->args, *job->quantized_rows, begin, end, job->isa);
 }
 
@@ -107,7 +111,13 @@ void run_int8(QmmJob& job) {
   } else {
     run_on_pool(run_quantize_chunk, &job, num_quantize_chunks);
   }
-  run_chunks(run_int8_chunk, job, (job.args.num_outputs + kOutputsPerChunk - 1) / kOutputsPerChunk);
+  // A few chunks per thread, whole multiples of 16 outputs: a claim costs a cache line
+  // passed between cores (~0.3 us), a 16-output chunk of a 576-input row ~0.5 us of work.
+  // Output bits do not depend on the chunking.
+  const int64_t num_parts = kInt8ChunksPerThread * pool_num_threads();
+  const int64_t per_part = (job.args.num_outputs + num_parts - 1) / num_parts;
+  job.outputs_per_chunk = std::max<int64_t>(1, (per_part + kOutputsPerChunk - 1) / kOutputsPerChunk) * kOutputsPerChunk;
+  run_chunks(run_int8_chunk, job, (job.args.num_outputs + job.outputs_per_chunk - 1) / job.outputs_per_chunk);
 }
 
 // Many rows: x in lane order as one block, padded with zero rows to whole tiles.
@@ -163,11 +173,30 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   const bool is_half_groups = int8_activations && scales.dtype() == mx::float16 && biases.dtype() == mx::float16;
   mx::Shape out_shape = x.shape();
   out_shape.back() = num_outputs;
-  return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, int8_activations),
+  return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, int8_activations, false),
                    {as_f32(x), w, is_half_groups ? scales : as_f32(scales), is_half_groups ? biases : as_f32(biases)});
 }
 
+mx::array quantized_matmul_quads(const mx::array& x, const mx::array& quads, int num_outputs, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
+  if (x.ndim() < 1 || x.shape(-1) == 0 || x.shape(-1) % kInt8BlockInputs != 0) {
+    throw std::invalid_argument("quantized_matmul_quads: x needs a last dim that is a positive multiple of 32");
+  }
+  if (quads.dtype() != mx::uint8 || quads.ndim() != 1 ||
+      static_cast<int64_t>(quads.size()) != quad_layout_bytes(num_outputs, x.shape(-1), bits)) {
+    throw std::invalid_argument("quantized_matmul_quads: quads must be the uint8 layout of " + std::to_string(num_outputs) +
+                                " outputs x " + std::to_string(x.shape(-1)) + " inputs (pack_quads)");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = num_outputs;
+  const mx::array x32 = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s);
+  return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, kInt8BlockInputs, bits, true, true),
+                   {x32, quads});
+}
+
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  if (is_quads_) return eval_quads(inputs, outputs);
   const auto& x = inputs[0];
   const auto& w = inputs[1];
   const auto& scales = inputs[2];
@@ -223,13 +252,42 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   });
 }
 
+void QuantizedMatmul::eval_quads(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& quads = inputs[1];
+  auto& y = outputs[0];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(quads);
+  encoder.set_output_array(y);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), quads = mx::array::unsafe_weak_copy(quads),
+                    y_data = y.data<float>(), num_outputs = y.shape(-1), bits = bits_]() {
+    std::vector<float> x_copy;
+    QmmJob job;
+    job.args.x = row_major_data<float>(x, x_copy);
+    job.args.w = nullptr;
+    job.args.scales = job.args.biases = nullptr;
+    job.args.quads = quads.data<uint8_t>();  // 1-D, so row-major
+    job.args.y = y_data;
+    job.args.num_inputs = x.shape(-1);
+    job.args.num_rows = x.size() / x.shape(-1);
+    job.args.num_outputs = num_outputs;
+    job.args.group_size = kInt8BlockInputs;  // values repeated per block in the layout
+    job.args.bits = bits;
+    job.isa = g_isa.load();
+    run_int8(job);
+  });
+}
+
 void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("GmlxQuantizedMatmul runs on the CPU only");
 }
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_activations_ == o.int8_activations_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_activations_ == o.int8_activations_ &&
+         is_quads_ == o.is_quads_;
 }
 
 void set_isa(const std::string& name) {
@@ -244,6 +302,9 @@ void set_panel_min_rows(int64_t num_rows) {
   g_panel_min_rows.store(num_rows < 1 ? kDefaultPanelMinRows : num_rows);
 }
 int64_t panel_min_rows() { return g_panel_min_rows.load(); }
+
+void set_min_pool_macs(int64_t num_macs) { g_min_pool_macs.store(num_macs < 0 ? kDefaultMinPoolMacs : num_macs); }
+int64_t min_pool_macs() { return g_min_pool_macs.load(); }
 
 std::string current_isa() { return isa_name(g_isa.load()); }
 std::string best_isa_name() { return isa_name(best_isa()); }

@@ -16,10 +16,16 @@ namespace mx = mlx::core;
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, bool int8_activations);
 
+// The int8-activation product over weights in the quad-interleaved layout
+// (int8_dot_kernels.h, pack_quads): the same bits as quantized_matmul's int8 path over the
+// plain rows, the weights read as one stream. quads: uint8, quad_layout_bytes long.
+mx::array quantized_matmul_quads(const mx::array& x, const mx::array& quads, int num_outputs, int bits);
+
 class QuantizedMatmul : public mx::Primitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool int8_activations)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), int8_activations_(int8_activations) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool int8_activations, bool is_quads)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), int8_activations_(int8_activations),
+        is_quads_(is_quads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -30,6 +36,9 @@ class QuantizedMatmul : public mx::Primitive {
   int group_size_;
   int bits_;
   bool int8_activations_;
+  bool is_quads_;  // inputs (x, quads) instead of (x, w, scales, biases)
+
+  void eval_quads(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
 };
 
 // The instruction set the kernels use; set_isa refuses one this CPU lacks.
@@ -41,6 +50,8 @@ std::string best_isa_name();
 // equal the few-row kernels'; < 1 restores the default. A tuning and testing knob.
 void set_panel_min_rows(int64_t num_rows);
 int64_t panel_min_rows();
+void set_min_pool_macs(int64_t num_macs);
+int64_t min_pool_macs();
 
 // DRAM read rate: GB/s of the best of num_passes sums over a num_bytes buffer, on the pool.
 double read_bandwidth(int64_t num_bytes, int num_passes);
