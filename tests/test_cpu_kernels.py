@@ -493,9 +493,11 @@ def test_speculative_and_batched_equal_plain_with_int8_activations(kind, int8_qu
         assert check_schedules_with_drafter(int8_quantized_target, kind, code_prompts, range(500, 506)) > 0
 
 
-def test_half_exact_scales_are_stored_in_float16_with_the_same_results(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("is_quad_layout", [True, False])
+def test_half_exact_scales_are_stored_in_float16_with_the_same_results(is_quad_layout, tiny_llama_dir, tmp_path):
     """A model whose scales and biases float16 holds exactly (as a GGUF's Q4_1) keeps them in
-    float16 under int8 activations: its products and embedding lookups give the same bits."""
+    float16 under int8 activations, by default in the one-stream quad layout only: its products
+    and embedding lookups give the same bits as the plain float32 rows."""
     import mlx_lm
 
     model, _ = mlx_lm.load(str(tiny_llama_dir))
@@ -509,11 +511,16 @@ def test_half_exact_scales_are_stored_in_float16_with_the_same_results(tiny_llam
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
     random_model.copy_tokenizer(tiny_llama_dir, folder)
-    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8", "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8", "GMLX_CPU_COMPUTE_FORMAT": "quantized",
+                        "GMLX_CPU_QUAD_LAYOUT": "1" if is_quad_layout else "0"}):
         target = load_model(folder)
     stored = dict(tree_flatten(model.parameters()))  # the float32 originals
     kernel_modules = [(n, m) for n, m in target.model.named_modules() if getattr(m, "is_int8_activations", False)]
-    assert len(kernel_modules) == 2 * 7 + 2 and all(m.scales.dtype == mx.float16 for _, m in kernel_modules)
+    assert len(kernel_modules) == 2 * 7 + 2
+    if is_quad_layout:
+        assert all("quads" in m and "weight" not in m and "scales" not in m for _, m in kernel_modules)
+    else:
+        assert all("quads" not in m and m.scales.dtype == mx.float16 for _, m in kernel_modules)
     x = mx.random.normal((3, config["hidden_size"]), key=mx.random.key(1))  # (M, K)
     for name, m in kernel_modules:
         if name.endswith("q_proj") or name.endswith("embed_tokens"):

@@ -63,15 +63,14 @@ def load_model(path: str | Path | None) -> LoadedModel:
         model, tokenizer, config = _load_gguf(source)
     else:
         model, tokenizer, config = _load_folder(source)
+    is_tied = getattr(model, "lm_head", None) is None or config.get("tie_word_embeddings", False)
+    head_module = model.model.embed_tokens if is_tied else model.lm_head
     if mx.default_device() == mx.cpu:
-        _prepare_for_cpu(model, str(source))
+        _prepare_for_cpu(model, str(source), head_module)
     is_packable = use_packed_attention(model)
     mx.eval(model.parameters())
     body = model.model
-    if getattr(model, "lm_head", None) is not None and not config.get("tie_word_embeddings", False):
-        head = model.lm_head
-    else:
-        head = body.embed_tokens.as_linear
+    head = body.embed_tokens.as_linear if is_tied else model.lm_head
     eos = set(tokenizer.eos_token_ids or ())
     if isinstance(config.get("eos_token_id"), int):
         eos.add(config["eos_token_id"])
@@ -141,7 +140,7 @@ def _load_gguf(path: Path):
     return model, tokenizer, config
 
 
-def _prepare_for_cpu(model: nn.Module, source: str) -> None:
+def _prepare_for_cpu(model: nn.Module, source: str, head_module: nn.Module) -> None:
     is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
     # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
     model.set_dtype(mx.float32)
@@ -156,7 +155,7 @@ def _prepare_for_cpu(model: nn.Module, source: str) -> None:
         fuse_cpu_ops(model)
     if is_input_major_enabled():
         store_weights_input_major(model)
-    if is_cpu_kernels_enabled() and use_cpu_kernels(model) > 0 and is_cpu_decode_ops_enabled():
+    if is_cpu_kernels_enabled() and use_cpu_kernels(model, head_module) > 0 and is_cpu_decode_ops_enabled():
         use_cpu_decode_ops(model)  # off mlx's bits already: its small ops as one node each too
 
 

@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
+from gmlx.platform.cpu_quantized import output_dims
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def is_kernel_close(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: f
 
 
 def _layout(module: nn.Module) -> tuple[int, int, int, float]:
-    head_dim = module.q_proj.weight.shape[0] // module.n_heads  # (out, in), packed or not
+    head_dim = output_dims(module.q_proj) // module.n_heads
     return module.n_heads, module.n_kv_heads, head_dim, module.scale
 
 
