@@ -86,6 +86,22 @@ def tiny_quantized_target(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gguf_like_target(tmp_path_factory):
+    """A tiny llama with tied embeddings, quantized as a Q4_1 GGUF arrives (4-bit layers with
+    float16-exact scales, an 8-bit token table) and loaded with gmlx's defaults: int8
+    activations, the one-stream quad layout, grouped q/k/v and gate/up products."""
+    import mlx_lm
+
+    from kernel_support import load_quantized_copy
+
+    folder = make_random_model_dir(tmp_path_factory.mktemp("tiny_llama_tied"), tie_word_embeddings=True)
+    model, _ = mlx_lm.load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    return load_quantized_copy(model, config, folder, tmp_path_factory.mktemp("tiny_llama_gguf_like"),
+                               is_gguf_like=True)
+
+
+@pytest.fixture(scope="session")
 def code_prompts(builtin_target) -> list[list[int]]:
     """Token prompts cut from real source text, of varied lengths."""
     import email.message as source_module

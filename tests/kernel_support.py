@@ -53,13 +53,28 @@ def check_schedules_with_drafter(target, kind: str, code_prompts, seeds) -> int:
                for seed in seeds)
 
 
-def load_quantized_copy(model: nn.Module, config: dict, tokenizer_dir: Path, folder: Path):
+def load_quantized_copy(model: nn.Module, config: dict, tokenizer_dir: Path, folder: Path,
+                        is_gguf_like: bool = False):
     """`model` quantized to 4 bits (group 32), saved in `folder` the way mlx-lm stores quantized
-    folders, and loaded by gmlx in the 4-bit compute format (on CPU `auto` may choose float32)."""
-    nn.quantize(model, group_size=32, bits=4)
+    folders, and loaded by gmlx in the 4-bit compute format (on CPU `auto` may choose float32).
+
+    is_gguf_like: as a Q4_1 GGUF arrives: scales and biases float16 holds exactly, and the
+    embedding (the tied head where the config ties it) at 8 bits, like its Q8_0 token table."""
+    quantization = {"group_size": 32, "bits": 4}
+    if is_gguf_like:
+        quantization["model.embed_tokens"] = {"group_size": 32, "bits": 8}
+
+    def per_module(path, module):
+        return quantization.get(path, hasattr(module, "to_quantized"))
+
+    nn.quantize(model, group_size=32, bits=4, class_predicate=per_module)
+    if is_gguf_like:
+        for _, m in model.named_modules():
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                m.scales, m.biases = (a.astype(mx.float16).astype(mx.float32) for a in (m.scales, m.biases))
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    (folder / "config.json").write_text(json.dumps({**config, "quantization": quantization}))
     random_model.copy_tokenizer(tokenizer_dir, folder)
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
         return load_model(folder)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gmlx import config
+from gmlx.cache.ragged import RaggedKVCache
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.engine import Engine
 from gmlx.platform.cpu_quantized import KernelQuantizedEmbedding, KernelQuantizedLinear
@@ -535,3 +536,40 @@ def test_half_exact_scales_are_stored_in_float16_with_the_same_results(is_quad_l
     assert mx.array_equal(looked_up, mx.dequantize(stored["model.embed_tokens.weight"][ids],
                                                    stored["model.embed_tokens.scales"][ids],
                                                    stored["model.embed_tokens.biases"][ids], group_size=32, bits=4)).item()
+
+
+def test_gguf_like_model_runs_in_the_quad_layout(gguf_like_target):
+    """Every product int8 and in the one-stream layout, the 8-bit tied head included; the
+    MLPs' gate and up grouped into one node."""
+    modules = [m for _, m in gguf_like_target.model.named_modules() if hasattr(m, "is_int8_activations")]
+    assert len(modules) == 2 * 7 + 1 and all(m.is_int8_activations and "quads" in m for m in modules)
+    assert gguf_like_target.model.model.embed_tokens.bits == 8
+    assert all(type(layer.mlp).__name__ == "GroupedLlamaMLP" for layer in gguf_like_target.model.model.layers)
+
+
+def test_quad_layout_and_grouping_leave_every_logit_bit_alone(gguf_like_target, code_prompts):
+    """The layout and the grouped nodes only move bytes and merge calls: the same folder loaded
+    with mlx's row layout (GMLX_CPU_QUAD_LAYOUT=0, one node per product) gives identical logits."""
+    with env_overrides({"GMLX_CPU_QUAD_LAYOUT": "0"}):
+        rows_target = load_model(gguf_like_target.path)
+    assert not any("quads" in m for _, m in rows_target.model.named_modules())
+    for prompt in code_prompts[:4]:
+        tokens = mx.array([prompt[:40]])
+        for cache in (None, "ragged"):  # mlx-lm's attention, then gmlx's kernel attention over its KV
+            caches = [[RaggedKVCache() for _ in range(2)] for _ in range(2)] if cache else [None, None]
+            _, expected = rows_target.forward(tokens, caches[0])
+            _, got = gguf_like_target.forward(tokens, caches[1])
+            assert mx.array_equal(got, expected).item(), cache
+            if cache:  # and a decode step after the prompt
+                next_token = expected[:, -1:].argmax(-1)
+                assert mx.array_equal(gguf_like_target.forward(next_token, caches[1])[1],
+                                      rows_target.forward(next_token, caches[0])[1]).item()
+
+
+def test_gguf_like_wide_plain_batch_equals_each_row_alone(gguf_like_target, code_prompts):
+    check_rows_decode_as_alone(gguf_like_target, code_prompts[:20])
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_speculative_and_batched_equal_plain_in_the_quad_layout(kind, gguf_like_target, code_prompts):
+    assert check_schedules_with_drafter(gguf_like_target, kind, code_prompts, range(600, 606)) > 0

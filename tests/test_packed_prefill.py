@@ -55,8 +55,9 @@ def _kv(caches) -> list[mx.array]:
 
 
 @pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx's CPU kernels are not built here")
-def test_packed_forward_gives_every_segment_its_own_bits_on_the_kernels(tiny_quantized_target):
-    target = tiny_quantized_target
+@pytest.mark.parametrize("which", ["tiny_quantized_target", "gguf_like_target"])
+def test_packed_forward_gives_every_segment_its_own_bits_on_the_kernels(which, request):
+    target = request.getfixturevalue(which)
     assert target.is_packable
     rng = random.Random(7)
     for _ in range(6):

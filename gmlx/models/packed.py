@@ -20,6 +20,7 @@ import mlx.nn as nn
 from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import _KernelAttention
+from gmlx.platform.cpu_quantized import project
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the attention classes whose layout this mirrors
 
@@ -53,7 +54,7 @@ class _PackedAttention:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not isinstance(cache, PackedLayerCache):
             return super().__call__(x, mask, cache)
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (1, N, *)
+        queries, keys, values = project(x, (self.q_proj, self.k_proj, self.v_proj))  # (1, N, *)
         outputs, start = [], 0
         for segment_cache, num_rows, num_tokens in cache.segments:
             end = start + num_rows * num_tokens

@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
-from gmlx.platform.cpu_quantized import output_dims
+from gmlx.platform.cpu_quantized import output_dims, project
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,10 @@ class _KernelAttention:
         if not isinstance(cache, RaggedKVCache):
             return super().__call__(x, mask, cache)
         num_rows, num_new, _ = x.shape  # (B, T, D)
-        queries = self.q_proj(x).reshape(num_rows, num_new, self.n_heads, -1)
-        keys = self.k_proj(x).reshape(num_rows, num_new, self.n_kv_heads, -1)
-        values = self.v_proj(x).reshape(num_rows, num_new, self.n_kv_heads, -1)
+        queries, keys, values = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        queries = queries.reshape(num_rows, num_new, self.n_heads, -1)
+        keys = keys.reshape(num_rows, num_new, self.n_kv_heads, -1)
+        values = values.reshape(num_rows, num_new, self.n_kv_heads, -1)
         if "q_norm" in self:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         offset = cache.offset  # (B,) each row's first new position

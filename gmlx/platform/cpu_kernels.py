@@ -161,6 +161,12 @@ def quantized_matmul_quads(x, quads, num_outputs: int, bits: int):
     return extension().quantized_matmul_quads(x, quads, num_outputs, bits)
 
 
+def quantized_matmul_quads_group(x, quads: list, num_outputs: list[int], bits: int) -> list:
+    """quantized_matmul_quads of one x over several weights (q/k/v, gate/up) as one graph node:
+    x quantized once, one pool job; each result has the bits of its own call."""
+    return extension().quantized_matmul_quads_group(x, quads, num_outputs, bits)
+
+
 def rms_norm(x, weight, eps: float):
     """mx.fast.rms_norm for float32 x (..., D) and weight (D,)."""
     return extension().rms_norm(x, weight, eps)

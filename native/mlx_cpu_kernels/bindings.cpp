@@ -1,6 +1,7 @@
 // Python bindings of gmlx's CPU decode kernels (module gmlx.platform._cpu_kernels).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 #include "attention.h"
@@ -27,6 +28,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_prefetch_chunks", &gmlx_kernels::set_prefetch_chunks, "num_chunks"_a,
         "Chunks ahead the quad-layout kernels prefetch (0: off, < 0: the default; same bits)");
   m.def("prefetch_chunks", &gmlx_kernels::prefetch_chunks);
+  m.def("quantized_matmul_quads_group", &gmlx_kernels::quantized_matmul_quads_group, "x"_a, "quads"_a,
+        "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");
   m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,

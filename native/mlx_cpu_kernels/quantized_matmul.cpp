@@ -98,6 +98,15 @@ void run_int8_chunk(void* context, int64_t chunk) {
   int8_dot_outputs(job->args, *job->quantized_rows, begin, end, job->isa);
 }
 
+// A few chunks per thread, whole multiples of 16 outputs: a claim costs a cache line passed
+// between cores (~0.3 us), a 16-output chunk of a 576-input row ~0.5 us of work. Output bits
+// do not depend on the chunking.
+int64_t int8_outputs_per_chunk(int64_t num_outputs) {
+  const int64_t num_parts = kInt8ChunksPerThread * pool_num_threads();
+  const int64_t per_part = (num_outputs + num_parts - 1) / num_parts;
+  return std::max<int64_t>(1, (per_part + kOutputsPerChunk - 1) / kOutputsPerChunk) * kOutputsPerChunk;
+}
+
 // Activations quantized once per call, then integer dots: the same path at every row count.
 void run_int8(QmmJob& job) {
   // Reused across calls (a decode step makes ~200): this thread runs one product at a time,
@@ -111,13 +120,55 @@ void run_int8(QmmJob& job) {
   } else {
     run_on_pool(run_quantize_chunk, &job, num_quantize_chunks);
   }
-  // A few chunks per thread, whole multiples of 16 outputs: a claim costs a cache line
-  // passed between cores (~0.3 us), a 16-output chunk of a 576-input row ~0.5 us of work.
-  // Output bits do not depend on the chunking.
-  const int64_t num_parts = kInt8ChunksPerThread * pool_num_threads();
-  const int64_t per_part = (job.args.num_outputs + num_parts - 1) / num_parts;
-  job.outputs_per_chunk = std::max<int64_t>(1, (per_part + kOutputsPerChunk - 1) / kOutputsPerChunk) * kOutputsPerChunk;
+  job.outputs_per_chunk = int8_outputs_per_chunk(job.args.num_outputs);
   run_chunks(run_int8_chunk, job, (job.args.num_outputs + job.outputs_per_chunk - 1) / job.outputs_per_chunk);
+}
+
+// Several products of one x over quad-layout weights (q/k/v, gate/up): x quantized once,
+// the parts' outputs split into chunks of one pool job. Each part's bits are its own call's.
+struct QuadsGroupJob {
+  std::vector<QmmArgs> parts;
+  std::vector<int64_t> first_chunk;  // per part, then the total
+  int64_t outputs_per_chunk = kOutputsPerChunk;
+  QuantizedRows* quantized_rows = nullptr;
+  Isa isa = Isa::kPortable;
+};
+
+void run_quads_group_chunk(void* context, int64_t chunk) {
+  auto* job = static_cast<QuadsGroupJob*>(context);
+  size_t p = 0;
+  while (chunk >= job->first_chunk[p + 1]) ++p;
+  const QmmArgs& args = job->parts[p];
+  const int64_t begin = (chunk - job->first_chunk[p]) * job->outputs_per_chunk;
+  int8_dot_outputs(args, *job->quantized_rows, begin, std::min(begin + job->outputs_per_chunk, args.num_outputs),
+                   job->isa);
+}
+
+void run_quads_group(QuadsGroupJob& job) {
+  QmmJob quantize;  // the first part's x, rows and bits: every part's
+  quantize.args = job.parts[0];
+  thread_local QuantizedRows rows;  // as run_int8's: one product at a time per thread
+  resize_quantized_rows(rows, quantize.args.num_rows, quantize.args.num_inputs);
+  quantize.quantized_rows = job.quantized_rows = &rows;
+  const int64_t num_quantize_chunks = (quantize.args.num_rows + kRowsPerQuantizeChunk - 1) / kRowsPerQuantizeChunk;
+  if (num_quantize_chunks == 1) {
+    run_quantize_chunk(&quantize, 0);
+  } else {
+    run_on_pool(run_quantize_chunk, &quantize, num_quantize_chunks);
+  }
+  int64_t num_outputs = 0;
+  for (const auto& part : job.parts) num_outputs += part.num_outputs;
+  job.outputs_per_chunk = int8_outputs_per_chunk(num_outputs);
+  job.first_chunk = {0};
+  for (const auto& part : job.parts) {
+    job.first_chunk.push_back(job.first_chunk.back() + (part.num_outputs + job.outputs_per_chunk - 1) / job.outputs_per_chunk);
+  }
+  const int64_t num_macs = quantize.args.num_rows * num_outputs * quantize.args.num_inputs;
+  if (num_macs < g_min_pool_macs.load(std::memory_order_relaxed)) {
+    for (int64_t i = 0; i < job.first_chunk.back(); ++i) run_quads_group_chunk(&job, i);
+  } else {
+    run_on_pool(run_quads_group_chunk, &job, job.first_chunk.back());
+  }
 }
 
 // Many rows: x in lane order as one block, padded with zero rows to whole tiles.
@@ -177,22 +228,35 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                    {as_f32(x), w, is_half_groups ? scales : as_f32(scales), is_half_groups ? biases : as_f32(biases)});
 }
 
-mx::array quantized_matmul_quads(const mx::array& x, const mx::array& quads, int num_outputs, int bits) {
+std::vector<mx::array> quantized_matmul_quads_group(const mx::array& x, const std::vector<mx::array>& quads,
+                                                   const std::vector<int>& num_outputs, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
   if (x.ndim() < 1 || x.shape(-1) == 0 || x.shape(-1) % kInt8BlockInputs != 0) {
     throw std::invalid_argument("quantized_matmul_quads: x needs a last dim that is a positive multiple of 32");
   }
-  if (quads.dtype() != mx::uint8 || quads.ndim() != 1 ||
-      static_cast<int64_t>(quads.size()) != quad_layout_bytes(num_outputs, x.shape(-1), bits)) {
-    throw std::invalid_argument("quantized_matmul_quads: quads must be the uint8 layout of " + std::to_string(num_outputs) +
-                                " outputs x " + std::to_string(x.shape(-1)) + " inputs (pack_quads)");
+  if (quads.empty() || quads.size() != num_outputs.size()) {
+    throw std::invalid_argument("quantized_matmul_quads: one output count per quads array, at least one");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  mx::Shape out_shape = x.shape();
-  out_shape.back() = num_outputs;
-  const mx::array x32 = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s);
-  return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, kInt8BlockInputs, bits, true, true),
-                   {x32, quads});
+  std::vector<mx::array> inputs = {x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s)};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < quads.size(); ++i) {
+    if (quads[i].dtype() != mx::uint8 || quads[i].ndim() != 1 ||
+        static_cast<int64_t>(quads[i].size()) != quad_layout_bytes(num_outputs[i], x.shape(-1), bits)) {
+      throw std::invalid_argument("quantized_matmul_quads: quads must be the uint8 layout of " +
+                                  std::to_string(num_outputs[i]) + " outputs x " + std::to_string(x.shape(-1)) +
+                                  " inputs (pack_quads)");
+    }
+    inputs.push_back(quads[i]);
+    shapes.push_back(x.shape());
+    shapes.back().back() = num_outputs[i];
+  }
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(quads.size(), mx::float32),
+                                std::make_shared<QuantizedMatmul>(s, kInt8BlockInputs, bits, true, true), inputs);
+}
+
+mx::array quantized_matmul_quads(const mx::array& x, const mx::array& quads, int num_outputs, int bits) {
+  return quantized_matmul_quads_group(x, {quads}, {num_outputs}, bits)[0];
 }
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -253,30 +317,42 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
 }
 
 void QuantizedMatmul::eval_quads(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const auto& x = inputs[0];
-  const auto& quads = inputs[1];
-  auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(quads);
-  encoder.set_output_array(y);
-  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), quads = mx::array::unsafe_weak_copy(quads),
-                    y_data = y.data<float>(), num_outputs = y.shape(-1), bits = bits_]() {
+  std::vector<mx::array> weak_inputs;
+  std::vector<float*> y_data;
+  std::vector<int64_t> num_outputs;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    weak_inputs.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& y : outputs) {
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    encoder.set_output_array(y);
+    y_data.push_back(y.data<float>());
+    num_outputs.push_back(y.shape(-1));
+  }
+  encoder.dispatch([inputs = std::move(weak_inputs), y_data = std::move(y_data), num_outputs = std::move(num_outputs),
+                    bits = bits_]() {
+    const auto& x = inputs[0];
     std::vector<float> x_copy;
-    QmmJob job;
-    job.args.x = row_major_data<float>(x, x_copy);
-    job.args.w = nullptr;
-    job.args.scales = job.args.biases = nullptr;
-    job.args.quads = quads.data<uint8_t>();  // 1-D, so row-major
-    job.args.y = y_data;
-    job.args.num_inputs = x.shape(-1);
-    job.args.num_rows = x.size() / x.shape(-1);
-    job.args.num_outputs = num_outputs;
-    job.args.group_size = kInt8BlockInputs;  // values repeated per block in the layout
-    job.args.bits = bits;
+    const float* x_data = row_major_data<float>(x, x_copy);
+    QuadsGroupJob job;
     job.isa = g_isa.load();
-    run_int8(job);
+    for (size_t i = 0; i + 1 < inputs.size(); ++i) {
+      QmmArgs args;
+      args.x = x_data;
+      args.w = nullptr;
+      args.scales = args.biases = nullptr;
+      args.quads = inputs[i + 1].data<uint8_t>();  // 1-D, so row-major
+      args.y = y_data[i];
+      args.num_inputs = x.shape(-1);
+      args.num_rows = x.size() / x.shape(-1);
+      args.num_outputs = num_outputs[i];
+      args.group_size = kInt8BlockInputs;  // values repeated per block in the layout
+      args.bits = bits;
+      job.parts.push_back(args);
+    }
+    run_quads_group(job);
   });
 }
 

@@ -20,6 +20,10 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 // (int8_dot_kernels.h, pack_quads): the same bits as quantized_matmul's int8 path over the
 // plain rows, the weights read as one stream. quads: uint8, quad_layout_bytes long.
 mx::array quantized_matmul_quads(const mx::array& x, const mx::array& quads, int num_outputs, int bits);
+// Several such products of one x (q/k/v, gate/up) as one graph node: x quantized once, one
+// pool job over all their outputs; each result has its own call's bits.
+std::vector<mx::array> quantized_matmul_quads_group(const mx::array& x, const std::vector<mx::array>& quads,
+                                                   const std::vector<int>& num_outputs, int bits);
 
 class QuantizedMatmul : public mx::Primitive {
  public:
