@@ -147,16 +147,37 @@ def test_panel_kernels_forced_on_few_rows_keep_the_bits(bits, ext):
             assert mx.array_equal(panel, few_row).item(), (isa, num_rows)
 
 
-def test_back_to_back_threaded_calls_all_complete(ext):
+@pytest.mark.parametrize("is_yielding_spin", [True, False])
+def test_back_to_back_threaded_calls_all_complete(is_yielding_spin, ext):
     """Thousands of small two-thread jobs in a row: a late worker must never touch the next job."""
     ext.set_num_threads(2)
+    ext.set_min_pool_macs(0)  # every call a pool job, however small
+    ext.set_yielding_spin(is_yielding_spin)
     w, scales, biases = make_weights(64, 64, 4, 32, seed=11)  # 4 chunks of outputs per call
     xs = [mx.random.normal((1, 64), key=mx.random.key(i)) for i in range(8)]
     expected = [cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4) for x in xs]
     mx.eval(expected)
-    for i in range(3000):
-        got = cpu_kernels.quantized_matmul(xs[i % 8], w, scales, biases, 32, 4)
-        assert mx.array_equal(got, expected[i % 8]).item(), i
+    num_jobs = ext.num_pool_jobs()
+    try:
+        for i in range(3000):
+            got = cpu_kernels.quantized_matmul(xs[i % 8], w, scales, biases, 32, 4)
+            assert mx.array_equal(got, expected[i % 8]).item(), i
+    finally:
+        ext.set_yielding_spin(True)
+    assert ext.num_pool_jobs() - num_jobs >= 3000  # each call went through the pool
+
+
+def test_decode_attention_over_a_short_context_stays_on_the_caller(ext):
+    """The pool is woken for the keys a query sees, not for the KV buffer's capacity: a decode
+    step at 40 keys of a 4096-key buffer is no pool job, one at 3000 keys is."""
+    ext.set_num_threads(2)
+    q = mx.random.normal((1, 9, 1, 64), key=mx.random.key(1))  # (B, Hq, T, D)
+    keys, values = (mx.random.normal((1, 3, 4096, 64), key=mx.random.key(k)) for k in (2, 3))
+    mx.eval(q, keys, values)
+    for seen, expect_pool in ((40, False), (3000, True)):
+        num_jobs = ext.num_pool_jobs()
+        mx.eval(cpu_kernels.ragged_attention(q, keys, values, mx.array([seen - 1], dtype=mx.int32), 0.125))
+        assert (ext.num_pool_jobs() > num_jobs) == expect_pool, seen
 
 
 def test_leading_dims_and_strided_inputs(ext):

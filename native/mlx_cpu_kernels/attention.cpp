@@ -194,7 +194,13 @@ void RaggedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     job.scale = scale;
     job.isa = kernels_isa();
     const int64_t num_queries = job.num_b * job.num_q_heads * job.num_t;
-    const bool is_small = num_queries * job.num_keys * job.num_d < kMinPoolWork;
+    // The keys the queries see, not the buffer's capacity: a decode step over a short
+    // context stays on the caller (waking the pool for it kept a worker spinning all step).
+    int64_t num_seen_keys = 0;
+    for (int64_t b = 0; b < job.num_b; ++b) {
+      num_seen_keys = std::max<int64_t>(num_seen_keys, job.offsets[b * job.offset_stride] + job.num_t);
+    }
+    const bool is_small = num_queries * std::min(num_seen_keys, job.num_keys) * job.num_d < kMinPoolWork;
     if (can_attend_blocked(job)) {
       plan_tiles(job, is_small ? 1 : pool_num_threads());
       const int64_t num_tiles = job.num_b * (job.num_q_heads / job.group) * job.num_tiles_per_kv_head;

@@ -41,6 +41,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_num_threads", &gmlx_kernels::set_num_threads, "num_threads"_a,
         "Size the kernels' thread pool (< 1: one per CPU this process may use)");
   m.def("num_threads", &gmlx_kernels::pool_num_threads);
+  m.def("set_yielding_spin", &gmlx_kernels::set_yielding_spin, "is_yielding"_a);
+  m.def("num_pool_jobs", &gmlx_kernels::num_pool_jobs, "Jobs handed to the pool's workers so far");
   m.def("default_num_threads", &gmlx_kernels::default_num_threads);
   m.def("set_isa", &gmlx_kernels::set_isa, "name"_a, "Force 'avx512', 'avx2' or 'portable'");
   m.def("isa", &gmlx_kernels::current_isa);

@@ -63,10 +63,11 @@ void run_panel_chunk(void* context, int64_t chunk) {
   qmm_panel_outputs(job->args, job->x_blocked, job->num_padded_rows, begin, end, job->isa);
 }
 
-// Products under this many multiply-adds run on the caller: waking the pool and waiting for
-// its straggler cost ~17 us a product at 2 threads, more than half of a 1536x576 row's work
-// (a SmolLM2 step at width 1: 18.1 ms on one thread against 21.8 ms on two).
-constexpr int64_t kDefaultMinPoolMacs = int64_t{2} << 20;
+// Products under this many multiply-adds run on the caller: a k or v projection of one row
+// (110K) is ~5 us, about what a hand-off to a worker costs. Since workers poll with
+// yields (thread_pool.cpp) every SmolLM2 product from an o_proj (330K) up pays on two
+// threads: 1.15x the step against one thread, where a pure spin lost 0.88x to it.
+constexpr int64_t kDefaultMinPoolMacs = int64_t{1} << 18;
 std::atomic<int64_t> g_min_pool_macs{kDefaultMinPoolMacs};
 
 void run_chunks(ThreadPool::ChunkFn fn, QmmJob& job, int64_t num_chunks) {

@@ -22,6 +22,9 @@ constexpr auto kSpinTime = std::chrono::microseconds(200);
 
 constexpr uint64_t kClosedChunk = 0xFFFFFFFFu;  // above any chunk count: nothing to claim
 
+std::atomic<int64_t> g_num_pool_jobs{0};  // jobs handed to the workers, for diagnostics
+std::atomic<bool> g_is_yielding_spin{true};
+
 uint64_t generation_of(uint64_t ticket) { return ticket >> 32; }
 int64_t chunk_of(uint64_t ticket) { return static_cast<int64_t>(ticket & 0xFFFFFFFFu); }
 }  // namespace
@@ -65,7 +68,11 @@ void ThreadPool::worker_loop() {
     int num_polls = 0;
     while (generation_of(ticket_.load(std::memory_order_acquire)) == seen) {
       GMLX_PAUSE();
-      if (++num_polls % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
+      if (++num_polls % 64 != 0) continue;
+      // Give the core to another runnable thread (the Python thread building the next
+      // step's graph) while polling: on 2 cores a pure spin took it from that thread.
+      if (g_is_yielding_spin.load(std::memory_order_relaxed)) std::this_thread::yield();
+      if (std::chrono::steady_clock::now() > spin_until) {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return generation_of(ticket_.load()) != seen; });
       }
@@ -86,6 +93,7 @@ void ThreadPool::run(ChunkFn fn, void* context, int64_t num_chunks) {
     return;
   }
   std::lock_guard<std::mutex> run_lock(run_mutex_);
+  g_num_pool_jobs.fetch_add(1, std::memory_order_relaxed);
   fn_.store(fn, std::memory_order_release);
   context_.store(context, std::memory_order_release);
   num_chunks_.store(num_chunks, std::memory_order_release);
@@ -124,6 +132,9 @@ void run_on_pool(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks) {
   if (!g_pool) g_pool = std::make_unique<ThreadPool>(default_num_threads());
   g_pool->run(fn, context, num_chunks);
 }
+
+int64_t num_pool_jobs() { return g_num_pool_jobs.load(); }
+void set_yielding_spin(bool is_yielding) { g_is_yielding_spin.store(is_yielding); }
 
 int pool_num_threads() {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
