@@ -17,6 +17,7 @@ from gmlx.platform import cpu_kernels
 from gmlx.cache.ragged import make_ragged_cache
 from gmlx.models.packed import unpacked_class
 from gmlx.platform.cpu_attention import _SWAPS as ATTENTION_SWAPS
+from gmlx.platform.cpu_decode_ops import _MLP_SWAPS as MLP_SWAPS
 from gmlx.platform.cpu_attention import _reference as mlx_ragged_attention
 from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, use_cpu_decode_ops
 from kernel_support import (check_schedules_with_drafter, ext, load_quantized_copy, requires_kernels,  # noqa: F401 (ext: a fixture)
@@ -164,6 +165,27 @@ def test_prefill_sized_rms_norm_spreads_over_threads_with_the_same_bits(ext):
     assert bitwise_equal(cpu_kernels.rms_norm(strided, weight, 1e-5), results[0].transpose(1, 0, 2))
 
 
+def test_swiglu_is_close_to_mlx_and_each_value_its_own(ext):
+    """Elementwise, one code path: a row alone, a prefill-sized call on one or two threads and
+    a strided view give the same bits; within float32 rounding of mlx-lm's swiglu."""
+    from mlx_lm.models.activations import swiglu
+
+    gate = 6.0 * mx.random.normal((3, 300, 1536), key=mx.random.key(6))  # (B, T, F): several pool chunks
+    up = mx.random.normal((3, 300, 1536), key=mx.random.key(7))
+    results = []
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        results.append(cpu_kernels.swiglu(gate, up))
+        mx.eval(results[-1])
+    assert bitwise_equal(*results)
+    assert bitwise_equal(results[0][1:2, 5:6], cpu_kernels.swiglu(gate[1:2, 5:6], up[1:2, 5:6]))
+    assert bitwise_equal(cpu_kernels.swiglu(gate.transpose(1, 0, 2), up.transpose(1, 0, 2)),
+                         results[0].transpose(1, 0, 2))
+    assert mx.allclose(results[0], swiglu(gate, up), rtol=1e-5, atol=1e-6).item()
+    with pytest.raises(ValueError, match="one shape"):
+        cpu_kernels.swiglu(gate, up[:, :2])
+
+
 def test_rms_norm_refuses_a_mismatched_weight():
     with pytest.raises(ValueError, match="weight"):
         cpu_kernels.rms_norm(mx.zeros((2, 8)), mx.ones((7,)), 1e-5)
@@ -292,10 +314,11 @@ def test_prompt_chunking_does_not_change_a_bit(tiny_quantized_target, code_promp
 
 
 def test_quantized_models_get_the_ops_and_float32_ones_keep_mlx_bits(tiny_quantized_target, tiny_llama_dir):
-    kinds = (KernelRoPE, KernelRMSNorm, *ATTENTION_SWAPS.values())
+    kinds = (KernelRoPE, KernelRMSNorm, *ATTENTION_SWAPS.values(), *MLP_SWAPS.values())
     swapped = [unpacked_class(type(m)) for m in tiny_quantized_target.model.modules()
                if unpacked_class(type(m)) in kinds]
     assert swapped.count(KernelRoPE) == 2 and swapped.count(KernelRMSNorm) == 2 * 2 + 1  # per layer; final norm
+    assert sum(kind in MLP_SWAPS.values() for kind in swapped) == 2
     assert swapped.count(ATTENTION_SWAPS[unpacked_class(type(float32_attention(tiny_llama_dir)))]) == 2
     float32 = load_model(str(tiny_llama_dir))
     assert not any(unpacked_class(type(m)) in kinds for m in float32.model.modules())

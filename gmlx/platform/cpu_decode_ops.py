@@ -6,7 +6,8 @@ slices, concatenation) and one norm 3, and a SmolLM2-135M step makes 60 and 61 o
 ~900 of its ~1960 nodes at ~5 us each. At load, modules of exactly `nn.RoPE` and
 `nn.RMSNorm` (or their compiled forms) become kernel-backed subclasses: one node per
 call, each row's result a function of that row (and its position) only. Attention
-modules follow (gmlx/platform/cpu_attention.py).
+modules follow (gmlx/platform/cpu_attention.py), and MLPs: gate and up as one node and
+the SwiGLU as another.
 
 The kernels' arithmetic differs from mlx's in the last bits, so they are swapped in
 only where the model has already left mlx's bits (its quantized products run in the
@@ -16,6 +17,7 @@ mlx-lm. A probe at load checks each module against mx.fast within a tolerance fi
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import mlx.core as mx
@@ -24,6 +26,7 @@ import mlx.nn as nn
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import use_kernel_attention
 from gmlx.platform.cpu_graph import FusedRMSNorm, FusedRoPE
+from gmlx.platform.cpu_quantized import output_dims, project
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,43 @@ class KernelRoPE(nn.RoPE):
 class KernelRMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         return cpu_kernels.rms_norm(x, self["weight"], self.eps)
+
+
+class _KernelMLP:
+    """Mixed into mlx-lm's llama/qwen2/qwen3 MLP: gate and up as one node where their weights
+    allow (cpu_quantized.project), then the kernels' SwiGLU (mlx compiles it to a scalar loop
+    with a called fma; ~4% of a SmolLM2 step)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(cpu_kernels.swiglu(gate, up))
+
+
+def _mlp_classes() -> dict[type, type]:
+    swaps = {}
+    for name in ("llama", "qwen2", "qwen3"):  # mistral loads as llama
+        cls = importlib.import_module(f"mlx_lm.models.{name}").MLP
+        swaps[cls] = type(f"Kernel{name.capitalize()}MLP", (_KernelMLP, cls), {})
+    return swaps
+
+
+_MLP_SWAPS = _mlp_classes()
+
+
+def _use_kernel_mlps(model: nn.Module) -> int:
+    """Swap the model's MLPs for _KernelMLP after a probe against the class's own call; how many."""
+    modules = [m for _, m in model.named_modules() if type(m) in _MLP_SWAPS]
+    if not modules:
+        return 0
+    probe = modules[0]
+    x = mx.random.normal((2, 3, output_dims(probe.down_proj)), key=mx.random.key(2))  # (B, T, D)
+    expected = type(probe).__call__(probe, x)
+    if not cpu_kernels.is_close_to(_MLP_SWAPS[type(probe)].__call__(probe, x), expected, _PROBE_ATOL):
+        logger.warning("not using the CPU SwiGLU: the MLP disagrees with mlx's")
+        return 0
+    for module in modules:
+        module.__class__ = _MLP_SWAPS[type(module)]
+    return len(modules)
 
 
 _SWAPS = {nn.RoPE: KernelRoPE, FusedRoPE: KernelRoPE, nn.RMSNorm: KernelRMSNorm, FusedRMSNorm: KernelRMSNorm}
@@ -74,22 +114,22 @@ def _probe_key(module: nn.Module) -> tuple:
 
 
 def _has_ops() -> bool:
-    return cpu_kernels.is_built() and all(hasattr(cpu_kernels.extension(), op) for op in ("rope", "rms_norm"))
+    return cpu_kernels.is_built() and all(hasattr(cpu_kernels.extension(), op) for op in ("rope", "rms_norm", "swiglu"))
 
 
 def use_cpu_decode_ops(model: nn.Module) -> int:
-    """Swap the model's RoPE, RMSNorm and attention modules for kernel-backed ones; how many.
+    """Swap the model's RoPE, RMSNorm, attention and MLP modules for kernel-backed ones; how many.
 
     0 (the model untouched) when the kernels are unavailable or a probe disagrees.
     """
     if not _has_ops():
         return 0
-    num_attention = use_kernel_attention(model)
+    num_swapped = use_kernel_attention(model) + _use_kernel_mlps(model)
     modules = [m for _, m in model.named_modules() if type(m) in _SWAPS]
     for module in {_probe_key(m): m for m in modules}.values():
         if not _is_close(module):
             logger.warning("not using the CPU norm/rope ops: a %s disagrees with mlx's", type(module).__name__)
-            return num_attention
+            return num_swapped
     for module in modules:
         module.__class__ = _SWAPS[type(module)]
-    return num_attention + len(modules)
+    return num_swapped + len(modules)

@@ -167,6 +167,11 @@ def quantized_matmul_quads_group(x, quads: list, num_outputs: list[int], bits: i
     return extension().quantized_matmul_quads_group(x, quads, num_outputs, bits)
 
 
+def swiglu(gate, up):
+    """mlx-lm's swiglu (silu(gate) * up) for float32 gate and up of one shape, elementwise."""
+    return extension().swiglu(gate, up)
+
+
 def rms_norm(x, weight, eps: float):
     """mx.fast.rms_norm for float32 x (..., D) and weight (D,)."""
     return extension().rms_norm(x, weight, eps)

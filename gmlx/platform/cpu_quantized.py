@@ -16,12 +16,10 @@ their own; where it fails, the whole model keeps the float path.
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu
 
 from gmlx import config
 from gmlx.platform import cpu_kernels
@@ -78,43 +76,6 @@ def project(x: mx.array, modules: tuple) -> list[mx.array]:
     outputs = cpu_kernels.quantized_matmul_quads_group(
         x, [m["quads"] for m in modules], [m.num_outputs for m in modules], modules[0].bits)
     return [y + m["bias"] if "bias" in m else y for y, m in zip(outputs, modules)]
-
-
-class _GroupedMLP:
-    """Mixed into mlx-lm's llama/qwen2/qwen3 MLP: gate and up as one kernel node (project)."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(swiglu(gate, up))
-
-
-def _grouped_mlp_classes() -> dict[type, type]:
-    swaps = {}
-    for name in ("llama", "qwen2", "qwen3"):  # mistral loads as llama
-        cls = importlib.import_module(f"mlx_lm.models.{name}").MLP
-        swaps[cls] = type(f"Grouped{name.capitalize()}MLP", (_GroupedMLP, cls), {})
-    return swaps
-
-
-_MLP_SWAPS = _grouped_mlp_classes()
-
-
-def use_grouped_mlps(model: nn.Module) -> int:
-    """Swap MLPs whose gate and up products are in the quad layout for grouped ones; how many.
-
-    A probe checks the grouped call bit-identical to the class's own first (it only merges nodes)."""
-    modules = [m for _, m in model.named_modules()
-               if type(m) in _MLP_SWAPS and all("quads" in p for p in (m.gate_proj, m.up_proj))]
-    if not modules:
-        return 0
-    probe = modules[0]
-    x = mx.random.normal((2, 3, probe.gate_proj.num_inputs), key=mx.random.key(2))
-    if not mx.array_equal(_MLP_SWAPS[type(probe)].__call__(probe, x), type(probe).__call__(probe, x)).item():
-        logger.warning("not grouping the MLPs' products: the grouped call differs from the plain one")
-        return 0
-    for module in modules:
-        module.__class__ = _MLP_SWAPS[type(module)]
-    return len(modules)
 
 
 def _is_swappable(module: nn.Module) -> bool:
@@ -208,7 +169,6 @@ def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None) -> int:
         if module.is_int8_activations and _store_half_groups(module) and config.is_quad_layout_enabled():
             _store_quads(module)
             num_quads += 1
-    use_grouped_mlps(model)
     if is_int8:
         logger.info("CPU kernels: %d modules quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS), "
                     "%d of %d in the one-stream layout (GMLX_CPU_QUAD_LAYOUT)", len(int8_modules), num_quads,

@@ -9,6 +9,7 @@
 #include "quantized_matmul.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "swiglu.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -34,6 +35,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b");
+  m.def("swiglu", &gmlx_kernels::swiglu, "gate"_a, "up"_a, "silu(gate) * up for float32 gate and up of one shape");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");
   m.def("ragged_attention", &gmlx_kernels::ragged_attention, "q"_a, "keys"_a, "values"_a, "offset"_a, "scale"_a,

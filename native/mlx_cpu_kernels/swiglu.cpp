@@ -1,0 +1,72 @@
+#include "swiglu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "thread_pool.h"
+
+namespace gmlx_kernels {
+
+namespace {
+
+// A decode step's rows (a few thousand values) stay on the caller; a prefill chunk's spread.
+constexpr int64_t kValuesPerChunk = 1 << 15;
+
+struct SwiGluJob {
+  const float* gate;
+  const float* up;
+  float* y;
+  int64_t num_values;
+};
+
+void swiglu_values(void* context, int64_t chunk) {
+  const auto* job = static_cast<const SwiGluJob*>(context);
+  const int64_t end = std::min(job->num_values, (chunk + 1) * kValuesPerChunk);
+  for (int64_t i = chunk * kValuesPerChunk; i < end; ++i) {
+    const float g = job->gate[i];
+    job->y[i] = (g / (1.0f + std::exp(-g))) * job->up[i];
+  }
+}
+
+// The array's values in row-major order: its own data when already so, else a copy.
+const float* row_major(const mx::array& a, std::vector<float>& copy) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  copy.resize(a.size());
+  const float* src = a.data<float>();
+  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(i, a.shape(), a.strides())];
+  return copy.data();
+}
+
+}  // namespace
+
+mx::array swiglu(const mx::array& gate, const mx::array& up) {
+  if (gate.shape() != up.shape()) throw std::invalid_argument("swiglu: gate and up must have one shape");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(s), {as_f32(gate), as_f32(up)});
+}
+
+void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& y = outputs[0];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_input_array(inputs[1]);
+  encoder.set_output_array(y);
+  encoder.dispatch([gate = mx::array::unsafe_weak_copy(inputs[0]), up = mx::array::unsafe_weak_copy(inputs[1]),
+                    y_data = y.data<float>()]() {
+    std::vector<float> gate_copy, up_copy;
+    SwiGluJob job{row_major(gate, gate_copy), row_major(up, up_copy), y_data, static_cast<int64_t>(gate.size())};
+    run_on_pool(swiglu_values, &job, (job.num_values + kValuesPerChunk - 1) / kValuesPerChunk);
+  });
+}
+
+void SwiGlu::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxSwiGlu runs on the CPU only");
+}
+
+}  // namespace gmlx_kernels
