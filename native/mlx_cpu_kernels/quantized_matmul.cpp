@@ -317,6 +317,26 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   });
 }
 
+void quads_products(const float* x, int64_t num_rows, int64_t num_inputs, int bits, const std::vector<QuadsPart>& parts) {
+  QuadsGroupJob job;
+  job.isa = g_isa.load();
+  for (const auto& part : parts) {
+    QmmArgs args;
+    args.x = x;
+    args.w = nullptr;
+    args.scales = args.biases = nullptr;
+    args.quads = part.quads;
+    args.y = part.y;
+    args.num_inputs = num_inputs;
+    args.num_rows = num_rows;
+    args.num_outputs = part.num_outputs;
+    args.group_size = kInt8BlockInputs;  // values repeated per block in the layout
+    args.bits = bits;
+    job.parts.push_back(args);
+  }
+  run_quads_group(job);
+}
+
 void QuantizedMatmul::eval_quads(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   std::vector<mx::array> weak_inputs;
@@ -336,24 +356,11 @@ void QuantizedMatmul::eval_quads(const std::vector<mx::array>& inputs, std::vect
                     bits = bits_]() {
     const auto& x = inputs[0];
     std::vector<float> x_copy;
-    const float* x_data = row_major_data<float>(x, x_copy);
-    QuadsGroupJob job;
-    job.isa = g_isa.load();
+    std::vector<QuadsPart> parts;
     for (size_t i = 0; i + 1 < inputs.size(); ++i) {
-      QmmArgs args;
-      args.x = x_data;
-      args.w = nullptr;
-      args.scales = args.biases = nullptr;
-      args.quads = inputs[i + 1].data<uint8_t>();  // 1-D, so row-major
-      args.y = y_data[i];
-      args.num_inputs = x.shape(-1);
-      args.num_rows = x.size() / x.shape(-1);
-      args.num_outputs = num_outputs[i];
-      args.group_size = kInt8BlockInputs;  // values repeated per block in the layout
-      args.bits = bits;
-      job.parts.push_back(args);
+      parts.push_back({inputs[i + 1].data<uint8_t>(), num_outputs[i], y_data[i]});  // 1-D, so row-major
     }
-    run_quads_group(job);
+    quads_products(row_major_data<float>(x, x_copy), x.size() / x.shape(-1), x.shape(-1), bits, parts);
   });
 }
 

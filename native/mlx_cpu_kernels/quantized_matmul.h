@@ -25,6 +25,15 @@ mx::array quantized_matmul_quads(const mx::array& x, const mx::array& quads, int
 std::vector<mx::array> quantized_matmul_quads_group(const mx::array& x, const std::vector<mx::array>& quads,
                                                    const std::vector<int>& num_outputs, int bits);
 
+// The same products on raw buffers (the fused decoder-layer ops call it): x (num_rows,
+// num_inputs) row-major, each part's y (num_rows, num_outputs) row-major.
+struct QuadsPart {
+  const uint8_t* quads;
+  int64_t num_outputs;
+  float* y;
+};
+void quads_products(const float* x, int64_t num_rows, int64_t num_inputs, int bits, const std::vector<QuadsPart>& parts);
+
 class QuantizedMatmul : public mx::Primitive {
  public:
   QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool int8_activations, bool is_quads)

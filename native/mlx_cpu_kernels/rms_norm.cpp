@@ -53,6 +53,12 @@ void normalize_rows(void* context, int64_t chunk) {
 
 }  // namespace
 
+void normalize(const float* x, const float* weight, int64_t weight_stride, float* y, int64_t num_rows,
+               int64_t num_features, float eps) {
+  NormJob job{x, weight, weight_stride, y, num_rows, num_features, eps};
+  run_on_pool(normalize_rows, &job, (num_rows + kRowsPerChunk - 1) / kRowsPerChunk);
+}
+
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1) || x.shape(-1) == 0) {
     throw std::invalid_argument("rms_norm: weight must be (D,) for x (..., D), D > 0");
@@ -80,9 +86,8 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       for (size_t i = 0; i < x.size(); ++i) copy[i] = data[mx::elem_to_loc(static_cast<int>(i), x.shape(), x.strides())];
       data = copy.data();
     }
-    NormJob job{data, weight.data<float>(), weight.strides(0), y_data,
-                static_cast<int64_t>(x.size() / x.shape(-1)), x.shape(-1), eps};
-    run_on_pool(normalize_rows, &job, (job.num_rows + kRowsPerChunk - 1) / kRowsPerChunk);
+    normalize(data, weight.data<float>(), weight.strides(0), y_data, static_cast<int64_t>(x.size() / x.shape(-1)),
+              x.shape(-1), eps);
   });
 }
 

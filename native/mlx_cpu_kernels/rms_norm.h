@@ -13,6 +13,10 @@ namespace mx = mlx::core;
 // over them, so its bits never depend on the other rows or the thread count.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 
+// The same on raw row-major buffers (the fused decoder-layer ops call it).
+void normalize(const float* x, const float* weight, int64_t weight_stride, float* y, int64_t num_rows,
+               int64_t num_features, float eps);
+
 class RmsNorm : public mx::Primitive {
  public:
   RmsNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}

@@ -17,16 +17,7 @@ namespace {
 // over the cores, a decode step's stays on the caller.
 constexpr int64_t kVectorsPerChunk = 256;
 
-struct RopeJob {
-  const float* x;  // viewed as (B, M, T, D): M the middle dims (heads) collapsed
-  int64_t num_b, num_m, num_t, num_d;
-  int64_t stride_b, stride_m, stride_t, stride_d;
-  const int32_t* offsets;
-  int64_t offset_stride;  // 0: one offset for every row b
-  float* y;  // (B, M, T, D) contiguous
-  int dims;
-  bool traditional;
-  float scale;
+struct RopeJob : RopeArgs {
   std::vector<double> inv_freqs;  // (dims / 2,)
 };
 
@@ -65,6 +56,16 @@ void rotate_vectors(void* context, int64_t chunk) {
 
 }  // namespace
 
+void rotate(const RopeArgs& args) {
+  RopeJob job;
+  static_cast<RopeArgs&>(job) = args;
+  const int half = args.dims / 2;
+  job.inv_freqs.resize(half);
+  for (int i = 0; i < half; ++i) job.inv_freqs[i] = std::pow(static_cast<double>(args.base), -static_cast<double>(i) / half);
+  const int64_t num_vectors = job.num_b * job.num_m * job.num_t;
+  run_on_pool(rotate_vectors, &job, (num_vectors + kVectorsPerChunk - 1) / kVectorsPerChunk);
+}
+
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset) {
   if (x.ndim() < 2) throw std::invalid_argument("rope: x needs >= 2 dims (..., T, D)");
   if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
@@ -93,7 +94,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), offset = mx::array::unsafe_weak_copy(offset),
                     y_data = y.data<float>(), dims = dims_, traditional = traditional_, base = base_,
                     scale = scale_]() {
-    RopeJob job;
+    RopeArgs job;
     const int ndim = x.ndim();
     job.num_b = ndim > 2 ? x.shape(0) : 1;
     job.num_m = 1;
@@ -128,13 +129,9 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
     job.y = y_data;
     job.dims = dims;
     job.traditional = traditional;
+    job.base = base;
     job.scale = scale;
-    const int half = dims / 2;
-    job.inv_freqs.resize(half);
-    for (int i = 0; i < half; ++i) job.inv_freqs[i] = std::pow(static_cast<double>(base), -static_cast<double>(i) / half);
-    const int64_t num_vectors = job.num_b * job.num_m * job.num_t;
-    const int64_t num_chunks = (num_vectors + kVectorsPerChunk - 1) / kVectorsPerChunk;
-    run_on_pool(rotate_vectors, &job, num_chunks);
+    rotate(job);
   });
 }
 

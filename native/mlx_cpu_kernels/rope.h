@@ -14,6 +14,21 @@ namespace mx = mlx::core;
 // a position's rotation is the same bits in every call, whatever else the call holds.
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset);
 
+// The rotation on raw buffers (the fused decoder-layer ops call it): x viewed as (B, M, T, D)
+// at the given strides, y (B, M, T, D) contiguous; the very arithmetic of `rope`.
+struct RopeArgs {
+  const float* x;
+  int64_t num_b, num_m, num_t, num_d;
+  int64_t stride_b, stride_m, stride_t, stride_d;
+  const int32_t* offsets;
+  int64_t offset_stride;  // 0: one offset for every row b
+  float* y;
+  int dims;
+  bool traditional;
+  float base, scale;
+};
+void rotate(const RopeArgs& args);
+
 class Rope : public mx::Primitive {
  public:
   Rope(mx::Stream stream, int dims, bool traditional, float base, float scale)

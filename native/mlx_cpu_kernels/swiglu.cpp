@@ -43,6 +43,11 @@ const float* row_major(const mx::array& a, std::vector<float>& copy) {
 
 }  // namespace
 
+void apply_swiglu(const float* gate, const float* up, float* y, int64_t num_values) {
+  SwiGluJob job{gate, up, y, num_values};
+  run_on_pool(swiglu_values, &job, (num_values + kValuesPerChunk - 1) / kValuesPerChunk);
+}
+
 mx::array swiglu(const mx::array& gate, const mx::array& up) {
   if (gate.shape() != up.shape()) throw std::invalid_argument("swiglu: gate and up must have one shape");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -60,8 +65,7 @@ void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   encoder.dispatch([gate = mx::array::unsafe_weak_copy(inputs[0]), up = mx::array::unsafe_weak_copy(inputs[1]),
                     y_data = y.data<float>()]() {
     std::vector<float> gate_copy, up_copy;
-    SwiGluJob job{row_major(gate, gate_copy), row_major(up, up_copy), y_data, static_cast<int64_t>(gate.size())};
-    run_on_pool(swiglu_values, &job, (job.num_values + kValuesPerChunk - 1) / kValuesPerChunk);
+    apply_swiglu(row_major(gate, gate_copy), row_major(up, up_copy), y_data, static_cast<int64_t>(gate.size()));
   });
 }
 

@@ -12,6 +12,9 @@ namespace mx = mlx::core;
 // (gate / (1 + exp(-gate))) * up for float32 gate and up of one shape.
 mx::array swiglu(const mx::array& gate, const mx::array& up);
 
+// The same on raw buffers of num_values floats (the fused decoder-layer ops call it).
+void apply_swiglu(const float* gate, const float* up, float* y, int64_t num_values);
+
 class SwiGlu : public mx::Primitive {
  public:
   explicit SwiGlu(mx::Stream stream) : mx::Primitive(stream) {}
