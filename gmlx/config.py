@@ -157,6 +157,13 @@ def is_cpu_decode_ops_enabled() -> bool:
     return _env_flag("GMLX_CPU_DECODE_OPS", True)
 
 
+def is_fused_layers_enabled() -> bool:
+    """GMLX_CPU_FUSED_LAYERS (default on): with the decode ops on, a llama layer whose products are
+    all in the quad layout runs as four kernel nodes (gmlx/platform/cpu_layers.py, same bits);
+    0 keeps its ~20 (A/B runs)."""
+    return _env_flag("GMLX_CPU_FUSED_LAYERS", True)
+
+
 def is_quad_layout_enabled() -> bool:
     """GMLX_CPU_QUAD_LAYOUT (default on): int8-activation products with exact float16 scales keep
     their weights in the kernels' one-stream layout (same bits); 0 keeps mlx's rows (A/B runs)."""
@@ -236,7 +243,7 @@ def validate_settings() -> None:
     it) instead of the first round that reads it."""
     for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
-                 is_malloc_tuned, cpu_quant_activations, is_quad_layout_enabled):
+                 is_malloc_tuned, cpu_quant_activations, is_quad_layout_enabled, is_fused_layers_enabled):
         read()
 
 

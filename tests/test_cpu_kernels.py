@@ -566,6 +566,7 @@ def test_gguf_like_model_runs_in_the_quad_layout(gguf_like_target):
     assert len(modules) == 2 * 7 + 1 and all(m.is_int8_activations and "quads" in m for m in modules)
     assert gguf_like_target.model.model.embed_tokens.bits == 8
     assert all(type(layer.mlp).__name__ == "KernelLlamaMLP" for layer in gguf_like_target.model.model.layers)
+    assert all(type(layer).__name__ == "FusedLlamaBlock" for layer in gguf_like_target.model.model.layers)
 
 
 def test_quad_layout_and_grouping_leave_every_logit_bit_alone(gguf_like_target, code_prompts):

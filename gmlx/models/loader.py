@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_fusion_enabled, is_cpu_kernels_enabled,
-                         is_input_major_enabled)
+                         is_fused_layers_enabled, is_input_major_enabled)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.packed import use_packed_attention
@@ -26,6 +26,7 @@ from gmlx.models.source import is_gguf_path, resolve_model_path
 from gmlx.platform.cpu_decode_ops import use_cpu_decode_ops
 from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
+from gmlx.platform.cpu_layers import use_fused_layers
 from gmlx.platform.cpu_quantized import use_cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,8 @@ def _prepare_for_cpu(model: nn.Module, source: str, head_module: nn.Module) -> N
         store_weights_input_major(model)
     if is_cpu_kernels_enabled() and use_cpu_kernels(model, head_module) > 0 and is_cpu_decode_ops_enabled():
         use_cpu_decode_ops(model)  # off mlx's bits already: its small ops as one node each too
+        if is_fused_layers_enabled():
+            use_fused_layers(model)  # and a layer whose products are all in the quad layout, four nodes
 
 
 def _check_model_type(source: Path, config: dict) -> None:

@@ -134,6 +134,11 @@ def output_dims(module: nn.Module) -> int:
     return module.num_outputs if "quads" in module else module["weight"].shape[0]
 
 
+def input_dims(module: nn.Module) -> int:
+    """A quantized linear module's inputs, whatever layout its weights are kept in."""
+    return module.num_inputs if "quads" in module else module["weight"].shape[1] * 32 // module.bits
+
+
 def _store_quads(module: nn.Module) -> None:
     """Keep an int8-activation module's weights in the kernels' quad layout only: one stream per
     product instead of twelve (4 rows of weights, scales, biases), 1.1-2x faster from DRAM (3x

@@ -1,0 +1,104 @@
+"""A llama decoder layer in four kernel nodes on the CPU, where its weights allow.
+
+With the decode ops swapped in (gmlx/platform/cpu_decode_ops.py) a SmolLM2 layer is still
+~20 graph nodes (norms, grouped products, reshapes, transposes, RoPE, the KV writes,
+attention, residual adds), and building and walking ~680 nodes a step costs the Python
+thread ~3 ms: on two cores, time the kernels' second thread needed. Where every product of
+a layer is in the quad layout (gmlx/platform/cpu_quantized.py), its call with a
+RaggedKVCache becomes: attention_inputs (norm, q/k/v, RoPE), the two KV writes, ragged
+attention, project_add (o_proj + residual), mlp_block (norm, gate/up, SwiGLU, down,
+residual). Each runs the separate ops' code, so the bits are the separate graph's (a probe
+at load checks it); packed forwards and calls without a ragged cache run the layer as
+mlx-lm builds it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+from gmlx.cache.ragged import RaggedKVCache
+from gmlx.platform import cpu_kernels
+from gmlx.platform.cpu_attention import _KernelAttention
+from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, _KernelMLP
+from gmlx.platform.cpu_quantized import KernelQuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+
+class _FusedBlock:
+    """Mixed into mlx-lm's llama TransformerBlock whose layer passed is_fusable."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if not isinstance(cache, RaggedKVCache):
+            return super().__call__(x, mask, cache)
+        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        bits = attn.q_proj.bits
+        offset = cache.offset  # (B,) each row's first new position, before the write
+        queries, keys, values = cpu_kernels.extension().attention_inputs(
+            x, norm["weight"], norm.eps, offset, [p["quads"] for p in (attn.q_proj, attn.k_proj, attn.v_proj)],
+            attn.n_heads, attn.n_kv_heads, attn.q_proj.num_outputs // attn.n_heads, bits,
+            attn.rope.dims, attn.rope.traditional, attn.rope.base, attn.rope.scale)
+        cache.update_and_fetch(keys, values)
+        out = cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, attn.scale)  # (B, T, Hq * Dh)
+        h = cpu_kernels.extension().project_add(out, attn.o_proj["quads"], x, bits)
+        post = self.post_attention_layernorm
+        return cpu_kernels.extension().mlp_block(h, post["weight"], post.eps, mlp.gate_proj["quads"],
+                                                 mlp.up_proj["quads"], mlp.down_proj["quads"],
+                                                 mlp.gate_proj.num_outputs, bits)
+
+
+class FusedLlamaBlock(_FusedBlock, llama.TransformerBlock):
+    pass
+
+
+def _is_quads(module: nn.Module) -> bool:
+    return type(module) is KernelQuantizedLinear and "quads" in module and "bias" not in module
+
+
+def is_fusable(block: nn.Module) -> bool:
+    """A llama block whose products are all in the quad layout at one width, with the kernels'
+    attention (no q/k norms), RoPE, norms and MLP."""
+    if type(block) is not llama.TransformerBlock:
+        return False
+    attn, mlp = block.self_attn, block.mlp
+    products = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (isinstance(attn, _KernelAttention) and "q_norm" not in attn and type(attn.rope) is KernelRoPE
+            and isinstance(mlp, _KernelMLP) and all(_is_quads(p) for p in products)
+            and len({p.bits for p in products}) == 1
+            and type(block.input_layernorm) is KernelRMSNorm and type(block.post_attention_layernorm) is KernelRMSNorm)
+
+
+def _is_probe_exact(block: nn.Module) -> bool:
+    """The fused call against the block's own on a ragged probe (two rows at other lengths, 3
+    new positions): the same output and KV bits?"""
+    hidden = block.input_layernorm["weight"].shape[0]
+    x = mx.random.normal((2, 3, hidden), key=mx.random.key(3))
+    prefix = mx.random.normal((2, 5, hidden), key=mx.random.key(4))
+    results = []
+    for call in (llama.TransformerBlock.__call__, FusedLlamaBlock.__call__):
+        cache = RaggedKVCache(num_rows=2)
+        llama.TransformerBlock.__call__(block, prefix, None, cache)
+        cache.lengths = [5, 2]  # ragged: the second row's last 3 prefix positions are overwritten
+        cache._offset = None
+        out = call(block, x, None, cache)
+        results.append((out, cache.keys[:, :, :8], cache.values[:, :, :8]))
+    return all(mx.array_equal(a, b).item() for a, b in zip(*results))
+
+
+def use_fused_layers(model: nn.Module) -> int:
+    """Swap the model's fusable llama blocks for FusedLlamaBlock; how many (0 if the probe fails)."""
+    if not cpu_kernels.is_built() or not hasattr(cpu_kernels.extension(), "mlp_block"):
+        return 0
+    blocks = [b for b in getattr(model.model, "layers", []) if is_fusable(b)]
+    if not blocks:
+        return 0
+    if not _is_probe_exact(blocks[0]):
+        logger.warning("not fusing the decoder layers: the fused call differs from the layer's own")
+        return 0
+    for block in blocks:
+        block.__class__ = FusedLlamaBlock
+    return len(blocks)

@@ -1,0 +1,195 @@
+#include "decoder_layer.h"
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "int8_dot_kernels.h"
+#include "quantized_matmul.h"
+#include "rms_norm.h"
+#include "rope.h"
+#include "swiglu.h"
+
+namespace gmlx_kernels {
+
+namespace {
+
+// The array's floats in row-major order: its own data when already so, else a copy.
+const float* row_major(const mx::array& a, std::vector<float>& copy) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  copy.resize(a.size());
+  const float* src = a.data<float>();
+  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(i, a.shape(), a.strides())];
+  return copy.data();
+}
+
+mx::array as_float32(const mx::array& a, mx::Stream s) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); }
+
+void check_quads(const mx::array& quads, int64_t num_outputs, int64_t num_inputs, int bits, const char* what) {
+  if (quads.dtype() != mx::uint8 || quads.ndim() != 1 ||
+      static_cast<int64_t>(quads.size()) != quad_layout_bytes(num_outputs, num_inputs, bits)) {
+    throw std::invalid_argument(std::string(what) + ": quads must be the uint8 layout of " +
+                                std::to_string(num_outputs) + " outputs x " + std::to_string(num_inputs) + " inputs");
+  }
+}
+
+// Rows (b, t) of a (B * T, H * Dh) buffer as (B, H, T, Dh), rotated into y.
+void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_t, int64_t head_dim,
+                  const mx::array& offset, const RopeSpec& rope, float* y) {
+  RopeArgs args;
+  args.x = x;
+  args.num_b = num_b;
+  args.num_m = num_heads;
+  args.num_t = num_t;
+  args.num_d = head_dim;
+  args.stride_b = num_t * num_heads * head_dim;
+  args.stride_m = head_dim;
+  args.stride_t = num_heads * head_dim;
+  args.stride_d = 1;
+  args.offsets = offset.data<int32_t>();
+  args.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+  args.y = y;
+  args.dims = rope.dims;
+  args.traditional = rope.traditional;
+  args.base = rope.base;
+  args.scale = rope.scale;
+  rotate(args);
+}
+
+}  // namespace
+
+std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight, float eps,
+                                        const mx::array& offset, const std::vector<mx::array>& quads,
+                                        int num_q_heads, int num_kv_heads, int head_dim, int bits,
+                                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale) {
+  if (x.ndim() != 3 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(2) || x.shape(2) % 32 != 0) {
+    throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
+  }
+  if (quads.size() != 3) throw std::invalid_argument("attention_inputs: quads of q, k and v");
+  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
+    throw std::invalid_argument("attention_inputs: rope dims must be even and at most head_dim");
+  }
+  if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
+    throw std::invalid_argument("attention_inputs: offset must be a scalar or one per row");
+  }
+  const int dims = x.shape(2);
+  check_quads(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
+  check_quads(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
+  check_quads(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs v");
+  auto s = mx::default_stream(mx::Device::cpu);
+  const int num_b = x.shape(0), num_t = x.shape(1);
+  auto offset32 = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
+  return mx::array::make_arrays(
+      {{num_b, num_q_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
+                                       head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}),
+      {as_float32(x, s), as_float32(norm_weight, s), offset32, quads[0], quads[1], quads[2]});
+}
+
+mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits) {
+  if (a.ndim() < 1 || residual.ndim() != a.ndim() || a.shape(-1) % 32 != 0) {
+    throw std::invalid_argument("project_add: a (..., K), K a multiple of 32, and residual (..., N)");
+  }
+  for (int i = 0; i + 1 < a.ndim(); ++i) {
+    if (a.shape(i) != residual.shape(i)) throw std::invalid_argument("project_add: a and residual rows differ");
+  }
+  check_quads(quads, residual.shape(-1), a.shape(-1), bits, "project_add");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(residual.shape(), mx::float32,
+                   std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kProjectAdd, bits, 0.0f, 0, 0, 0, 0,
+                                                    RopeSpec{}),
+                   {as_float32(a, s), quads, as_float32(residual, s)});
+}
+
+mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps, const mx::array& gate_quads,
+                    const mx::array& up_quads, const mx::array& down_quads, int hidden_dims, int bits) {
+  if (h.ndim() < 1 || norm_weight.ndim() != 1 || norm_weight.shape(0) != h.shape(-1) || h.shape(-1) % 32 != 0 ||
+      hidden_dims % 32 != 0) {
+    throw std::invalid_argument("mlp_block: h (..., D), norm_weight (D,), D and hidden_dims multiples of 32");
+  }
+  check_quads(gate_quads, hidden_dims, h.shape(-1), bits, "mlp_block gate");
+  check_quads(up_quads, hidden_dims, h.shape(-1), bits, "mlp_block up");
+  check_quads(down_quads, h.shape(-1), hidden_dims, bits, "mlp_block down");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(h.shape(), mx::float32,
+                   std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kMlpBlock, bits, eps, 0, 0, 0,
+                                                    hidden_dims, RopeSpec{}),
+                   {as_float32(h, s), as_float32(norm_weight, s), gate_quads, up_quads, down_quads});
+}
+
+void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::vector<mx::array> weak_inputs;
+  std::vector<float*> y_data;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    weak_inputs.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& y : outputs) {
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    encoder.set_output_array(y);
+    y_data.push_back(y.data<float>());
+  }
+  encoder.dispatch([in = std::move(weak_inputs), y = std::move(y_data), kind = kind_, bits = bits_, eps = eps_,
+                    num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
+                    hidden_dims = hidden_dims_, rope = rope_]() {
+    std::vector<float> x_copy;
+    const float* x = row_major(in[0], x_copy);
+    const int64_t num_inputs = in[0].shape(-1);
+    const int64_t num_rows = in[0].size() / num_inputs;
+    if (kind == Kind::kAttentionInputs) {
+      const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
+      const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
+      std::vector<float> normed(num_rows * num_inputs), q(num_rows * q_width), k(num_rows * kv_width),
+          v(num_rows * kv_width);
+      normalize(x, in[1].data<float>(), in[1].strides(0), normed.data(), num_rows, num_inputs, eps);
+      quads_products(normed.data(), num_rows, num_inputs, bits,
+                     {{in[3].data<uint8_t>(), q_width, q.data()},
+                      {in[4].data<uint8_t>(), kv_width, k.data()},
+                      {in[5].data<uint8_t>(), kv_width, v.data()}});
+      const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
+      rotate_heads(q.data(), num_b, num_q_heads, num_t, head_dim, in[2], rope, y[0]);
+      rotate_heads(k.data(), num_b, num_kv_heads, num_t, head_dim, in[2], rope, y[1]);
+      for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          for (int64_t t = 0; t < num_t; ++t) {
+            const float* src = v.data() + (b * num_t + t) * kv_width + h * head_dim;
+            std::copy(src, src + head_dim, y[2] + ((b * num_kv_heads + h) * num_t + t) * head_dim);
+          }
+        }
+      }
+    } else if (kind == Kind::kProjectAdd) {
+      std::vector<float> residual_copy;
+      const float* residual = row_major(in[2], residual_copy);
+      const int64_t num_outputs = in[2].shape(-1);
+      quads_products(x, num_rows, num_inputs, bits, {{in[1].data<uint8_t>(), num_outputs, y[0]}});
+      // residual + product, in the residual add's order (a float add either way).
+      for (int64_t i = 0; i < num_rows * num_outputs; ++i) y[0][i] = residual[i] + y[0][i];
+    } else {
+      std::vector<float> normed(num_rows * num_inputs), gate(num_rows * hidden_dims), up(num_rows * hidden_dims);
+      normalize(x, in[1].data<float>(), in[1].strides(0), normed.data(), num_rows, num_inputs, eps);
+      quads_products(normed.data(), num_rows, num_inputs, bits,
+                     {{in[2].data<uint8_t>(), hidden_dims, gate.data()}, {in[3].data<uint8_t>(), hidden_dims, up.data()}});
+      apply_swiglu(gate.data(), up.data(), gate.data(), num_rows * hidden_dims);
+      quads_products(gate.data(), num_rows, hidden_dims, bits, {{in[4].data<uint8_t>(), num_inputs, y[0]}});
+      for (int64_t i = 0; i < num_rows * num_inputs; ++i) y[0][i] = x[i] + y[0][i];
+    }
+  });
+}
+
+void DecoderLayerOp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxDecoderLayerOp runs on the CPU only");
+}
+
+bool DecoderLayerOp::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DecoderLayerOp&>(other);
+  return kind_ == o.kind_ && bits_ == o.bits_ && eps_ == o.eps_ && num_q_heads_ == o.num_q_heads_ &&
+         num_kv_heads_ == o.num_kv_heads_ && head_dim_ == o.head_dim_ && hidden_dims_ == o.hidden_dims_ &&
+         rope_.dims == o.rope_.dims && rope_.traditional == o.rope_.traditional && rope_.base == o.rope_.base &&
+         rope_.scale == o.rope_.scale;
+}
+
+}  // namespace gmlx_kernels
