@@ -42,6 +42,8 @@ from gmlx.engine import Engine  # noqa: E402
 from gmlx.generate import render_chat, stream_generate  # noqa: E402
 from gmlx.models.gguf import write_mlx_lm_folder  # noqa: E402
 from gmlx.models.source import resolve_model_path  # noqa: E402
+from gmlx.platform.cpu_kernels import is_built as is_kernels_built  # noqa: E402
+from gmlx.platform.cpu_kernels import read_bandwidth_gbs  # noqa: E402
 from gmlx.request import SamplingParams  # noqa: E402
 
 # An instruction the chat model answers at length, so no run stops early at EOS.
@@ -124,7 +126,9 @@ def main() -> None:
     results = {name: [] for name in names}
     for name, engine in engines.items():  # warm-up: compile, touch every weight once
         gmlx_tok_per_s(engine, 16)
+    dram_gbs = []  # this machine's read rate, once per repeat: the box's neighbours move it
     for _ in range(args.repeats):
+        dram_gbs.append(read_bandwidth_gbs(512 << 20, 3) if is_kernels_built() else float("nan"))
         for name, engine in engines.items():
             results[name].append(gmlx_tok_per_s(engine, args.tokens))
         if baseline:
@@ -134,16 +138,27 @@ def main() -> None:
 
     medians = {name: statistics.median(values) for name, values in results.items()}
     reference = medians["gmlx float32"]
+    dram = statistics.median(dram_gbs)
+    # Weight bytes a token reads (as loaded: quad layout, float16 scales) per second, of DRAM.
+    weight_gbs = {name: medians[name] * engine.target.num_weight_bytes / 1e9 for name, engine in engines.items()}
+    llama = medians.get("llama.cpp")
     report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats,
-              "cpu": platform.processor() or platform.machine(),
-              "tok_per_s": medians, "ratio_to_gmlx_float32": {n: v / reference for n, v in medians.items()}}
+              "cpu": platform.processor() or platform.machine(), "all_tok_per_s": results,
+              "tok_per_s": medians, "ratio_to_gmlx_float32": {n: v / reference for n, v in medians.items()},
+              "ratio_to_llama_cpp": {n: v / llama for n, v in medians.items()} if llama else None,
+              "dram_gbs": dram_gbs, "weight_gbs": weight_gbs, "weight_of_dram": {n: g / dram for n, g in weight_gbs.items()}}
     if args.json:
         print(json.dumps(report))
         return
     print(f"{source.name}, width 1, {args.tokens} tokens, median of {args.repeats}, "
           f"OpenBLAS threads {os.environ.get('OPENBLAS_NUM_THREADS')}, llama-bench -t {os.cpu_count()}")
+    print(f"  DRAM read {dram:.1f} GB/s (median of {', '.join(f'{d:.1f}' for d in dram_gbs)})")
     for name, value in medians.items():
-        print(f"  {name:26s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32)")
+        versus = f", {value / llama:.2f}x llama.cpp" if llama else ""
+        weights = (f"; weights {weight_gbs[name]:.1f} GB/s = {weight_gbs[name] / dram:.2f} of DRAM"
+                   if name in weight_gbs else "")
+        runs = ", ".join(f"{v:.1f}" for v in results[name])
+        print(f"  {name:26s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32{versus}{weights}) [{runs}]")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,14 @@ quantized to int8 per 32 inputs (integer dots):
 
     OPENBLAS_NUM_THREADS=1 GMLX_CPU_KERNELS_THREADS=1 python3 scripts/bench_decode_ops.py --compare activations --cpu-time
 
+--compare layout puts the int8 path's weights in mlx's rows (GMLX_CPU_QUAD_LAYOUT=0: one node per
+product) beside the one-stream quad layout (q/k/v and gate/up grouped), same bits:
+
+    python3 scripts/bench_decode_ops.py --compare layout
+
+--compare fused puts a llama layer's ~20 nodes (GMLX_CPU_FUSED_LAYERS=0) beside its four fused
+kernel nodes (gmlx/platform/cpu_layers.py), same bits.
+
 --cpu-time times the forwards and products in process CPU seconds (with one kernel and one
 BLAS thread: the work per step, which an oversubscribed box does not inflate the way it
 inflates wall time); the engine's tok/s stays wall time.
@@ -45,6 +53,7 @@ from gmlx.cache.ragged import make_ragged_cache  # noqa: E402
 from gmlx.config import EngineConfig, env_overrides  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
 from gmlx.models.source import resolve_model_path  # noqa: E402
+from gmlx.platform.cpu_quantized import input_dims  # noqa: E402
 from gmlx.platform.timing import best_of_s  # noqa: E402
 
 # What each comparison loads per side (GMLX_* overrides on top of the quantized format).
@@ -52,6 +61,9 @@ COMPARISONS = {
     "decode-ops": {"ops off": {"GMLX_CPU_DECODE_OPS": "0"}, "ops on": {"GMLX_CPU_DECODE_OPS": "1"}},
     "activations": {"float x": {"GMLX_CPU_QUANT_ACTIVATIONS": "float"},
                     "int8 x": {"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}},
+    "layout": {"row layout": {"GMLX_CPU_QUAD_LAYOUT": "0"},
+               "quad layout": {"GMLX_CPU_QUAD_LAYOUT": "1", "GMLX_CPU_FUSED_LAYERS": "0"}},
+    "fused": {"layers apart": {"GMLX_CPU_FUSED_LAYERS": "0"}, "fused layers": {"GMLX_CPU_FUSED_LAYERS": "1"}},
 }
 MAX_POSITIONS = 4
 
@@ -76,14 +88,13 @@ def products_fn(target):
     modules = [m for m in target.model.modules() if isinstance(m, nn.QuantizedLinear)]
     inputs = {}
     for m in modules:
-        num_inputs = m["weight"].shape[1] * 32 // m.bits
-        inputs.setdefault(num_inputs, mx.random.normal((1, 1, num_inputs)))
+        inputs.setdefault(input_dims(m), mx.random.normal((1, 1, input_dims(m))))
     embed = target.body.embed_tokens
     head_input = mx.random.normal((1, 1, target.hidden_size))
     mx.eval(list(inputs.values()), head_input)
 
     def run():
-        outs = [m(inputs[m["weight"].shape[1] * 32 // m.bits]) for m in modules]
+        outs = [m(inputs[input_dims(m)]) for m in modules]
         if isinstance(embed, nn.QuantizedEmbedding):
             outs.append(embed.as_linear(head_input))
         mx.eval(outs)

@@ -24,6 +24,11 @@ x quantized per 32 inputs, integer dots) beside the float path, with float32 and
 scales and biases (0.75 and 0.625 bytes a weight):
     OPENBLAS_NUM_THREADS=1 python scripts/bench_kernels.py --cpu-time --threads 1 --int8-too
 
+--quads-too adds the int8 path over the one-stream quad layout gmlx keeps such weights in
+(GMLX_CPU_QUAD_LAYOUT: per 4 outputs and 128 inputs the weights, then float16 scales and biases;
+the same bits), in GB/s of its own bytes:
+    python scripts/bench_kernels.py --quads-too --shapes 576x576,960x576,3072x576,576x1536 --rows 1,2,4
+
 --prefill-tokens N (--prefill-only: only this) times a real model's prefill (--model,
 default smollm2 at its 4-bit weights through the kernels): a direct forward of an N-token
 prompt (random token ids, fixed seed) in --chunk-tokens chunks on an mlx-lm KV cache, then
@@ -76,7 +81,7 @@ NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
 
 
 def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas,
-                  panel_off_too=False, dequant_too=False, int8_too=False):
+                  panel_off_too=False, dequant_too=False, int8_too=False, quads_too=False):
     weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
     packed = mx.quantize(weight, group_size=group_size, bits=bits)
     quantized_bytes = sum(a.nbytes for a in packed)
@@ -88,9 +93,13 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
     f_copies = [weight + i * 1e-9 for i in range(num_float_copies)]
     # float16 scales and biases, as int8-activation modules keep a GGUF's (timing only: mx.quantize's
     # float32 scales round here, a GGUF's Q4_1 ones are exact).
+    int8_too = int8_too or quads_too
     half_copies = [(w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in q_copies] if int8_too else []
     half_bytes = sum(a.nbytes for a in half_copies[0]) if int8_too else 0
-    mx.eval(q_copies, f_copies, half_copies)
+    # The same weights in the one-stream layout gmlx keeps them in (GMLX_CPU_QUAD_LAYOUT).
+    quad_copies = [cpu_kernels.pack_quads(w, s, b, group_size, bits) for w, s, b in half_copies] if quads_too else []
+    quad_bytes = quad_copies[0].nbytes if quads_too else 0
+    mx.eval(q_copies, f_copies, half_copies, quad_copies)
     ext = cpu_kernels.extension()
     rows = []
     for num_rows in num_rows_list:
@@ -109,6 +118,10 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
                 t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits, True)
                                          for w, s, b in half_copies], reps) / num_copies
                 row[f"int8_half_{isa}_ms"], row[f"int8_half_{isa}_gbs"] = 1e3 * t, half_bytes / t / 1e9
+            if quads_too:
+                t = best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
+                                         for q in quad_copies], reps) / num_copies
+                row[f"quads_{isa}_ms"], row[f"quads_{isa}_gbs"] = 1e3 * t, quad_bytes / t / 1e9
             if panel_off_too:
                 panel_min_rows = ext.panel_min_rows()
                 ext.set_panel_min_rows(NEVER)
@@ -285,6 +298,8 @@ def main() -> None:
                         help="rows from which the kernels take the panel path (0: the built-in default)")
     parser.add_argument("--dequant-too", action="store_true", help="add mx.dequantize + float32 product")
     parser.add_argument("--int8-too", action="store_true", help="add the int8-activation path")
+    parser.add_argument("--quads-too", action="store_true",
+                        help="add the int8 path over the one-stream quad layout (implies --int8-too)")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="add a real model's prefill (0: off)")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill comparison")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk")
@@ -316,7 +331,7 @@ def main() -> None:
         dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
         results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
                                  args.group_size, args.min_bytes, args.reps, isas, args.panel_off_too,
-                                 args.dequant_too, args.int8_too)
+                                 args.dequant_too, args.int8_too, args.quads_too)
     ext.set_isa(ext.best_isa())
     dram_gbs = max(dram)
     print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
@@ -324,10 +339,13 @@ def main() -> None:
           f"{args.bits}-bit, group {args.group_size}; DRAM read {dram_gbs:.1f} GB/s "
           f"(per shape: {', '.join(f'{d:.1f}' for d in dram)})\n")
     header = ["shape (out x in)", "rows"] + [f"gmlx {isa} ms (GB/s, of DRAM)" for isa in isas]
-    is_int8 = args.int8_too
+    is_int8 = args.int8_too or args.quads_too
     if is_int8:
         header += [f"int8 x {isa} ms (GB/s, of DRAM)" for isa in isas] + [f"int8 / float {isa}" for isa in isas]
         header += [f"int8 x, f16 scales {isa} ms (GB/s)" for isa in isas]
+    if args.quads_too:
+        header += [f"int8 x, quad layout {isa} ms (GB/s, of DRAM)" for isa in isas]
+        header += [f"quads / f16 rows {isa}" for isa in isas]
     if args.panel_off_too:
         header += [f"few-row only {isa} ms" for isa in isas]
     if args.dequant_too:
@@ -345,6 +363,10 @@ def main() -> None:
                       for isa in isas]
             cells += [f"{r[f'gmlx_{isa}_ms'] / r[f'int8_{isa}_ms']:.2f}x" for isa in isas]
             cells += [f"{r[f'int8_half_{isa}_ms']:.3f} ({r[f'int8_half_{isa}_gbs']:.1f})" for isa in isas]
+        if args.quads_too:
+            cells += [f"{r[f'quads_{isa}_ms']:.3f} ({r[f'quads_{isa}_gbs']:.1f}, {r[f'quads_{isa}_gbs'] / dram_gbs:.2f})"
+                      for isa in isas]
+            cells += [f"{r[f'int8_half_{isa}_ms'] / r[f'quads_{isa}_ms']:.2f}x" for isa in isas]
         if args.panel_off_too:
             cells += [f"{r[f'few_row_{isa}_ms']:.3f}" for isa in isas]
         if args.dequant_too:
