@@ -149,29 +149,17 @@ class RaggedKVCache:
         self._offset = None
 
     def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
-        self.reserve(end - max(self.lengths), keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
-
-    def reserve(self, num_new: int, num_heads: int, k_dim: int, v_dim: int, dtype=mx.float32) -> None:
-        """Room for num_new more positions in every row (the buffers grow in _STEP_TOKENS steps)."""
-        end = max(self.lengths) + num_new
         if self.keys is not None and end <= self.keys.shape[2]:
             return
+        num_rows, num_heads, _, k_dim = keys.shape
         capacity = ((max(end, self.min_capacity) + _STEP_TOKENS - 1) // _STEP_TOKENS) * _STEP_TOKENS
-        new_k = mx.zeros((self.num_rows, num_heads, capacity, k_dim), dtype)
-        new_v = mx.zeros((self.num_rows, num_heads, capacity, v_dim), dtype)
+        new_k = mx.zeros((num_rows, num_heads, capacity, k_dim), keys.dtype)
+        new_v = mx.zeros((num_rows, num_heads, capacity, values.shape[3]), values.dtype)
         if self.keys is not None:
             used = self.keys.shape[2]
             new_k[..., :used, :] = self.keys
             new_v[..., :used, :] = self.values
         self.keys, self.values = new_k, new_v
-
-    def advance(self, keys: mx.array, values: mx.array, num_new: int) -> None:
-        """Take the buffers a kernel wrote num_new positions of every row into, at each row's end
-        (gmlx/platform/cpu_layers.py): what update_and_fetch does, without its graph nodes."""
-        assert keys.shape == self.keys.shape and values.shape == self.values.shape
-        self.keys, self.values = keys, values
-        self.lengths = [n + num_new for n in self.lengths]
-        self._offset = None
 
 
 def _pad_to(cache: RaggedKVCache, name: str, width: int, proto: RaggedKVCache) -> mx.array:

@@ -5,9 +5,9 @@ With the decode ops swapped in (gmlx/platform/cpu_decode_ops.py) a SmolLM2 layer
 attention, residual adds), and building and walking ~680 nodes a step costs the Python
 thread ~3 ms: on two cores, time the kernels' second thread needed. Where every product of
 a layer is in the quad layout (gmlx/platform/cpu_quantized.py), its call with a
-RaggedKVCache becomes: attention_inputs (norm, q/k/v, RoPE, the KV write into the cache's
-buffers, in place as mlx's slice update), ragged attention, project_add (o_proj + residual),
-mlp_block (norm, gate/up, SwiGLU, down, residual). Each runs the separate ops' code, so the bits are the separate graph's (a probe
+RaggedKVCache becomes: attention_inputs (norm, q/k/v, RoPE), the two KV writes, ragged
+attention, project_add (o_proj + residual), mlp_block (norm, gate/up, SwiGLU, down,
+residual). Each runs the separate ops' code, so the bits are the separate graph's (a probe
 at load checks it); packed forwards and calls without a ragged cache run the layer as
 mlx-lm builds it.
 """
@@ -36,15 +36,13 @@ class _FusedBlock:
         if not isinstance(cache, RaggedKVCache):
             return super().__call__(x, mask, cache)
         attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
-        bits, num_new = attn.q_proj.bits, x.shape[1]
-        head_dim = attn.q_proj.num_outputs // attn.n_heads
+        bits = attn.q_proj.bits
         offset = cache.offset  # (B,) each row's first new position, before the write
-        cache.reserve(num_new, attn.n_kv_heads, head_dim, head_dim)
         queries, keys, values = cpu_kernels.extension().attention_inputs(
             x, norm["weight"], norm.eps, offset, [p["quads"] for p in (attn.q_proj, attn.k_proj, attn.v_proj)],
-            cache.keys, cache.values, attn.n_heads, attn.n_kv_heads, head_dim, bits,
+            attn.n_heads, attn.n_kv_heads, attn.q_proj.num_outputs // attn.n_heads, bits,
             attn.rope.dims, attn.rope.traditional, attn.rope.base, attn.rope.scale)
-        cache.advance(keys, values, num_new)
+        cache.update_and_fetch(keys, values)
         out = cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, attn.scale)  # (B, T, Hq * Dh)
         h = cpu_kernels.extension().project_add(out, attn.o_proj["quads"], x, bits)
         post = self.post_attention_layernorm

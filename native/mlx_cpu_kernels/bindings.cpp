@@ -37,10 +37,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b");
   m.def("attention_inputs", &gmlx_kernels::attention_inputs, "x"_a, "norm_weight"_a, "eps"_a, "offset"_a, "quads"_a,
-        "keys"_a, "values"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a, "bits"_a, "rope_dims"_a,
-        "rope_traditional"_a, "rope_base"_a, "rope_scale"_a,
-        "rms_norm, the q/k/v quad-layout products, RoPE and the KV write of a llama layer as one node: "
-        "[q, keys, values]");
+        "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a, "bits"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
+        "rope_scale"_a, "rms_norm, the q/k/v quad-layout products and RoPE of a llama layer as one node: [q, k, v]");
   m.def("project_add", &gmlx_kernels::project_add, "a"_a, "quads"_a, "residual"_a, "bits"_a,
         "residual + a @ W.T over a quad-layout W, one node");
   m.def("mlp_block", &gmlx_kernels::mlp_block, "h"_a, "norm_weight"_a, "eps"_a, "gate_quads"_a, "up_quads"_a,

@@ -1,9 +1,7 @@
 #include "decoder_layer.h"
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "mlx/backend/common/utils.h"
@@ -64,9 +62,8 @@ void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_
 
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight, float eps,
                                         const mx::array& offset, const std::vector<mx::array>& quads,
-                                        const mx::array& keys, const mx::array& values, int num_q_heads,
-                                        int num_kv_heads, int head_dim, int bits, int rope_dims,
-                                        bool rope_traditional, float rope_base, float rope_scale) {
+                                        int num_q_heads, int num_kv_heads, int head_dim, int bits,
+                                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale) {
   if (x.ndim() != 3 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(2) || x.shape(2) % 32 != 0) {
     throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
   }
@@ -81,20 +78,15 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
   check_quads(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
   check_quads(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
   check_quads(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs v");
-  const mx::Shape buffer_shape = keys.shape();
-  if (keys.ndim() != 4 || values.shape() != buffer_shape || keys.shape(0) != x.shape(0) ||
-      keys.shape(1) != num_kv_heads || keys.shape(3) != head_dim || keys.dtype() != mx::float32 ||
-      values.dtype() != mx::float32) {
-    throw std::invalid_argument("attention_inputs: keys and values must be float32 (B, Hkv, S, head_dim) buffers");
-  }
   auto s = mx::default_stream(mx::Device::cpu);
   const int num_b = x.shape(0), num_t = x.shape(1);
   auto offset32 = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
   return mx::array::make_arrays(
-      {{num_b, num_q_heads, num_t, head_dim}, buffer_shape, buffer_shape}, {mx::float32, mx::float32, mx::float32},
+      {{num_b, num_q_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}},
+      {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
                                        head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}),
-      {as_float32(x, s), as_float32(norm_weight, s), offset32, quads[0], quads[1], quads[2], keys, values});
+      {as_float32(x, s), as_float32(norm_weight, s), offset32, quads[0], quads[1], quads[2]});
 }
 
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits) {
@@ -132,37 +124,18 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   auto& encoder = mx::cpu::get_command_encoder(stream());
   std::vector<mx::array> weak_inputs;
   std::vector<float*> y_data;
-  // attention_inputs' KV buffers: written in place when nothing else holds them (the cache
-  // has moved on to the outputs), as mlx's slice update does; else copied first.
-  std::vector<std::pair<mx::array, float*>> buffer_copies;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    auto& y = outputs[i];
-    if (kind_ == Kind::kAttentionInputs && i > 0) {
-      const auto& buffer = inputs[5 + i];
-      if (buffer.is_donatable() && buffer.flags().row_contiguous) {
-        y.copy_shared_buffer(buffer);
-      } else {
-        y.set_data(mx::allocator::malloc(y.nbytes()));
-        buffer_copies.emplace_back(mx::array::unsafe_weak_copy(buffer), y.data<float>());
-      }
-    } else {
-      y.set_data(mx::allocator::malloc(y.nbytes()));
-    }
-    encoder.set_output_array(y);
-    y_data.push_back(y.data<float>());
-  }
   for (const auto& a : inputs) {
     encoder.set_input_array(a);
     weak_inputs.push_back(mx::array::unsafe_weak_copy(a));
   }
-  encoder.dispatch([in = std::move(weak_inputs), y = std::move(y_data), copies = std::move(buffer_copies),
-                    kind = kind_, bits = bits_, eps = eps_, num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_,
-                    head_dim = head_dim_, hidden_dims = hidden_dims_, rope = rope_]() {
-    for (const auto& [from, to] : copies) {
-      std::vector<float> copy;
-      const float* src = row_major(from, copy);
-      std::copy(src, src + from.size(), to);
-    }
+  for (auto& y : outputs) {
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    encoder.set_output_array(y);
+    y_data.push_back(y.data<float>());
+  }
+  encoder.dispatch([in = std::move(weak_inputs), y = std::move(y_data), kind = kind_, bits = bits_, eps = eps_,
+                    num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
+                    hidden_dims = hidden_dims_, rope = rope_]() {
     std::vector<float> x_copy;
     const float* x = row_major(in[0], x_copy);
     const int64_t num_inputs = in[0].shape(-1);
@@ -177,22 +150,14 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
                      {{in[3].data<uint8_t>(), q_width, q.data()},
                       {in[4].data<uint8_t>(), kv_width, k.data()},
                       {in[5].data<uint8_t>(), kv_width, v.data()}});
-      const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1), capacity = in[6].shape(2);
+      const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
       rotate_heads(q.data(), num_b, num_q_heads, num_t, head_dim, in[2], rope, y[0]);
-      std::vector<float> k_rotated(k.size());
-      rotate_heads(k.data(), num_b, num_kv_heads, num_t, head_dim, in[2], rope, k_rotated.data());
-      const int32_t* offsets = in[2].data<int32_t>();
-      const int64_t offset_stride = in[2].ndim() == 1 && in[2].size() > 1 ? in[2].strides(0) : 0;
-      for (int64_t b = 0; b < num_b; ++b) {  // row b's new positions at its own end of the buffers
-        const int64_t start = offsets[b * offset_stride];
-        if (start < 0 || start + num_t > capacity) throw std::out_of_range("attention_inputs: KV buffer too short");
+      rotate_heads(k.data(), num_b, num_kv_heads, num_t, head_dim, in[2], rope, y[1]);
+      for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           for (int64_t t = 0; t < num_t; ++t) {
-            const int64_t to = ((b * num_kv_heads + h) * capacity + start + t) * head_dim;
-            const float* key = k_rotated.data() + ((b * num_kv_heads + h) * num_t + t) * head_dim;
-            const float* value = v.data() + (b * num_t + t) * kv_width + h * head_dim;
-            std::copy(key, key + head_dim, y[1] + to);
-            std::copy(value, value + head_dim, y[2] + to);
+            const float* src = v.data() + (b * num_t + t) * kv_width + h * head_dim;
+            std::copy(src, src + head_dim, y[2] + ((b * num_kv_heads + h) * num_t + t) * head_dim);
           }
         }
       }

@@ -1,7 +1,6 @@
 // A llama decoder layer's decode path in three MLX nodes instead of ~20, for the quad layout:
-//   attention_inputs: rms_norm, the q/k/v products, RoPE on q and k, and the new keys and
-//                     values written into the KV buffers at each row's offset -> q, keys, values
-//   (ragged_attention stays its own node)
+//   attention_inputs: rms_norm, the q/k/v products, RoPE on q and k -> q, k, v (B, H, T, Dh)
+//   (the KV write and ragged_attention stay their own nodes)
 //   project_add:      residual + a @ W.T (o_proj and the residual add)
 //   mlp_block:        h + down(swiglu(gate(n), up(n))), n = rms_norm(h)
 // Each stage calls the code of the separate op (normalize, quads_products, rotate,
@@ -22,14 +21,11 @@ struct RopeSpec {
   float base, scale;
 };
 
-// x (B, T, D), norm_weight (D,), offset (B,) or scalar int32: each row's first position;
-// keys and values the (B, Hkv, S, Dh) buffers, S past every offset + T. Returns q (B, Hq, T, Dh)
-// and the buffers with positions offset[b] .. offset[b] + T - 1 of each row written.
+// x (B, T, D), norm_weight (D,), offset (B,) or scalar int32: each row's first position.
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight, float eps,
                                         const mx::array& offset, const std::vector<mx::array>& quads,
-                                        const mx::array& keys, const mx::array& values, int num_q_heads,
-                                        int num_kv_heads, int head_dim, int bits, int rope_dims,
-                                        bool rope_traditional, float rope_base, float rope_scale);
+                                        int num_q_heads, int num_kv_heads, int head_dim, int bits,
+                                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale);
 // a (..., K), residual (..., N).
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits);
 // h (..., D); gate and up quads (F outputs of D), down quads (D outputs of F).
