@@ -27,6 +27,7 @@ from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
 ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx  # noqa: E402
 
+from gmlx.cache.ragged import make_ragged_cache  # noqa: E402
 from gmlx.config import EngineConfig  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
 from gmlx.generate import render_chat  # noqa: E402
@@ -86,11 +87,10 @@ def gmlx_tokens(engine: Engine, prompts: list[list[int]], num_tokens: int = NUM_
 
 def margins_at(engine: Engine, prompt: list[int], generated: list[int], index: int, reference_rest: str) -> dict:
     """At generated token `index`: gmlx's top-1 minus top-2 logit, and how far below gmlx's top
-    llama.cpp's choice sits in gmlx's logits (its rank, and the logit gap)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+    llama.cpp's choice sits in gmlx's logits (its rank, and the logit gap). The forward runs on
+    gmlx's own ragged cache, so its kernels' attention: the numerics the engine decoded with."""
     tokens = mx.array([prompt + generated[:index]])
-    _, logits = engine.target.forward(tokens, make_prompt_cache(engine.target.model))
+    _, logits = engine.target.forward(tokens, make_ragged_cache(len(engine.target.body.layers)))
     row = logits[0, -1].astype(mx.float32)
     top = mx.sort(row)[-2:]
     result = {"margin": float(top[1] - top[0])}
@@ -99,6 +99,19 @@ def margins_at(engine: Engine, prompt: list[int], generated: list[int], index: i
         result["llama_cpp_rank"] = int((row > row[theirs[0]]).sum()) + 1
         result["llama_cpp_gap"] = float(top[1] - row[theirs[0]])
     return result
+
+
+def token_divergence(tokenizer, generated: list[int], index: int, reference_text: str) -> int:
+    """Back from a text divergence to the token where the two sides chose differently: gmlx's
+    " " then "7" against llama.cpp's " a" leaves the text only at "7", but the choice that
+    differed was " " (llama.cpp's next token re-tokenized from there is not gmlx's)."""
+    while index > 0:
+        before = tokenizer.decode(generated[: index - 1])
+        theirs = tokenizer.encode(reference_text[len(before):])[:1]
+        if theirs == generated[index - 1 : index]:
+            break
+        index -= 1
+    return index
 
 
 def divergence(tokenizer, generated: list[int], reference_text: str, eos_ids) -> int | None:
@@ -136,6 +149,8 @@ def main() -> None:
     for text, prompt, tokens in zip(texts, prompts, generated):
         reference = llama_cpp_text(binary, model, text, args.threads)
         index = divergence(tokenizer, tokens, reference, engine.target.eos_token_ids)
+        if index is not None and index < len(tokens):
+            index = token_divergence(tokenizer, tokens, index, reference)
         row = {"prompt": text if text in TEXT_PROMPTS else "chat: " + CHAT_QUESTIONS[texts.index(text) - len(TEXT_PROMPTS)],
                "num_tokens": len(tokens), "diverges_at": index, "gmlx": tokenizer.decode(tokens), "llama_cpp": reference}
         if index is not None and index < len(tokens):
