@@ -25,6 +25,16 @@ const float* row_major(const mx::array& a, std::vector<float>& copy) {
   return copy.data();
 }
 
+// Per-thread scratch for the stages' intermediates: a decode step makes ~90 fused calls,
+// each would otherwise allocate and free three or four buffers. Only grows.
+struct Scratch {
+  std::vector<float> buffers[4];
+  float* get(int i, int64_t num_floats) {
+    if (static_cast<int64_t>(buffers[i].size()) < num_floats) buffers[i].resize(num_floats);
+    return buffers[i].data();
+  }
+};
+
 mx::array as_float32(const mx::array& a, mx::Stream s) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); }
 
 void check_quads(const mx::array& quads, int64_t num_outputs, int64_t num_inputs, int bits, const char* what) {
@@ -136,6 +146,7 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   encoder.dispatch([in = std::move(weak_inputs), y = std::move(y_data), kind = kind_, bits = bits_, eps = eps_,
                     num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
                     hidden_dims = hidden_dims_, rope = rope_]() {
+    thread_local Scratch scratch;  // the lambdas of one stream run on one thread, one at a time
     std::vector<float> x_copy;
     const float* x = row_major(in[0], x_copy);
     const int64_t num_inputs = in[0].shape(-1);
@@ -143,20 +154,21 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     if (kind == Kind::kAttentionInputs) {
       const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
       const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
-      std::vector<float> normed(num_rows * num_inputs), q(num_rows * q_width), k(num_rows * kv_width),
-          v(num_rows * kv_width);
-      normalize(x, in[1].data<float>(), in[1].strides(0), normed.data(), num_rows, num_inputs, eps);
-      quads_products(normed.data(), num_rows, num_inputs, bits,
-                     {{in[3].data<uint8_t>(), q_width, q.data()},
-                      {in[4].data<uint8_t>(), kv_width, k.data()},
-                      {in[5].data<uint8_t>(), kv_width, v.data()}});
+      float* normed = scratch.get(0, num_rows * num_inputs);
+      float* q = scratch.get(1, num_rows * q_width);
+      float* k = scratch.get(2, num_rows * kv_width);
+      float* v = scratch.get(3, num_rows * kv_width);
+      normalize(x, in[1].data<float>(), in[1].strides(0), normed, num_rows, num_inputs, eps);
+      quads_products(normed, num_rows, num_inputs, bits,
+                     {{in[3].data<uint8_t>(), q_width, q}, {in[4].data<uint8_t>(), kv_width, k},
+                      {in[5].data<uint8_t>(), kv_width, v}});
       const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
-      rotate_heads(q.data(), num_b, num_q_heads, num_t, head_dim, in[2], rope, y[0]);
-      rotate_heads(k.data(), num_b, num_kv_heads, num_t, head_dim, in[2], rope, y[1]);
+      rotate_heads(q, num_b, num_q_heads, num_t, head_dim, in[2], rope, y[0]);
+      rotate_heads(k, num_b, num_kv_heads, num_t, head_dim, in[2], rope, y[1]);
       for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           for (int64_t t = 0; t < num_t; ++t) {
-            const float* src = v.data() + (b * num_t + t) * kv_width + h * head_dim;
+            const float* src = v + (b * num_t + t) * kv_width + h * head_dim;
             std::copy(src, src + head_dim, y[2] + ((b * num_kv_heads + h) * num_t + t) * head_dim);
           }
         }
@@ -169,12 +181,14 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       // residual + product, in the residual add's order (a float add either way).
       for (int64_t i = 0; i < num_rows * num_outputs; ++i) y[0][i] = residual[i] + y[0][i];
     } else {
-      std::vector<float> normed(num_rows * num_inputs), gate(num_rows * hidden_dims), up(num_rows * hidden_dims);
-      normalize(x, in[1].data<float>(), in[1].strides(0), normed.data(), num_rows, num_inputs, eps);
-      quads_products(normed.data(), num_rows, num_inputs, bits,
-                     {{in[2].data<uint8_t>(), hidden_dims, gate.data()}, {in[3].data<uint8_t>(), hidden_dims, up.data()}});
-      apply_swiglu(gate.data(), up.data(), gate.data(), num_rows * hidden_dims);
-      quads_products(gate.data(), num_rows, hidden_dims, bits, {{in[4].data<uint8_t>(), num_inputs, y[0]}});
+      float* normed = scratch.get(0, num_rows * num_inputs);
+      float* gate = scratch.get(1, num_rows * hidden_dims);
+      float* up = scratch.get(2, num_rows * hidden_dims);
+      normalize(x, in[1].data<float>(), in[1].strides(0), normed, num_rows, num_inputs, eps);
+      quads_products(normed, num_rows, num_inputs, bits,
+                     {{in[2].data<uint8_t>(), hidden_dims, gate}, {in[3].data<uint8_t>(), hidden_dims, up}});
+      apply_swiglu(gate, up, gate, num_rows * hidden_dims);
+      quads_products(gate, num_rows, hidden_dims, bits, {{in[4].data<uint8_t>(), num_inputs, y[0]}});
       for (int64_t i = 0; i < num_rows * num_inputs; ++i) y[0][i] = x[i] + y[0][i];
     }
   });
