@@ -10,20 +10,12 @@
 #include "quantized_matmul.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "row_major.h"
 #include "swiglu.h"
 
 namespace gmlx_kernels {
 
 namespace {
-
-// The array's floats in row-major order: its own data when already so, else a copy.
-const float* row_major(const mx::array& a, std::vector<float>& copy) {
-  if (a.flags().row_contiguous) return a.data<float>();
-  copy.resize(a.size());
-  const float* src = a.data<float>();
-  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(i, a.shape(), a.strides())];
-  return copy.data();
-}
 
 // Per-thread scratch for the stages' intermediates: a decode step makes ~90 fused calls,
 // each would otherwise allocate and free three or four buffers. Only grows.
@@ -148,7 +140,7 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
                     hidden_dims = hidden_dims_, rope = rope_]() {
     thread_local Scratch scratch;  // the lambdas of one stream run on one thread, one at a time
     std::vector<float> x_copy;
-    const float* x = row_major(in[0], x_copy);
+    const float* x = row_major_data<float>(in[0], x_copy);
     const int64_t num_inputs = in[0].shape(-1);
     const int64_t num_rows = in[0].size() / num_inputs;
     if (kind == Kind::kAttentionInputs) {
@@ -175,7 +167,7 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       }
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
-      const float* residual = row_major(in[2], residual_copy);
+      const float* residual = row_major_data<float>(in[2], residual_copy);
       const int64_t num_outputs = in[2].shape(-1);
       quads_products(x, num_rows, num_inputs, bits, {{in[1].data<uint8_t>(), num_outputs, y[0]}});
       // residual + product, in the residual add's order (a float add either way).

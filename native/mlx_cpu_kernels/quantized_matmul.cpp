@@ -13,6 +13,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "int8_dot_kernels.h"
 #include "qmm_kernels.h"
+#include "row_major.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -28,16 +29,6 @@ std::atomic<int64_t> g_panel_min_rows{kDefaultPanelMinRows};
 
 // Outputs per chunk a thread takes: a few KB of weights each, many chunks per thread.
 constexpr int64_t kOutputsPerChunk = kMaxOutputsPerCall;
-
-// The array's elements in row-major order: its own data when already so, else a copy.
-template <typename T>
-const T* row_major_data(const mx::array& a, std::vector<T>& copy) {
-  if (a.flags().row_contiguous) return a.data<T>();
-  copy.resize(a.size());
-  const T* src = a.data<T>();
-  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(i, a.shape(), a.strides())];
-  return copy.data();
-}
 
 struct QmmJob {
   QmmArgs args;

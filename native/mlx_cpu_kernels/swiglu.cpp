@@ -7,6 +7,7 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "row_major.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -30,15 +31,6 @@ void swiglu_values(void* context, int64_t chunk) {
     const float g = job->gate[i];
     job->y[i] = (g / (1.0f + std::exp(-g))) * job->up[i];
   }
-}
-
-// The array's values in row-major order: its own data when already so, else a copy.
-const float* row_major(const mx::array& a, std::vector<float>& copy) {
-  if (a.flags().row_contiguous) return a.data<float>();
-  copy.resize(a.size());
-  const float* src = a.data<float>();
-  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(i, a.shape(), a.strides())];
-  return copy.data();
 }
 
 }  // namespace
@@ -65,7 +57,8 @@ void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   encoder.dispatch([gate = mx::array::unsafe_weak_copy(inputs[0]), up = mx::array::unsafe_weak_copy(inputs[1]),
                     y_data = y.data<float>()]() {
     std::vector<float> gate_copy, up_copy;
-    apply_swiglu(row_major(gate, gate_copy), row_major(up, up_copy), y_data, static_cast<int64_t>(gate.size()));
+    apply_swiglu(row_major_data<float>(gate, gate_copy), row_major_data<float>(up, up_copy), y_data,
+                 static_cast<int64_t>(gate.size()));
   });
 }
 
