@@ -6,6 +6,7 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "encode.h"
 #include "int8_dot_kernels.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
@@ -124,18 +125,8 @@ mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps,
 
 void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> weak_inputs;
-  std::vector<float*> y_data;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    weak_inputs.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  for (auto& y : outputs) {
-    y.set_data(mx::allocator::malloc(y.nbytes()));
-    encoder.set_output_array(y);
-    y_data.push_back(y.data<float>());
-  }
-  encoder.dispatch([in = std::move(weak_inputs), y = std::move(y_data), kind = kind_, bits = bits_, eps = eps_,
+  EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);
+  encoder.dispatch([in = std::move(arrays.inputs), y = std::move(arrays.outputs), kind = kind_, bits = bits_, eps = eps_,
                     num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
                     hidden_dims = hidden_dims_, rope = rope_]() {
     thread_local Scratch scratch;  // the lambdas of one stream run on one thread, one at a time

@@ -11,6 +11,7 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "encode.h"
 #include "int8_dot_kernels.h"
 #include "qmm_kernels.h"
 #include "row_major.h"
@@ -330,21 +331,11 @@ void quads_products(const float* x, int64_t num_rows, int64_t num_inputs, int bi
 
 void QuantizedMatmul::eval_quads(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> weak_inputs;
-  std::vector<float*> y_data;
+  EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);
   std::vector<int64_t> num_outputs;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    weak_inputs.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  for (auto& y : outputs) {
-    y.set_data(mx::allocator::malloc(y.nbytes()));
-    encoder.set_output_array(y);
-    y_data.push_back(y.data<float>());
-    num_outputs.push_back(y.shape(-1));
-  }
-  encoder.dispatch([inputs = std::move(weak_inputs), y_data = std::move(y_data), num_outputs = std::move(num_outputs),
-                    bits = bits_]() {
+  for (const auto& y : outputs) num_outputs.push_back(y.shape(-1));
+  encoder.dispatch([inputs = std::move(arrays.inputs), y_data = std::move(arrays.outputs),
+                    num_outputs = std::move(num_outputs), bits = bits_]() {
     const auto& x = inputs[0];
     std::vector<float> x_copy;
     std::vector<QuadsPart> parts;
