@@ -153,7 +153,8 @@ def lookup_quads(quads, ids, num_outputs: int, num_inputs: int, bits: int):
     halves_start = _QUAD_OUTPUTS * chunk_bytes  # the chunk's 16 scales, then its 16 biases
     scales, biases = (take(halves_start + 32 * k, blocks_per_chunk, mx.float16).reshape(*ids.shape, -1)
                       [..., : num_inputs // _BLOCK_INPUTS].astype(mx.float32) for k in (0, 1))
-    return mx.dequantize(mx.view(mx.contiguous(weights), mx.uint32), scales, biases, group_size=_BLOCK_INPUTS, bits=bits)
+    packed = mx.view(mx.contiguous(weights), mx.uint32)
+    return mx.dequantize(packed, scales, biases, group_size=_BLOCK_INPUTS, bits=bits)
 
 
 def quantized_matmul_quads(x, quads, num_outputs: int, bits: int):
@@ -165,6 +166,28 @@ def quantized_matmul_quads_group(x, quads: list, num_outputs: list[int], bits: i
     """quantized_matmul_quads of one x over several weights (q/k/v, gate/up) as one graph node:
     x quantized once, one pool job; each result has the bits of its own call."""
     return extension().quantized_matmul_quads_group(x, quads, num_outputs, bits)
+
+
+def attention_inputs(x, norm, attention, offset):
+    """A llama layer's norm, q/k/v products (quad layout) and RoPE as one node: q (B, Hq, T, Dh),
+    k and v (B, Hkv, T, Dh), the bits of the separate ops (gmlx/platform/cpu_layers.py)."""
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    rope = attention.rope
+    return extension().attention_inputs(
+        x, norm["weight"], norm.eps, offset, [p["quads"] for p in projections], attention.n_heads,
+        attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads, attention.q_proj.bits,
+        rope.dims, rope.traditional, rope.base, rope.scale)
+
+
+def project_add(a, projection, residual):
+    """residual + projection(a) as one node, for a quad-layout projection (o_proj)."""
+    return extension().project_add(a, projection["quads"], residual, projection.bits)
+
+
+def mlp_block(h, norm, mlp):
+    """h + mlp(norm(h)) as one node, for a llama MLP whose products are in the quad layout."""
+    return extension().mlp_block(h, norm["weight"], norm.eps, mlp.gate_proj["quads"], mlp.up_proj["quads"],
+                                 mlp.down_proj["quads"], mlp.gate_proj.num_outputs, mlp.gate_proj.bits)
 
 
 def swiglu(gate, up):

@@ -35,20 +35,12 @@ class _FusedBlock:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not isinstance(cache, RaggedKVCache):
             return super().__call__(x, mask, cache)
-        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
-        bits = attn.q_proj.bits
         offset = cache.offset  # (B,) each row's first new position, before the write
-        queries, keys, values = cpu_kernels.extension().attention_inputs(
-            x, norm["weight"], norm.eps, offset, [p["quads"] for p in (attn.q_proj, attn.k_proj, attn.v_proj)],
-            attn.n_heads, attn.n_kv_heads, attn.q_proj.num_outputs // attn.n_heads, bits,
-            attn.rope.dims, attn.rope.traditional, attn.rope.base, attn.rope.scale)
+        queries, keys, values = cpu_kernels.attention_inputs(x, self.input_layernorm, self.self_attn, offset)
         cache.update_and_fetch(keys, values)
-        out = cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, attn.scale)  # (B, T, Hq * Dh)
-        h = cpu_kernels.extension().project_add(out, attn.o_proj["quads"], x, bits)
-        post = self.post_attention_layernorm
-        return cpu_kernels.extension().mlp_block(h, post["weight"], post.eps, mlp.gate_proj["quads"],
-                                                 mlp.up_proj["quads"], mlp.down_proj["quads"],
-                                                 mlp.gate_proj.num_outputs, bits)
+        out = cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, self.self_attn.scale)
+        h = cpu_kernels.project_add(out, self.self_attn.o_proj, x)  # out: (B, T, Hq * Dh)
+        return cpu_kernels.mlp_block(h, self.post_attention_layernorm, self.mlp)
 
 
 class FusedLlamaBlock(_FusedBlock, llama.TransformerBlock):

@@ -57,7 +57,8 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         scales, biases = self["scales"][x], self["biases"][x]
         if scales.dtype == mx.float16:  # stored in half (_store_half_groups): the same values, looked up in float32
             scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits,
+                             mode=self.mode)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return _kernel_product(self, x)  # (..., num_embeddings)
@@ -122,8 +123,9 @@ def _probes(modules: list[nn.Module]) -> dict:
 def _store_half_groups(module: nn.Module) -> bool:
     """Keep an int8-activation module's scales and biases in float16 where float16 holds every
     one exactly (a GGUF's Q4_1 d and m): its kernel then reads 0.625 bytes a weight, not 0.75."""
-    halves = [module[name].astype(mx.float16) for name in ("scales", "biases")]
-    if not all(mx.array_equal(h.astype(mx.float32), module[name]).item() for h, name in zip(halves, ("scales", "biases"))):
+    names = ("scales", "biases")
+    halves = [module[name].astype(mx.float16) for name in names]
+    if not all(mx.array_equal(h.astype(mx.float32), module[name]).item() for h, name in zip(halves, names)):
         return False
     module.scales, module.biases = halves
     return True
