@@ -52,6 +52,7 @@ void run_on_pool(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks);
 int pool_num_threads();
 // Jobs the pool has handed to its workers since the process started (diagnostics, benchmarks).
 int64_t num_pool_jobs();
+// Idle workers poll with sched_yield (default) or a pure pause spin (for A/B runs and tests).
 void set_yielding_spin(bool is_yielding);
 void set_num_threads(int num_threads);
 int default_num_threads();
