@@ -595,3 +595,11 @@ def test_gguf_like_wide_plain_batch_equals_each_row_alone(gguf_like_target, code
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_speculative_and_batched_equal_plain_in_the_quad_layout(kind, gguf_like_target, code_prompts):
     assert check_schedules_with_drafter(gguf_like_target, kind, code_prompts, range(600, 606)) > 0
+
+
+def test_doctor_line_names_the_layout_and_the_fused_layers():
+    assert "quad layout where scales allow" in cpu_kernels.format_status(cpu_kernels.status())
+    assert "fused llama layers" in cpu_kernels.format_status(cpu_kernels.status())
+    with env_overrides({"GMLX_CPU_QUAD_LAYOUT": "0", "GMLX_CPU_FUSED_LAYERS": "0"}):
+        line = cpu_kernels.format_status(cpu_kernels.status())
+    assert "row layout" in line and "layers apart" in line

@@ -231,7 +231,9 @@ def status() -> dict:
         report.update(isa=ext.isa(), best_isa=ext.best_isa(), num_threads=ext.num_threads(),
                       decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"),
                       quant_activations=config.cpu_quant_activations() if hasattr(ext, "has_avx512_vnni") else "float",
-                      has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni())
+                      has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni(),
+                      quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
+                      fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"))
     return report
 
 
@@ -241,5 +243,8 @@ def format_status(report: dict) -> str:
     state = "on" if report["enabled"] else "off (GMLX_CPU_KERNELS=0)"
     ops = "on" if report["decode_ops"] else "off"
     vnni = ", VNNI" if report.get("has_vnni") else ""
-    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} threads; "
-            f"norm/rope/attention ops {ops}; activations {report.get('quant_activations', 'float')}")
+    layout = "quad layout" if report.get("quad_layout") else "row layout"
+    layers = "fused llama layers" if report.get("fused_layers") and report["decode_ops"] else "layers apart"
+    return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
+            f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
+            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS)")
