@@ -37,8 +37,8 @@ struct QmmJob {
   int64_t block;
   Isa isa;
   int64_t num_padded_rows;  // panel path: rows of x_blocked (in lane order, zero past num_rows)
-  int64_t outputs_per_chunk;  // panel and int8 paths
-  QuantizedRows* quantized_rows;  // int8-activation path
+  int64_t outputs_per_chunk;  // panel path
+  QuantizedRows* quantized_rows;  // int8 path: x quantized (run_quantize_chunk)
 };
 
 void run_qmm_chunk(void* context, int64_t chunk) {
@@ -62,13 +62,17 @@ void run_panel_chunk(void* context, int64_t chunk) {
 constexpr int64_t kDefaultMinPoolMacs = int64_t{1} << 18;
 std::atomic<int64_t> g_min_pool_macs{kDefaultMinPoolMacs};
 
-void run_chunks(ThreadPool::ChunkFn fn, QmmJob& job, int64_t num_chunks) {
-  const int64_t num_macs = job.args.num_rows * job.args.num_outputs * job.args.num_inputs;
+// fn over num_chunks chunks: on the caller for a product under the pool threshold, else on the pool.
+void run_sized(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks, int64_t num_macs) {
   if (num_macs < g_min_pool_macs.load(std::memory_order_relaxed)) {
-    for (int64_t i = 0; i < num_chunks; ++i) fn(&job, i);
+    for (int64_t i = 0; i < num_chunks; ++i) fn(context, i);
   } else {
-    run_on_pool(fn, &job, num_chunks);
+    run_on_pool(fn, context, num_chunks);
   }
+}
+
+void run_chunks(ThreadPool::ChunkFn fn, QmmJob& job, int64_t num_chunks) {
+  run_sized(fn, &job, num_chunks, job.args.num_rows * job.args.num_outputs * job.args.num_inputs);
 }
 
 // Chunks per pool thread the int8 path splits a product's outputs into.
@@ -84,13 +88,6 @@ void run_quantize_chunk(void* context, int64_t chunk) {
   quantize_rows(job->args.x, job->args.num_inputs, begin, end, job->args.bits, *job->quantized_rows);
 }
 
-void run_int8_chunk(void* context, int64_t chunk) {
-  auto* job = static_cast<QmmJob*>(context);
-  int64_t begin = chunk * job->outputs_per_chunk;
-  int64_t end = std::min(begin + job->outputs_per_chunk, job->args.num_outputs);
-  int8_dot_outputs(job->args, *job->quantized_rows, begin, end, job->isa);
-}
-
 // A few chunks per thread, whole multiples of 16 outputs: a claim costs a cache line passed
 // between cores (~0.3 us), a 16-output chunk of a 576-input row ~0.5 us of work. Output bits
 // do not depend on the chunking.
@@ -100,35 +97,19 @@ int64_t int8_outputs_per_chunk(int64_t num_outputs) {
   return std::max<int64_t>(1, (per_part + kOutputsPerChunk - 1) / kOutputsPerChunk) * kOutputsPerChunk;
 }
 
-// Activations quantized once per call, then integer dots: the same path at every row count.
-void run_int8(QmmJob& job) {
-  // Reused across calls (a decode step makes ~200): this thread runs one product at a time,
-  // and the pool is done with the buffers before run_on_pool returns.
-  thread_local QuantizedRows rows;
-  resize_quantized_rows(rows, job.args.num_rows, job.args.num_inputs);
-  job.quantized_rows = &rows;
-  const int64_t num_quantize_chunks = (job.args.num_rows + kRowsPerQuantizeChunk - 1) / kRowsPerQuantizeChunk;
-  if (num_quantize_chunks == 1) {
-    run_quantize_chunk(&job, 0);  // decode's few rows: not worth waking the pool
-  } else {
-    run_on_pool(run_quantize_chunk, &job, num_quantize_chunks);
-  }
-  job.outputs_per_chunk = int8_outputs_per_chunk(job.args.num_outputs);
-  run_chunks(run_int8_chunk, job, (job.args.num_outputs + job.outputs_per_chunk - 1) / job.outputs_per_chunk);
-}
-
-// Several products of one x over quad-layout weights (q/k/v, gate/up): x quantized once,
-// the parts' outputs split into chunks of one pool job. Each part's bits are its own call's.
-struct QuadsGroupJob {
-  std::vector<QmmArgs> parts;
+// The int8 path for one or more products of one x (q/k/v, gate/up), each over its own
+// weights (plain rows or the quad layout): x quantized once, then every part's outputs in
+// chunks of one pool job. Each part's bits are those of a call of its own.
+struct Int8Job {
+  std::vector<QmmArgs> parts;  // one x, rows, inputs and bits
   std::vector<int64_t> first_chunk;  // per part, then the total
   int64_t outputs_per_chunk = kOutputsPerChunk;
   QuantizedRows* quantized_rows = nullptr;
   Isa isa = Isa::kPortable;
 };
 
-void run_quads_group_chunk(void* context, int64_t chunk) {
-  auto* job = static_cast<QuadsGroupJob*>(context);
+void run_int8_chunk(void* context, int64_t chunk) {
+  auto* job = static_cast<Int8Job*>(context);
   size_t p = 0;
   while (chunk >= job->first_chunk[p + 1]) ++p;
   const QmmArgs& args = job->parts[p];
@@ -137,15 +118,17 @@ void run_quads_group_chunk(void* context, int64_t chunk) {
                    job->isa);
 }
 
-void run_quads_group(QuadsGroupJob& job) {
+void run_int8_parts(Int8Job& job) {
   QmmJob quantize;  // the first part's x, rows and bits: every part's
   quantize.args = job.parts[0];
-  thread_local QuantizedRows rows;  // as run_int8's: one product at a time per thread
+  // Reused across calls (a decode step makes ~200): this thread runs one product at a time,
+  // and the pool is done with the buffers before run_on_pool returns.
+  thread_local QuantizedRows rows;
   resize_quantized_rows(rows, quantize.args.num_rows, quantize.args.num_inputs);
   quantize.quantized_rows = job.quantized_rows = &rows;
   const int64_t num_quantize_chunks = (quantize.args.num_rows + kRowsPerQuantizeChunk - 1) / kRowsPerQuantizeChunk;
   if (num_quantize_chunks == 1) {
-    run_quantize_chunk(&quantize, 0);
+    run_quantize_chunk(&quantize, 0);  // decode's few rows: not worth waking the pool
   } else {
     run_on_pool(run_quantize_chunk, &quantize, num_quantize_chunks);
   }
@@ -154,14 +137,19 @@ void run_quads_group(QuadsGroupJob& job) {
   job.outputs_per_chunk = int8_outputs_per_chunk(num_outputs);
   job.first_chunk = {0};
   for (const auto& part : job.parts) {
-    job.first_chunk.push_back(job.first_chunk.back() + (part.num_outputs + job.outputs_per_chunk - 1) / job.outputs_per_chunk);
+    const int64_t num_chunks = (part.num_outputs + job.outputs_per_chunk - 1) / job.outputs_per_chunk;
+    job.first_chunk.push_back(job.first_chunk.back() + num_chunks);
   }
-  const int64_t num_macs = quantize.args.num_rows * num_outputs * quantize.args.num_inputs;
-  if (num_macs < g_min_pool_macs.load(std::memory_order_relaxed)) {
-    for (int64_t i = 0; i < job.first_chunk.back(); ++i) run_quads_group_chunk(&job, i);
-  } else {
-    run_on_pool(run_quads_group_chunk, &job, job.first_chunk.back());
-  }
+  run_sized(run_int8_chunk, &job, job.first_chunk.back(),
+            quantize.args.num_rows * num_outputs * quantize.args.num_inputs);
+}
+
+// Activations quantized once per call, then integer dots: the same path at every row count.
+void run_int8(QmmJob& job) {
+  Int8Job int8_job;
+  int8_job.parts = {job.args};
+  int8_job.isa = job.isa;
+  run_int8_parts(int8_job);
 }
 
 // Many rows: x in lane order as one block, padded with zero rows to whole tiles.
@@ -310,7 +298,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
 }
 
 void quads_products(const float* x, int64_t num_rows, int64_t num_inputs, int bits, const std::vector<QuadsPart>& parts) {
-  QuadsGroupJob job;
+  Int8Job job;
   job.isa = g_isa.load();
   for (const auto& part : parts) {
     QmmArgs args;
@@ -326,7 +314,7 @@ void quads_products(const float* x, int64_t num_rows, int64_t num_inputs, int bi
     args.bits = bits;
     job.parts.push_back(args);
   }
-  run_quads_group(job);
+  run_int8_parts(job);
 }
 
 void QuantizedMatmul::eval_quads(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
