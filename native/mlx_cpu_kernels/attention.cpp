@@ -5,9 +5,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "attention_job.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "arrays.h"
+#include "attention_job.h"
 #include "isa_target.h"
 #include "thread_pool.h"
 
@@ -161,11 +162,10 @@ mx::array ragged_attention(const mx::array& q, const mx::array& keys, const mx::
   }
   if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("ragged_attention: offset must be integer");
   auto s = mx::default_stream(mx::Device::cpu);
-  auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
-  auto offset32 = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
   mx::Shape out_shape = {num_b, q.shape(2), num_q_heads * q.shape(3)};
   return mx::array(out_shape, mx::float32, std::make_shared<RaggedAttention>(s, scale),
-                   {as_f32(q), as_f32(keys), as_f32(values), offset32});
+                   {as_dtype(q, mx::float32, s), as_dtype(keys, mx::float32, s), as_dtype(values, mx::float32, s),
+                    as_dtype(offset, mx::int32, s)});
 }
 
 void RaggedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

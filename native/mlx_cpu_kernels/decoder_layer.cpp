@@ -6,12 +6,12 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "arrays.h"
 #include "encode.h"
 #include "int8_dot_kernels.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
 #include "rope.h"
-#include "row_major.h"
 #include "swiglu.h"
 
 namespace gmlx_kernels {
@@ -27,16 +27,6 @@ struct Scratch {
     return buffers[i].data();
   }
 };
-
-mx::array as_float32(const mx::array& a, mx::Stream s) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); }
-
-void check_quads(const mx::array& quads, int64_t num_outputs, int64_t num_inputs, int bits, const char* what) {
-  if (quads.dtype() != mx::uint8 || quads.ndim() != 1 ||
-      static_cast<int64_t>(quads.size()) != quad_layout_bytes(num_outputs, num_inputs, bits)) {
-    throw std::invalid_argument(std::string(what) + ": quads must be the uint8 layout of " +
-                                std::to_string(num_outputs) + " outputs x " + std::to_string(num_inputs) + " inputs");
-  }
-}
 
 // Rows (b, t) of a (B * T, H * Dh) buffer as (B, H, T, Dh), rotated into y.
 void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_t, int64_t head_dim,
@@ -78,18 +68,17 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
     throw std::invalid_argument("attention_inputs: offset must be a scalar or one per row");
   }
   const int dims = x.shape(2);
-  check_quads(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
-  check_quads(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
-  check_quads(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs v");
+  check_quad_layout(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
+  check_quad_layout(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
+  check_quad_layout(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs v");
   auto s = mx::default_stream(mx::Device::cpu);
   const int num_b = x.shape(0), num_t = x.shape(1);
-  auto offset32 = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
   return mx::array::make_arrays(
       {{num_b, num_q_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}},
       {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
                                        head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}),
-      {as_float32(x, s), as_float32(norm_weight, s), offset32, quads[0], quads[1], quads[2]});
+      {as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s), as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]});
 }
 
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits) {
@@ -99,12 +88,12 @@ mx::array project_add(const mx::array& a, const mx::array& quads, const mx::arra
   for (int i = 0; i + 1 < a.ndim(); ++i) {
     if (a.shape(i) != residual.shape(i)) throw std::invalid_argument("project_add: a and residual rows differ");
   }
-  check_quads(quads, residual.shape(-1), a.shape(-1), bits, "project_add");
+  check_quad_layout(quads, residual.shape(-1), a.shape(-1), bits, "project_add");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(residual.shape(), mx::float32,
                    std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kProjectAdd, bits, 0.0f, 0, 0, 0, 0,
                                                     RopeSpec{}),
-                   {as_float32(a, s), quads, as_float32(residual, s)});
+                   {as_dtype(a, mx::float32, s), quads, as_dtype(residual, mx::float32, s)});
 }
 
 mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps, const mx::array& gate_quads,
@@ -113,14 +102,14 @@ mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps,
       hidden_dims % 32 != 0) {
     throw std::invalid_argument("mlp_block: h (..., D), norm_weight (D,), D and hidden_dims multiples of 32");
   }
-  check_quads(gate_quads, hidden_dims, h.shape(-1), bits, "mlp_block gate");
-  check_quads(up_quads, hidden_dims, h.shape(-1), bits, "mlp_block up");
-  check_quads(down_quads, h.shape(-1), hidden_dims, bits, "mlp_block down");
+  check_quad_layout(gate_quads, hidden_dims, h.shape(-1), bits, "mlp_block gate");
+  check_quad_layout(up_quads, hidden_dims, h.shape(-1), bits, "mlp_block up");
+  check_quad_layout(down_quads, h.shape(-1), hidden_dims, bits, "mlp_block down");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(h.shape(), mx::float32,
                    std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kMlpBlock, bits, eps, 0, 0, 0,
                                                     hidden_dims, RopeSpec{}),
-                   {as_float32(h, s), as_float32(norm_weight, s), gate_quads, up_quads, down_quads});
+                   {as_dtype(h, mx::float32, s), as_dtype(norm_weight, mx::float32, s), gate_quads, up_quads, down_quads});
 }
 
 void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -1,4 +1,4 @@
-// The bookkeeping every multi-array kernel op does before it dispatches its work.
+// The bookkeeping every kernel op with float32 outputs does before it dispatches its work.
 #pragma once
 
 #include <vector>

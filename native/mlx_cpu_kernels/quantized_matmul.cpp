@@ -11,10 +11,10 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "arrays.h"
 #include "encode.h"
 #include "int8_dot_kernels.h"
 #include "qmm_kernels.h"
-#include "row_major.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -199,14 +199,23 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
     throw std::invalid_argument("quantized_matmul: scales and biases must be (out, K / group_size)");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
   // The int8 path reads float16 scales and biases as they are (a GGUF's Q4_1 d and m: fewer
   // bytes per weight, the same values); the float path takes float32.
   const bool is_half_groups = int8_activations && scales.dtype() == mx::float16 && biases.dtype() == mx::float16;
   mx::Shape out_shape = x.shape();
   out_shape.back() = num_outputs;
   return mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, int8_activations, false),
-                   {as_f32(x), w, is_half_groups ? scales : as_f32(scales), is_half_groups ? biases : as_f32(biases)});
+                   {as_dtype(x, mx::float32, s), w, is_half_groups ? scales : as_dtype(scales, mx::float32, s),
+                    is_half_groups ? biases : as_dtype(biases, mx::float32, s)});
+}
+
+void check_quad_layout(const mx::array& quads, int64_t num_outputs, int64_t num_inputs, int bits,
+                       const std::string& what) {
+  if (quads.dtype() != mx::uint8 || quads.ndim() != 1 ||
+      static_cast<int64_t>(quads.size()) != quad_layout_bytes(num_outputs, num_inputs, bits)) {
+    throw std::invalid_argument(what + ": quads must be the uint8 layout of " + std::to_string(num_outputs) +
+                                " outputs x " + std::to_string(num_inputs) + " inputs (pack_quads)");
+  }
 }
 
 std::vector<mx::array> quantized_matmul_quads_group(const mx::array& x, const std::vector<mx::array>& quads,
@@ -219,15 +228,10 @@ std::vector<mx::array> quantized_matmul_quads_group(const mx::array& x, const st
     throw std::invalid_argument("quantized_matmul_quads: one output count per quads array, at least one");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s)};
+  std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s)};
   std::vector<mx::Shape> shapes;
   for (size_t i = 0; i < quads.size(); ++i) {
-    if (quads[i].dtype() != mx::uint8 || quads[i].ndim() != 1 ||
-        static_cast<int64_t>(quads[i].size()) != quad_layout_bytes(num_outputs[i], x.shape(-1), bits)) {
-      throw std::invalid_argument("quantized_matmul_quads: quads must be the uint8 layout of " +
-                                  std::to_string(num_outputs[i]) + " outputs x " + std::to_string(x.shape(-1)) +
-                                  " inputs (pack_quads)");
-    }
+    check_quad_layout(quads[i], num_outputs[i], x.shape(-1), bits, "quantized_matmul_quads");
     inputs.push_back(quads[i]);
     shapes.push_back(x.shape());
     shapes.back().back() = num_outputs[i];

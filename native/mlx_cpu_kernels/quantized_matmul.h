@@ -1,6 +1,8 @@
 // The MLX primitive and op around the few-row quantized product (qmm_kernels.h).
 #pragma once
 
+#include <string>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -20,6 +22,9 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 // (int8_dot_kernels.h, pack_quads): the same bits as quantized_matmul's int8 path over the
 // plain rows, the weights read as one stream. quads: uint8, quad_layout_bytes long.
 mx::array quantized_matmul_quads(const mx::array& x, const mx::array& quads, int num_outputs, int bits);
+// Throws std::invalid_argument, naming `what`, unless quads is that layout of num_outputs x num_inputs.
+void check_quad_layout(const mx::array& quads, int64_t num_outputs, int64_t num_inputs, int bits,
+                       const std::string& what);
 // Several such products of one x (q/k/v, gate/up) as one graph node: x quantized once, one
 // pool job over all their outputs; each result has its own call's bits.
 std::vector<mx::array> quantized_matmul_quads_group(const mx::array& x, const std::vector<mx::array>& quads,

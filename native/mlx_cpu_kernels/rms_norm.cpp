@@ -7,6 +7,8 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "arrays.h"
+#include "encode.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -64,30 +66,18 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
     throw std::invalid_argument("rms_norm: weight must be (D,) for x (..., D), D > 0");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), {as_f32(x), as_f32(weight)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), {as_dtype(x, mx::float32, s), as_dtype(weight, mx::float32, s)});
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const auto& x = inputs[0];
-  const auto& weight = inputs[1];
-  auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(weight);
-  encoder.set_output_array(y);
-  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), weight = mx::array::unsafe_weak_copy(weight),
-                    y_data = y.data<float>(), eps = eps_]() {
-    std::vector<float> copy;
-    const float* data = x.data<float>();
-    if (!x.flags().row_contiguous) {  // rare: mlx-lm normalizes contiguous activations
-      copy.resize(x.size());
-      for (size_t i = 0; i < x.size(); ++i) copy[i] = data[mx::elem_to_loc(static_cast<int>(i), x.shape(), x.strides())];
-      data = copy.data();
-    }
-    normalize(data, weight.data<float>(), weight.strides(0), y_data, static_cast<int64_t>(x.size() / x.shape(-1)),
-              x.shape(-1), eps);
+  EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);
+  encoder.dispatch([in = std::move(arrays.inputs), y_data = arrays.outputs[0], eps = eps_]() {
+    const auto& x = in[0];
+    const auto& weight = in[1];
+    std::vector<float> copy;  // rare: mlx-lm normalizes contiguous activations
+    normalize(row_major_data<float>(x, copy), weight.data<float>(), weight.strides(0), y_data,
+              static_cast<int64_t>(x.size() / x.shape(-1)), x.shape(-1), eps);
   });
 }
 

@@ -7,6 +7,7 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "arrays.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -77,9 +78,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
   }
   if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("rope: offset must be integer");
   auto s = mx::default_stream(mx::Device::cpu);
-  auto x32 = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s);
-  auto offset32 = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale), {x32, offset32});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale), {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)});
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

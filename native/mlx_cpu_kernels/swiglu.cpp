@@ -7,7 +7,8 @@
 
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "row_major.h"
+#include "arrays.h"
+#include "encode.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -43,19 +44,15 @@ void apply_swiglu(const float* gate, const float* up, float* y, int64_t num_valu
 mx::array swiglu(const mx::array& gate, const mx::array& up) {
   if (gate.shape() != up.shape()) throw std::invalid_argument("swiglu: gate and up must have one shape");
   auto s = mx::default_stream(mx::Device::cpu);
-  auto as_f32 = [&](const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); };
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(s), {as_f32(gate), as_f32(up)});
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(s), {as_dtype(gate, mx::float32, s), as_dtype(up, mx::float32, s)});
 }
 
 void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& y = outputs[0];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(inputs[0]);
-  encoder.set_input_array(inputs[1]);
-  encoder.set_output_array(y);
-  encoder.dispatch([gate = mx::array::unsafe_weak_copy(inputs[0]), up = mx::array::unsafe_weak_copy(inputs[1]),
-                    y_data = y.data<float>()]() {
+  EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);
+  encoder.dispatch([in = std::move(arrays.inputs), y_data = arrays.outputs[0]]() {
+    const auto& gate = in[0];
+    const auto& up = in[1];
     std::vector<float> gate_copy, up_copy;
     apply_swiglu(row_major_data<float>(gate, gate_copy), row_major_data<float>(up, up_copy), y_data,
                  static_cast<int64_t>(gate.size()));

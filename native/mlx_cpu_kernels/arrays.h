@@ -1,12 +1,18 @@
-// An mlx array's elements as a row-major buffer, for kernels that read plain pointers.
+// An mlx array as the kernel ops take it (one dtype) and read it (a row-major buffer).
 #pragma once
 
 #include <vector>
 
 #include "mlx/array.h"
 #include "mlx/backend/common/utils.h"
+#include "mlx/ops.h"
 
 namespace gmlx_kernels {
+
+// a itself when it has the dtype, else a cast node on stream s.
+inline mlx::core::array as_dtype(const mlx::core::array& a, mlx::core::Dtype dtype, mlx::core::Stream s) {
+  return a.dtype() == dtype ? a : mlx::core::astype(a, dtype, s);
+}
 
 // Its own data when already row-major (the common case), else a row-major copy in `copy`.
 template <typename T>
