@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import collections
 import json
-from dataclasses import dataclass
 import logging
 import random
 import time
 import uuid
+from dataclasses import dataclass
 
 import mlx.core as mx
 

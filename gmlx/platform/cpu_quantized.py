@@ -145,8 +145,7 @@ def _store_quads(module: nn.Module) -> None:
     """Keep an int8-activation module's weights in the kernels' quad layout only: one stream per
     product instead of twelve (4 rows of weights, scales, biases), 1.1-2x faster from DRAM (3x
     SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout."""
-    module.num_outputs = module["weight"].shape[0]
-    module.num_inputs = module["weight"].shape[1] * 32 // module.bits
+    module.num_outputs, module.num_inputs = output_dims(module), input_dims(module)
     module.quads = cpu_kernels.pack_quads(module["weight"], module["scales"], module["biases"],
                                           module.group_size, module.bits)
     mx.eval(module.quads)
@@ -172,7 +171,7 @@ def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None) -> int:
     num_quads = 0
     for module in modules:
         module.__class__ = _SWAPS[type(module)]
-        module.is_int8_activations = is_int8 and any(m is module for m in int8_modules)
+        module.is_int8_activations = is_int8 and _takes_int8(module, head)
         if module.is_int8_activations and _store_half_groups(module) and config.is_quad_layout_enabled():
             _store_quads(module)
             num_quads += 1
