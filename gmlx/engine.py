@@ -61,8 +61,8 @@ JOIN_STAGES = 3
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
     "num_batch_rounds", "num_gated_rounds", "num_plain_rounds", "num_settle_rounds",
-    "num_capture_rounds", "num_preempts", "num_resumes", "num_gates", "num_drafted", "num_accepted",
-    "num_packed_chunks",
+    "num_capture_rounds", "num_preempts", "num_resumes", "num_gates", "num_depth_gates", "num_drafted",
+    "num_accepted", "num_packed_chunks",
 )
 
 
@@ -344,12 +344,11 @@ class Engine:
         self._ran_packed(chunks, chunk_hidden)
         return tokens
 
-    def _speculative_round(self):
+    def _speculative_round(self, depths: list[int]):
         is_stochastic = self.config.is_stochastic_acceptance and self.drafter.has_distribution
         chunks = (self.queue.plan_packed_chunks(self._num_free_rows(), self._prefill_budget_s())
                   if self._can_pack_prefill() else [])
-        result = speculative_round(self.target, self.batch, self.drafter, self._draft_depths(), is_stochastic,
-                                   _segments(chunks))
+        result = speculative_round(self.target, self.batch, self.drafter, depths, is_stochastic, _segments(chunks))
         self._ran_packed(chunks, result.chunk_hidden)
         return result
 
@@ -387,8 +386,9 @@ class Engine:
         self.counters["num_preempts"] += 1
         self._event("preempt", num_waiting=len(self.queue))
 
-    def _gate(self) -> None:
-        """Over the cap: plain decoding from here; with resume off the gate latches."""
+    def _gate(self, is_depth: bool = False) -> None:
+        """Over the cap (or, is_depth, no row's drafts pay): plain decoding from here; with
+        resume off the gate latches."""
         # A batch just preempted is disarmed but not yet gated: its gate counts too, so
         # every later resume has a gate to match.
         is_new_gate = self.batch.mode not in (BatchMode.GATED, BatchMode.RESUMING)
@@ -396,7 +396,8 @@ class Engine:
             self.drafter.reset()
         if is_new_gate:
             self.counters["num_gates"] += 1
-            self._event("gate")
+            self.counters["num_depth_gates"] += is_depth
+            self._event("gate", reason="depth" if is_depth else "cap")
 
     def _arm(self) -> list[list[int]]:
         """A preempted batch's first round after the drain: capture, then speculate."""
@@ -442,8 +443,10 @@ class Engine:
         batch = self.batch
         is_over_cap = (batch.mode is not BatchMode.PLAIN
                        and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
-        if is_over_cap:
-            self._gate()
+        depths = self._draft_depths() if batch.mode.is_armed and not is_over_cap else None
+        if is_over_cap or (self.depth_policy is not None and depths is not None and not any(depths)):
+            # Every row at depth 0: a speculative round would be a plain one without its pipelining.
+            self._gate(is_depth=not is_over_cap)
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
         is_worth_lookahead = any(self._budget(r) - r.num_generated > 1 for r in batch.requests)
         match batch.mode:
@@ -451,11 +454,15 @@ class Engine:
                 loop, tokens = Loop.PLAIN, self._plain_round(dispatch_next=is_worth_lookahead)
             case BatchMode.SCALAR | BatchMode.ARMED:
                 loop = Loop.SCALAR if batch.mode is BatchMode.SCALAR else Loop.BATCH
-                result = self._speculative_round()
+                result = self._speculative_round(depths)
                 tokens = result.tokens_by_row
                 self._count_verify(result)
-            case BatchMode.GATED if is_over_cap or not admission.can_resume(batch.draft_requests):
+            case BatchMode.GATED if (is_over_cap or not admission.can_resume(batch.draft_requests)
+                                     or not self._drafting_pays()):
                 loop, tokens = Loop.GATED, self._plain_round(dispatch_next=is_worth_lookahead)
+                if self.depth_policy is not None:
+                    for request in batch.draft_requests:
+                        self.depth_policy.rest(request.request_id)
             case BatchMode.GATED | BatchMode.RESUMING | BatchMode.UNARMED if not batch.is_settled:
                 # Decided once, here: the settle round is paid only for a capture that follows.
                 if batch.mode is BatchMode.GATED:
@@ -485,6 +492,11 @@ class Engine:
         if self.cost_table is not None:
             calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows)
         return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
+
+    def _drafting_pays(self) -> bool:
+        """Whether some speculating row's estimate asks for drafts (always, with a fixed depth)."""
+        policy, width = self.depth_policy, self.batch.num_draft_rows
+        return policy is None or any(policy.pays_to_draft(r.request_id, width) for r in self.batch.draft_requests)
 
     def _acceptance_prior(self) -> float:
         return self.depth_policy.prior_acceptance if self.depth_policy is not None else PRIOR_ACCEPTANCE

@@ -48,8 +48,9 @@ def test_doctor_shows_the_calibration_table(tmp_path):
     assert done.returncode == 0, done.stderr
     table = json.loads(done.stdout)["calibration"]
     assert table["widths"][0] == 1 and len(table["best_depth"]) == len(table["widths"])
-    assert all(len(row) == len(table["verify_ms"][0]) >= 2 for row in table["verify_ms"])
+    assert len(table["plain_round_ms"]) == len(table["widths"])
+    assert all(len(row) == len(table["spec_round_ms"][0]) >= 2 for row in table["spec_round_ms"])
     text = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "ngram"],
                           capture_output=True, text=True, timeout=300, env=env)  # the cached table now
     assert text.returncode == 0, text.stderr
-    assert "| width | verify 1 pos ms" in text.stdout and "speculate up to width" in text.stdout
+    assert "| width | plain round ms | depth 0 ms" in text.stdout and "speculate up to width" in text.stdout

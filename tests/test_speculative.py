@@ -94,8 +94,9 @@ def test_gated_rounds_do_no_drafter_work(kind, builtin_target, reference, code_p
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
     monkeypatch.setenv("GMLX_MTP_RESUME", "0")  # the gate latches: every later round is gated
     drafter = PoisonedAfterGate(make_drafter(kind, builtin_target))
-    # A big prefill budget admits all three waiters in one drain, straight over the cap.
-    engine = Engine(builtin_target, drafter, EngineConfig(prefill_chunk_tokens=4096))
+    # A big prefill budget admits all three waiters in one drain, straight over the cap; a fixed
+    # depth keeps the lone stream speculating until they come (no depth gate before the cap's).
+    engine = Engine(builtin_target, drafter, EngineConfig(prefill_chunk_tokens=4096, is_adaptive_depth=False))
     params = SamplingParams(max_tokens=24)
     first = engine.add_request(code_prompts[0], params)
     got = {first: []}
@@ -148,7 +149,8 @@ def test_opt_out_rows_never_draft_nor_hold_the_batch_back(kind, builtin_target, 
                                                           monkeypatch):
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "1")  # only the opt-outs make this batch wider than the cap
     drafter = RecordingDrafter(make_drafter(kind, builtin_target))
-    engine = Engine(builtin_target, drafter, EngineConfig(prefill_chunk_tokens=4096))
+    # Fixed depth: the one speculating row never rests at depth 0, so any gate would be the cap's.
+    engine = Engine(builtin_target, drafter, EngineConfig(prefill_chunk_tokens=4096, is_adaptive_depth=False))
     requests = {"spec": (code_prompts[0], SamplingParams(max_tokens=30)),
                 "out1": (code_prompts[1], SamplingParams(max_tokens=30, speculate=False)),
                 "out2": (code_prompts[2], SamplingParams(max_tokens=24, temperature=0.8, seed=9, speculate=False))}
@@ -179,7 +181,8 @@ def test_random_schedules_with_opt_outs_equal_plain(kind, engines, reference, co
 
 class RandomDepths:
     """A depth policy drawing every row's k in 0..k_max at random each round, so verify rounds
-    mix depths far more than live acceptance would; records the depths of each round."""
+    mix depths far more than live acceptance would; records the depths of each round. A round
+    where every row draws 0 gates the batch; a gated batch re-arms on a coin toss."""
 
     def __init__(self, engine, k_max, seed):
         import random
@@ -194,6 +197,12 @@ class RandomDepths:
 
     def observe(self, request_id, num_drafted, num_accepted):
         assert 0 <= num_accepted <= num_drafted <= self.k_max
+
+    def pays_to_draft(self, request_id, width):
+        return self.rng.random() < 0.3
+
+    def rest(self, request_id):
+        pass
 
     def forget(self, request_id):
         pass
@@ -213,11 +222,13 @@ def test_ragged_depth_schedules_equal_plain(kind, builtin_target, reference, cod
         check_schedule(engine, reference, schedule)
     num_ragged = sum(len(set(ks)) > 1 for ks in depths.depths_by_round.values())
     assert num_ragged > 20 and engine.counters["num_accepted"] > 0
+    assert engine.counters["num_depth_gates"] > 0 and engine.counters["num_resumes"] > 0
 
 
 def test_adaptive_depth_stops_drafting_what_is_never_accepted(builtin_target, reference, code_prompts):
-    """n-gram lookup on random-token prompts proposes tokens the model never picks: the rows'
-    depth falls to 0 after a few rounds instead of paying for k drafts every round."""
+    """n-gram lookup on random-token prompts proposes tokens the model never picks: the row's
+    depth falls to 0 after a few rounds and the batch decodes plain, pipelined (the depth gate),
+    instead of paying for k drafts every round."""
     import random
 
     rng = random.Random(3)
@@ -232,5 +243,7 @@ def test_adaptive_depth_stops_drafting_what_is_never_accepted(builtin_target, re
         for output in engine.step():
             got.extend(output.new_token_ids)
     assert got == reference.tokens(prompt, params)[0]
-    assert depths[0] > 0 and depths[-1] == 0
+    assert depths[0] > 0 and 0 in depths
+    assert engine.counters["num_depth_gates"] >= 1
+    assert engine.counters["num_gated_rounds"] > engine.counters["num_rounds"] / 2
     assert engine.counters["num_drafted"] < 4 * engine.counters["num_rounds"] / 2

@@ -23,8 +23,11 @@ def reference(builtin_target):
 
 @pytest.fixture(scope="module")
 def engines(builtin_target):
-    return {kind: Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig(prefill_chunk_tokens=64))
-            for kind in DRAFTERS}
+    # Fixed depth: batches speculate until the cap or a preempt moves them, whatever the drafter's
+    # acceptance; the depth gate's transitions have their own random schedules (test_speculative,
+    # test_depth).
+    config = EngineConfig(prefill_chunk_tokens=64, is_adaptive_depth=False)
+    return {kind: Engine(builtin_target, make_drafter(kind, builtin_target), config) for kind in DRAFTERS}
 
 
 @pytest.mark.parametrize("chunk, kind", CASES)
@@ -99,7 +102,8 @@ def test_resume_off_latches_the_gate(builtin_target, code_prompts, monkeypatch):
 
 
 def test_repeated_prompt_skips_prefill_and_preempted_is_not_offered(builtin_target, reference, code_prompts):
-    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig())
+    # Fixed depth: the lone stream is still speculating (not depth-gated) when the waiter comes.
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(is_adaptive_depth=False))
     prompt = code_prompts[5] * 3
     params = SamplingParams(max_tokens=8)
     outs = []

@@ -26,7 +26,8 @@ class BatchMode(enum.Enum):
     SCALAR   one request speculating alone; no admission boundary (a waiter preempts it)
     ARMED    the batch loop speculating: the drafter holds every speculating row
     UNARMED  preempted from SCALAR: the drafter was reset; a capture round arms it again
-    GATED    over the cap (or resume off): plain rounds, no drafter work; resume re-arms it
+    GATED    over the cap, no row's drafts paying (or resume off): plain rounds, no drafter
+             work; resume re-arms it
     RESUMING a gated batch that passed the resume check: its settle round runs, then a
              capture re-arms it (decided once, so a settle round is never paid for nothing)
     """
@@ -99,8 +100,9 @@ class DecodeBatch:
         self.mode = BatchMode.UNARMED
 
     def gate(self) -> bool:
-        """Over the cap -> GATED; True when this disarmed the drafter (its state must go)."""
-        assert self.mode is not BatchMode.PLAIN and self.mode is not BatchMode.SCALAR
+        """Over the cap, or no row's drafts pay -> GATED; True when this disarmed the drafter
+        (its state must go). A lone SCALAR stream gated this way gains an admission boundary."""
+        assert self.mode is not BatchMode.PLAIN
         was_armed = self.mode.is_armed
         self.mode = BatchMode.GATED
         return was_armed

@@ -10,7 +10,9 @@ whose drafts do not pay stops drafting. The costs come from the start-up calibra
 The acceptance a is per request, smoothed: decayed counts of accepted and tried drafts plus a
 prior, which is the drafter's acceptance over every row so far. A row at k = 0 tries nothing,
 so its counts decay toward the prior and it probes again after a while. A new row drafts at
-least one token in its first round whatever the prior says.
+least one token in its first round whatever the prior says. When every row of a batch is at
+k = 0 the engine gates it to pipelined plain rounds; it re-arms when one row's estimate asks
+for drafts again (pays_to_draft).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.6  # before any row has drafted: a typical first-draft agreement
 _PRIOR_WEIGHT = 2.0  # the prior counts as this many tried drafts
 _DECAY = 0.8  # per round: about the last five rounds carry a row's estimate
+# Per plain round of a batch gated because no row's drafts pay: a resume costs two unpipelined
+# rounds, so a resting row's estimate returns to the prior over ~20 rounds, not ~5.
+_RESTING_DECAY = 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +78,20 @@ class DepthPolicy:
 
     def depth(self, request_id: str, width: int = 1) -> int:
         """This round's k for the row, in a batch of `width` speculating rows."""
-        acceptance = self.acceptance(request_id)
-        if self.table is not None:
-            k = self.table.best_depth(width, acceptance, self.k_max)
-        else:
-            k = best_depth(acceptance, self.k_max, self.costs)
+        k = self._best_depth(request_id, width)
         # A row's first round drafts at least once, so its acceptance is measured, not assumed.
         return max(k, 1) if request_id not in self._rows and self.k_max else k
+
+    def pays_to_draft(self, request_id: str, width: int = 1) -> bool:
+        """Whether the row's estimate alone asks for drafts (no first-round probe): what
+        re-arms a batch gated because none of its rows' drafts paid."""
+        return self._best_depth(request_id, width) > 0
+
+    def _best_depth(self, request_id: str, width: int) -> int:
+        acceptance = self.acceptance(request_id)
+        if self.table is not None:
+            return self.table.best_depth(width, acceptance, self.k_max)
+        return best_depth(acceptance, self.k_max, self.costs)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """After a verify round; num_drafted = 0 for a row that decoded plain in it."""
@@ -90,6 +102,12 @@ class DepthPolicy:
         row.num_tried = row.num_tried * _DECAY + num_tried
         self._num_accepted += num_accepted
         self._num_tried += num_tried
+
+    def rest(self, request_id: str) -> None:
+        """After a plain round of a gated batch: the row's evidence fades slowly toward the prior."""
+        row = self._rows.setdefault(request_id, _RowEstimate())
+        row.num_accepted *= _RESTING_DECAY
+        row.num_tried *= _RESTING_DECAY
 
     def forget(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
