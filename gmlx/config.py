@@ -63,6 +63,11 @@ def is_resume_enabled() -> bool:
     return _env_flag("GMLX_MTP_RESUME", True)
 
 
+def is_adaptive_depth_enabled() -> bool:
+    """GMLX_ADAPTIVE_DEPTH=0: every speculating row drafts the drafter's fixed k (an A/B switch)."""
+    return _env_flag("GMLX_ADAPTIVE_DEPTH", True)
+
+
 def width_cap_override() -> int | None:
     """GMLX_MTP_WIDTH_CAP, re-read by the loops every round."""
     return _env_int("GMLX_MTP_WIDTH_CAP")

@@ -444,7 +444,7 @@ class Engine:
         is_over_cap = (batch.mode is not BatchMode.PLAIN
                        and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
         depths = self._draft_depths() if batch.mode.is_armed and not is_over_cap else None
-        if is_over_cap or (self.depth_policy is not None and depths is not None and not any(depths)):
+        if is_over_cap or (self._depth_policy() is not None and depths is not None and not any(depths)):
             # Every row at depth 0: a speculative round would be a plain one without its pipelining.
             self._gate(is_depth=not is_over_cap)
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
@@ -493,9 +493,13 @@ class Engine:
             calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows)
         return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
 
+    def _depth_policy(self) -> DepthPolicy | None:
+        """The live depth policy; None (every row drafts the fixed k) when GMLX_ADAPTIVE_DEPTH=0."""
+        return self.depth_policy if config.is_adaptive_depth_enabled() else None
+
     def _drafting_pays(self) -> bool:
         """Whether some speculating row's estimate asks for drafts (always, with a fixed depth)."""
-        policy, width = self.depth_policy, self.batch.num_draft_rows
+        policy, width = self._depth_policy(), self.batch.num_draft_rows
         return policy is None or any(policy.pays_to_draft(r.request_id, width) for r in self.batch.draft_requests)
 
     def _acceptance_prior(self) -> float:
@@ -503,7 +507,7 @@ class Engine:
 
     def _draft_depths(self) -> list[int]:
         """Each row's k this round: from its live acceptance (or the drafter's fixed k); opt-out rows 0."""
-        policy, k, width = self.depth_policy, self.drafter.num_draft_tokens, self.batch.num_draft_rows
+        policy, k, width = self._depth_policy(), self.drafter.num_draft_tokens, self.batch.num_draft_rows
         return [(k if policy is None else policy.depth(r.request_id, width)) if r.params.speculate else 0
                 for r in self.batch.requests]
 

@@ -34,7 +34,11 @@ def test_llama_server_spec_keys_defaults_and_errors():
     assert parse_target("server").name == "server drafter=default" != parse_target("server:drafter=none").name
     assert "--drafter" not in gmlx_serve_argv("tcp://127.0.0.1:5555", None, "smollm2")
     assert parse_target("mlx-lm").name == "mlx-lm drafter=none"
+    fixed = parse_target("server:drafter=ngram,adaptive=0")  # fixed depth: the engine reads the switch
+    assert fixed.gmlx_env() == {"GMLX_ADAPTIVE_DEPTH": "0"} and fixed.name == "server drafter=ngram adaptive=0"
     bad = {
+        "mlx-lm:drafter=draft,adaptive=0": "gmlx knobs",
+        "server:adaptive=2": "0 or 1",
         "llama-server:gguf=/m/model.bin": "must name a .gguf",
         "llama-server:drafter=mtp": "without a drafter",
         "llama-server:preempt=0": "gmlx knobs",

@@ -247,3 +247,24 @@ def test_adaptive_depth_stops_drafting_what_is_never_accepted(builtin_target, re
     assert engine.counters["num_depth_gates"] >= 1
     assert engine.counters["num_gated_rounds"] > engine.counters["num_rounds"] / 2
     assert engine.counters["num_drafted"] < 4 * engine.counters["num_rounds"] / 2
+
+
+def test_fixed_depth_switch_drafts_k_every_round(builtin_target, reference, monkeypatch):
+    """GMLX_ADAPTIVE_DEPTH=0 (the bench's fixed-speculation side): the same never-accepted drafts
+    are paid for in every round, and nothing gates the lone stream."""
+    import random
+
+    monkeypatch.setenv("GMLX_ADAPTIVE_DEPTH", "0")
+    rng = random.Random(3)
+    drafter = make_drafter("ngram", builtin_target)
+    engine = Engine(builtin_target, drafter, EngineConfig())
+    params = SamplingParams(max_tokens=40)
+    prompt = [rng.randrange(builtin_target.vocab_size) for _ in range(16)]
+    engine.add_request(prompt, params)
+    got = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            got.extend(output.new_token_ids)
+    assert got == reference.tokens(prompt, params)[0]
+    assert engine.counters["num_depth_gates"] == 0 and engine.counters["num_gated_rounds"] == 0
+    assert engine.counters["num_drafted"] == drafter.num_draft_tokens * engine.counters["num_spec_rounds"]

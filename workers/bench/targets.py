@@ -7,7 +7,7 @@
            streaming token-id prompts to /completion with plain http.client
 
 Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
-resume (0|1), width_cap (N), num_draft_tokens (N), address (server: use one already running),
+resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), width_cap (N), num_draft_tokens (N), address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
 concurrency), ctx (llama-server: context tokens per slot), label. For example
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
-_BOOL_KEYS = ("preempt", "resume")
+_BOOL_KEYS = ("preempt", "resume", "adaptive")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
 _STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
@@ -36,6 +36,7 @@ class TargetSpec:
     model: str | None = None  # None = the built-in model
     preempt: bool | None = None  # None = the engine default (on)
     resume: bool | None = None
+    adaptive: bool | None = None  # GMLX_ADAPTIVE_DEPTH; None = the engine default (on)
     width_cap: int | None = None  # GMLX_MTP_WIDTH_CAP; None = the model's cap
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
@@ -55,7 +56,7 @@ class TargetSpec:
             return " ".join(parts + ([f"gguf={Path(self.gguf).name}"] if self.gguf else []))
         shown_drafter = self.drafter or ("none" if self.kind == "mlx-lm" else "default")
         parts = [self.kind, f"drafter={shown_drafter}"]
-        for key in ("preempt", "resume", "width_cap", "num_draft_tokens"):
+        for key in ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens"):
             value = getattr(self, key)
             if value is not None:
                 parts.append(f"{key}={int(value)}")
@@ -72,6 +73,8 @@ class TargetSpec:
             env["GMLX_MTP_PREEMPT"] = "1" if self.preempt else "0"
         if self.resume is not None:
             env["GMLX_MTP_RESUME"] = "1" if self.resume else "0"
+        if self.adaptive is not None:
+            env["GMLX_ADAPTIVE_DEPTH"] = "1" if self.adaptive else "0"
         if self.width_cap is not None:
             env["GMLX_MTP_WIDTH_CAP"] = str(self.width_cap)
         return env
@@ -119,8 +122,8 @@ def _check(text: str, spec: TargetSpec) -> None:
     if spec.kind == "mlx-lm":
         if kind not in ("none", "draft"):
             raise ValueError(f"target {text!r}: mlx-lm drafts only with a draft model (drafter=draft[:PATH])")
-        if spec.preempt is not None or spec.resume is not None or spec.width_cap is not None:
-            raise ValueError(f"target {text!r}: preempt, resume and width_cap are gmlx knobs")
+        if _gmlx_knobs(spec) - {"num_draft_tokens"}:
+            raise ValueError(f"target {text!r}: preempt, resume, adaptive and width_cap are gmlx knobs")
         if spec.blas not in ("same", "bundled"):
             raise ValueError(f"target {text!r}: blas must be same or bundled")
     if spec.kind != "mlx-lm" and (spec.blas != "same" or spec.format != "auto"):
@@ -134,6 +137,12 @@ def _check(text: str, spec: TargetSpec) -> None:
         raise ValueError(f"target {text!r}: only loopback addresses are allowed")
 
 
+def _gmlx_knobs(spec: TargetSpec) -> set[str]:
+    """The engine knobs a target sets: only gmlx's own targets take them."""
+    return {key for key in ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens")
+            if getattr(spec, key) is not None}
+
+
 def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
     is_llama = spec.kind == "llama-server"
     if not is_llama and (spec.gguf is not None or spec.num_slots is not None
@@ -143,9 +152,8 @@ def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
         return
     if drafter_kind != "none":
         raise ValueError(f"target {text!r}: llama-server runs without a drafter here (drafter=none)")
-    if spec.preempt is not None or spec.resume is not None or spec.width_cap is not None \
-            or spec.num_draft_tokens is not None:
-        raise ValueError(f"target {text!r}: preempt, resume, width_cap and num_draft_tokens are gmlx knobs")
+    if _gmlx_knobs(spec):
+        raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap and num_draft_tokens are gmlx knobs")
     if spec.gguf is not None and not spec.gguf.lower().endswith(".gguf"):
         raise ValueError(f"target {text!r}: gguf must name a .gguf file, got {spec.gguf!r}")
     if spec.num_slots == 0 or spec.slot_context_tokens == 0:
