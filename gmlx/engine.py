@@ -57,6 +57,7 @@ PACKED_BUDGET_ROUNDS = 0.5  # the auto prefill budget of a packed chunk, in deco
 # SmolLM2 row at once, 69 MB of KV into 165 MB of buffers, took ~2.5 rounds on the 2-core box).
 STAGED_JOIN_MIN_BYTES = 16 << 20
 JOIN_STAGES = 3
+MAX_STEP_GAP_S = 0.05  # a longer gap between steps is the caller idling, not a cost of each round
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
@@ -87,6 +88,10 @@ class Engine:
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
         self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
+        # The caller's time between decoding steps (a server publishing each round's tokens): every
+        # round pays it, so the depth model counts it (smoothed; idle waits are not counted).
+        self._step_gap_s = 0.0
+        self._step_end_s: float | None = None
         # Prompts whose prefill finished beside running rows: first token out, they join next
         # step, so a step never pays a prefill chunk and a cache merge on top of its round.
         self._ready: list[admission.Prefilled] = []
@@ -172,6 +177,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
+        self._measure_step_gap()
         self._is_joined_this_step = False
         self._is_landed_this_step = self._land()
         if self.batch is not None and not self.batch.has_boundary:
@@ -190,7 +196,17 @@ class Engine:
         if self.batch is not None:
             self._run_round()
         outputs, self._outputs = self._outputs, []
+        self._step_end_s = time.perf_counter() if self.batch is not None else None
         return outputs
+
+    def _measure_step_gap(self) -> None:
+        if self._step_end_s is None:
+            return
+        gap_s = time.perf_counter() - self._step_end_s
+        if gap_s < MAX_STEP_GAP_S:
+            self._step_gap_s = 0.8 * self._step_gap_s + 0.2 * gap_s
+            if self.depth_policy is not None:
+                self.depth_policy.step_gap_s = self._step_gap_s
 
     def stats(self) -> dict:
         stats = dict(self.counters)
@@ -203,7 +219,8 @@ class Engine:
             self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
         )
         stats["draft_depth"] = self.depth_policy.describe() if self.depth_policy is not None else None
-        stats["calibration"] = (self.cost_table.describe(self._acceptance_prior(), self.config.max_num_rows)
+        stats["calibration"] = (self.cost_table.describe(self._acceptance_prior(), self.config.max_num_rows,
+                                                         self._step_gap_s)
                                 if self.cost_table is not None else None)
         stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
@@ -460,9 +477,6 @@ class Engine:
             case BatchMode.GATED if (is_over_cap or not admission.can_resume(batch.draft_requests)
                                      or not self._drafting_pays()):
                 loop, tokens = Loop.GATED, self._plain_round(dispatch_next=is_worth_lookahead)
-                if self.depth_policy is not None:
-                    for request in batch.draft_requests:
-                        self.depth_policy.rest(request.request_id)
             case BatchMode.GATED | BatchMode.RESUMING | BatchMode.UNARMED if not batch.is_settled:
                 # Decided once, here: the settle round is paid only for a capture that follows.
                 if batch.mode is BatchMode.GATED:
@@ -483,14 +497,31 @@ class Engine:
             request.num_rounds_by_loop[loop.value] = request.num_rounds_by_loop.get(loop.value, 0) + 1
             if self._deliver(request, row_tokens):
                 keep.append(i)
+                if loop is Loop.GATED and request.params.speculate:
+                    self._observe_gated(request, bool(row_tokens), is_over_cap)
             else:
                 self._retire(request, batch.caches, i)
         self._keep_rows(keep)
 
+    def _observe_gated(self, request: Request, has_new_token: bool, is_over_cap: bool) -> None:
+        """A gated row's evidence: within the cap, a drafter that can tell from the history
+        alone (n-gram) says whether its draft would have been this round's token, so a row whose
+        text turns repetitive re-arms the batch; otherwise the row's estimate rests."""
+        policy = self._depth_policy()
+        if policy is None:
+            return
+        would_match = (self.drafter.would_have_drafted(request)
+                       if has_new_token and not is_over_cap else None)
+        if would_match is None:
+            policy.rest(request.request_id)
+        else:
+            policy.observe(request.request_id, 1, int(would_match))
+
     def _width_cap(self) -> int:
         calibrated = None
         if self.cost_table is not None:
-            calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows)
+            calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows,
+                                                   self._step_gap_s)
         return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
 
     def _depth_policy(self) -> DepthPolicy | None:

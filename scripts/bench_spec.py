@@ -12,7 +12,8 @@ separately (lift_prose, lift_code); its mtp drafter is the head shipped for that
 Sections:
   verify   a verify forward of 2-4 positions over a one-position step, interposer on and off
   lift     decode tok/s at width 1, each drafter against plain, with acceptance
-  mlx_lm   gmlx's scalar loop vs mlx_lm speculative_generate_step, same draft model and k
+  mlx_lm   gmlx's scalar loop as served (adaptive depth, calibrated) vs mlx_lm speculative_generate_step
+           at its best fixed k, same target and draft model
   widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
   coupling the batch loop at temperature 0.8: coupled drafting against greedy drafting
   gated    a gated round (drafter loaded, over the cap) against a plain engine, width 4
@@ -97,24 +98,45 @@ def bench_lift(target, drafter_specs, prompts, params, repeats):
     return out
 
 
-def bench_vs_mlx_lm(target, prompts, params, repeats, num_draft):
+def bench_vs_mlx_lm(target, prompts, params, repeats, k_max):
+    """gmlx's scalar loop as served (adaptive depth up to k_max, the start-up calibration)
+    against mlx-lm's speculative_generate_step at every fixed k in 1..k_max, same target and
+    draft model, alternating per prompt; the ratio is over mlx-lm's best k (by median)."""
+    from gmlx.spec.calibration import load_or_measure
+
     draft = load_model(BUILTIN_DRAFT_DIR)
-    drafter = make_drafter(f"draft:{BUILTIN_DRAFT_DIR}", target, num_draft_tokens=num_draft)
-    engine = Engine(target, drafter, EngineConfig(prompt_cache_bytes=0))
-    pairs, accs = [], []
+    spec = f"draft:{BUILTIN_DRAFT_DIR}"
+    adaptive_drafter = make_drafter(spec, target, num_draft_tokens=k_max)
+    table = load_or_measure(target, adaptive_drafter, EngineConfig().max_num_rows)
+    engines = {"plain": engine_for(target, "none"),
+               "adaptive": Engine(target, adaptive_drafter, EngineConfig(prompt_cache_bytes=0), cost_table=table),
+               "fixed": Engine(target, make_drafter(spec, target, num_draft_tokens=k_max),
+                               EngineConfig(prompt_cache_bytes=0, is_adaptive_depth=False))}
+    ks = list(range(1, k_max + 1))
+    rates = {name: [] for name in [*engines, *(f"mlx_lm_k{k}" for k in ks)]}
+    accs = []
     for prompt in prompts[:repeats]:
-        ours, delta = decode_tok_per_s(engine, [prompt], params)
-        steps = speculative_generate_step(mx.array(prompt), target.model, draft.model,
-                                          num_draft_tokens=num_draft, max_tokens=params.max_tokens)
-        next(steps)
-        start, count = time.perf_counter(), 0
-        for _ in steps:
-            count += 1
-        theirs = count / (time.perf_counter() - start)
-        pairs.append((ours, theirs))
-        accs.append(acceptance(delta))
-    return dict(num_draft=num_draft, ratio=median_ratio(pairs), gmlx_tok_s=statistics.median(p[0] for p in pairs),
-                mlx_lm_tok_s=statistics.median(p[1] for p in pairs), acceptance=statistics.median(accs))
+        for name, engine in engines.items():
+            rate, delta = decode_tok_per_s(engine, [prompt], params)
+            rates[name].append(rate)
+            if name == "adaptive":
+                accs.append(acceptance(delta))
+        for k in ks:
+            steps = speculative_generate_step(mx.array(prompt), target.model, draft.model,
+                                              num_draft_tokens=k, max_tokens=params.max_tokens)
+            next(steps)
+            start, count = time.perf_counter(), 0
+            for _ in steps:
+                count += 1
+            rates[f"mlx_lm_k{k}"].append(count / (time.perf_counter() - start))
+    best_k = max(ks, key=lambda k: statistics.median(rates[f"mlx_lm_k{k}"]))
+    best = rates[f"mlx_lm_k{best_k}"]
+    return dict(k_max=k_max, mlx_lm_best_k=best_k,
+                adaptive_over_mlx_lm_best=median_ratio(list(zip(rates["adaptive"], best))),
+                fixed_over_mlx_lm_best=median_ratio(list(zip(rates["fixed"], best))),
+                plain_over_mlx_lm_best=median_ratio(list(zip(rates["plain"], best))),
+                tok_s={name: round(statistics.median(values), 1) for name, values in rates.items()},
+                adaptive_acceptance=statistics.median(accs))
 
 
 def bench_widths(target, drafter_spec, prompts, params, widths):
@@ -211,6 +233,7 @@ def main() -> None:
     parser.add_argument("--inert-intermediate", type=int, default=8192)
     parser.add_argument("--inert-extra-layers", type=int, default=12)
     parser.add_argument("--depth-widths", default="1,4")
+    parser.add_argument("--k-max", type=int, default=4, help="mlx_lm: gmlx's deepest draft, mlx-lm's ks 1..this")
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
     parser.add_argument("--calibrate", action="store_true", help="depth: use the start-up calibration table")
     args = parser.parse_args()
@@ -240,7 +263,7 @@ def main() -> None:
         elif "lift" in sections:
             result["lift"] = bench_lift(target, specs, prompts, params, args.repeats)
         if "mlx_lm" in sections:
-            result["mlx_lm"] = [bench_vs_mlx_lm(target, prompts, params, args.repeats, k) for k in (2, 3)]
+            result["mlx_lm"] = bench_vs_mlx_lm(target, prompts, params, args.repeats, args.k_max)
         if "widths" in sections:
             best = max(result.get("lift", [{"drafter": specs[0], "lift": 0}]), key=lambda r: r["lift"])["drafter"]
             widths = [int(w) for w in args.widths.split(",")]

@@ -6,9 +6,10 @@ import pytest
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
+from gmlx.request import SamplingParams
 from gmlx.spec import calibration
 from gmlx.spec.calibration import CostTable
-from gmlx.spec.depth import DepthPolicy, DraftCosts, best_depth, expected_tokens
+from gmlx.spec.depth import MIN_TRIES_TO_STOP, DepthPolicy, DraftCosts, best_depth, expected_tokens
 from schedules import SoloReference, check_schedule, make_schedule
 
 # Width 1: verifying more positions is nearly free and drafts are cheap (memory-bound decode);
@@ -49,8 +50,9 @@ def test_default_cost_model_without_a_table():
 
 def test_depth_policy_learns_each_rows_acceptance():
     policy = DepthPolicy(k_max=3, table=SYNTHETIC)
-    assert policy.depth("new", 4) == 1  # its first round probes, though the prior says 0 at width 4
-    policy.observe("new", 1, 0)
+    for _ in range(MIN_TRIES_TO_STOP):  # its first rounds probe, though the prior says 0 at width 4
+        assert policy.depth("new", 4) == 1
+        policy.observe("new", 1, 0)
     assert policy.depth("new", 4) == 0 and policy.depth("new", 1) == SYNTHETIC.best_depth(1, policy.acceptance("new"))
     for _ in range(12):
         policy.observe("good", 3, 3)
@@ -110,3 +112,29 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_target, tmp_
     assert calibration.load_or_measure(tiny_target, drafter, max_rows=4) == table
     monkeypatch.setenv("GMLX_CALIBRATE", "off")
     assert calibration.load_or_measure(tiny_target, drafter, max_rows=4) is None
+
+
+def test_time_between_rounds_favours_rounds_that_emit_more():
+    """A server's per-round work (publishing tokens) is paid by plain and speculative rounds alike."""
+    assert SYNTHETIC.best_depth(4, 0.8) == 0
+    assert SYNTHETIC.best_depth(4, 0.8, step_gap_s=3.0) > 0  # 1.8 tokens for 5.1 units beats 1 for 4
+    assert SYNTHETIC.width_cap(0.8, 64, step_gap_s=3.0) > SYNTHETIC.width_cap(0.8, 64)
+    policy = DepthPolicy(k_max=3, table=SYNTHETIC)
+    for _ in range(12):
+        policy.observe("good", 3, 3)
+    assert policy.depth("good", 4) == 0
+    policy.step_gap_s = 3.0
+    assert policy.depth("good", 4) > 0
+
+
+def test_engine_measures_its_callers_time_between_steps(builtin_target, code_prompts):
+    import time
+
+    engine = Engine(builtin_target, make_drafter("ngram", builtin_target), EngineConfig(), cost_table=SYNTHETIC)
+    engine.add_request(code_prompts[0], SamplingParams(max_tokens=24))
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(0.01)  # the caller's own work between rounds
+    # Smoothed from 0 over ~20 gaps of at least 10 ms each (sleep never returns early).
+    assert engine.depth_policy.step_gap_s > 0.008
+    assert engine.stats()["calibration"]["step_gap_ms"] > 8

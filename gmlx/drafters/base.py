@@ -17,6 +17,9 @@ class ModelDrafter:
     default_width_cap = DEFAULT_WIDTH_CAP
     has_distribution = True
 
+    def would_have_drafted(self, request) -> bool | None:
+        return None  # a draft would need a forward
+
 
 class Drafter(Protocol):
     kind: str
@@ -39,3 +42,7 @@ class Drafter(Protocol):
 
     def on_verified(self, batch, num_accepted: list[int], hidden: mx.array | None) -> None:
         """After a verify round; hidden (B, k+1, D) is the verify forward's, before trimming."""
+
+    def would_have_drafted(self, request) -> bool | None:
+        """Whether this drafter's first draft before the request's last token was that token,
+        from its history alone at no forward's cost; None when it cannot tell (a model drafter)."""

@@ -33,6 +33,10 @@ class NgramDrafter:
         drafts = [self._lookup(r.all_token_ids, num_tokens) for r in batch.requests]
         return mx.array(drafts, dtype=mx.int32)  # (B, k)
 
+    def would_have_drafted(self, request) -> bool | None:
+        tokens = request.all_token_ids
+        return len(tokens) >= 2 and self._lookup(tokens[:-1], 1)[0] == tokens[-1]
+
     def _lookup(self, tokens: list[int], num_tokens: int) -> list[int]:
         # Row histories are all delivered tokens; the last one is the pending bonus.
         for size in range(min(self.max_ngram, len(tokens) - 1), 0, -1):

@@ -72,32 +72,35 @@ class CostTable:
             return self._at(width, self.plain_s)
         return self._at(width, [row[depth] for row in self.spec_s])
 
-    def tokens_per_s(self, width: int, depth: int, acceptance: float) -> float:
-        return width * expected_tokens(acceptance, depth) / self.round_s(width, depth)
+    def tokens_per_s(self, width: int, depth: int, acceptance: float, step_gap_s: float = 0.0) -> float:
+        """step_gap_s: what the caller spends between rounds (a server publishing tokens), which
+        a round pays whatever its depth, so it favours rounds that emit more tokens."""
+        return width * expected_tokens(acceptance, depth) / (self.round_s(width, depth) + step_gap_s)
 
-    def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
+    def best_depth(self, width: int, acceptance: float, k_max: int | None = None, step_gap_s: float = 0.0) -> int:
         """The depth in 0..k_max with the most expected tokens/s at this width (ties: shallower)."""
         top = self.k_max if k_max is None else min(k_max, self.k_max)
-        return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance), -k))
+        return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance, step_gap_s), -k))
 
-    def width_cap(self, acceptance: float, max_rows: int) -> int:
+    def width_cap(self, acceptance: float, max_rows: int, step_gap_s: float = 0.0) -> int:
         """Speculate while at most this many rows decode (0 = at every width up to max_rows):
         the widest width up to which drafting beats plain decoding at every width."""
         cap = 0
         for width in range(1, max_rows + 1):
-            if self.best_depth(width, acceptance) == 0:
+            if self.best_depth(width, acceptance, step_gap_s=step_gap_s) == 0:
                 return max(cap, 1)  # never below 1: a lone row at depth 0 is gated to plain anyway
             cap = width
         return 0
 
-    def describe(self, acceptance: float, max_rows: int) -> dict:
+    def describe(self, acceptance: float, max_rows: int, step_gap_s: float = 0.0) -> dict:
         return {
             "widths": list(self.widths),
             "plain_round_ms": [round(s * 1e3, 3) for s in self.plain_s],
             "spec_round_ms": [[round(s * 1e3, 3) for s in row] for row in self.spec_s],
             "acceptance": round(acceptance, 4),
-            "best_depth": [self.best_depth(w, acceptance) for w in self.widths],  # per width
-            "width_cap": self.width_cap(acceptance, max_rows),
+            "step_gap_ms": round(step_gap_s * 1e3, 3),
+            "best_depth": [self.best_depth(w, acceptance, step_gap_s=step_gap_s) for w in self.widths],  # per width
+            "width_cap": self.width_cap(acceptance, max_rows, step_gap_s),
         }
 
 

@@ -10,7 +10,7 @@ whose drafts do not pay stops drafting. The costs come from the start-up calibra
 The acceptance a is per request, smoothed: decayed counts of accepted and tried drafts plus a
 prior, which is the drafter's acceptance over every row so far. A row at k = 0 tries nothing,
 so its counts decay toward the prior and it probes again after a while. A new row drafts at
-least one token in its first round whatever the prior says. When every row of a batch is at
+least one token a round until it has tried MIN_TRIES_TO_STOP drafts, whatever the prior says. When every row of a batch is at
 k = 0 the engine gates it to pipelined plain rounds; it re-arms when one row's estimate asks
 for drafts again (pays_to_draft).
 """
@@ -25,6 +25,9 @@ _DECAY = 0.8  # per round: about the last five rounds carry a row's estimate
 # Per plain round of a batch gated because no row's drafts pay: a resume costs two unpipelined
 # rounds, so a resting row's estimate returns to the prior over ~20 rounds, not ~5.
 _RESTING_DECAY = 0.95
+# A row drafts until it has tried this many drafts: n-gram drafts hit in runs, and one
+# rejected first draft stopped rows that accept a third of their drafts over a request.
+MIN_TRIES_TO_STOP = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,7 @@ def best_depth(acceptance: float, k_max: int, costs: DraftCosts) -> int:
 class _RowEstimate:
     num_accepted: float = 0.0  # decayed
     num_tried: float = 0.0  # decayed; a draft counts as tried when the ones before it were accepted
+    num_tried_ever: int = 0  # not decayed: the evidence the row's own estimate rests on
 
 
 @dataclass
@@ -61,6 +65,7 @@ class DepthPolicy:
     k_max: int
     costs: DraftCosts = field(default_factory=DraftCosts)
     table: object = None  # a calibration.CostTable: measured costs per width replace `costs`
+    step_gap_s: float = 0.0  # the engine's caller's time between rounds (with a table only)
     _rows: dict[str, _RowEstimate] = field(default_factory=dict)
     _num_accepted: int = 0  # over every row: the prior of a new row
     _num_tried: int = 0
@@ -79,8 +84,9 @@ class DepthPolicy:
     def depth(self, request_id: str, width: int = 1) -> int:
         """This round's k for the row, in a batch of `width` speculating rows."""
         k = self._best_depth(request_id, width)
-        # A row's first round drafts at least once, so its acceptance is measured, not assumed.
-        return max(k, 1) if request_id not in self._rows and self.k_max else k
+        # A row's first rounds draft at least once, so its acceptance is measured, not assumed.
+        row = self._rows.get(request_id)
+        return max(k, 1) if (row is None or row.num_tried_ever < MIN_TRIES_TO_STOP) and self.k_max else k
 
     def pays_to_draft(self, request_id: str, width: int = 1) -> bool:
         """Whether the row's estimate alone asks for drafts (no first-round probe): what
@@ -90,7 +96,7 @@ class DepthPolicy:
     def _best_depth(self, request_id: str, width: int) -> int:
         acceptance = self.acceptance(request_id)
         if self.table is not None:
-            return self.table.best_depth(width, acceptance, self.k_max)
+            return self.table.best_depth(width, acceptance, self.k_max, self.step_gap_s)
         return best_depth(acceptance, self.k_max, self.costs)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -100,6 +106,7 @@ class DepthPolicy:
         row = self._rows.setdefault(request_id, _RowEstimate())
         row.num_accepted = row.num_accepted * _DECAY + num_accepted
         row.num_tried = row.num_tried * _DECAY + num_tried
+        row.num_tried_ever += num_tried
         self._num_accepted += num_accepted
         self._num_tried += num_tried
 
