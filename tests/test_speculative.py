@@ -268,3 +268,36 @@ def test_fixed_depth_switch_drafts_k_every_round(builtin_target, reference, monk
     assert got == reference.tokens(prompt, params)[0]
     assert engine.counters["num_depth_gates"] == 0 and engine.counters["num_gated_rounds"] == 0
     assert engine.counters["num_drafted"] == drafter.num_draft_tokens * engine.counters["num_spec_rounds"]
+
+
+def test_ngram_keeps_score_from_the_history_alone():
+    from gmlx.drafters.ngram import NgramDrafter
+    from gmlx.request import Request
+
+    drafter = NgramDrafter()
+    request = Request("r", [5, 6, 7, 8, 5, 6], SamplingParams(), 0)
+    request.output_token_ids = [7]  # 5 6 -> 7 before: the lookup would have drafted it
+    assert drafter.would_have_drafted(request) is True
+    request.output_token_ids = [9]
+    assert drafter.would_have_drafted(request) is False
+    assert drafter.would_have_drafted(Request("s", [3], SamplingParams(), 0)) is False
+
+
+def test_a_depth_gated_row_whose_text_turns_repetitive_re_arms(builtin_target, reference):
+    """Random-token prompts give n-gram nothing to copy at first; the built-in model's greedy
+    continuation then repeats itself, which the gated row's free score notices: the batch
+    re-arms and speculates, and the stream is still plain decoding's."""
+    import random
+
+    engine = Engine(builtin_target, make_drafter("ngram", builtin_target), EngineConfig())
+    totals = dict.fromkeys(("num_depth_gates", "num_resumes", "num_spec_rounds"), 0)
+    for seed in range(4):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(builtin_target.vocab_size) for _ in range(16)]
+        params = SamplingParams(max_tokens=160)
+        before = dict(engine.counters)
+        tokens, _, _ = run_alone(engine, prompt, params)
+        assert tokens == reference.tokens(prompt, params)[0]
+        for key in totals:
+            totals[key] += engine.counters[key] - before[key]
+    assert totals["num_depth_gates"] > 0 and totals["num_resumes"] > 0, totals
