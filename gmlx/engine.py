@@ -57,7 +57,6 @@ PACKED_BUDGET_ROUNDS = 0.5  # the auto prefill budget of a packed chunk, in deco
 # SmolLM2 row at once, 69 MB of KV into 165 MB of buffers, took ~2.5 rounds on the 2-core box).
 STAGED_JOIN_MIN_BYTES = 16 << 20
 JOIN_STAGES = 3
-MAX_STEP_GAP_S = 0.05  # a longer gap between steps is the caller idling, not a cost of each round
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
@@ -88,10 +87,6 @@ class Engine:
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
         self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
-        # The caller's time between decoding steps (a server publishing each round's tokens): every
-        # round pays it, so the depth model counts it (smoothed; idle waits are not counted).
-        self._step_gap_s = 0.0
-        self._step_end_s: float | None = None
         # Prompts whose prefill finished beside running rows: first token out, they join next
         # step, so a step never pays a prefill chunk and a cache merge on top of its round.
         self._ready: list[admission.Prefilled] = []
@@ -177,7 +172,6 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
-        self._measure_step_gap()
         self._is_joined_this_step = False
         self._is_landed_this_step = self._land()
         if self.batch is not None and not self.batch.has_boundary:
@@ -196,17 +190,7 @@ class Engine:
         if self.batch is not None:
             self._run_round()
         outputs, self._outputs = self._outputs, []
-        self._step_end_s = time.perf_counter() if self.batch is not None else None
         return outputs
-
-    def _measure_step_gap(self) -> None:
-        if self._step_end_s is None:
-            return
-        gap_s = time.perf_counter() - self._step_end_s
-        if gap_s < MAX_STEP_GAP_S:
-            self._step_gap_s = 0.8 * self._step_gap_s + 0.2 * gap_s
-            if self.depth_policy is not None:
-                self.depth_policy.step_gap_s = self._step_gap_s
 
     def stats(self) -> dict:
         stats = dict(self.counters)
@@ -219,8 +203,7 @@ class Engine:
             self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
         )
         stats["draft_depth"] = self.depth_policy.describe() if self.depth_policy is not None else None
-        stats["calibration"] = (self.cost_table.describe(self._acceptance_prior(), self.config.max_num_rows,
-                                                         self._step_gap_s)
+        stats["calibration"] = (self.cost_table.describe(self._acceptance_prior(), self.config.max_num_rows)
                                 if self.cost_table is not None else None)
         stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
@@ -520,8 +503,7 @@ class Engine:
     def _width_cap(self) -> int:
         calibrated = None
         if self.cost_table is not None:
-            calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows,
-                                                   self._step_gap_s)
+            calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows)
         return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
 
     def _depth_policy(self) -> DepthPolicy | None:

@@ -72,35 +72,32 @@ class CostTable:
             return self._at(width, self.plain_s)
         return self._at(width, [row[depth] for row in self.spec_s])
 
-    def tokens_per_s(self, width: int, depth: int, acceptance: float, step_gap_s: float = 0.0) -> float:
-        """step_gap_s: what the caller spends between rounds (a server publishing tokens), which
-        a round pays whatever its depth, so it favours rounds that emit more tokens."""
-        return width * expected_tokens(acceptance, depth) / (self.round_s(width, depth) + step_gap_s)
+    def tokens_per_s(self, width: int, depth: int, acceptance: float) -> float:
+        return width * expected_tokens(acceptance, depth) / self.round_s(width, depth)
 
-    def best_depth(self, width: int, acceptance: float, k_max: int | None = None, step_gap_s: float = 0.0) -> int:
+    def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
         """The depth in 0..k_max with the most expected tokens/s at this width (ties: shallower)."""
         top = self.k_max if k_max is None else min(k_max, self.k_max)
-        return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance, step_gap_s), -k))
+        return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance), -k))
 
-    def width_cap(self, acceptance: float, max_rows: int, step_gap_s: float = 0.0) -> int:
+    def width_cap(self, acceptance: float, max_rows: int) -> int:
         """Speculate while at most this many rows decode (0 = at every width up to max_rows):
         the widest width up to which drafting beats plain decoding at every width."""
         cap = 0
         for width in range(1, max_rows + 1):
-            if self.best_depth(width, acceptance, step_gap_s=step_gap_s) == 0:
+            if self.best_depth(width, acceptance) == 0:
                 return max(cap, 1)  # never below 1: a lone row at depth 0 is gated to plain anyway
             cap = width
         return 0
 
-    def describe(self, acceptance: float, max_rows: int, step_gap_s: float = 0.0) -> dict:
+    def describe(self, acceptance: float, max_rows: int) -> dict:
         return {
             "widths": list(self.widths),
             "plain_round_ms": [round(s * 1e3, 3) for s in self.plain_s],
             "spec_round_ms": [[round(s * 1e3, 3) for s in row] for row in self.spec_s],
             "acceptance": round(acceptance, 4),
-            "step_gap_ms": round(step_gap_s * 1e3, 3),
-            "best_depth": [self.best_depth(w, acceptance, step_gap_s=step_gap_s) for w in self.widths],  # per width
-            "width_cap": self.width_cap(acceptance, max_rows, step_gap_s),
+            "best_depth": [self.best_depth(w, acceptance) for w in self.widths],  # per width
+            "width_cap": self.width_cap(acceptance, max_rows),
         }
 
 
@@ -154,12 +151,18 @@ def measure(target, drafter, max_rows: int) -> CostTable:
         batch = DecodeBatch(requests, caches, tokens[:, -1], BatchMode.ARMED)
         drafter.reset()
         drafter.add_rows(batch, list(range(width)), hidden[:, -1, :] if drafter.needs_hidden else None)
-        # Each timed round appends its accepted tokens to the KV: a few more than the context.
-        spec_s.append(tuple(_fastest_round_s(lambda k=k: speculative_round(target, batch, drafter, [k] * width))
-                            for k in range(k_max + 1)))
-        plain_round(target, batch, dispatch_next=True)  # the first dispatches two forwards
-        plain_s.append(_fastest_round_s(lambda: plain_round(target, batch, dispatch_next=True)))
-        plain_round(target, batch, dispatch_next=False)  # reads the last lookahead
+        # Each timed round appends its tokens to the KV and, as the engine delivers them, to the
+        # requests (a draft model reads its history from them): a few more than the context.
+        def deliver(tokens_by_row):
+            for request, tokens in zip(requests, tokens_by_row):
+                request.output_token_ids.extend(tokens)
+
+        spec_s.append(tuple(
+            _fastest_round_s(lambda k=k: deliver(speculative_round(target, batch, drafter, [k] * width).tokens_by_row))
+            for k in range(k_max + 1)))
+        deliver(plain_round(target, batch, dispatch_next=True))  # the first dispatches two forwards
+        plain_s.append(_fastest_round_s(lambda: deliver(plain_round(target, batch, dispatch_next=True))))
+        deliver(plain_round(target, batch, dispatch_next=False))  # reads the last lookahead
         drafter.reset()
     return CostTable(tuple(widths), tuple(_suffix_min(plain_s)), _monotone(spec_s))
 

@@ -65,7 +65,6 @@ class DepthPolicy:
     k_max: int
     costs: DraftCosts = field(default_factory=DraftCosts)
     table: object = None  # a calibration.CostTable: measured costs per width replace `costs`
-    step_gap_s: float = 0.0  # the engine's caller's time between rounds (with a table only)
     _rows: dict[str, _RowEstimate] = field(default_factory=dict)
     _num_accepted: int = 0  # over every row: the prior of a new row
     _num_tried: int = 0
@@ -96,7 +95,7 @@ class DepthPolicy:
     def _best_depth(self, request_id: str, width: int) -> int:
         acceptance = self.acceptance(request_id)
         if self.table is not None:
-            return self.table.best_depth(width, acceptance, self.k_max, self.step_gap_s)
+            return self.table.best_depth(width, acceptance, self.k_max)
         return best_depth(acceptance, self.k_max, self.costs)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
