@@ -8,6 +8,7 @@ cost model then apply). A config's speculative_width_cap or GMLX_MTP_WIDTH_CAP s
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -78,11 +79,21 @@ class CostTable:
     def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
         """The depth in 0..k_max with the most expected tokens/s at this width (ties: shallower)."""
         top = self.k_max if k_max is None else min(k_max, self.k_max)
+        # Asked for every row every round: memoized on acceptance to 0.01, which moves no choice
+        # that matters (the model's own inputs are noisier), and costs a gated round nothing.
+        return self._best_depth(width, round(acceptance, 2), top)
+
+    @functools.lru_cache(maxsize=8192)
+    def _best_depth(self, width: int, acceptance: float, top: int) -> int:
         return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance), -k))
 
     def width_cap(self, acceptance: float, max_rows: int) -> int:
         """Speculate while at most this many rows decode (0 = at every width up to max_rows):
         the widest width up to which drafting beats plain decoding at every width."""
+        return self._width_cap(round(acceptance, 2), max_rows)
+
+    @functools.lru_cache(maxsize=1024)
+    def _width_cap(self, acceptance: float, max_rows: int) -> int:
         cap = 0
         for width in range(1, max_rows + 1):
             if self.best_depth(width, acceptance) == 0:
