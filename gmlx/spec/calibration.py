@@ -165,8 +165,8 @@ def measure(target, drafter, max_rows: int) -> CostTable:
         # Each timed round appends its tokens to the KV and, as the engine delivers them, to the
         # requests (a draft model reads its history from them): a few more than the context.
         def deliver(tokens_by_row):
-            for request, tokens in zip(requests, tokens_by_row):
-                request.output_token_ids.extend(tokens)
+            for request, row_tokens in zip(requests, tokens_by_row):
+                request.output_token_ids.extend(row_tokens)
 
         spec_s.append(tuple(
             _fastest_round_s(lambda k=k: deliver(speculative_round(target, batch, drafter, [k] * width).tokens_by_row))

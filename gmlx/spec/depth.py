@@ -10,9 +10,10 @@ whose drafts do not pay stops drafting. The costs come from the start-up calibra
 The acceptance a is per request, smoothed: decayed counts of accepted and tried drafts plus a
 prior, which is the drafter's acceptance over every row so far. A row at k = 0 tries nothing,
 so its counts decay toward the prior and it probes again after a while. A new row drafts at
-least one token a round until it has tried MIN_TRIES_TO_STOP drafts, whatever the prior says. When every row of a batch is at
-k = 0 the engine gates it to pipelined plain rounds; it re-arms when one row's estimate asks
-for drafts again (pays_to_draft).
+least one token a round until it has tried MIN_TRIES_TO_STOP drafts, whatever the prior says.
+When every row of a batch is at k = 0 the engine gates it to pipelined plain rounds; it
+re-arms when one row's estimate asks for drafts again (pays_to_draft; a gated n-gram row
+keeps score from its history, other rows rest toward the prior).
 """
 
 from __future__ import annotations

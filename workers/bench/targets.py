@@ -7,7 +7,8 @@
            streaming token-id prompts to /completion with plain http.client
 
 Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
-resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), width_cap (N), num_draft_tokens (N), address (server: use one already running),
+resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), width_cap (N), num_draft_tokens (N),
+address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
 concurrency), ctx (llama-server: context tokens per slot), label. For example
