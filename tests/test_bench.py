@@ -45,7 +45,9 @@ def test_closed_loop_against_engine_reports_every_metric():
 def test_scripted_arrivals_preempt_the_lone_stream_only_when_preempt_is_on():
     options = WorkloadOptions(kind="scripted", num_requests=3, long_max_tokens=160, arrival_delay_s=0.05,
                               arrival_interval_s=0.02, **TINY)
-    results = run_engine(options, "engine:drafter=mtp,label=on", "engine:drafter=mtp,preempt=0,label=off")
+    # Fixed depth: the lone stream keeps speculating (a depth-gated one is a batch that admits).
+    results = run_engine(options, "engine:drafter=mtp,adaptive=0,label=on",
+                         "engine:drafter=mtp,adaptive=0,preempt=0,label=off")
     on, off = (next(r for r in results["runs"] if r["target"] == name) for name in ("on", "off"))
     assert on["counters"]["num_preempts"] >= 1
     assert any(e["kind"] == "preempt" for e in on["events"])

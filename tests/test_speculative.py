@@ -301,3 +301,29 @@ def test_a_depth_gated_row_whose_text_turns_repetitive_re_arms(builtin_target, r
         for key in totals:
             totals[key] += engine.counters[key] - before[key]
     assert totals["num_depth_gates"] > 0 and totals["num_resumes"] > 0, totals
+
+
+def test_a_depth_gated_lone_stream_admits_waiters_with_preempt_off(builtin_target, reference, monkeypatch):
+    """Preempt off keeps waiters out of a speculating lone stream; once its drafts stop paying it
+    is a gated batch, which admits them at its boundary like any other (nothing to protect)."""
+    import random
+
+    monkeypatch.setenv("GMLX_MTP_PREEMPT", "0")
+    rng = random.Random(3)
+    engine = Engine(builtin_target, make_drafter("ngram", builtin_target), EngineConfig())
+    prompts = {name: [rng.randrange(builtin_target.vocab_size) for _ in range(16)] for name in ("lone", "waiter")}
+    params = SamplingParams(max_tokens=60)
+    engine.add_request(prompts["lone"], params, request_id="lone")
+    got = {"lone": [], "waiter": []}
+    while engine.counters["num_depth_gates"] == 0:
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    engine.add_request(prompts["waiter"], params, request_id="waiter")
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+            if output.request_id == "waiter" and len(got["waiter"]) == 1:
+                assert len(got["lone"]) < 60, "the waiter waited for the lone stream to finish"
+    assert engine.counters["num_preempts"] == 0
+    for name, prompt in prompts.items():
+        assert got[name] == reference.tokens(prompt, params)[0], name
