@@ -475,28 +475,27 @@ class Engine:
         if loop.is_speculative:
             self.counters["num_spec_rounds"] += 1
         keep = []
-        # One gated row a round keeps score (round robin): a lookup scans the row's history,
-        # and every row every round cost a wide batch of a fast model ~10% of its round.
+        # Gated rows' evidence; one row a round keeps score (round robin): a lookup scans the
+        # row's history, and every row every round cost a wide batch of a fast model ~10%.
+        gated_policy = self._depth_policy() if loop is Loop.GATED else None
         draft_rows = batch.draft_rows
-        scored = draft_rows[self.counters["num_rounds"] % len(draft_rows)] if draft_rows else None
+        scored = (draft_rows[self.counters["num_rounds"] % len(draft_rows)]
+                  if gated_policy is not None and draft_rows and not is_over_cap else None)
         for i, (request, row_tokens) in enumerate(zip(batch.requests, tokens)):
             request.num_rounds += 1
             request.num_rounds_by_loop[loop.value] = request.num_rounds_by_loop.get(loop.value, 0) + 1
             if self._deliver(request, row_tokens):
                 keep.append(i)
-                if loop is Loop.GATED and request.params.speculate:
-                    self._observe_gated(request, i == scored and bool(row_tokens) and not is_over_cap)
+                if gated_policy is not None and request.params.speculate:
+                    self._observe_gated(gated_policy, request, i == scored and bool(row_tokens))
             else:
                 self._retire(request, batch.caches, i)
         self._keep_rows(keep)
 
-    def _observe_gated(self, request: Request, is_scored: bool) -> None:
+    def _observe_gated(self, policy: DepthPolicy, request: Request, is_scored: bool) -> None:
         """A gated row's evidence: when scored (within the cap, a new token), a drafter that can
         tell from the history alone (n-gram) says whether its draft would have been this round's
         token, so a row whose text turns repetitive re-arms the batch; else the estimate rests."""
-        policy = self._depth_policy()
-        if policy is None:
-            return
         would_match = self.drafter.would_have_drafted(request) if is_scored else None
         if would_match is None:
             policy.rest(request.request_id)

@@ -260,11 +260,7 @@ def test_fixed_depth_switch_drafts_k_every_round(builtin_target, reference, monk
     engine = Engine(builtin_target, drafter, EngineConfig())
     params = SamplingParams(max_tokens=40)
     prompt = [rng.randrange(builtin_target.vocab_size) for _ in range(16)]
-    engine.add_request(prompt, params)
-    got = []
-    while engine.has_unfinished():
-        for output in engine.step():
-            got.extend(output.new_token_ids)
+    got, _, _ = run_alone(engine, prompt, params)
     assert got == reference.tokens(prompt, params)[0]
     assert engine.counters["num_depth_gates"] == 0 and engine.counters["num_gated_rounds"] == 0
     assert engine.counters["num_drafted"] == drafter.num_draft_tokens * engine.counters["num_spec_rounds"]
