@@ -270,4 +270,6 @@ class EngineConfig:
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)
     is_adaptive_depth: bool = True  # each row drafts k in 0..num_draft_tokens from its live acceptance
+    # Depths and the width cap weigh the start-up cost table by the rounds as served (False: the table alone).
+    is_served_costs: bool = True
     is_stochastic_acceptance: bool = False  # accept drafts with min(1, p/q) (mtp, draft); False: exact match

@@ -41,6 +41,7 @@ from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
 from gmlx.spec.calibration import CostTable, load_or_measure
 from gmlx.spec.depth import PRIOR_ACCEPTANCE, DepthPolicy
+from gmlx.spec.served_costs import ServedCosts
 from gmlx.spec.speculative import capture_round, packed_plain_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,15 @@ class Engine:
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
-        # None: every speculating row drafts the drafter's k each round (fixed depth).
-        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens, table=cost_table)
-                             if drafter is not None and engine_config.is_adaptive_depth else None)
         self.cost_table = cost_table  # measured round costs: the width cap and depths when set
+        # The table corrected by the rounds as served (spec/served_costs.py), or the table alone:
+        # what depths and the width cap read.
+        self.served_costs = (ServedCosts(cost_table) if cost_table is not None and engine_config.is_served_costs
+                             else None)
+        self.round_costs = self.served_costs or cost_table
+        # None: every speculating row drafts the drafter's k each round (fixed depth).
+        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens, table=self.round_costs)
+                             if drafter is not None and engine_config.is_adaptive_depth else None)
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
         self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
@@ -172,6 +178,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one round; returns each request's new tokens (and final outputs)."""
+        if self.served_costs is not None:
+            self.served_costs.step_started(time.perf_counter())
         self._is_joined_this_step = False
         self._is_landed_this_step = self._land()
         if self.batch is not None and not self.batch.has_boundary:
@@ -203,8 +211,8 @@ class Engine:
             self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
         )
         stats["draft_depth"] = self.depth_policy.describe() if self.depth_policy is not None else None
-        stats["calibration"] = (self.cost_table.describe(self._acceptance_prior(), self.config.max_num_rows)
-                                if self.cost_table is not None else None)
+        stats["calibration"] = (self.round_costs.describe(self._acceptance_prior(), self.config.max_num_rows)
+                                if self.round_costs is not None else None)
         stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
             stats.update(self.prompt_cache.stats())
@@ -429,8 +437,14 @@ class Engine:
     def _run_round(self) -> None:
         start_s = time.perf_counter()
         self._num_packed = 0
-        self._run_round_inner()
+        steady_depth = self._run_round_inner()
         elapsed_s = time.perf_counter() - start_s
+        if self.served_costs is not None:
+            if self.batch is None:
+                self.served_costs.interrupted()  # the worker may idle before the next step
+            else:
+                is_steady = not (self._num_packed or self._is_joined_this_step or self._is_landed_this_step)
+                self.served_costs.ran(start_s, self.batch.num_rows, steady_depth if is_steady else None)
         # On the CPU, dispatching a forward waits for most of it (mlx throttles what is in
         # flight), so a chunk's cost shows in the round that dispatched it.
         self._num_packed_rounds_in_a_row = self._num_packed_rounds_in_a_row + 1 if self._num_packed else 0
@@ -439,7 +453,9 @@ class Engine:
         elif not self._num_packed:
             self._round_s = elapsed_s if self._round_s is None else 0.8 * self._round_s + 0.2 * elapsed_s
 
-    def _run_round_inner(self) -> None:
+    def _run_round_inner(self) -> int | None:
+        """Runs the round; the depth it is costed at (0 plain, k speculative), or None for a
+        round that is neither (settle, capture, a batch without a drafter)."""
         batch = self.batch
         is_over_cap = (batch.mode is not BatchMode.PLAIN
                        and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
@@ -491,6 +507,9 @@ class Engine:
             else:
                 self._retire(request, batch.caches, i)
         self._keep_rows(keep)
+        if loop is Loop.GATED:
+            return 0
+        return (max(depths) or None) if loop.is_speculative else None
 
     def _observe_gated(self, policy: DepthPolicy, request: Request, is_scored: bool) -> None:
         """A gated row's evidence: when scored (within the cap, a new token), a drafter that can
@@ -504,8 +523,8 @@ class Engine:
 
     def _width_cap(self) -> int:
         calibrated = None
-        if self.cost_table is not None:
-            calibrated = self.cost_table.width_cap(self._acceptance_prior(), self.config.max_num_rows)
+        if self.round_costs is not None:
+            calibrated = self.round_costs.width_cap(self._acceptance_prior(), self.config.max_num_rows)
         return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
 
     def _depth_policy(self) -> DepthPolicy | None:

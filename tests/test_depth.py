@@ -10,6 +10,7 @@ from gmlx.request import SamplingParams
 from gmlx.spec import calibration
 from gmlx.spec.calibration import CostTable
 from gmlx.spec.depth import MIN_TRIES_TO_STOP, DepthPolicy, DraftCosts, best_depth, expected_tokens
+from gmlx.spec.served_costs import ServedCosts
 from schedules import SoloReference, check_schedule, make_schedule
 
 # Width 1: verifying more positions is nearly free and drafts are cheap (memory-bound decode);
@@ -88,8 +89,9 @@ def test_engine_uses_the_table_and_settings_still_win(builtin_target, monkeypatc
 def test_engine_with_a_table_equals_plain(builtin_target, code_prompts):
     """Depths and gates chosen by the table (k = 0 at width 4) keep every stream exact."""
     reference = SoloReference(builtin_target)
-    engine = Engine(builtin_target, make_drafter("draft", builtin_target), EngineConfig(prefill_chunk_tokens=64),
-                    cost_table=SYNTHETIC)
+    # The table alone: served rounds (milliseconds) would rescale its unit costs.
+    engine = Engine(builtin_target, make_drafter("draft", builtin_target),
+                    EngineConfig(prefill_chunk_tokens=64, is_served_costs=False), cost_table=SYNTHETIC)
     totals = {}
     for seed in range(6):
         schedule = make_schedule(20_000 + seed, builtin_target.vocab_size, code_prompts, max_requests=6)
@@ -122,3 +124,56 @@ def test_calibration_times_real_rounds_with_every_drafter(kind, builtin_target):
     table = calibration.measure(builtin_target, drafter, max_rows=2)
     assert table.widths == (1, 2) and table.k_max == drafter.num_draft_tokens
     assert all(s > 0 for s in table.plain_s) and all(s > 0 for row in table.spec_s for s in row)
+
+
+def _serve_rounds(costs: ServedCosts, width: int, depth: int, round_s: float, num_rounds: int, now_s: float) -> float:
+    """Steady rounds of one shape, back to back, each taking round_s from its start to the next step."""
+    for _ in range(num_rounds):
+        costs.step_started(now_s)
+        costs.ran(now_s, width, depth)
+        now_s += round_s
+    costs.step_started(now_s)
+    return now_s
+
+
+def test_served_costs_weigh_the_table_by_the_rounds_as_served():
+    costs = ServedCosts(SYNTHETIC)
+    assert costs.best_depth(1, 0.8) == 3 and costs.width_cap(0.8, 64) == 3  # nothing served yet: the table
+    # Served plain rounds cost what the table says; speculative ones three times as much (a worker
+    # that publishes between rounds, which only a plain round's dispatched-ahead forward hides).
+    now_s = _serve_rounds(costs, 1, 0, 1.0, 40, 0.0)
+    now_s = _serve_rounds(costs, 1, 3, 3 * 1.21, 40, now_s)
+    assert costs.spec_scale(1) == pytest.approx(3.0)
+    assert costs.best_depth(1, 0.8) == 0  # 2.95 tokens for 3.63 units: plain is faster
+    assert costs.width_cap(0.8, 64) == 1
+    assert costs.describe(0.8, 64)["served"]["1"]["num_rounds"] == 78  # the first of each shape is not timed
+    # Twice as slow for both kinds (a busy machine): the choice is the table's again.
+    _serve_rounds(costs, 2, 0, 2.0, 40, _serve_rounds(costs, 2, 1, 2 * SYNTHETIC.round_s(2, 1), 40, now_s))
+    assert costs.spec_scale(2) == pytest.approx(1.0)
+
+
+def test_served_costs_time_only_steady_rounds():
+    costs = ServedCosts(SYNTHETIC)
+    now_s = 0.0
+    for depth in [0, 3] * 20:  # every round changes shape: each still pays its switch, none is timed
+        costs.step_started(now_s)
+        costs.ran(now_s, 1, depth)
+        now_s += 10.0
+    costs.ran(now_s, 1, None)  # a transition or a packed prompt chunk
+    costs.step_started(now_s + 10.0)
+    costs.ran(now_s + 10.0, 1, 3)
+    costs.interrupted()  # the engine went idle: the wait before the next step is not a round
+    costs.step_started(now_s + 100.0)
+    assert costs.describe(0.8, 64)["served"] == {}
+    assert costs.spec_scale(1) == 1.0
+
+
+def test_served_costs_guess_only_toward_plain_where_one_kind_has_not_run():
+    costs = ServedCosts(SYNTHETIC)
+    now_s = _serve_rounds(costs, 1, 3, 1.0 * SYNTHETIC.round_s(1, 3), 20, 0.0)  # a lone stream drafting
+    now_s = _serve_rounds(costs, 4, 0, 2.0 * SYNTHETIC.round_s(4, 0), 20, now_s)  # a gated batch of four
+    # Compared across widths, drafting would look half as dear as the table says: not believed.
+    assert costs.spec_scale(1) == costs.spec_scale(4) == 1.0
+    _serve_rounds(costs, 1, 0, 0.5 * SYNTHETIC.round_s(1, 0), 20, now_s)  # width 1 plain: now a pair
+    assert costs.spec_scale(1) == pytest.approx(2.0)  # measured at one width, believed either way
+    assert costs.spec_scale(2) == pytest.approx(2.0)  # the nearest pair

@@ -73,42 +73,51 @@ class CostTable:
             return self._at(width, self.plain_s)
         return self._at(width, [row[depth] for row in self.spec_s])
 
-    def tokens_per_s(self, width: int, depth: int, acceptance: float) -> float:
-        return width * expected_tokens(acceptance, depth) / self.round_s(width, depth)
+    def tokens_per_s(self, width: int, depth: int, acceptance: float, spec_scale: float = 1.0) -> float:
+        """spec_scale: a speculative round's served cost over this table's, relative to a plain
+        round's (served_costs.py); 1.0 takes the table as it is."""
+        return width * expected_tokens(acceptance, depth) / (self.round_s(width, depth) * (spec_scale if depth else 1.0))
 
-    def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
+    def best_depth(self, width: int, acceptance: float, k_max: int | None = None, spec_scale: float = 1.0) -> int:
         """The depth in 0..k_max with the most expected tokens/s at this width (ties: shallower)."""
         top = self.k_max if k_max is None else min(k_max, self.k_max)
         # Asked for every row every round: memoized on acceptance to 0.01, which moves no choice
         # that matters (the model's own inputs are noisier), and costs a gated round nothing.
-        return self._best_depth(width, round(acceptance, 2), top)
+        return self._best_depth(width, round(acceptance, 2), top, spec_scale)
 
     @functools.lru_cache(maxsize=8192)
-    def _best_depth(self, width: int, acceptance: float, top: int) -> int:
-        return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance), -k))
+    def _best_depth(self, width: int, acceptance: float, top: int, spec_scale: float) -> int:
+        return max(range(top + 1), key=lambda k: (self.tokens_per_s(width, k, acceptance, spec_scale), -k))
 
-    def width_cap(self, acceptance: float, max_rows: int) -> int:
+    def width_cap(self, acceptance: float, max_rows: int, spec_scale=None) -> int:
         """Speculate while at most this many rows decode (0 = at every width up to max_rows):
-        the widest width up to which drafting beats plain decoding at every width."""
-        return self._width_cap(round(acceptance, 2), max_rows)
+        the widest width up to which drafting beats plain decoding at every width.
+        spec_scale: None, or the served scale per width (a callable)."""
+        if spec_scale is None:
+            return self._width_cap(round(acceptance, 2), max_rows)
+        return self._scaled_width_cap(acceptance, max_rows, spec_scale)
 
     @functools.lru_cache(maxsize=1024)
     def _width_cap(self, acceptance: float, max_rows: int) -> int:
+        return self._scaled_width_cap(acceptance, max_rows, lambda width: 1.0)
+
+    def _scaled_width_cap(self, acceptance: float, max_rows: int, spec_scale) -> int:
         cap = 0
         for width in range(1, max_rows + 1):
-            if self.best_depth(width, acceptance) == 0:
+            if self.best_depth(width, acceptance, spec_scale=spec_scale(width)) == 0:
                 return max(cap, 1)  # never below 1: a lone row at depth 0 is gated to plain anyway
             cap = width
         return 0
 
-    def describe(self, acceptance: float, max_rows: int) -> dict:
+    def describe(self, acceptance: float, max_rows: int, spec_scale=None) -> dict:
+        scale = spec_scale or (lambda width: 1.0)
         return {
             "widths": list(self.widths),
             "plain_round_ms": [round(s * 1e3, 3) for s in self.plain_s],
             "spec_round_ms": [[round(s * 1e3, 3) for s in row] for row in self.spec_s],
             "acceptance": round(acceptance, 4),
-            "best_depth": [self.best_depth(w, acceptance) for w in self.widths],  # per width
-            "width_cap": self.width_cap(acceptance, max_rows),
+            "best_depth": [self.best_depth(w, acceptance, spec_scale=scale(w)) for w in self.widths],  # per width
+            "width_cap": self.width_cap(acceptance, max_rows, spec_scale),
         }
 
 

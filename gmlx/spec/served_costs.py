@@ -1,0 +1,128 @@
+"""Round costs as served: the start-up table (calibration.py) corrected by the rounds the engine
+actually runs, per kind (plain, speculative) and width.
+
+The table times rounds in-process on a quiet machine. Served, the worker shares the cores with
+its front-end and clients and publishes between rounds; a plain round hides that behind its
+dispatched-ahead forward, a speculative round does not. So each kind keeps a smoothed ratio of
+served to table cost, measured from one round's start to the next step's start (the publishing
+and the worker's drain included, the next step's admission work not), and depths and the width
+cap weigh a speculative round by the ratio of the two ratios.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gmlx.spec.calibration import CostTable
+
+_SMOOTHING = 0.05  # per round: about the last twenty rounds of a kind carry its ratio
+_MIN_SAMPLES = 8  # a width's ratio counts from this many rounds
+_RATIO_BOUNDS = (0.25, 4.0)  # a stall (swap, a paused process) must not rule for long
+_SCALE_STEP = 0.05  # the speculative scale moves in these steps, so choices stay memoized
+
+
+@dataclass(slots=True)
+class _Ratio:
+    value: float = 1.0
+    num_samples: int = 0
+
+    def add(self, ratio: float) -> None:
+        ratio = min(max(ratio, _RATIO_BOUNDS[0]), _RATIO_BOUNDS[1])
+        self.value = ratio if not self.num_samples else (1 - _SMOOTHING) * self.value + _SMOOTHING * ratio
+        self.num_samples += 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Round:
+    start_s: float
+    width: int
+    depth: int  # 0: a pipelined plain round; else the deepest row's drafts
+
+
+@dataclass
+class ServedCosts:
+    table: CostTable
+    _plain: dict[int, _Ratio] = field(default_factory=dict)  # per width
+    _spec: dict[int, _Ratio] = field(default_factory=dict)
+    _version: int = 0  # moves when a width's ratio moves a _SCALE_STEP: memoized scales expire
+    _steps: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, width) -> ratio in steps
+    _scales: dict[int, float] = field(default_factory=dict)  # width -> spec_scale, this version
+    _open: _Round | None = None  # a steady round whose period closes at the next step's start
+    _last_shape: tuple[int, int] | None = None
+    _cap_key: tuple | None = None
+    _cap: int = 0
+
+    def ran(self, start_s: float, width: int, depth: int | None) -> None:
+        """After a round that started at start_s; depth None: not a steady round of either kind
+        (a transition, a packed prompt chunk, a join), so it is not timed."""
+        shape = None if depth is None else (width, depth)
+        # The first round of a shape (after a gate, a resume, a join) still pays the switch.
+        self._open = _Round(start_s, width, depth) if shape is not None and shape == self._last_shape else None
+        self._last_shape = shape
+
+    def step_started(self, now_s: float) -> None:
+        """Closes the open round's period: its own time plus what ran between it and this step."""
+        done, self._open = self._open, None
+        if done is None:
+            return
+        width, name = done.width, "spec" if done.depth else "plain"
+        ratio = (self._spec if done.depth else self._plain).setdefault(width, _Ratio())
+        ratio.add((now_s - done.start_s) / self.table.round_s(width, done.depth))
+        steps = round(ratio.value / _SCALE_STEP) if ratio.num_samples >= _MIN_SAMPLES else None
+        if self._steps.get((name, width)) != steps:
+            self._steps[(name, width)] = steps
+            self._version += 1
+            self._scales.clear()
+
+    def interrupted(self) -> None:
+        """The engine went idle: the next step's start says nothing about the last round."""
+        self._open = self._last_shape = None
+
+    def spec_scale(self, width: int) -> float:
+        """A speculative round's served cost over the table's, relative to a plain round's.
+
+        Both kinds' ratios move with the width, so the two are compared at one width where both
+        have run; elsewhere each kind's nearest width stands in, and that guess may only make
+        drafting look dearer than the table says (a wrong guess toward drafting loses)."""
+        scale = self._scales.get(width)
+        if scale is None:
+            spec, plain = self._nearest(self._spec, width), self._nearest(self._plain, width)
+            if spec is None or plain is None:
+                scale = 1.0
+            else:
+                scale = spec[1] / plain[1]
+                scale = scale if spec[0] == plain[0] == width else max(1.0, scale)
+                scale = round(scale / _SCALE_STEP) * _SCALE_STEP
+            self._scales[width] = scale
+        return scale
+
+    @staticmethod
+    def _nearest(kind: dict[int, _Ratio], width: int) -> tuple[int, float] | None:
+        """(width, ratio) at the measured width nearest this one."""
+        measured = [w for w, ratio in kind.items() if ratio.num_samples >= _MIN_SAMPLES]
+        if not measured:
+            return None
+        nearest = min(measured, key=lambda w: (abs(w - width), w))
+        return nearest, kind[nearest].value
+
+    def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
+        return self.table.best_depth(width, acceptance, k_max, self.spec_scale(width))
+
+    def width_cap(self, acceptance: float, max_rows: int) -> int:
+        """The table's width cap under the served scales; recomputed only when one moves a step."""
+        key = (round(acceptance, 2), max_rows, self._version)
+        if key != self._cap_key:
+            self._cap_key, self._cap = key, self.table.width_cap(acceptance, max_rows, self.spec_scale)
+        return self._cap
+
+    def describe(self, acceptance: float, max_rows: int) -> dict:
+        def ratio(kind: dict[int, _Ratio], width: int) -> float | None:
+            return round(kind[width].value, 3) if width in kind else None
+
+        return {
+            **self.table.describe(acceptance, max_rows, self.spec_scale),
+            "served": {str(w): {"plain_ratio": ratio(self._plain, w), "spec_ratio": ratio(self._spec, w),
+                                "spec_scale": self.spec_scale(w),
+                                "num_rounds": sum(k[w].num_samples for k in (self._plain, self._spec) if w in k)}
+                       for w in sorted(self._spec.keys() | self._plain.keys())},
+        }
