@@ -106,3 +106,17 @@ def test_plots_are_written_from_results(tmp_path):
     written, skipped = make_plots(results, tmp_path)
     assert skipped is None and len(written) == 2
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_requests_per_client_sizes_every_level_of_a_sweep():
+    from click.testing import CliRunner
+
+    from workers.bench.cli import bench
+
+    args = ["--target", "engine:drafter=ngram", "--concurrency", "1,2", "--requests-per-client", "3",
+            "--prompt-tokens", "8", "--max-tokens", "4", "--no-warmup", "--quiet", "--json"]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads(result.output.strip().splitlines()[-1])
+    assert {run["level"]: run["summary"]["num_requests"] for run in results["runs"]} == {1: 3, 2: 6}
+    assert all(isinstance(run["calibration"], list) for run in results["runs"])

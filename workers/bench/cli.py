@@ -57,6 +57,9 @@ def _parse_levels(ctx, param, value):
               help="Closed loop: clients in flight; a comma list (1,2,4,8) sweeps.")
 @click.option("--num-requests", type=click.IntRange(min=1), default=None,
               help="Requests per run [default: 2 per client for closed loop, else 16].")
+@click.option("--requests-per-client", type=click.IntRange(min=1), default=None,
+              help="Closed loop: requests per client and run, at every --concurrency level [default: 2]; "
+                   "longer runs average out a shared machine's noise.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Poisson arrivals per second.")
 @click.option("--burst-size", type=click.IntRange(min=1), default=4, show_default=True)
@@ -87,8 +90,8 @@ def _parse_levels(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print the results JSON as the last line of stdout.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens, load_kind, concurrency,
-          num_requests, rate, burst_size, burst_interval_s, long_max_tokens, arrival_delay_s, arrival_interval_s,
-          prompt_source, prompt_tokens, max_tokens, temperature, repeats, warmup, seed, timeout_s, baseline,
+          num_requests, requests_per_client, rate, burst_size, burst_interval_s, long_max_tokens, arrival_delay_s,
+          arrival_interval_s, prompt_source, prompt_tokens, max_tokens, temperature, repeats, warmup, seed, timeout_s, baseline,
           out, plots_dir, as_json, quiet) -> None:
     """Benchmark gmlx (in-process engine or server), mlx_lm.server and llama.cpp's llama-server under the
     same load.
@@ -125,7 +128,8 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
             raise click.BadParameter(str(exc), param_hint="--target") from None
     options = WorkloadOptions(
         kind=load_kind, num_requests=num_requests or 16, concurrency=concurrency[0],
-        requests_per_client=None if num_requests or load_kind != "closed" else 2, rate_per_s=rate,
+        requests_per_client=None if num_requests or load_kind != "closed" else requests_per_client or 2,
+        rate_per_s=rate,
         burst_size=burst_size, burst_interval_s=burst_interval_s, long_max_tokens=long_max_tokens,
         arrival_delay_s=arrival_delay_s, arrival_interval_s=arrival_interval_s, prompt_source=prompt_source,
         prompt_tokens=prompt_tokens, max_tokens=max_tokens, temperature=temperature, seed=seed)
