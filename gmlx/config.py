@@ -14,6 +14,10 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "models" / "builtin"
 BUILTIN_TARGET_DIR = BUILTIN_DIR / "target"
 BUILTIN_DRAFT_DIR = BUILTIN_DIR / "draft"
 BUILTIN_MTP_DIR = BUILTIN_DIR / "mtp"
+# `gmlx serve` and `gmlx-worker` draft with n-gram unless told otherwise: it needs no model, and
+# adaptive depth gates it to plain decoding where its drafts do not pay (BENCHMARKS.md, session 10).
+# EngineConfig's own default stays none: a library engine loads no drafter it was not asked for.
+SERVE_DRAFTER = "ngram"
 
 @contextlib.contextmanager
 def env_overrides(values: dict[str, str]):

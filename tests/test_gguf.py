@@ -159,7 +159,7 @@ def test_serve_streams_a_gguf_model_like_the_in_process_engine(tiny_folders, tmp
     from ipc.client import Client
     from serving_support import Server
 
-    from gmlx.config import EngineConfig
+    from gmlx.config import SERVE_DRAFTER, EngineConfig
     from gmlx.engine import Engine
     from gmlx.generate import stream_generate
     from gmlx.request import SamplingParams
@@ -172,6 +172,7 @@ def test_serve_streams_a_gguf_model_like_the_in_process_engine(tiny_folders, tmp
     try:
         with Client(server.address, timeout_s=60) as client:
             chunks = list(client.generate(prompt=prompt, max_tokens=8, temperature=0.0))
+            assert client.stats()["drafter"] == SERVE_DRAFTER  # no --drafter: gmlx serve's default speculates
         assert [t for c in chunks for t in c.token_ids] == expected
         assert "".join(c.text for c in chunks) == engine.tokenizer.decode(expected)
     finally:

@@ -15,6 +15,8 @@ import tomllib
 
 import click
 
+from gmlx.config import SERVE_DRAFTER  # no mlx behind it
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -62,7 +64,7 @@ def _check_drafter(drafter: str) -> str:
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default=None, help="Model folder, or a [models.<id>] of --config (default: built-in).")
-@click.option("--drafter", default=None, help="none | mtp | draft[:PATH] | ngram  [default: none]")
+@click.option("--drafter", default=None, help=f"none | mtp | draft[:PATH] | ngram  [default: {SERVE_DRAFTER}]")
 @click.option("--address", default=DEFAULT_ADDRESS, show_default=True, help="Where clients connect.")
 @click.option("--workers", "num_workers", type=click.IntRange(min=0), default=1, show_default=True,
               help="Worker processes to start (0 = wait for gmlx-worker processes started by hand).")
@@ -114,7 +116,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
             model_path = str(resolved)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--model") from None
-    drafter = _check_drafter(drafter or entry.get("drafter", "none"))
+    drafter = _check_drafter(drafter or entry.get("drafter", SERVE_DRAFTER))
     from ipc.auth import insecure_bind_message, is_loopback
 
     if not is_loopback(address) and curve_dir is None and not insecure:

@@ -21,6 +21,7 @@ import time
 import click
 import zmq
 
+from gmlx.config import SERVE_DRAFTER
 from ipc import messages as m
 from ipc.auth import WorkerCredential, default_secret_path, read_worker_secret, secure_worker_socket
 from ipc.bus import RequestBus, StaleSlotError
@@ -276,7 +277,7 @@ def _vocab_size(engine) -> int:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--connect", "connect_address", required=True, help="The front-end's worker address.")
 @click.option("--model", "model_path", default=None, help="Model folder (default: the built-in model).")
-@click.option("--drafter", default="none", show_default=True, help="none | mtp | draft[:PATH] | ngram")
+@click.option("--drafter", default=SERVE_DRAFTER, show_default=True, help="none | mtp | draft[:PATH] | ngram")
 @click.option("--speculative-width-cap", type=click.IntRange(min=0), default=None,
               help="Speculate only while at most N rows decode (0 = uncapped).")
 @click.option("--prefill-budget-ms", default=None, callback=lambda ctx, param, v: parse_prefill_budget(v),
