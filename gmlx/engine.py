@@ -532,18 +532,22 @@ class Engine:
         return self.depth_policy if config.is_adaptive_depth_enabled() else None
 
     def _drafting_pays(self) -> bool:
-        """Whether some speculating row's estimate asks for drafts (always, with a fixed depth)."""
-        policy, width = self._depth_policy(), self.batch.num_draft_rows
-        return policy is None or any(policy.pays_to_draft(r.request_id, width) for r in self.batch.draft_requests)
+        """Whether the speculating rows' estimates ask for drafts (always, with a fixed depth)."""
+        policy, batch = self._depth_policy(), self.batch
+        if policy is None:
+            return True
+        return policy.pays_to_draft([r.request_id for r in batch.draft_requests], batch.num_rows - batch.num_draft_rows)
 
     def _acceptance_prior(self) -> float:
         return self.depth_policy.prior_acceptance if self.depth_policy is not None else PRIOR_ACCEPTANCE
 
     def _draft_depths(self) -> list[int]:
-        """Each row's k this round: from its live acceptance (or the drafter's fixed k); opt-out rows 0."""
-        policy, k, width = self._depth_policy(), self.drafter.num_draft_tokens, self.batch.num_draft_rows
-        return [(k if policy is None else policy.depth(r.request_id, width)) if r.params.speculate else 0
-                for r in self.batch.requests]
+        """Each row's k this round: from the rows' live acceptance (or the drafter's fixed k); opt-out rows 0."""
+        policy, batch = self._depth_policy(), self.batch
+        if policy is None:
+            return [self.drafter.num_draft_tokens if r.params.speculate else 0 for r in batch.requests]
+        drafted = iter(policy.depths([r.request_id for r in batch.draft_requests], batch.num_rows - batch.num_draft_rows))
+        return [next(drafted) if r.params.speculate else 0 for r in batch.requests]
 
     def _count_verify(self, result) -> None:
         self.counters["num_drafted"] += sum(result.num_drafted)

@@ -51,21 +51,42 @@ def test_default_cost_model_without_a_table():
 
 def test_depth_policy_learns_each_rows_acceptance():
     policy = DepthPolicy(k_max=3, table=SYNTHETIC)
+    four = ["new", "a", "b", "c"]
     for _ in range(MIN_TRIES_TO_STOP):  # its first rounds probe, though the prior says 0 at width 4
-        assert policy.depth("new", 4) == 1
-        policy.observe("new", 1, 0)
-    assert policy.depth("new", 4) == 0 and policy.depth("new", 1) == SYNTHETIC.best_depth(1, policy.acceptance("new"))
+        assert policy.depths(four) == [1] * 4
+        for request_id in four:
+            policy.observe(request_id, 1, 0)
+    assert policy.depths(four) == [0] * 4
+    assert policy.depths(["new"]) == [SYNTHETIC.best_depth(1, policy.acceptance("new"))]
     for _ in range(12):
         policy.observe("good", 3, 3)
         policy.observe("bad", 3, 0)
     # A rejected first draft is one tried draft a round: "bad" learns more slowly than "good".
     assert policy.acceptance("good") > 0.8 > 0.3 > policy.acceptance("bad")
-    assert policy.depth("good", 1) == 3 and policy.depth("bad", 1) == 1 and policy.depth("bad", 4) == 0
+    assert policy.depths(["good"]) == [3] and policy.depths(["bad"]) == [1] and policy.depths(["bad"], 3) == [0]
     for _ in range(40):  # at k = 0 nothing is tried: the estimate drifts back to the prior, a probe follows
         policy.observe("bad", 0, 0)
     assert policy.acceptance("bad") == pytest.approx(policy.prior_acceptance, abs=0.05)
     policy.forget("good")
     assert policy.acceptance("good") == policy.prior_acceptance
+
+
+def test_a_round_drafts_one_depth_for_its_rows_summed_tokens():
+    """Every row of a ragged verify pays the deepest row's positions: a good row beside a row
+    whose drafts mostly fail drafts shallower than it would alone, the depth where the pair gains most."""
+    policy = DepthPolicy(k_max=3, table=SYNTHETIC)
+    for _ in range(12):
+        policy.observe("good", 3, 3)
+        policy.observe("bad", 3, 0)
+    alone, (shared, _) = policy.depths(["good"])[0], policy.depths(["good", "bad"])
+    assert alone == 3 and 0 < shared < alone
+
+    def tokens_per_s(k):  # the pair's round at depth k, width 2
+        tokens = expected_tokens(policy.acceptance("good"), k) + expected_tokens(policy.acceptance("bad"), k)
+        return tokens / SYNTHETIC.round_s(2, k)
+
+    assert tokens_per_s(shared) > max(tokens_per_s(0), tokens_per_s(alone))  # the good row's own k gains less
+    assert policy.pays_to_draft(["good", "bad"]) and not policy.pays_to_draft(["bad"], 3)
 
 
 def test_engine_uses_the_table_and_settings_still_win(builtin_target, monkeypatch):
@@ -79,7 +100,7 @@ def test_engine_uses_the_table_and_settings_still_win(builtin_target, monkeypatc
     assert stats["width_cap"] == SYNTHETIC.width_cap(prior, 64) == 3 != drafter.default_width_cap
     assert stats["calibration"]["best_depth"] == [SYNTHETIC.best_depth(w, prior) for w in (1, 4)]
     engine.depth_policy.observe("any", 0, 0)  # past its probing round
-    assert engine.depth_policy.depth("any", 1) == SYNTHETIC.best_depth(1, prior)
+    assert engine.depth_policy.depths(["any"]) == [SYNTHETIC.best_depth(1, prior)]
     assert Engine(builtin_target, drafter, EngineConfig(speculative_width_cap=7),
                   cost_table=SYNTHETIC).stats()["width_cap"] == 7
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "5")

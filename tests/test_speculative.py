@@ -190,15 +190,15 @@ class RandomDepths:
         self.engine, self.k_max, self.rng = engine, k_max, random.Random(seed)
         self.depths_by_round: dict[int, list[int]] = {}
 
-    def depth(self, request_id, width):
-        k = self.rng.randint(0, self.k_max)
-        self.depths_by_round.setdefault(self.engine.counters["num_rounds"], []).append(k)
-        return k
+    def depths(self, request_ids, num_plain_rows):
+        ks = [self.rng.randint(0, self.k_max) for _ in request_ids]
+        self.depths_by_round.setdefault(self.engine.counters["num_rounds"], []).extend(ks)
+        return ks
 
     def observe(self, request_id, num_drafted, num_accepted):
         assert 0 <= num_accepted <= num_drafted <= self.k_max
 
-    def pays_to_draft(self, request_id, width):
+    def pays_to_draft(self, request_ids, num_plain_rows):
         return self.rng.random() < 0.3
 
     def rest(self, request_id):
@@ -239,7 +239,7 @@ def test_adaptive_depth_stops_drafting_what_is_never_accepted(builtin_target, re
     got, depths = [], []
     while engine.has_unfinished():
         if engine.batch is not None:
-            depths.append(engine.depth_policy.depth(request_id))
+            depths.append(engine.depth_policy.depths([request_id])[0])
         for output in engine.step():
             got.extend(output.new_token_ids)
     assert got == reference.tokens(prompt, params)[0]

@@ -76,7 +76,8 @@ class CostTable:
     def tokens_per_s(self, width: int, depth: int, acceptance: float, spec_scale: float = 1.0) -> float:
         """spec_scale: a speculative round's served cost over this table's, relative to a plain
         round's (served_costs.py); 1.0 takes the table as it is."""
-        return width * expected_tokens(acceptance, depth) / (self.round_s(width, depth) * (spec_scale if depth else 1.0))
+        round_s = self.round_s(width, depth) * (spec_scale if depth else 1.0)
+        return width * expected_tokens(acceptance, depth) / round_s
 
     def best_depth(self, width: int, acceptance: float, k_max: int | None = None, spec_scale: float = 1.0) -> int:
         """The depth in 0..k_max with the most expected tokens/s at this width (ties: shallower)."""

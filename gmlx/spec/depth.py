@@ -1,18 +1,22 @@
-"""Per-row draft depth from live acceptance: each round every speculating row drafts the k in
-0..k_max that maximizes its expected tokens per unit of round cost.
+"""Draft depth from live acceptance: each round the speculating rows draft the k in 0..k_max
+that maximizes the round's expected tokens per unit of round cost.
 
-Model: a row accepts each draft independently with probability a, so a round of depth k emits
-E(k) = 1 + a + ... + a^k tokens; it costs 1 + k * (verify_per_position + draft_per_token) in
-units of a one-position target forward. k = 0 is plain decoding (E = 1 at cost 1), so a row
-whose drafts do not pay stops drafting. The costs come from the start-up calibration
-(gmlx/spec/calibration.py) or from DraftCosts' defaults.
+Model: a row accepts each draft independently with probability a (its own, live), so with k
+drafts it emits E(k) = 1 + a + ... + a^k tokens. A ragged verify pads every row to the deepest
+row's k + 1 positions, so the round's cost is set by its deepest row: the rows share one k,
+chosen for the sum of their E(k) (an opted-out row adds 1 token) over the round's cost at that
+k and width. A per-row k would let one row with good acceptance make every row pay its depth
+(served, built-in model, 16 clients: 0.69x of plain while each row's own sums said it paid).
+k = 0 is plain decoding (E = 1 per row at a plain round's cost), so a batch whose drafts do not
+pay stops drafting. The costs come from the start-up calibration corrected by the rounds as
+served (calibration.py, served_costs.py) or from DraftCosts' defaults.
 
 The acceptance a is per request, smoothed: decayed counts of accepted and tried drafts plus a
 prior, which is the drafter's acceptance over every row so far. A row at k = 0 tries nothing,
-so its counts decay toward the prior and it probes again after a while. A new row drafts at
-least one token a round until it has tried MIN_TRIES_TO_STOP drafts, whatever the prior says.
-When every row of a batch is at k = 0 the engine gates it to pipelined plain rounds; it
-re-arms when one row's estimate asks for drafts again (pays_to_draft; a gated n-gram row
+so its counts decay toward the prior and it probes again after a while. A round with a row
+that has tried fewer than MIN_TRIES_TO_STOP drafts drafts at least one token, whatever the
+estimates say. When a round's depth is 0 the engine gates the batch to pipelined plain rounds;
+it re-arms when the rows' estimates ask for drafts again (pays_to_draft; a gated n-gram row
 keeps score from its history, other rows rest toward the prior).
 """
 
@@ -81,23 +85,39 @@ class DepthPolicy:
         row = self._rows.get(request_id) or _RowEstimate()
         return (row.num_accepted + self.prior_acceptance * _PRIOR_WEIGHT) / (row.num_tried + _PRIOR_WEIGHT)
 
-    def depth(self, request_id: str, width: int = 1) -> int:
-        """This round's k for the row, in a batch of `width` speculating rows."""
-        k = self._best_depth(request_id, width)
+    def depths(self, request_ids: list[str], num_plain_rows: int = 0) -> list[int]:
+        """This round's k for each speculating row, beside num_plain_rows rows that decode plain
+        (opted out) in the same verify: one k for all (the deepest row sets the round's cost)."""
+        k = self._round_depth(request_ids, num_plain_rows)
         # A row's first rounds draft at least once, so its acceptance is measured, not assumed.
+        if k == 0 and self.k_max and any(self._is_probing(r) for r in request_ids):
+            k = 1
+        return [k] * len(request_ids)
+
+    def pays_to_draft(self, request_ids: list[str], num_plain_rows: int = 0) -> bool:
+        """Whether the rows' estimates alone ask for drafts (no probe): what re-arms a batch
+        gated because its drafts did not pay."""
+        return self._round_depth(request_ids, num_plain_rows) > 0
+
+    def _is_probing(self, request_id: str) -> bool:
         row = self._rows.get(request_id)
-        return max(k, 1) if (row is None or row.num_tried_ever < MIN_TRIES_TO_STOP) and self.k_max else k
+        return row is None or row.num_tried_ever < MIN_TRIES_TO_STOP
 
-    def pays_to_draft(self, request_id: str, width: int = 1) -> bool:
-        """Whether the row's estimate alone asks for drafts (no first-round probe): what
-        re-arms a batch gated because none of its rows' drafts paid."""
-        return self._best_depth(request_id, width) > 0
+    def _round_depth(self, request_ids: list[str], num_plain_rows: int) -> int:
+        if not request_ids:
+            return 0
+        width = len(request_ids) + num_plain_rows
+        acceptances = [self.acceptance(r) for r in request_ids]
 
-    def _best_depth(self, request_id: str, width: int) -> int:
-        acceptance = self.acceptance(request_id)
+        def tokens_per_cost(k: int) -> float:
+            return (sum(expected_tokens(a, k) for a in acceptances) + num_plain_rows) / self._round_cost(width, k)
+
+        return max(range(self.k_max + 1), key=lambda k: (tokens_per_cost(k), -k))
+
+    def _round_cost(self, width: int, depth: int) -> float:
         if self.table is not None:
-            return self.table.best_depth(width, acceptance, self.k_max)
-        return best_depth(acceptance, self.k_max, self.costs)
+            return self.table.round_s(width, depth)
+        return 1.0 + depth * self.costs.per_depth
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """After a verify round; num_drafted = 0 for a row that decoded plain in it."""

@@ -105,6 +105,10 @@ class ServedCosts:
         nearest = min(measured, key=lambda w: (abs(w - width), w))
         return nearest, kind[nearest].value
 
+    def round_s(self, width: int, depth: int) -> float:
+        """The table's round at this width and depth, a speculative one weighed by the served scale."""
+        return self.table.round_s(width, depth) * (self.spec_scale(width) if depth else 1.0)
+
     def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
         return self.table.best_depth(width, acceptance, k_max, self.spec_scale(width))
 
