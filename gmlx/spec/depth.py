@@ -7,9 +7,10 @@ row's k + 1 positions, so the round's cost is set by its deepest row: the rows s
 chosen for the sum of their E(k) (an opted-out row adds 1 token) over the round's cost at that
 k and width. A per-row k would let one row with good acceptance make every row pay its depth
 (served, built-in model, 16 clients: 0.69x of plain while each row's own sums said it paid).
-k = 0 is plain decoding (E = 1 per row at a plain round's cost), so a batch whose drafts do not
-pay stops drafting. The costs come from the start-up calibration corrected by the rounds as
-served (calibration.py, served_costs.py) or from DraftCosts' defaults.
+k = 0 is plain decoding (E = 1 per row at a plain round's cost); a round drafts only where it
+beats plain decoding by DRAFT_GAIN_MARGIN, so a batch whose drafts do not pay stops drafting.
+The costs come from the start-up calibration corrected by the rounds as served
+(calibration.py, served_costs.py) or from DraftCosts' defaults.
 
 The acceptance a is per request, smoothed: decayed counts of accepted and tried drafts plus a
 prior, which is the drafter's acceptance over every row so far. A row at k = 0 tries nothing,
@@ -30,6 +31,10 @@ _DECAY = 0.8  # per round: about the last five rounds carry a row's estimate
 # Per plain round of a batch gated because no row's drafts pay: a resume costs two unpipelined
 # rounds, so a resting row's estimate returns to the prior over ~20 rounds, not ~5.
 _RESTING_DECAY = 0.95
+# A round drafts only when its expected tokens per unit of cost beat plain decoding's by this
+# much: independent acceptance overstates runs of drafts (served built-in, 16 clients: 1.9
+# tokens a row at depth 2 where it predicted 2.2), and each gate and resume costs two rounds.
+DRAFT_GAIN_MARGIN = 0.1
 # A row drafts until it has tried this many drafts: n-gram drafts hit in runs, and one
 # rejected first draft stopped rows that accept a third of their drafts over a request.
 MIN_TRIES_TO_STOP = 3
@@ -112,7 +117,10 @@ class DepthPolicy:
         def tokens_per_cost(k: int) -> float:
             return (sum(expected_tokens(a, k) for a in acceptances) + num_plain_rows) / self._round_cost(width, k)
 
-        return max(range(self.k_max + 1), key=lambda k: (tokens_per_cost(k), -k))
+        if not self.k_max:
+            return 0
+        best = max(range(1, self.k_max + 1), key=lambda k: (tokens_per_cost(k), -k))
+        return best if tokens_per_cost(best) > (1 + DRAFT_GAIN_MARGIN) * tokens_per_cost(0) else 0
 
     def _round_cost(self, width: int, depth: int) -> float:
         if self.table is not None:
