@@ -9,7 +9,7 @@ from gmlx.engine import Engine
 from gmlx.request import SamplingParams
 from gmlx.spec import calibration
 from gmlx.spec.calibration import CostTable
-from gmlx.spec.depth import MIN_TRIES_TO_STOP, DepthPolicy, DraftCosts, best_depth, expected_tokens
+from gmlx.spec.depth import MIN_TRIES_TO_STOP, PRIOR_ACCEPTANCE, DepthPolicy, DraftCosts, expected_tokens
 from gmlx.spec.served_costs import ServedCosts
 from schedules import SoloReference, check_schedule, make_schedule
 
@@ -44,9 +44,12 @@ def test_synthetic_cost_table_sets_the_width_cap():
 
 
 def test_default_cost_model_without_a_table():
-    costs = DraftCosts(verify_per_position=0.1, draft_per_token=0.1)
-    assert best_depth(0.6, 3, costs) == 2  # 1.96 / 1.4 beats 2.18 / 1.6 and 1.6 / 1.2
-    assert best_depth(0.1, 3, costs) == 0
+    policy = DepthPolicy(k_max=3, costs=DraftCosts(verify_per_position=0.1, draft_per_token=0.1))
+    assert policy.acceptance("r") == PRIOR_ACCEPTANCE == 0.6  # nothing tried yet
+    assert policy.depths(["r"]) == [2] and policy.pays_to_draft(["r"])  # 1.96 / 1.4 beats 2.18 / 1.6, 1.6 / 1.2
+    for _ in range(20):
+        policy.observe("r", 1, 0)
+    assert policy.depths(["r"]) == [0] and not policy.pays_to_draft(["r"])
 
 
 def test_depth_policy_learns_each_rows_acceptance():

@@ -45,7 +45,7 @@ class ServedCosts:
     _plain: dict[int, _Ratio] = field(default_factory=dict)  # per width
     _spec: dict[int, _Ratio] = field(default_factory=dict)
     _version: int = 0  # moves when a width's ratio moves a _SCALE_STEP: memoized scales expire
-    _steps: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, width) -> ratio in steps
+    _steps: dict[tuple[str, int], int | None] = field(default_factory=dict)  # (kind, width) -> ratio in steps
     _scales: dict[int, float] = field(default_factory=dict)  # width -> spec_scale, this version
     _open: _Round | None = None  # a steady round whose period closes at the next step's start
     _last_shape: tuple[int, int] | None = None
