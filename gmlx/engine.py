@@ -546,7 +546,8 @@ class Engine:
         policy, batch = self._depth_policy(), self.batch
         if policy is None:
             return [self.drafter.num_draft_tokens if r.params.speculate else 0 for r in batch.requests]
-        drafted = iter(policy.depths([r.request_id for r in batch.draft_requests], batch.num_rows - batch.num_draft_rows))
+        num_plain_rows = batch.num_rows - batch.num_draft_rows
+        drafted = iter(policy.depths([r.request_id for r in batch.draft_requests], num_plain_rows))
         return [next(drafted) if r.params.speculate else 0 for r in batch.requests]
 
     def _count_verify(self, result) -> None:

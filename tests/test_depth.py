@@ -11,7 +11,7 @@ from gmlx.spec import calibration
 from gmlx.spec.calibration import CostTable
 from gmlx.spec.depth import MIN_TRIES_TO_STOP, PRIOR_ACCEPTANCE, DepthPolicy, DraftCosts, expected_tokens
 from gmlx.spec.served_costs import ServedCosts
-from schedules import SoloReference, check_schedule, make_schedule
+from schedules import SoloReference, check_schedule, make_schedule, run_alone
 
 # Width 1: verifying more positions is nearly free and drafts are cheap (memory-bound decode);
 # width 4: every position costs a full forward (compute-bound), so drafting cannot pay there.
@@ -201,3 +201,15 @@ def test_served_costs_guess_only_toward_plain_where_one_kind_has_not_run():
     _serve_rounds(costs, 1, 0, 0.5 * SYNTHETIC.round_s(1, 0), 20, now_s)  # width 1 plain: now a pair
     assert costs.spec_scale(1) == pytest.approx(2.0)  # measured at one width, believed either way
     assert costs.spec_scale(2) == pytest.approx(2.0)  # the nearest pair
+
+
+def test_an_engine_times_its_served_rounds_and_streams_plain_decodings_tokens(builtin_target, code_prompts):
+    """The engine with a measured table: steady rounds feed the served correction (stats show
+    it per width), and the stream is still plain decoding's."""
+    drafter = make_drafter("ngram", builtin_target)
+    engine = Engine(builtin_target, drafter, EngineConfig(), cost_table=calibration.measure(builtin_target, drafter, 2))
+    params = SamplingParams(max_tokens=96)
+    tokens, _, _ = run_alone(engine, code_prompts[0], params)
+    assert tokens == SoloReference(builtin_target).tokens(code_prompts[0], params)[0]
+    served = engine.stats()["calibration"]["served"]["1"]
+    assert served["num_rounds"] > 0 and (served["plain_ratio"] or served["spec_ratio"]) > 0
