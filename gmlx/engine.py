@@ -533,10 +533,8 @@ class Engine:
 
     def _drafting_pays(self) -> bool:
         """Whether the speculating rows' estimates ask for drafts (always, with a fixed depth)."""
-        policy, batch = self._depth_policy(), self.batch
-        if policy is None:
-            return True
-        return policy.pays_to_draft([r.request_id for r in batch.draft_requests], batch.num_rows - batch.num_draft_rows)
+        policy = self._depth_policy()
+        return policy is None or policy.pays_to_draft(*self._policy_rows())
 
     def _acceptance_prior(self) -> float:
         return self.depth_policy.prior_acceptance if self.depth_policy is not None else PRIOR_ACCEPTANCE
@@ -546,9 +544,13 @@ class Engine:
         policy, batch = self._depth_policy(), self.batch
         if policy is None:
             return [self.drafter.num_draft_tokens if r.params.speculate else 0 for r in batch.requests]
-        num_plain_rows = batch.num_rows - batch.num_draft_rows
-        drafted = iter(policy.depths([r.request_id for r in batch.draft_requests], num_plain_rows))
+        drafted = iter(policy.depths(*self._policy_rows()))
         return [next(drafted) if r.params.speculate else 0 for r in batch.requests]
+
+    def _policy_rows(self) -> tuple[list[str], int]:
+        """What the depth policy weighs: the speculating rows' ids, and how many rows decode plain beside them."""
+        batch = self.batch
+        return [r.request_id for r in batch.draft_requests], batch.num_rows - batch.num_draft_rows
 
     def _count_verify(self, result) -> None:
         self.counters["num_drafted"] += sum(result.num_drafted)

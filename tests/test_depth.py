@@ -162,13 +162,13 @@ def _serve_rounds(costs: ServedCosts, width: int, depth: int, round_s: float, nu
 
 def test_served_costs_weigh_the_table_by_the_rounds_as_served():
     costs = ServedCosts(SYNTHETIC)
-    assert costs.best_depth(1, 0.8) == 3 and costs.width_cap(0.8, 64) == 3  # nothing served yet: the table
+    assert costs.describe(0.8, 64)["best_depth"][0] == 3 and costs.width_cap(0.8, 64) == 3  # nothing served: the table
     # Served plain rounds cost what the table says; speculative ones three times as much (a worker
     # that publishes between rounds, which only a plain round's dispatched-ahead forward hides).
     now_s = _serve_rounds(costs, 1, 0, 1.0, 40, 0.0)
     now_s = _serve_rounds(costs, 1, 3, 3 * 1.21, 40, now_s)
     assert costs.spec_scale(1) == pytest.approx(3.0)
-    assert costs.best_depth(1, 0.8) == 0  # 2.95 tokens for 3.63 units: plain is faster
+    assert costs.describe(0.8, 64)["best_depth"][0] == 0  # width 1: 2.95 tokens for 3.63 units, plain is faster
     assert costs.width_cap(0.8, 64) == 1
     assert costs.describe(0.8, 64)["served"]["1"]["num_rounds"] == 78  # the first of each shape is not timed
     # Twice as slow for both kinds (a busy machine): the choice is the table's again.

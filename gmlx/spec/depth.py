@@ -24,6 +24,7 @@ keeps score from its history, other rows rest toward the prior).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 PRIOR_ACCEPTANCE = 0.6  # before any row has drafted: a typical first-draft agreement
@@ -109,17 +110,18 @@ class DepthPolicy:
     def _round_depth(self, request_ids: list[str], num_plain_rows: int) -> int:
         if not request_ids:
             return 0
-        width = len(request_ids) + num_plain_rows
-        acceptances = [self.acceptance(r) for r in request_ids]
-
-        def tokens_per_cost(k: int) -> float:
-            return (sum(expected_tokens(a, k) for a in acceptances) + num_plain_rows) / self._round_cost(width, k)
-
         if not self.k_max:
             return 0
-        best = max(range(1, self.k_max + 1), key=lambda k: (tokens_per_cost(k), -k))
+        width = len(request_ids) + num_plain_rows
+        # Asked every gated round: each row's E(0..k_max) once, as running sums (the very
+        # additions expected_tokens makes), not E(k) afresh for every k and every comparison.
+        rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
+                for a in map(self.acceptance, request_ids)]
+        rates = [(sum(row[k] for row in rows) + num_plain_rows) / self._round_cost(width, k)
+                 for k in range(self.k_max + 1)]
+        best = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
         margin = DRAFT_GAIN_MARGIN if width > 1 else 0.0
-        return best if tokens_per_cost(best) > (1 + margin) * tokens_per_cost(0) else 0
+        return best if rates[best] > (1 + margin) * rates[0] else 0
 
     def _round_cost(self, width: int, depth: int) -> float:
         if self.table is not None:

@@ -109,9 +109,6 @@ class ServedCosts:
         """The table's round at this width and depth, a speculative one weighed by the served scale."""
         return self.table.round_s(width, depth) * (self.spec_scale(width) if depth else 1.0)
 
-    def best_depth(self, width: int, acceptance: float, k_max: int | None = None) -> int:
-        return self.table.best_depth(width, acceptance, k_max, self.spec_scale(width))
-
     def width_cap(self, acceptance: float, max_rows: int) -> int:
         """The table's width cap under the served scales; recomputed only when one moves a step."""
         key = (round(acceptance, 2), max_rows, self._version)
