@@ -6,6 +6,7 @@
 #include "mlx/version.h"
 #include "attention.h"
 #include "decoder_layer.h"
+#include "float_matmul.h"
 #include "int8_dot_kernels.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
@@ -25,6 +26,11 @@ NB_MODULE(_cpu_kernels, m) {
         "group_size"_a, "bits"_a, "int8_activations"_a = false,
         "x @ dequantize(w, scales, biases, group_size, bits).T for float32 x; fixed order per output "
         "(int8_activations: x quantized to int8 per 32 inputs, integer dots)");
+  m.def("float_matmul", &gmlx_kernels::float_matmul, "x"_a, "panels"_a, "num_outputs"_a,
+        "x @ W.T for float32 x (..., K) and W kept as panels (ceil(N / 64), K, 64): one fma chain per output "
+        "over k, the same at every row count, thread count and ISA");
+  m.attr("PANEL_OUTPUTS") = gmlx_kernels::kPanelOutputs;
+  m.attr("FLOAT_BITS") = gmlx_kernels::kFloatBits;
   m.def("quantized_matmul_quads", &gmlx_kernels::quantized_matmul_quads, "x"_a, "quads"_a, "num_outputs"_a, "bits"_a,
         "quantized_matmul's int8 path over weights in the quad-interleaved layout (same bits)");
   m.def("set_prefetch_chunks", &gmlx_kernels::set_prefetch_chunks, "num_chunks"_a,

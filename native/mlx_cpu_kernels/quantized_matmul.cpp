@@ -62,15 +62,6 @@ void run_panel_chunk(void* context, int64_t chunk) {
 constexpr int64_t kDefaultMinPoolMacs = int64_t{1} << 18;
 std::atomic<int64_t> g_min_pool_macs{kDefaultMinPoolMacs};
 
-// fn over num_chunks chunks: on the caller for a product under the pool threshold, else on the pool.
-void run_sized(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks, int64_t num_macs) {
-  if (num_macs < g_min_pool_macs.load(std::memory_order_relaxed)) {
-    for (int64_t i = 0; i < num_chunks; ++i) fn(context, i);
-  } else {
-    run_on_pool(fn, context, num_chunks);
-  }
-}
-
 void run_chunks(ThreadPool::ChunkFn fn, QmmJob& job, int64_t num_chunks) {
   run_sized(fn, &job, num_chunks, job.args.num_rows * job.args.num_outputs * job.args.num_inputs);
 }
@@ -178,6 +169,14 @@ Isa parse_isa(const std::string& name) {
 }
 
 }  // namespace
+
+void run_sized(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks, int64_t num_macs) {
+  if (num_macs < g_min_pool_macs.load(std::memory_order_relaxed)) {
+    for (int64_t i = 0; i < num_chunks; ++i) fn(context, i);
+  } else {
+    run_on_pool(fn, context, num_chunks);
+  }
+}
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, bool int8_activations) {

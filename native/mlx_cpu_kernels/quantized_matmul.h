@@ -5,6 +5,7 @@
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "thread_pool.h"
 
 namespace gmlx_kernels {
 
@@ -69,6 +70,8 @@ std::string best_isa_name();
 void set_panel_min_rows(int64_t num_rows);
 int64_t panel_min_rows();
 void set_min_pool_macs(int64_t num_macs);
+// fn over num_chunks chunks: on the caller for a product under that many multiply-adds, else on the pool.
+void run_sized(ThreadPool::ChunkFn fn, void* context, int64_t num_chunks, int64_t num_macs);
 int64_t min_pool_macs();
 
 // DRAM read rate: GB/s of the best of num_passes sums over a num_bytes buffer, on the pool.
