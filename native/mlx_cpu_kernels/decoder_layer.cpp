@@ -8,6 +8,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "arrays.h"
 #include "encode.h"
+#include "float_matmul.h"
 #include "int8_dot_kernels.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
@@ -51,6 +52,35 @@ void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_
   rotate(args);
 }
 
+// A layer's products over its weights' layout: float32 panels (bits kFloatBits) or quads.
+struct Product {
+  const mx::array* weights;
+  int64_t num_outputs;
+  float* y;
+};
+
+void weight_products(const float* x, int64_t num_rows, int64_t num_inputs, int bits,
+                     const std::vector<Product>& products) {
+  if (bits == kFloatBits) {
+    std::vector<PanelsPart> parts;
+    for (const auto& p : products) parts.push_back({p.weights->data<float>(), p.num_outputs, p.y});
+    panels_products(x, num_rows, num_inputs, parts);
+  } else {
+    std::vector<QuadsPart> parts;
+    for (const auto& p : products) parts.push_back({p.weights->data<uint8_t>(), p.num_outputs, p.y});
+    quads_products(x, num_rows, num_inputs, bits, parts);
+  }
+}
+
+void check_weights(const mx::array& weights, int64_t num_outputs, int64_t num_inputs, int bits,
+                   const std::string& what) {
+  if (bits == kFloatBits) {
+    check_panel_layout(weights, num_outputs, num_inputs, what);
+  } else {
+    check_quad_layout(weights, num_outputs, num_inputs, bits, what);
+  }
+}
+
 }  // namespace
 
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight, float eps,
@@ -68,17 +98,19 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
     throw std::invalid_argument("attention_inputs: offset must be a scalar or one per row");
   }
   const int dims = x.shape(2);
-  check_quad_layout(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
-  check_quad_layout(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
-  check_quad_layout(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs v");
+  check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
+  check_weights(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
+  check_weights(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs v");
   auto s = mx::default_stream(mx::Device::cpu);
   const int num_b = x.shape(0), num_t = x.shape(1);
+  const mx::Shape q_shape = {num_b, num_q_heads, num_t, head_dim};
+  const mx::Shape kv_shape = {num_b, num_kv_heads, num_t, head_dim};
   return mx::array::make_arrays(
-      {{num_b, num_q_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}, {num_b, num_kv_heads, num_t, head_dim}},
-      {mx::float32, mx::float32, mx::float32},
+      {q_shape, kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
                                        head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}),
-      {as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s), as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]});
+      {as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s), as_dtype(offset, mx::int32, s), quads[0],
+       quads[1], quads[2]});
 }
 
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits) {
@@ -88,7 +120,7 @@ mx::array project_add(const mx::array& a, const mx::array& quads, const mx::arra
   for (int i = 0; i + 1 < a.ndim(); ++i) {
     if (a.shape(i) != residual.shape(i)) throw std::invalid_argument("project_add: a and residual rows differ");
   }
-  check_quad_layout(quads, residual.shape(-1), a.shape(-1), bits, "project_add");
+  check_weights(quads, residual.shape(-1), a.shape(-1), bits, "project_add");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(residual.shape(), mx::float32,
                    std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kProjectAdd, bits, 0.0f, 0, 0, 0, 0,
@@ -102,21 +134,22 @@ mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps,
       hidden_dims % 32 != 0) {
     throw std::invalid_argument("mlp_block: h (..., D), norm_weight (D,), D and hidden_dims multiples of 32");
   }
-  check_quad_layout(gate_quads, hidden_dims, h.shape(-1), bits, "mlp_block gate");
-  check_quad_layout(up_quads, hidden_dims, h.shape(-1), bits, "mlp_block up");
-  check_quad_layout(down_quads, h.shape(-1), hidden_dims, bits, "mlp_block down");
+  check_weights(gate_quads, hidden_dims, h.shape(-1), bits, "mlp_block gate");
+  check_weights(up_quads, hidden_dims, h.shape(-1), bits, "mlp_block up");
+  check_weights(down_quads, h.shape(-1), hidden_dims, bits, "mlp_block down");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(h.shape(), mx::float32,
                    std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kMlpBlock, bits, eps, 0, 0, 0,
                                                     hidden_dims, RopeSpec{}),
-                   {as_dtype(h, mx::float32, s), as_dtype(norm_weight, mx::float32, s), gate_quads, up_quads, down_quads});
+                   {as_dtype(h, mx::float32, s), as_dtype(norm_weight, mx::float32, s), gate_quads, up_quads,
+                    down_quads});
 }
 
 void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);
-  encoder.dispatch([in = std::move(arrays.inputs), y = std::move(arrays.outputs), kind = kind_, bits = bits_, eps = eps_,
-                    num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
+  encoder.dispatch([in = std::move(arrays.inputs), y = std::move(arrays.outputs), kind = kind_, bits = bits_,
+                    eps = eps_, num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
                     hidden_dims = hidden_dims_, rope = rope_]() {
     thread_local Scratch scratch;  // the lambdas of one stream run on one thread, one at a time
     std::vector<float> x_copy;
@@ -131,9 +164,8 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       float* k = scratch.get(2, num_rows * kv_width);
       float* v = scratch.get(3, num_rows * kv_width);
       normalize(x, in[1].data<float>(), in[1].strides(0), normed, num_rows, num_inputs, eps);
-      quads_products(normed, num_rows, num_inputs, bits,
-                     {{in[3].data<uint8_t>(), q_width, q}, {in[4].data<uint8_t>(), kv_width, k},
-                      {in[5].data<uint8_t>(), kv_width, v}});
+      weight_products(normed, num_rows, num_inputs, bits, {{&in[3], q_width, q}, {&in[4], kv_width, k},
+                                                          {&in[5], kv_width, v}});
       const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
       rotate_heads(q, num_b, num_q_heads, num_t, head_dim, in[2], rope, y[0]);
       rotate_heads(k, num_b, num_kv_heads, num_t, head_dim, in[2], rope, y[1]);
@@ -149,7 +181,7 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
       const int64_t num_outputs = in[2].shape(-1);
-      quads_products(x, num_rows, num_inputs, bits, {{in[1].data<uint8_t>(), num_outputs, y[0]}});
+      weight_products(x, num_rows, num_inputs, bits, {{&in[1], num_outputs, y[0]}});
       // residual + product, in the residual add's order (a float add either way).
       for (int64_t i = 0; i < num_rows * num_outputs; ++i) y[0][i] = residual[i] + y[0][i];
     } else {
@@ -157,10 +189,9 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       float* gate = scratch.get(1, num_rows * hidden_dims);
       float* up = scratch.get(2, num_rows * hidden_dims);
       normalize(x, in[1].data<float>(), in[1].strides(0), normed, num_rows, num_inputs, eps);
-      quads_products(normed, num_rows, num_inputs, bits,
-                     {{in[2].data<uint8_t>(), hidden_dims, gate}, {in[3].data<uint8_t>(), hidden_dims, up}});
+      weight_products(normed, num_rows, num_inputs, bits, {{&in[2], hidden_dims, gate}, {&in[3], hidden_dims, up}});
       apply_swiglu(gate, up, gate, num_rows * hidden_dims);
-      quads_products(gate, num_rows, hidden_dims, bits, {{in[4].data<uint8_t>(), num_inputs, y[0]}});
+      weight_products(gate, num_rows, hidden_dims, bits, {{&in[4], num_inputs, y[0]}});
       for (int64_t i = 0; i < num_rows * num_inputs; ++i) y[0][i] = x[i] + y[0][i];
     }
   });

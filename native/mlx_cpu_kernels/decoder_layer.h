@@ -1,9 +1,10 @@
-// A llama decoder layer's decode path in three MLX nodes instead of ~20, for the quad layout:
+// A llama decoder layer's decode path in three MLX nodes instead of ~20, for weights in the quad
+// layout (bits 4 or 8) or float32 panels (bits kFloatBits, float_matmul.h):
 //   attention_inputs: rms_norm, the q/k/v products, RoPE on q and k -> q, k, v (B, H, T, Dh)
 //   (the KV write and ragged_attention stay their own nodes)
 //   project_add:      residual + a @ W.T (o_proj and the residual add)
 //   mlp_block:        h + down(swiglu(gate(n), up(n))), n = rms_norm(h)
-// Each stage calls the code of the separate op (normalize, quads_products, rotate,
+// Each stage calls the code of the separate op (normalize, quads_products or panels_products, rotate,
 // apply_swiglu), so every value has the separate graph's bits; the node count and the Python
 // that builds it are what shrink (a SmolLM2 step: 682 nodes, ~3 ms of graph building).
 #pragma once
