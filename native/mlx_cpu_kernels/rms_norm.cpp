@@ -66,7 +66,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
     throw std::invalid_argument("rms_norm: weight must be (D,) for x (..., D), D > 0");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), {as_dtype(x, mx::float32, s), as_dtype(weight, mx::float32, s)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
+                   {as_dtype(x, mx::float32, s), as_dtype(weight, mx::float32, s)});
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -62,7 +62,9 @@ void rotate(const RopeArgs& args) {
   static_cast<RopeArgs&>(job) = args;
   const int half = args.dims / 2;
   job.inv_freqs.resize(half);
-  for (int i = 0; i < half; ++i) job.inv_freqs[i] = std::pow(static_cast<double>(args.base), -static_cast<double>(i) / half);
+  for (int i = 0; i < half; ++i) {
+    job.inv_freqs[i] = std::pow(static_cast<double>(args.base), -static_cast<double>(i) / half);
+  }
   const int64_t num_vectors = job.num_b * job.num_m * job.num_t;
   run_on_pool(rotate_vectors, &job, (num_vectors + kVectorsPerChunk - 1) / kVectorsPerChunk);
 }
@@ -73,12 +75,14 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
     throw std::invalid_argument("rope: dims " + std::to_string(dims) + " must be even and at most D = " +
                                 std::to_string(x.shape(-1)));
   }
-  if (offset.ndim() > 1 || (offset.ndim() == 1 && offset.size() != 1 && (x.ndim() < 3 || offset.size() != static_cast<size_t>(x.shape(0))))) {
+  const bool is_per_row = x.ndim() >= 3 && offset.size() == static_cast<size_t>(x.shape(0));
+  if (offset.ndim() > 1 || (offset.ndim() == 1 && offset.size() != 1 && !is_per_row)) {
     throw std::invalid_argument("rope: offset must be a scalar or one per row of x's first dim");
   }
   if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("rope: offset must be integer");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale), {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale),
+                   {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)});
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -115,7 +119,9 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
       job.stride_d = x.strides(ndim - 1);
     } else {
       copy.resize(x.size());
-      for (size_t i = 0; i < x.size(); ++i) copy[i] = data[mx::elem_to_loc(static_cast<int>(i), x.shape(), x.strides())];
+      for (size_t i = 0; i < x.size(); ++i) {
+        copy[i] = data[mx::elem_to_loc(static_cast<int>(i), x.shape(), x.strides())];
+      }
       data = copy.data();
       job.stride_d = 1;
       job.stride_t = job.num_d;

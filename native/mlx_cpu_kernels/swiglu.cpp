@@ -44,7 +44,8 @@ void apply_swiglu(const float* gate, const float* up, float* y, int64_t num_valu
 mx::array swiglu(const mx::array& gate, const mx::array& up) {
   if (gate.shape() != up.shape()) throw std::invalid_argument("swiglu: gate and up must have one shape");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(s), {as_dtype(gate, mx::float32, s), as_dtype(up, mx::float32, s)});
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGlu>(s),
+                   {as_dtype(gate, mx::float32, s), as_dtype(up, mx::float32, s)});
 }
 
 void SwiGlu::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
