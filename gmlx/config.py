@@ -173,6 +173,13 @@ def is_fused_layers_enabled() -> bool:
     return _env_flag("GMLX_CPU_FUSED_LAYERS", True)
 
 
+def is_cpu_float_kernels_enabled() -> bool:
+    """GMLX_CPU_FLOAT_KERNELS (default on): with the CPU kernels on, float32 linear weights are kept
+    as panels and multiplied on the kernels' threads (gmlx/platform/cpu_float.py), and the decode
+    ops and fused layers take float32 models too; 0 keeps the BLAS path, bit-identical to mlx-lm's."""
+    return _env_flag("GMLX_CPU_FLOAT_KERNELS", True)
+
+
 def is_quad_layout_enabled() -> bool:
     """GMLX_CPU_QUAD_LAYOUT (default on): int8-activation products with exact float16 scales keep
     their weights in the kernels' one-stream layout (same bits); 0 keeps mlx's rows (A/B runs)."""

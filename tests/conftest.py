@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx  # noqa: E402
 import pytest
 
+from gmlx.config import env_overrides
 from gmlx.models import random_model
 from gmlx.models.loader import load_model
 
@@ -71,6 +72,21 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tiny_llama_dir):
     return load_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def blas_builtin_target():
+    """The built-in model on the float32 BLAS path (float kernels off): graph fusion, input-major
+    weights and the interposer, bit-identical to mlx-lm."""
+    with env_overrides({"GMLX_CPU_FLOAT_KERNELS": "0"}):
+        return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def blas_tiny_target(tiny_llama_dir):
+    """The tiny llama on the float32 BLAS path, as blas_builtin_target."""
+    with env_overrides({"GMLX_CPU_FLOAT_KERNELS": "0"}):
+        return load_model(tiny_llama_dir)
 
 
 @pytest.fixture(scope="session")

@@ -313,14 +313,18 @@ def test_prompt_chunking_does_not_change_a_bit(tiny_quantized_target, code_promp
 # ------------------------------------------------------------------------------ loading
 
 
-def test_quantized_models_get_the_ops_and_float32_ones_keep_mlx_bits(tiny_quantized_target, tiny_llama_dir):
+def test_the_kernels_models_get_the_ops_and_the_blas_path_keeps_mlx_bits(tiny_quantized_target, tiny_target,
+                                                                         tiny_llama_dir):
     kinds = (KernelRoPE, KernelRMSNorm, *ATTENTION_SWAPS.values(), *MLP_SWAPS.values())
     swapped = [unpacked_class(type(m)) for m in tiny_quantized_target.model.modules()
                if unpacked_class(type(m)) in kinds]
     assert swapped.count(KernelRoPE) == 2 and swapped.count(KernelRMSNorm) == 2 * 2 + 1  # per layer; final norm
     assert sum(kind in MLP_SWAPS.values() for kind in swapped) == 2
     assert swapped.count(ATTENTION_SWAPS[unpacked_class(type(float32_attention(tiny_llama_dir)))]) == 2
-    float32 = load_model(str(tiny_llama_dir))
+    # float32 on panels (GMLX_CPU_FLOAT_KERNELS) takes the same ops; on the BLAS path it keeps mlx's
+    assert sum(unpacked_class(type(m)) in kinds for m in tiny_target.model.modules()) == len(swapped)
+    with env_overrides({"GMLX_CPU_FLOAT_KERNELS": "0"}):
+        float32 = load_model(str(tiny_llama_dir))
     assert not any(unpacked_class(type(m)) in kinds for m in float32.model.modules())
     for switches in ({"GMLX_CPU_KERNELS": "0"}, {"GMLX_CPU_DECODE_OPS": "0"}):
         with env_overrides({**switches, "GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
@@ -342,7 +346,9 @@ def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch):
 
 
 def float32_attention(folder):
-    return load_model(str(folder)).model.model.layers[0].self_attn
+    """The attention module of the folder's model on the float32 BLAS path (mlx-lm's class)."""
+    with env_overrides({"GMLX_CPU_FLOAT_KERNELS": "0"}):
+        return load_model(str(folder)).model.model.layers[0].self_attn
 
 
 def make_quantized_target(folder, model_type: str):

@@ -21,7 +21,7 @@ def count_types(model) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("which", ["builtin_target", "tiny_target"])
+@pytest.mark.parametrize("which", ["blas_builtin_target", "blas_tiny_target"])
 def test_loaded_models_are_fused_and_bit_identical(which, request, mlx_lm_reference):
     target = request.getfixturevalue(which)
     counts = count_types(target.model)
@@ -38,16 +38,16 @@ def test_loaded_models_are_fused_and_bit_identical(which, request, mlx_lm_refere
             tokens = mx.argmax(plain[:, -1:], axis=-1)
 
 
-def test_ragged_rows_are_bit_identical(builtin_target, mlx_lm_reference):
+def test_ragged_rows_are_bit_identical(blas_builtin_target, mlx_lm_reference):
     """gmlx's own cache: per-row RoPE offsets (an array), rows of different lengths."""
-    reference = mlx_lm_reference(builtin_target.path)
+    reference = mlx_lm_reference(blas_builtin_target.path)
     rng = np.random.default_rng(4)
-    prompts = [mx.array(rng.integers(0, builtin_target.vocab_size, (1, n))) for n in (5, 19, 33)]
+    prompts = [mx.array(rng.integers(0, blas_builtin_target.vocab_size, (1, n))) for n in (5, 19, 33)]
     outputs = []
-    for model in (builtin_target.model, reference):
+    for model in (blas_builtin_target.model, reference):
         rows = []
         for prompt in prompts:
-            rows.append(make_ragged_cache(builtin_target.num_layers))
+            rows.append(make_ragged_cache(blas_builtin_target.num_layers))
             model.model(prompt, cache=rows[-1])
         caches = concat_layer_caches(rows)
         outputs.append([model.model(mx.array([[7], [8], [9]]), cache=caches) for _ in range(3)])
@@ -55,7 +55,7 @@ def test_ragged_rows_are_bit_identical(builtin_target, mlx_lm_reference):
 
 
 def test_switched_off_leaves_the_model_as_mlx_lm_builds_it(tiny_llama_dir):
-    with env_overrides({"GMLX_FUSE_CPU_OPS": "0"}):
+    with env_overrides({"GMLX_FUSE_CPU_OPS": "0", "GMLX_CPU_FLOAT_KERNELS": "0"}):
         target = load_model(tiny_llama_dir)
     counts = count_types(target.model)
     assert counts.get(FusedRMSNorm, 0) == 0 and counts.get(nn.RMSNorm, 0) > 0

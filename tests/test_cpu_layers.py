@@ -1,5 +1,5 @@
 """Fused llama decoder layers (gmlx/platform/cpu_layers.py): four kernel nodes a layer where
-every product is in the quad layout, with the separate graph's bits in every shape the
+every product has packed weights (the quad layout or float32 panels), with the separate graph's bits in every shape the
 engine runs (ragged rows, verify widths, prefill chunks)."""
 
 import mlx.core as mx
@@ -15,23 +15,27 @@ from kernel_support import requires_kernels
 pytestmark = requires_kernels
 
 
-@pytest.fixture(scope="module")
-def unfused_target(gguf_like_target):
+@pytest.fixture(scope="module", params=["gguf_like_target", "tiny_target"])
+def fused_and_unfused(request):
+    """A model loaded with its layers fused (quad layout, or float32 panels) and without."""
+    fused = request.getfixturevalue(request.param)
     with env_overrides({"GMLX_CPU_FUSED_LAYERS": "0"}):
-        return load_model(gguf_like_target.path)
+        return fused, load_model(fused.path)
 
 
-def test_gguf_like_layers_are_fused_and_the_switch_keeps_them_apart(gguf_like_target, unfused_target):
-    assert all(type(layer) is FusedLlamaBlock for layer in gguf_like_target.model.model.layers)
-    assert not any(type(layer) is FusedLlamaBlock for layer in unfused_target.model.model.layers)
+def test_layers_are_fused_and_the_switch_keeps_them_apart(fused_and_unfused):
+    fused, unfused = fused_and_unfused
+    assert all(type(layer) is FusedLlamaBlock for layer in fused.model.model.layers)
+    assert not any(type(layer) is FusedLlamaBlock for layer in unfused.model.model.layers)
 
 
-def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(gguf_like_target, unfused_target, code_prompts):
+def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts):
     """Two rows at their own lengths through prefill chunks, a 4-position verify and single
     steps: logits and every KV position bit for bit the unfused layers'."""
-    num_layers = len(gguf_like_target.model.model.layers)
+    fused_target, unfused_target = fused_and_unfused
+    num_layers = len(fused_target.model.model.layers)
     caches = {name: [RaggedKVCache(num_rows=2) for _ in range(num_layers)] for name in ("fused", "unfused")}
-    targets = {"fused": gguf_like_target, "unfused": unfused_target}
+    targets = {"fused": fused_target, "unfused": unfused_target}
     text = [t for prompt in code_prompts for t in prompt]
     rows = [text[:43], text[100:143]]
     for start, width in ((0, 20), (20, 17), (37, 4), (41, 1), (42, 1)):

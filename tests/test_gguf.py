@@ -53,6 +53,7 @@ def test_f32_gguf_computes_what_the_folder_computes(tiny_folders, mlx_lm_referen
 def test_q8_0_stays_quantized_or_is_dequantized_as_the_compute_format_says(tiny_folders, mlx_lm_reference,
                                                                            tmp_path):
     from gmlx.platform import cpu_kernels
+    from gmlx.platform.cpu_float import KernelLinear
 
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "q8.gguf",
                                   quant_type=gguf.GGMLQuantizationType.Q8_0)
@@ -63,9 +64,10 @@ def test_q8_0_stays_quantized_or_is_dequantized_as_the_compute_format_says(tiny_
     default = load_model(path)
     q_proj = quantized.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, nn.QuantizedLinear) and q_proj.bits == 8 and q_proj.group_size == 32
-    assert type(dequantized.model.model.layers[0].self_attn.q_proj) is nn.Linear
+    float_type = KernelLinear if cpu_kernels.is_available() else nn.Linear  # float32: products on panels
+    assert type(dequantized.model.model.layers[0].self_attn.q_proj) is float_type
     # auto: the 4/8-bit weights stay when gmlx's CPU kernels run them, else a float32 copy
-    is_default_quantized = type(default.model.model.layers[0].self_attn.q_proj) is not nn.Linear
+    is_default_quantized = isinstance(default.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     assert is_default_quantized == cpu_kernels.is_available()
     expected = logits_of(mlx_lm_reference(str(tiny_folders["llama"])), TOKEN_IDS)
     for loaded in (quantized, dequantized, default):
@@ -76,7 +78,8 @@ def test_q8_0_stays_quantized_or_is_dequantized_as_the_compute_format_says(tiny_
 def test_other_quant_types_are_dequantized_with_a_log_line(tiny_folders, mlx_lm_reference, tmp_path, caplog):
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "q5.gguf",
                                   quant_type=gguf.GGMLQuantizationType.Q5_0)
-    with caplog.at_level(logging.WARNING, logger="gmlx.models.gguf"):
+    with caplog.at_level(logging.WARNING, logger="gmlx.models.gguf"), \
+            env_overrides({"GMLX_CPU_FLOAT_KERNELS": "0"}):  # the dequantized weights as mlx-lm holds them
         loaded = load_model(path)
     assert any("dequantizing" in record.message and "Q5_0" in record.message for record in caplog.records)
     reference = mlx_lm_reference(str(tiny_folders["llama"]))

@@ -17,13 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_fusion_enabled, is_cpu_kernels_enabled,
-                         is_fused_layers_enabled, is_input_major_enabled)
+from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_float_kernels_enabled, is_cpu_fusion_enabled,
+                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.packed import use_packed_attention
 from gmlx.models.source import is_gguf_path, resolve_model_path
 from gmlx.platform.cpu_decode_ops import use_cpu_decode_ops
+from gmlx.platform.cpu_float import use_float_kernels
 from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.platform.cpu_layers import use_fused_layers
@@ -65,9 +66,8 @@ def load_model(path: str | Path | None) -> LoadedModel:
     else:
         model, tokenizer, config = _load_folder(source)
     is_tied = getattr(model, "lm_head", None) is None or config.get("tie_word_embeddings", False)
-    head_module = model.model.embed_tokens if is_tied else model.lm_head
     if mx.default_device() == mx.cpu:
-        _prepare_for_cpu(model, str(source), head_module)
+        _prepare_for_cpu(model, str(source), is_tied)
     is_packable = use_packed_attention(model)
     mx.eval(model.parameters())
     body = model.model
@@ -141,7 +141,12 @@ def _load_gguf(path: Path):
     return model, tokenizer, config
 
 
-def _prepare_for_cpu(model: nn.Module, source: str, head_module: nn.Module) -> None:
+def _head_module(model: nn.Module, is_tied: bool) -> nn.Module:
+    """The module whose product gives the logits: the tied token table or the lm_head."""
+    return model.model.embed_tokens if is_tied else model.lm_head
+
+
+def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> None:
     is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
     # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
     model.set_dtype(mx.float32)
@@ -154,12 +159,17 @@ def _prepare_for_cpu(model: nn.Module, source: str, head_module: nn.Module) -> N
         logger.info("model %s: CPU compute format %s (%s)", source, compute_format, reason)
     if is_cpu_fusion_enabled():
         fuse_cpu_ops(model)
+    num_kernel_modules = 0
+    if is_cpu_kernels_enabled():
+        num_kernel_modules = use_cpu_kernels(model, _head_module(model, is_tied))
+        if is_cpu_float_kernels_enabled():  # after a dequantize: a new token table
+            num_kernel_modules += use_float_kernels(model, _head_module(model, is_tied))
     if is_input_major_enabled():
-        store_weights_input_major(model)
-    if is_cpu_kernels_enabled() and use_cpu_kernels(model, head_module) > 0 and is_cpu_decode_ops_enabled():
+        store_weights_input_major(model)  # the float32 weights the kernels did not take
+    if num_kernel_modules > 0 and is_cpu_decode_ops_enabled():
         use_cpu_decode_ops(model)  # off mlx's bits already: its small ops as one node each too
         if is_fused_layers_enabled():
-            use_fused_layers(model)  # and a layer whose products are all in the quad layout, four nodes
+            use_fused_layers(model)  # and a layer whose products all have packed weights, four nodes
 
 
 def _check_model_type(source: Path, config: dict) -> None:

@@ -37,6 +37,10 @@ INT8_ACTIVATIONS_HEAD_BITS = (4, 8)
 # matmul, relative to the largest |reference|. Measured on random normal x: 0.3-0.7%
 # (quantizing x to 8 bits per 32 inputs); the float path's probe allows 1e-4.
 INT8_ACTIVATIONS_RTOL = 2e-2
+# The float32 panel layout (native/mlx_cpu_kernels/float_matmul.h): outputs per panel, and the
+# bits value the fused layer ops take for it.
+PANEL_OUTPUTS = 64
+FLOAT_BITS = 32
 
 
 @functools.cache
@@ -168,26 +172,37 @@ def quantized_matmul_quads_group(x, quads: list, num_outputs: list[int], bits: i
     return extension().quantized_matmul_quads_group(x, quads, num_outputs, bits)
 
 
+def packed_weights(module):
+    """A kernel product's weights as the fused layer ops take them: quads (4/8 bits) or float32 panels."""
+    return module["quads"] if "quads" in module else module["panels"]
+
+
 def attention_inputs(x, norm, attention, offset):
-    """A llama layer's norm, q/k/v products (quad layout) and RoPE as one node: q (B, Hq, T, Dh),
+    """A llama layer's norm, q/k/v products (packed weights) and RoPE as one node: q (B, Hq, T, Dh),
     k and v (B, Hkv, T, Dh), the bits of the separate ops (gmlx/platform/cpu_layers.py)."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     rope = attention.rope
     return extension().attention_inputs(
-        x, norm["weight"], norm.eps, offset, [p["quads"] for p in projections], attention.n_heads,
+        x, norm["weight"], norm.eps, offset, [packed_weights(p) for p in projections], attention.n_heads,
         attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads, attention.q_proj.bits,
         rope.dims, rope.traditional, rope.base, rope.scale)
 
 
 def project_add(a, projection, residual):
-    """residual + projection(a) as one node, for a quad-layout projection (o_proj)."""
-    return extension().project_add(a, projection["quads"], residual, projection.bits)
+    """residual + projection(a) as one node, for a projection with packed weights (o_proj)."""
+    return extension().project_add(a, packed_weights(projection), residual, projection.bits)
 
 
 def mlp_block(h, norm, mlp):
-    """h + mlp(norm(h)) as one node, for a llama MLP whose products are in the quad layout."""
-    return extension().mlp_block(h, norm["weight"], norm.eps, mlp.gate_proj["quads"], mlp.up_proj["quads"],
-                                 mlp.down_proj["quads"], mlp.gate_proj.num_outputs, mlp.gate_proj.bits)
+    """h + mlp(norm(h)) as one node, for a llama MLP whose products have packed weights."""
+    return extension().mlp_block(h, norm["weight"], norm.eps, packed_weights(mlp.gate_proj),
+                                 packed_weights(mlp.up_proj), packed_weights(mlp.down_proj),
+                                 mlp.gate_proj.num_outputs, mlp.gate_proj.bits)
+
+
+def float_matmul(x, panels, num_outputs: int):
+    """x @ W.T for float32 x (..., K), W (N, K) kept as panels (gmlx/platform/cpu_float.py)."""
+    return extension().float_matmul(x, panels, num_outputs)
 
 
 def swiglu(gate, up):
@@ -233,7 +248,8 @@ def status() -> dict:
                       quant_activations=config.cpu_quant_activations() if hasattr(ext, "has_avx512_vnni") else "float",
                       has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni(),
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
-                      fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"))
+                      fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"),
+                      float_panels=config.is_cpu_float_kernels_enabled() and hasattr(ext, "float_matmul"))
     return report
 
 
@@ -245,6 +261,8 @@ def format_status(report: dict) -> str:
     vnni = ", VNNI" if report.get("has_vnni") else ""
     layout = "quad layout" if report.get("quad_layout") else "row layout"
     layers = "fused llama layers" if report.get("fused_layers") and report["decode_ops"] else "layers apart"
+    floats = "float32 products on panels" if report.get("float_panels") else "float32 products in the BLAS"
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
-            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS)")
+            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS); "
+            f"{floats} (GMLX_CPU_FLOAT_KERNELS)")

@@ -4,7 +4,8 @@ With the decode ops swapped in (gmlx/platform/cpu_decode_ops.py) a SmolLM2 layer
 ~20 graph nodes (norms, grouped products, reshapes, transposes, RoPE, the KV writes,
 attention, residual adds), and building and walking ~680 nodes a step costs the Python
 thread ~3 ms: on two cores, time the kernels' second thread needed. Where every product of
-a layer is in the quad layout (gmlx/platform/cpu_quantized.py), its call with a
+a layer has packed weights (the quad layout, gmlx/platform/cpu_quantized.py, or float32
+panels, gmlx/platform/cpu_float.py), its call with a
 RaggedKVCache becomes: attention_inputs (norm, q/k/v, RoPE), the two KV writes, ragged
 attention, project_add (o_proj + residual), mlp_block (norm, gate/up, SwiGLU, down,
 residual). Each runs the separate ops' code, so the bits are the separate graph's (a probe
@@ -24,6 +25,7 @@ from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import _KernelAttention
 from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, _KernelMLP
+from gmlx.platform.cpu_float import KernelLinear
 from gmlx.platform.cpu_quantized import KernelQuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -47,19 +49,22 @@ class FusedLlamaBlock(_FusedBlock, llama.TransformerBlock):
     pass
 
 
-def _is_quads(module: nn.Module) -> bool:
-    return type(module) is KernelQuantizedLinear and "quads" in module and "bias" not in module
+def _is_packed(module: nn.Module) -> bool:
+    """Weights in the quad layout or float32 panels, no bias: what the fused ops multiply."""
+    if "bias" in module:
+        return False
+    return (type(module) is KernelQuantizedLinear and "quads" in module) or type(module) is KernelLinear
 
 
 def is_fusable(block: nn.Module) -> bool:
-    """A llama block whose products are all in the quad layout at one width, with the kernels'
-    attention (no q/k norms), RoPE, norms and MLP."""
+    """A llama block whose products all have packed weights of one width (quads of 4 or 8 bits,
+    or float32 panels), with the kernels' attention (no q/k norms), RoPE, norms and MLP."""
     if type(block) is not llama.TransformerBlock:
         return False
     attn, mlp = block.self_attn, block.mlp
     products = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     return (isinstance(attn, _KernelAttention) and "q_norm" not in attn and type(attn.rope) is KernelRoPE
-            and isinstance(mlp, _KernelMLP) and all(_is_quads(p) for p in products)
+            and isinstance(mlp, _KernelMLP) and all(_is_packed(p) for p in products)
             and len({p.bits for p in products}) == 1
             and type(block.input_layernorm) is KernelRMSNorm and type(block.post_attention_layernorm) is KernelRMSNorm)
 

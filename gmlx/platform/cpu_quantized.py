@@ -132,8 +132,8 @@ def _store_half_groups(module: nn.Module) -> bool:
 
 
 def output_dims(module: nn.Module) -> int:
-    """A linear module's outputs, whatever layout its weights are kept in."""
-    return module.num_outputs if "quads" in module else module["weight"].shape[0]
+    """A linear module's outputs, whatever layout its weights are kept in (rows, quads, panels)."""
+    return module.num_outputs if "quads" in module or "panels" in module else module["weight"].shape[0]
 
 
 def input_dims(module: nn.Module) -> int:
