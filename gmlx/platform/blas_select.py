@@ -147,4 +147,7 @@ def select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
         sel.choice = choose_core(machine, flags, sel.detected, None, sel.timings or None)
     if sel.choice.core is not None:
         config.mark_blas_core_chosen(sel.choice.core)
+    elif not os.environ.get("OPENBLAS_CORETYPE", "x").strip():
+        # Blank is not unset to OpenBLAS: on an AVX2 EPYC it then ran Haswell, not the Zen it detects (and we timed).
+        del os.environ["OPENBLAS_CORETYPE"]
     return sel
