@@ -11,6 +11,8 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
     python3 scripts/bench_compute_format.py --llama-bench .cache/llama.cpp/bin/llama-bench \
         --llama-gguf F32=.cache/llama.cpp/models/SmolLM2-135M-Instruct.F32.gguf
     python3 scripts/bench_compute_format.py --quant-activations float,int8 --no-mlx-lm
+    python3 scripts/bench_compute_format.py --float-kernels 1,0 --no-mlx-lm   # float32 on panels vs the BLAS
+    python3 scripts/bench_compute_format.py --model FOLDER --no-quantized --no-mlx-lm --float-kernels 1,0
 
 --quant-activations loads the quantized format once per GMLX_CPU_QUANT_ACTIVATIONS mode (float:
 float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
@@ -96,6 +98,12 @@ def main() -> None:
     parser.add_argument("--quant-activations", default="",
                         help="comma list of GMLX_CPU_QUANT_ACTIVATIONS modes (float,int8), one quantized "
                              "engine each (default: one, under the current setting)")
+    parser.add_argument("--no-quantized", action="store_true",
+                        help="float32 engines only (a float32 model folder has no quantized format)")
+    parser.add_argument("--float-kernels", default="",
+                        help="comma list of GMLX_CPU_FLOAT_KERNELS settings (1,0), one float32 engine each "
+                             "(1: panels on the kernels' threads, 'gmlx float32'; 0: the BLAS path, "
+                             "'gmlx float32 (BLAS)'; default: one, under the current setting)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     source = resolve_model_path(args.model)
@@ -110,10 +118,16 @@ def main() -> None:
 
     engines = {}
     modes = [m.strip() for m in args.quant_activations.split(",") if m.strip()]
-    for compute_format, mode in [("float32", None)] + [("quantized", m) for m in modes or [None]]:
-        overrides = {"GMLX_CPU_COMPUTE_FORMAT": compute_format, **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {})}
+    float_settings = [f.strip() for f in args.float_kernels.split(",") if f.strip()]
+    for setting in float_settings or [None]:
+        with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "float32",
+                            **({"GMLX_CPU_FLOAT_KERNELS": setting} if setting else {})}):
+            engines["gmlx float32" + (" (BLAS)" if setting == "0" else "")] = Engine.load(
+                EngineConfig(model_path=str(source)))
+    for mode in [] if args.no_quantized else modes or [None]:
+        overrides = {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {})}
         with env_overrides(overrides):
-            engines[f"gmlx {compute_format}" + (f" ({mode} x)" if mode else "")] = Engine.load(
+            engines["gmlx quantized" + (f" ({mode} x)" if mode else "")] = Engine.load(
                 EngineConfig(model_path=str(source)))
     baseline = None
     if not args.no_mlx_lm:

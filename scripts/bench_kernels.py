@@ -29,6 +29,10 @@ scales and biases (0.75 and 0.625 bytes a weight):
 the same bits), in GB/s of its own bytes:
     python scripts/bench_kernels.py --quads-too --shapes 576x576,960x576,3072x576,576x1536 --rows 1,2,4
 
+--panels-too adds the float32 product over panels (GMLX_CPU_FLOAT_KERNELS: per 64 outputs the
+inputs' weights side by side, one fma chain per output), in GB/s of the float32 bytes:
+    python scripts/bench_kernels.py --panels-too --shapes 576x576,1536x576,576x1536,49152x576 --rows 1,2,4
+
 --prefill-tokens N (--prefill-only: only this) times a real model's prefill (--model,
 default smollm2 at its 4-bit weights through the kernels): a direct forward of an N-token
 prompt (random token ids, fixed seed) in --chunk-tokens chunks on an mlx-lm KV cache, then
@@ -62,6 +66,7 @@ ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx
 
 from gmlx.platform import cpu_kernels
+from gmlx.platform.cpu_float import pack_panels
 from gmlx.platform.timing import best_of_s
 
 
@@ -81,7 +86,7 @@ NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
 
 
 def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas,
-                  panel_off_too=False, dequant_too=False, int8_too=False, quads_too=False):
+                  panel_off_too=False, dequant_too=False, int8_too=False, quads_too=False, panels_too=False):
     weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
     packed = mx.quantize(weight, group_size=group_size, bits=bits)
     quantized_bytes = sum(a.nbytes for a in packed)
@@ -99,7 +104,9 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
     # The same weights in the one-stream layout gmlx keeps them in (GMLX_CPU_QUAD_LAYOUT).
     quad_copies = [cpu_kernels.pack_quads(w, s, b, group_size, bits) for w, s, b in half_copies] if quads_too else []
     quad_bytes = quad_copies[0].nbytes if quads_too else 0
-    mx.eval(q_copies, f_copies, half_copies, quad_copies)
+    # The float32 weights as gmlx keeps them with GMLX_CPU_FLOAT_KERNELS (the same bytes).
+    panel_copies = [pack_panels(w) for w in f_copies] if panels_too else []
+    mx.eval(q_copies, f_copies, half_copies, quad_copies, panel_copies)
     ext = cpu_kernels.extension()
     rows = []
     for num_rows in num_rows_list:
@@ -138,6 +145,10 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
         row["mlx_ms"], row["mlx_gbs"] = 1e3 * t, quantized_bytes / t / 1e9
         t = best_time_s(lambda: [x @ w.T for w in f_copies], reps) / num_float_copies
         row["fp32_ms"], row["fp32_gbs"] = 1e3 * t, float_bytes / t / 1e9
+        if panels_too:  # AVX2 on every AVX2 CPU (the same chains as AVX-512 would run)
+            t = best_time_s(lambda: [cpu_kernels.float_matmul(x, p, num_outputs) for p in panel_copies],
+                            reps) / num_float_copies
+            row["panels_ms"], row["panels_gbs"] = 1e3 * t, float_bytes / t / 1e9
         rows.append(row)
     return rows
 
@@ -300,6 +311,8 @@ def main() -> None:
     parser.add_argument("--int8-too", action="store_true", help="add the int8-activation path")
     parser.add_argument("--quads-too", action="store_true",
                         help="add the int8 path over the one-stream quad layout (implies --int8-too)")
+    parser.add_argument("--panels-too", action="store_true",
+                        help="add the float32 product over panels (GMLX_CPU_FLOAT_KERNELS) beside the BLAS's")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="add a real model's prefill (0: off)")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill comparison")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk")
@@ -331,7 +344,7 @@ def main() -> None:
         dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
         results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
                                  args.group_size, args.min_bytes, args.reps, isas, args.panel_off_too,
-                                 args.dequant_too, args.int8_too, args.quads_too)
+                                 args.dequant_too, args.int8_too, args.quads_too, args.panels_too)
     ext.set_isa(ext.best_isa())
     dram_gbs = max(dram)
     print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
@@ -351,6 +364,8 @@ def main() -> None:
     if args.dequant_too:
         header += ["dequantize + fp32 ms"]
     header += ["mlx qmm ms (GB/s)", "fp32 BLAS ms (GB/s)", "gmlx / mlx", "gmlx / fp32"]
+    if args.panels_too:
+        header += ["fp32 panels ms (GB/s, of DRAM)", "panels / BLAS"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     best = isas[0]
@@ -373,6 +388,9 @@ def main() -> None:
             cells += [f"{r['dequant_fp32_ms']:.3f}"]
         cells += [f"{r['mlx_ms']:.3f} ({r['mlx_gbs']:.2f})", f"{r['fp32_ms']:.3f} ({r['fp32_gbs']:.1f})",
                   f"{r['mlx_ms'] / r[f'gmlx_{best}_ms']:.1f}x", f"{r['fp32_ms'] / r[f'gmlx_{best}_ms']:.2f}x"]
+        if args.panels_too:
+            cells += [f"{r['panels_ms']:.3f} ({r['panels_gbs']:.1f}, {r['panels_gbs'] / dram_gbs:.2f})",
+                      f"{r['fp32_ms'] / r['panels_ms']:.2f}x"]
         print("| " + " | ".join(cells) + " |")
     print(json.dumps({"dram_gbs": dram_gbs, "threads": ext.num_threads(), "bits": args.bits, "cpu_time": args.cpu_time,
                       "group_size": args.group_size, "results": results}))
