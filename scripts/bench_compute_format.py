@@ -53,6 +53,8 @@ QUESTION = "Write a long essay about the history of the Roman Empire, with many 
 
 
 def prompt_ids(tokenizer) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:  # a random-weight folder: the plain text
+        return tokenizer.encode(QUESTION)
     return tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": QUESTION}]))
 
 
