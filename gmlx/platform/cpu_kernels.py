@@ -62,6 +62,9 @@ def _load() -> tuple[ModuleType | None, str]:
         mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
     except TypeError as exc:
         return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
+    layout = (getattr(ext, "PANEL_OUTPUTS", PANEL_OUTPUTS), getattr(ext, "FLOAT_BITS", FLOAT_BITS))
+    if layout != (PANEL_OUTPUTS, FLOAT_BITS):
+        return None, "built with another float32 panel layout than this gmlx (reinstall to rebuild)"
     isa = config.cpu_kernels_isa()
     if isa is not None:
         ext.set_isa(isa)  # ValueError naming the ISA when this CPU lacks it
