@@ -14,6 +14,10 @@ from gmlx.platform.cpu_float import KernelEmbedding, KernelLinear, pack_panels, 
 from kernel_support import ext, requires_kernels, supported_isas  # noqa: F401 (ext: a fixture)
 
 pytestmark = requires_kernels
+# Where the kernels have only their portable loop, float32 models keep the BLAS (cpu_float.py).
+requires_vector_isa = pytest.mark.skipif(
+    not cpu_kernels.is_built() or cpu_kernels.extension().best_isa() == "portable",
+    reason="float32 models stay on the BLAS without AVX2 + FMA")
 
 # |kernel - float64 reference| relative to the largest |reference| of a product (one fma
 # chain per output over up to 1,000 random normal terms: ~1e-7 measured).
@@ -57,6 +61,7 @@ def test_bad_panels_are_refused_with_the_layout_named():
         cpu_kernels.float_matmul(x, mx.zeros((1, 64, 64)), 0)
 
 
+@requires_vector_isa
 def test_a_swapped_module_keeps_its_weight_only_as_panels_and_a_tied_table_looks_up_its_rows():
     linear, table = nn.Linear(96, 130), nn.Embedding(200, 96)
     model = nn.Sequential(linear, table)
@@ -78,6 +83,7 @@ def test_an_untied_token_table_is_left_alone():
     assert type(table) is nn.Embedding
 
 
+@requires_vector_isa
 @pytest.mark.parametrize("which", ["builtin_target", "tiny_target"])
 def test_float32_models_load_on_panels_near_mlx_lms_logits(which, request, mlx_lm_reference):
     """Every linear (and a tied head) swapped; a prefill and decode steps within tolerance of

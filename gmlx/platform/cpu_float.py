@@ -91,6 +91,8 @@ def use_float_kernels(model: nn.Module, head: nn.Module | None = None) -> int:
     or a probe of any weight shape is not within tolerance."""
     if not cpu_kernels.is_built() or not hasattr(cpu_kernels.extension(), "float_matmul"):
         return 0
+    if cpu_kernels.extension().best_isa() == "portable":
+        return 0  # no AVX2 + FMA (another architecture): a scalar loop would lose to its BLAS
     modules = [m for _, m in model.named_modules() if _is_swappable(m, head)]
     for shape, module in {tuple(m["weight"].shape): m for m in modules}.items():
         if not _is_close(module["weight"]):
