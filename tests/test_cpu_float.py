@@ -87,8 +87,8 @@ def test_an_untied_token_table_is_left_alone():
 @pytest.mark.parametrize("which", ["builtin_target", "tiny_target"])
 def test_float32_models_load_on_panels_near_mlx_lms_logits(which, request, mlx_lm_reference):
     """Every linear (and a tied head) swapped; a prefill and decode steps within tolerance of
-    mlx-lm's logits and with its greedy tokens (the swap's probe bounds each product; this
-    bounds the whole model, norms, RoPE and attention kernels included)."""
+    mlx-lm's logits, greedy tokens mlx-lm's but at near-ties (the swap's probe bounds each
+    product; this bounds the whole model, norms, RoPE and attention kernels included)."""
     target = request.getfixturevalue(which)
     modules = [m for _, m in target.model.named_modules()]
     assert not any(type(m) is nn.Linear for m in modules)
@@ -102,7 +102,9 @@ def test_float32_models_load_on_panels_near_mlx_lms_logits(which, request, mlx_l
         plain = reference(tokens, cache=reference_cache)
         scale = mx.abs(plain).max().item()
         assert mx.abs(ours - plain).max().item() <= 1e-3 * scale, step
-        assert mx.array_equal(mx.argmax(ours[:, -1], axis=-1), mx.argmax(plain[:, -1], axis=-1)).item(), step
+        ours_top, plain_top = int(mx.argmax(ours[0, -1]).item()), int(mx.argmax(plain[0, -1]).item())
+        gap = (plain[0, -1, plain_top] - plain[0, -1, ours_top]).item()
+        assert gap <= 1e-3 * scale, (step, gap)  # the same greedy token, or a near-tie in mlx-lm's logits
         tokens = mx.argmax(plain[:, -1:], axis=-1)
 
 

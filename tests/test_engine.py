@@ -37,8 +37,28 @@ def run_alone(engine, token_ids, params):
     return out, reason
 
 
+# A greedy token may leave mlx-lm's only where mlx-lm's own top two logits are this close,
+# relative to its largest |logit|: gmlx's CPU kernels sum in other orders than mlx and the BLAS.
+NEAR_TIE_RTOL = 1e-3
+
+
+def assert_equal_but_near_ties(reference, token_ids, got, expected):
+    """got == expected, or they part where expected's token leads got's by a near-tie in the
+    reference's own logits (and got's token is the reference's second)."""
+    step = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if step is None:
+        assert got == expected  # the same tokens, and both stopped at the same place
+        return
+    logits = reference(mx.array([token_ids + expected[:step]]))[0, -1]
+    gap = (logits[expected[step]] - logits[got[step]]).item()
+    second = int(mx.argsort(logits)[-2].item())
+    assert got[step] == second and 0.0 <= gap <= NEAR_TIE_RTOL * mx.abs(logits).max().item(), (step, gap)
+
+
 @pytest.mark.parametrize("which", ["builtin_target", "tiny_target", "tiny_quantized_target"])
-def test_greedy_equals_mlx_lm_generate(which, request, code_prompts, mlx_lm_reference):
+def test_greedy_equals_mlx_lm_generate_but_at_near_ties(which, request, code_prompts, mlx_lm_reference):
+    """The float32 models run on panels and the quantized one on the kernels' float path: other
+    summation orders than mlx-lm's, so a greedy token may differ, but only at a near-tie."""
     target = request.getfixturevalue(which)
     if which == "tiny_quantized_target":
         # mlx's numerics (float activations); the int8 default may leave mlx-lm's path at
@@ -50,7 +70,7 @@ def test_greedy_equals_mlx_lm_generate(which, request, code_prompts, mlx_lm_refe
     for token_ids in code_prompts[:20]:
         chunks = list(stream_generate(engine, params=SamplingParams(max_tokens=24), token_ids=token_ids))
         got = [t for c in chunks for t in c.token_ids]
-        assert got == mlx_lm_tokens(reference, target, token_ids, 24)
+        assert_equal_but_near_ties(reference, token_ids, got, mlx_lm_tokens(reference, target, token_ids, 24))
         assert chunks[-1].finish_reason in ("stop", "length")
 
 
