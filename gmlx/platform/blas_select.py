@@ -120,6 +120,9 @@ def select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
     """Decide OPENBLAS_CORETYPE for the BLAS about to load, and set it. Never raises
     for a slow or failing probe: the fallback is OpenBLAS's own detection."""
     sel = CoreSelection()
+    if not os.environ.get("OPENBLAS_CORETYPE", "x").strip():
+        # Blank is unset to gmlx but set to OpenBLAS: on an AVX2 EPYC it then ran Haswell, not the Zen it detects.
+        del os.environ["OPENBLAS_CORETYPE"]
     machine, flags = platform.machine(), cpu_flags()
     user_core = config.user_blas_core()
     inherited = os.environ.get("GMLX_BLAS_CORE_CHOSEN", "").strip() or None
@@ -147,7 +150,4 @@ def select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
         sel.choice = choose_core(machine, flags, sel.detected, None, sel.timings or None)
     if sel.choice.core is not None:
         config.mark_blas_core_chosen(sel.choice.core)
-    elif not os.environ.get("OPENBLAS_CORETYPE", "x").strip():
-        # Blank is not unset to OpenBLAS: on an AVX2 EPYC it then ran Haswell, not the Zen it detects (and we timed).
-        del os.environ["OPENBLAS_CORETYPE"]
     return sel
