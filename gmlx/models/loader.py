@@ -161,9 +161,10 @@ def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> None:
         fuse_cpu_ops(model)
     num_kernel_modules = 0
     if is_cpu_kernels_enabled():
-        num_kernel_modules = use_cpu_kernels(model, _head_module(model, is_tied))
-        if is_cpu_float_kernels_enabled():  # after a dequantize: a new token table
-            num_kernel_modules += use_float_kernels(model, _head_module(model, is_tied))
+        head = _head_module(model, is_tied)  # after a dequantize, which makes a new token table
+        num_kernel_modules = use_cpu_kernels(model, head)
+        if is_cpu_float_kernels_enabled():
+            num_kernel_modules += use_float_kernels(model, head)
     if is_input_major_enabled():
         store_weights_input_major(model)  # the float32 weights the kernels did not take
     if num_kernel_modules > 0 and is_cpu_decode_ops_enabled():

@@ -55,8 +55,6 @@ class KernelLinear(nn.Linear):
 class KernelEmbedding(nn.Embedding):
     """A tied head's token table, kept once as panels: lookups gather a token's column."""
 
-    bits = cpu_kernels.FLOAT_BITS
-
     def __call__(self, x: mx.array) -> mx.array:
         width = cpu_kernels.PANEL_OUTPUTS
         return self["panels"][x // width, :, x % width]  # (..., K)
