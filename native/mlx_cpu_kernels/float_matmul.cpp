@@ -16,7 +16,7 @@ namespace gmlx_kernels {
 
 namespace {
 
-// Inputs per k block: 16 KB of a panel, kept in L1 while every row tile of the call sweeps it.
+// Inputs per k block: 16 KB of a panel, kept in L1 while every row of the call sweeps it.
 // The accumulators go to memory between blocks (exact), so the chains are unchanged.
 constexpr int64_t kBlockInputs = 64;
 
@@ -37,7 +37,7 @@ void block_portable(const float* x, int64_t num_rows, int64_t num_inputs, const 
 // One row's 64 outputs (8 chains in flight) over inputs k0..k1-1. Every row sweeps the whole
 // panel width: the first row streams the block from DRAM, the others re-read it from L1.
 // (Tiles of several rows by part of the width read each 256-byte panel row in 2-4 strided
-// passes: 4 rows cost 3.5x one row from DRAM, against ~1.1x this way.)
+// passes: 4 rows of 49152x576 cost 3.5x one row from DRAM, against 1.4x this way.)
 GMLX_AVX2 void row_avx2(const float* x, const float* panel, int64_t k0, int64_t k1, float* acc) {
   __m256 sums[8];
   for (int v = 0; v < 8; ++v) sums[v] = _mm256_loadu_ps(acc + 8 * v);
