@@ -32,6 +32,11 @@ class RaggedKVCache:
         return self._offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        end = self.append(keys, values)
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def append(self, keys: mx.array, values: mx.array) -> int:
+        """update_and_fetch without the fetch (the fused layers read the whole buffers): the new end."""
         num_rows, _, num_new, _ = keys.shape  # (B, H, T, D)
         assert num_rows == len(self.lengths), (num_rows, len(self.lengths))
         end = max(self.lengths) + num_new
@@ -47,7 +52,7 @@ class RaggedKVCache:
             self.values = mx.put_along_axis(self.values, index, values, axis=2)
         self.lengths = [n + num_new for n in self.lengths]
         self._offset = None
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return end
 
     def make_mask(self, num_new: int, return_array: bool = False, window_size=None):
         assert window_size is None, "sliding-window attention is not supported"

@@ -37,12 +37,13 @@ class _FusedBlock:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not isinstance(cache, RaggedKVCache):
             return super().__call__(x, mask, cache)
+        call = self.__dict__.get("_layer_call") or cpu_kernels.LayerCall(self)  # set by use_fused_layers
         offset = cache.offset  # (B,) each row's first new position, before the write
-        queries, keys, values = cpu_kernels.attention_inputs(x, self.input_layernorm, self.self_attn, offset)
-        cache.update_and_fetch(keys, values)
-        out = cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, self.self_attn.scale)
-        h = cpu_kernels.project_add(out, self.self_attn.o_proj, x)  # out: (B, T, Hq * Dh)
-        return cpu_kernels.mlp_block(h, self.post_attention_layernorm, self.mlp)
+        queries, keys, values = call.attention_inputs(x, offset)
+        cache.append(keys, values)
+        out = cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, call.scale)
+        h = call.project_add(out, x)  # out: (B, T, Hq * Dh)
+        return call.mlp_block(h)
 
 
 class FusedLlamaBlock(_FusedBlock, llama.TransformerBlock):
@@ -98,4 +99,6 @@ def use_fused_layers(model: nn.Module) -> int:
         return 0
     for block in blocks:
         block.__class__ = FusedLlamaBlock
+        # Outside the module's dict (object's setattr), so the arguments are no parameters or children.
+        object.__setattr__(block, "_layer_call", cpu_kernels.LayerCall(block))
     return len(blocks)
