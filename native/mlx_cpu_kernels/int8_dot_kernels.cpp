@@ -295,6 +295,122 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
   }
 }
 
+// The quad layout on AVX2: every quad of [begin, end) for rows [r0, r0 + kRows), outputs
+// written. Per lane the float operations of quad_avx2 (so the same bits); what differs is
+// the work around them: one pointer walks the stream, a chunk's 16 scales and 16 biases are
+// two float16 loads each (lane 4i + k is their order in the layout), a chunk's weights are
+// unpacked once for all rows, and the lane sums stay in registers up to the outputs.
+template <int kBits, int kRows>
+GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+  constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits>;
+  constexpr int64_t kChunkBytes = kQuadOutputs * kWeightBytes + 2 * kQuadHalves * 2;
+  const int64_t num_chunks = x.padded_inputs / kInt8ChunkInputs;
+  const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int8_t* xq[kRows];
+  const float* xd[kRows];
+  const float* xsd[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    xq[r] = x.q_row(r0 + r);
+    xd[r] = x.d_row(r0 + r);
+    xsd[r] = x.xsd_row(r0 + r);
+  }
+  const uint8_t* chunk = a.quads + begin / kQuadOutputs * num_chunks * kChunkBytes;
+  for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
+    __m256 y[kRows][2];
+    for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < num_chunks; ++c, chunk += kChunkBytes) {
+      if (prefetch_bytes > 0) {
+        for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + prefetch_bytes + b, _MM_HINT_T0);
+      }
+      const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
+      for (int h = 0; h < 2; ++h) {  // outputs 2h and 2h + 1: their lanes are y[r][h]
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
+        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h));
+        const uint8_t* w0 = chunk + 2 * h * kWeightBytes;
+        const uint8_t* w1 = w0 + kWeightBytes;
+        if constexpr (kBits == 4) {
+          // Each output's low and high nibbles of blocks 0-1 and 2-3, unpacked once for all rows.
+          __m256i lo[2][2], hi[2][2];
+          for (int o = 0; o < 2; ++o) {
+            const uint8_t* w = o == 0 ? w0 : w1;
+            for (int half = 0; half < 2; ++half) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+              lo[o][half] = _mm256_and_si256(v, nibble);
+              hi[o][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            }
+          }
+          for (int r = 0; r < kRows; ++r) {
+            const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
+            const __m256i ones = _mm256_set1_epi16(1);
+            __m256i pair[2];
+            for (int o = 0; o < 2; ++o) {
+              // u8 nibbles x s8: pairs at most 2 * 15 * 127, so the int16 sums never saturate.
+              const __m256i d01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][0], _mm256_loadu_si256(xr)),
+                                                   _mm256_maddubs_epi16(hi[o][0], _mm256_loadu_si256(xr + 2)));
+              const __m256i d23 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][1], _mm256_loadu_si256(xr + 1)),
+                                                   _mm256_maddubs_epi16(hi[o][1], _mm256_loadu_si256(xr + 3)));
+              pair[o] = _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
+            }
+            const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[0], pair[1]), order);
+            const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
+            const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
+            y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
+            y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
+          }
+        } else {
+          for (int r = 0; r < kRows; ++r) {
+            const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
+            __m128i blocks[2];
+            for (int o = 0; o < 2; ++o) {
+              const uint8_t* w = o == 0 ? w0 : w1;
+              __m256i parts[4];
+              for (int k = 0; k < 4; ++k) {
+                parts[k] = block8_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)),
+                                       _mm256_loadu_si256(xr + k));
+              }
+              blocks[o] = blocks8_avx2(parts);
+            }
+            const __m256i isum = _mm256_set_m128i(blocks[1], blocks[0]);
+            const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
+            const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
+            y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
+            y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
+          }
+        }
+      }
+    }
+    // Output i = (lane 4i + lane 4i+1) + (lane 4i+2 + lane 4i+3), as the scalar sum does.
+    const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 pairs = _mm256_hadd_ps(y[r][0], y[r][1]);  // [o0 01, o0 23, o2 01, o2 23 | o1 .., o3 ..]
+      const __m256 sums = _mm256_hadd_ps(pairs, pairs);  // [o0, o2, o0, o2 | o1, o3, o1, o3]
+      const __m128 out = _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+      float* yr = a.y + (r0 + r) * a.num_outputs + n0;
+      if (num_valid == kQuadOutputs) {
+        _mm_storeu_ps(yr, out);
+      } else {
+        alignas(16) float values[kQuadOutputs];
+        _mm_store_ps(values, out);
+        for (int i = 0; i < num_valid; ++i) yr[i] = values[i];
+      }
+    }
+  }
+}
+
+template <int kBits>
+GMLX_AVX2_F16C void quads_rows_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, a.num_rows - r0)) {
+      case 1: quads_avx2<kBits, 1>(a, x, begin, end, r0); break;
+      case 2: quads_avx2<kBits, 2>(a, x, begin, end, r0); break;
+      case 3: quads_avx2<kBits, 3>(a, x, begin, end, r0); break;
+      default: quads_avx2<kBits, 4>(a, x, begin, end, r0); break;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- AVX-512 VNNI
 
 // Chunk c for kRows rows; a tail chunk loads only its num_valid blocks' 16 bytes each.
@@ -551,6 +667,12 @@ void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin
   q.x = &rows;
   q.lanes = lanes;
   assert(a.quads == nullptr || begin % kQuadOutputs == 0);
+#if GMLX_X86
+  // AVX-512 without VNNI too: the same integers.
+  if (a.quads != nullptr && isa != Isa::kPortable && !(isa == Isa::kAvx512 && has_avx512_vnni()) && has_f16c()) {
+    return a.bits == 4 ? quads_rows_avx2<4>(a, rows, begin, end) : quads_rows_avx2<8>(a, rows, begin, end);
+  }
+#endif
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
     const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
     point_quad(a, n0, num_valid, q);
