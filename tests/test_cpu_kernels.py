@@ -603,3 +603,14 @@ def test_doctor_line_names_the_layout_and_the_fused_layers():
     with env_overrides({"GMLX_CPU_QUAD_LAYOUT": "0", "GMLX_CPU_FUSED_LAYERS": "0"}):
         line = cpu_kernels.format_status(cpu_kernels.status())
     assert "row layout" in line and "layers apart" in line
+
+
+def test_quad_layout_lookups_of_unknown_ids_are_zero_rows_and_bad_ids_are_refused(ext):
+    w, scales, biases = half_exact_weights(9, 64, 4, 32, seed=5)
+    quads = cpu_kernels.pack_quads(w, scales, biases, 32, 4)
+    got = cpu_kernels.lookup_quads(quads, mx.array([9, -1, 2], dtype=mx.int64), 9, 64, 4)
+    expected_row = mx.dequantize(w[2:3], scales[2:3].astype(mx.float32), biases[2:3].astype(mx.float32),
+                                 group_size=32, bits=4)
+    assert mx.array_equal(got[:2], mx.zeros((2, 64))).item() and mx.array_equal(got[2:], expected_row).item()
+    with pytest.raises(ValueError, match="quad_rows: ids must be int32, uint32 or int64"):
+        cpu_kernels.lookup_quads(quads, mx.array([1.0]), 9, 64, 4)

@@ -8,6 +8,7 @@
 #include "decoder_layer.h"
 #include "float_matmul.h"
 #include "int8_dot_kernels.h"
+#include "quad_rows.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -38,6 +39,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("prefetch_chunks", &gmlx_kernels::prefetch_chunks);
   m.def("quantized_matmul_quads_group", &gmlx_kernels::quantized_matmul_quads_group, "x"_a, "quads"_a,
         "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");
+  m.def("quad_rows", &gmlx_kernels::quad_rows, "quads"_a, "ids"_a, "num_outputs"_a, "num_inputs"_a, "bits"_a,
+        "Rows `ids` of weights kept in the quad layout, dequantized (mx.dequantize's floats), one node");
   m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,

@@ -35,25 +35,6 @@ struct GroupRow {
   int64_t chunk_stride = 0;
 };
 
-// IEEE half to float, exact (subnormals included), for the portable path and scalar reads.
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-  uint32_t bits = sign;
-  if (exponent == 0x1F) {
-    bits |= 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits |= ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa != 0) {  // subnormal: mantissa * 2^-24, normalized
-    uint32_t m = mantissa, shifts = 0;
-    while ((m & 0x400u) == 0) m <<= 1, ++shifts;
-    bits |= ((113 - shifts) << 23) | ((m & 0x3FFu) << 13);
-  }
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
 inline float group_value(const GroupRow& row, int64_t i) { return row.f16 ? half_to_float(row.f16[i]) : row.f32[i]; }
 
 // One kernel call: four outputs (copies of the last one past the end) against rows

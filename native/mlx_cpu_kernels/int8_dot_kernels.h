@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "qmm_kernels.h"
@@ -45,6 +46,25 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
 // Outputs [begin, end) of every row, for 4- or 8-bit weights (args.x unused). An 8-bit
 // weight's byte is split into nibbles on AVX2 (maddubs's int16 pairs) and taken whole by VNNI.
 void int8_dot_outputs(const QmmArgs& args, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa);
+
+// IEEE half to float, exact (subnormals included), for the portable path and scalar reads.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t bits = sign;
+  if (exponent == 0x1F) {
+    bits |= 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits |= ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa != 0) {  // subnormal: mantissa * 2^-24, normalized
+    uint32_t m = mantissa, shifts = 0;
+    while ((m & 0x400u) == 0) m <<= 1, ++shifts;
+    bits |= ((113 - shifts) << 23) | ((m & 0x3FFu) << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
 
 bool has_avx512_vnni();
 
