@@ -404,14 +404,17 @@ def half_exact_weights(num_outputs, num_inputs, bits, group_size, seed):
     num_outputs=st.integers(1, 70),  # partial quads and thread chunks
     num_rows=st.one_of(st.integers(1, 6), st.integers(7, 40)),
     prefetch_chunks=st.sampled_from([0, 1, 8]),
+    half_tails=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_quad_layout_gives_the_plain_rows_bits(bits, group_size, num_inputs_in_32s, num_outputs, num_rows,
-                                               prefetch_chunks, seed, ext):
-    """The one-stream layout is a reordering: every row, thread count, ISA, pool split and
-    prefetch distance gives the int8 path's bits over the plain rows."""
+                                               prefetch_chunks, half_tails, seed, ext):
+    """The one-stream layout is a reordering: every row, thread count, ISA, pool split,
+    prefetch distance and last chunk (half or padded whole) gives the int8 path's bits over
+    the plain rows."""
     num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
     w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed)
+    ext.set_half_tails(half_tails)
     quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
     assert quads.size == ext.quad_layout_bytes(num_outputs, num_inputs, bits)
     x = 3.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
@@ -430,10 +433,14 @@ def test_quad_layout_gives_the_plain_rows_bits(bits, group_size, num_inputs_in_3
             assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa)
 
 
-@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 32), (8, 64)])
-def test_quad_layout_lookups_are_the_dequantized_rows(bits, group_size):
-    """A tied head kept only in the layout still embeds: any ids, the plain rows' very floats."""
-    num_outputs, num_inputs = 53, 3 * group_size + (32 if group_size == 32 else 0)
+@pytest.mark.parametrize("half_tails", [True, False])
+@pytest.mark.parametrize("bits, group_size, num_inputs", [(4, 32, 128), (4, 32, 576), (4, 128, 384), (8, 32, 576),
+                                                         (8, 64, 192), (8, 32, 224)])
+def test_quad_layout_lookups_are_the_dequantized_rows(bits, group_size, num_inputs, half_tails, ext):
+    """A tied head kept only in the layout still embeds: any ids, the plain rows' very floats
+    (a last chunk of 64 inputs half or padded, one of 96 padded)."""
+    num_outputs = 53
+    ext.set_half_tails(half_tails)
     w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed=4)
     quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
     ids = mx.array([[0, 52, 3], [17, 17, 50]])
@@ -614,3 +621,12 @@ def test_quad_layout_lookups_of_unknown_ids_are_zero_rows_and_bad_ids_are_refuse
     assert mx.array_equal(got[:2], mx.zeros((2, 64))).item() and mx.array_equal(got[2:], expected_row).item()
     with pytest.raises(ValueError, match="quad_rows: ids must be int32, uint32 or int64"):
         cpu_kernels.lookup_quads(quads, mx.array([1.0]), 9, 64, 4)
+
+
+def test_half_tails_drop_the_padding_of_a_last_chunk_of_64_inputs(ext):
+    """SmolLM2's K = 576 is 4.5 chunks: a half chunk (192 bytes a quad at 4 bits) instead of a
+    padded whole one (320); a last chunk of 96 inputs stays whole."""
+    for half_tails, expected in ((True, 4 * 320 + 192), (False, 5 * 320)):
+        ext.set_half_tails(half_tails)
+        assert ext.quad_layout_bytes(4, 576, 4) == expected
+        assert ext.quad_layout_bytes(4, 608, 4) == 5 * 320

@@ -113,7 +113,8 @@ _BLOCK_INPUTS = 32  # inputs per int8 block: a scale and bias per block in the l
 
 def pack_quads(w, scales, biases, group_size: int, bits: int):
     """The int8 path's weights as one stream (quad-interleaved, int8_dot_kernels.h): per four
-    outputs and 128-input chunk, their packed weights, then 16 float16 scales and 16 biases.
+    outputs and 128-input chunk, their packed weights, then 16 float16 scales and 16 biases; a
+    K of at most 64 past whole chunks ends in a half chunk where the kernels take half tails.
 
     scales and biases must be float16 (exact: the kernels read those very values)."""
     import mlx.core as mx
@@ -121,22 +122,37 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
     assert scales.dtype == mx.float16 and biases.dtype == mx.float16, (scales.dtype, biases.dtype)
     num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
     num_quads = -(-num_outputs // _QUAD_OUTPUTS)
-    num_chunks = -(-num_inputs // _CHUNK_INPUTS)
     pad_outputs = num_quads * _QUAD_OUTPUTS - num_outputs
-    chunk_bytes = _CHUNK_INPUTS * bits // 8
-    weights = mx.view(w, mx.uint8)  # (N, K * bits / 8), low nibble first, as the kernels read it
-    weights = mx.pad(weights, [(0, pad_outputs), (0, num_chunks * chunk_bytes - weights.shape[1])])
-    weights = weights.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, chunk_bytes).transpose(0, 2, 1, 3)
+    rest = num_inputs % _CHUNK_INPUTS
+    has_half_chunk = 0 < rest <= _CHUNK_INPUTS // 2 and extension().half_tails()
+    num_whole_chunks = num_inputs // _CHUNK_INPUTS + (1 if rest and not has_half_chunk else 0)
+    weights = mx.pad(mx.view(w, mx.uint8), [(0, pad_outputs), (0, 0)])  # low nibble first, as the kernels read it
+    blocks_per_chunk = _CHUNK_INPUTS // _BLOCK_INPUTS
 
-    def per_block(values):  # (N, K / group) -> (Q, C, 16) float16 viewed as (Q, C, 32) bytes
-        values = mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1)  # one per block
-        blocks_per_chunk = _CHUNK_INPUTS // _BLOCK_INPUTS
-        values = mx.pad(values, [(0, pad_outputs), (0, num_chunks * blocks_per_chunk - values.shape[1])])
-        values = values.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, blocks_per_chunk).transpose(0, 2, 1, 3)
-        return mx.view(values.reshape(num_quads, num_chunks, -1), mx.uint8)
+    def per_block(values):  # (N, K / group) -> (4Q, K / 32): a group's value once per block
+        return mx.pad(mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1), [(0, pad_outputs), (0, 0)])
 
-    parts = [weights.reshape(num_quads, num_chunks, -1), per_block(scales), per_block(biases)]
-    quads = mx.concatenate(parts, axis=2).reshape(-1)
+    block_scales, block_biases = per_block(scales), per_block(biases)
+
+    def chunks(first_input: int, chunk_inputs: int, num_chunks: int):  # -> (Q, num_chunks * chunk bytes)
+        weight_bytes = chunk_inputs * bits // 8
+        part = weights[:, first_input * bits // 8 : (first_input + num_chunks * chunk_inputs) * bits // 8]
+        part = mx.pad(part, [(0, 0), (0, num_chunks * weight_bytes - part.shape[1])])
+        part = part.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, weight_bytes).transpose(0, 2, 1, 3)
+        halves = []
+        first_block, num_blocks = first_input // _BLOCK_INPUTS, num_chunks * chunk_inputs // _BLOCK_INPUTS
+        for values in (block_scales, block_biases):  # 16 per chunk: zeros past K and past a half chunk's 2 blocks
+            values = values[:, first_block : first_block + num_blocks]
+            values = mx.pad(values, [(0, 0), (0, num_blocks - values.shape[1])]).reshape(-1, num_chunks, num_blocks // num_chunks)
+            values = mx.pad(values, [(0, 0), (0, 0), (0, blocks_per_chunk - values.shape[2])])
+            values = values.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, blocks_per_chunk).transpose(0, 2, 1, 3)
+            halves.append(mx.view(values.reshape(num_quads, num_chunks, -1), mx.uint8))
+        return mx.concatenate([part.reshape(num_quads, num_chunks, -1), *halves], axis=2).reshape(num_quads, -1)
+
+    parts = [chunks(0, _CHUNK_INPUTS, num_whole_chunks)] if num_whole_chunks else []
+    if has_half_chunk:
+        parts.append(chunks(num_inputs - rest, _CHUNK_INPUTS // 2, 1))
+    quads = mx.concatenate(parts, axis=1).reshape(-1)
     assert quads.size == extension().quad_layout_bytes(num_outputs, num_inputs, bits), quads.size
     return mx.contiguous(quads)
 

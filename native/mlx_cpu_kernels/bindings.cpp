@@ -41,6 +41,9 @@ NB_MODULE(_cpu_kernels, m) {
         "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");
   m.def("quad_rows", &gmlx_kernels::quad_rows, "quads"_a, "ids"_a, "num_outputs"_a, "num_inputs"_a, "bits"_a,
         "Rows `ids` of weights kept in the quad layout, dequantized (mx.dequantize's floats), one node");
+  m.def("set_half_tails", &gmlx_kernels::set_half_tails, "is_enabled"_a,
+        "Whether quad layouts packed from now on end a K of 64 past a chunk in a half chunk (same bits)");
+  m.def("half_tails", &gmlx_kernels::half_tails);
   m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,

@@ -98,6 +98,52 @@ void quad_portable(const QuadArgs& q, int num_rows) {
   }
 }
 
+// The quad layout, portable: every quad of [begin, end) for every row, whole chunks and a
+// half one. Per lane the float operations of quad_portable (a half chunk's blocks 2-3 would
+// add fma(0, 0, lane), which keeps the lane: they are skipped).
+template <int kBits>
+void quads_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  const QuadLayout layout = quad_layout(a.num_inputs, kBits);
+  const int64_t num_chunks = layout.num_whole_chunks + (layout.has_half_chunk ? 1 : 0);
+  for (int64_t r = 0; r < a.num_rows; ++r) {
+    const int8_t* xq = x.q_row(r);
+    const float* d = x.d_row(r);
+    const float* xsd = x.xsd_row(r);
+    for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
+      const uint8_t* chunk = a.quads + n0 / kQuadOutputs * layout.quad_bytes;
+      float lanes[kQuadOutputs * kBlocksPerChunk] = {};
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const bool is_half = c == layout.num_whole_chunks;
+        const int64_t weight_bytes = kChunkWeightBytes<kBits> / (is_half ? 2 : 1);
+        const auto* halves = reinterpret_cast<const uint16_t*>(chunk + kQuadOutputs * weight_bytes);
+        for (int i = 0; i < kQuadOutputs; ++i) {
+          for (int k = 0; k < (is_half ? 2 : kBlocksPerChunk); ++k) {
+            const int64_t j = c * kBlocksPerChunk + k;
+            int32_t isum = 0;
+            if constexpr (kBits == 4) {
+              const uint8_t* w = chunk + i * weight_bytes + k * 16;
+              const int8_t* x_even = xq + c * kInt8ChunkInputs + 16 * k;
+              for (int t = 0; t < 16; ++t) isum += (w[t] & 0xF) * x_even[t] + (w[t] >> 4) * x_even[64 + t];
+            } else {
+              const uint8_t* w = chunk + i * weight_bytes + k * 32;
+              for (int t = 0; t < 32; ++t) isum += w[t] * xq[j * 32 + t];
+            }
+            const float p = d[j] * static_cast<float>(isum);
+            float& lane = lanes[kBlocksPerChunk * i + k];
+            lane = std::fma(half_to_float(halves[kBlocksPerChunk * i + k]), p, lane);
+            lane = std::fma(half_to_float(halves[kQuadHalves + kBlocksPerChunk * i + k]), xsd[j], lane);
+          }
+        }
+        chunk += is_half ? layout.half_chunk_bytes : layout.chunk_bytes;
+      }
+      for (int i = 0; i < std::min<int64_t>(kQuadOutputs, end - n0); ++i) {
+        const float* l = lanes + kBlocksPerChunk * i;
+        a.y[r * a.num_outputs + n0 + i] = (l[0] + l[1]) + (l[2] + l[3]);
+      }
+    }
+  }
+}
+
 #if GMLX_X86
 
 inline void prefetch_ahead(const QuadArgs& q, int64_t c) {
@@ -276,19 +322,86 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
   }
 }
 
-// The quad layout on AVX2: every quad of [begin, end) for rows [r0, r0 + kRows), outputs
-// written. Per lane the float operations of quad_avx2 (so the same bits); what differs is
-// the work around them: one pointer walks the stream, a chunk's 16 scales and 16 biases are
-// two float16 loads each (lane 4i + k is their order in the layout), a chunk's weights are
-// unpacked once for all rows, and the lane sums stay in registers up to the outputs.
-template <int kBits, int kRows>
-GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
-  constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits>;
-  constexpr int64_t kChunkBytes = kQuadOutputs * kWeightBytes + 2 * kQuadHalves * 2;
-  const int64_t num_chunks = x.padded_inputs / kInt8ChunkInputs;
-  const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
+// One chunk of the quad layout on AVX2 for rows [r0, r0 + kRows): a whole chunk, or a half
+// one (blocks 0-1; its blocks 2-3 count as zero weights, scales and biases, which keeps the
+// lanes as a padded whole chunk does). Per lane the float operations of quad_avx2 (so the
+// same bits), with a chunk's 16 scales and 16 biases two float16 loads each (lane 4i + k is
+// their order in the layout) and its weights unpacked once for all rows.
+template <int kBits, int kRows, bool kHalf>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const uint8_t* chunk, int64_t c,
+                                                                        const int8_t* const* xq, const float* const* xd,
+                                                                        const float* const* xsd, __m256 (*y)[2]) {
+  constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits> / (kHalf ? 2 : 1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
+  for (int h = 0; h < 2; ++h) {  // outputs 2h and 2h + 1: their lanes are y[r][h]
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h));
+    const uint8_t* w0 = chunk + 2 * h * kWeightBytes;
+    const uint8_t* w1 = w0 + kWeightBytes;
+    if constexpr (kBits == 4) {
+      // Each output's low and high nibbles of blocks 0-1 and 2-3, unpacked once for all rows.
+      __m256i lo[2][2], hi[2][2];
+      for (int o = 0; o < 2; ++o) {
+        const uint8_t* w = o == 0 ? w0 : w1;
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = kHalf && half == 1 ? _mm256_setzero_si256()
+                                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
+          lo[o][half] = _mm256_and_si256(v, nibble);
+          hi[o][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i pair[2];
+        for (int o = 0; o < 2; ++o) {
+          // u8 nibbles x s8: pairs at most 2 * 15 * 127, so the int16 sums never saturate.
+          const __m256i d01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][0], _mm256_loadu_si256(xr)),
+                                               _mm256_maddubs_epi16(hi[o][0], _mm256_loadu_si256(xr + 2)));
+          const __m256i d23 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][1], _mm256_loadu_si256(xr + 1)),
+                                               _mm256_maddubs_epi16(hi[o][1], _mm256_loadu_si256(xr + 3)));
+          pair[o] = _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
+        }
+        const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[0], pair[1]), order);
+        const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
+        const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
+        y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
+        y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
+      }
+    } else {
+      for (int r = 0; r < kRows; ++r) {
+        const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
+        __m128i blocks[2];
+        for (int o = 0; o < 2; ++o) {
+          const uint8_t* w = o == 0 ? w0 : w1;
+          __m256i parts[4];
+          for (int k = 0; k < 4; ++k) {
+            parts[k] = kHalf && k >= 2 ? _mm256_setzero_si256()
+                                       : block8_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)),
+                                                     _mm256_loadu_si256(xr + k));
+          }
+          blocks[o] = blocks8_avx2(parts);
+        }
+        const __m256i isum = _mm256_set_m128i(blocks[1], blocks[0]);
+        const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
+        const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
+        y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
+        y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
+      }
+    }
+  }
+}
+
+// The quad layout on AVX2: every quad of [begin, end) for rows [r0, r0 + kRows), outputs
+// written. One pointer walks the stream and the lane sums stay in registers up to the outputs.
+template <int kBits, int kRows>
+GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+  const QuadLayout layout = quad_layout(a.num_inputs, kBits);
+  constexpr int64_t kChunkBytes = kQuadOutputs * kChunkWeightBytes<kBits> + 2 * kQuadHalves * 2;
+  assert(layout.chunk_bytes == kChunkBytes);
+  const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
   const int8_t* xq[kRows];
   const float* xd[kRows];
   const float* xsd[kRows];
@@ -297,70 +410,19 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
     xd[r] = x.d_row(r0 + r);
     xsd[r] = x.xsd_row(r0 + r);
   }
-  const uint8_t* chunk = a.quads + begin / kQuadOutputs * num_chunks * kChunkBytes;
+  const uint8_t* chunk = a.quads + begin / kQuadOutputs * layout.quad_bytes;
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
     __m256 y[kRows][2];
     for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < num_chunks; ++c, chunk += kChunkBytes) {
+    for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
       if (prefetch_bytes > 0) {
         for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + prefetch_bytes + b, _MM_HINT_T0);
       }
-      const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
-      for (int h = 0; h < 2; ++h) {  // outputs 2h and 2h + 1: their lanes are y[r][h]
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
-        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h));
-        const uint8_t* w0 = chunk + 2 * h * kWeightBytes;
-        const uint8_t* w1 = w0 + kWeightBytes;
-        if constexpr (kBits == 4) {
-          // Each output's low and high nibbles of blocks 0-1 and 2-3, unpacked once for all rows.
-          __m256i lo[2][2], hi[2][2];
-          for (int o = 0; o < 2; ++o) {
-            const uint8_t* w = o == 0 ? w0 : w1;
-            for (int half = 0; half < 2; ++half) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
-              lo[o][half] = _mm256_and_si256(v, nibble);
-              hi[o][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            }
-          }
-          for (int r = 0; r < kRows; ++r) {
-            const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
-            const __m256i ones = _mm256_set1_epi16(1);
-            __m256i pair[2];
-            for (int o = 0; o < 2; ++o) {
-              // u8 nibbles x s8: pairs at most 2 * 15 * 127, so the int16 sums never saturate.
-              const __m256i d01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][0], _mm256_loadu_si256(xr)),
-                                                   _mm256_maddubs_epi16(hi[o][0], _mm256_loadu_si256(xr + 2)));
-              const __m256i d23 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][1], _mm256_loadu_si256(xr + 1)),
-                                                   _mm256_maddubs_epi16(hi[o][1], _mm256_loadu_si256(xr + 3)));
-              pair[o] = _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
-            }
-            const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[0], pair[1]), order);
-            const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
-            const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
-            y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
-            y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
-          }
-        } else {
-          for (int r = 0; r < kRows; ++r) {
-            const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
-            __m128i blocks[2];
-            for (int o = 0; o < 2; ++o) {
-              const uint8_t* w = o == 0 ? w0 : w1;
-              __m256i parts[4];
-              for (int k = 0; k < 4; ++k) {
-                parts[k] = block8_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)),
-                                       _mm256_loadu_si256(xr + k));
-              }
-              blocks[o] = blocks8_avx2(parts);
-            }
-            const __m256i isum = _mm256_set_m128i(blocks[1], blocks[0]);
-            const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
-            const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
-            y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
-            y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
-          }
-        }
-      }
+      quad_chunk_avx2<kBits, kRows, false>(chunk, c, xq, xd, xsd, y);
+    }
+    if (layout.has_half_chunk) {
+      quad_chunk_avx2<kBits, kRows, true>(chunk, layout.num_whole_chunks, xq, xd, xsd, y);
+      chunk += layout.half_chunk_bytes;
     }
     // Output i = (lane 4i + lane 4i+1) + (lane 4i+2 + lane 4i+3), as the scalar sum does.
     const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
@@ -589,10 +651,35 @@ int64_t prefetch_chunks() { return g_prefetch_chunks.load(); }
 
 int64_t quad_chunk_bytes(int bits) { return kQuadOutputs * kInt8ChunkInputs * bits / 8 + 2 * kQuadHalves * 2; }
 
+namespace {
+std::atomic<int> g_half_tails{-1};  // < 0: not decided yet (the CPU's default)
+}  // namespace
+
+void set_half_tails(bool is_enabled) { g_half_tails.store(is_enabled ? 1 : 0); }
+
+bool half_tails() {
+  int value = g_half_tails.load();
+  if (value < 0) {
+    value = has_avx512_vnni() ? 0 : 1;
+    g_half_tails.store(value);
+  }
+  return value == 1;
+}
+
+QuadLayout quad_layout(int64_t num_inputs, int bits) {
+  QuadLayout layout;
+  const int64_t rest = num_inputs % kInt8ChunkInputs;
+  layout.has_half_chunk = half_tails() && rest != 0 && rest <= kInt8ChunkInputs / 2;
+  layout.num_whole_chunks = num_inputs / kInt8ChunkInputs + (rest != 0 && !layout.has_half_chunk ? 1 : 0);
+  layout.chunk_bytes = quad_chunk_bytes(bits);
+  layout.half_chunk_bytes = kQuadOutputs * kInt8ChunkInputs / 2 * bits / 8 + 2 * kQuadHalves * 2;
+  layout.quad_bytes = layout.num_whole_chunks * layout.chunk_bytes + (layout.has_half_chunk ? layout.half_chunk_bytes : 0);
+  return layout;
+}
+
 int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
   const int64_t num_quads = (num_outputs + kQuadOutputs - 1) / kQuadOutputs;
-  const int64_t num_chunks = (num_inputs + kInt8ChunkInputs - 1) / kInt8ChunkInputs;
-  return num_quads * num_chunks * quad_chunk_bytes(bits);
+  return num_quads * quad_layout(num_inputs, bits).quad_bytes;
 }
 
 namespace {
@@ -648,12 +735,17 @@ void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin
   q.x = &rows;
   q.lanes = lanes;
   assert(a.quads == nullptr || begin % kQuadOutputs == 0);
+  if (a.quads != nullptr) {
+    // The VNNI kernel reads whole chunks (never a half one: layouts have none on its CPUs,
+    // unless a test asked for them); AVX2 on every other x86 ISA (the same integers).
+    const bool is_vnni = isa == Isa::kAvx512 && has_avx512_vnni();
 #if GMLX_X86
-  // AVX-512 without VNNI too: the same integers.
-  if (a.quads != nullptr && isa != Isa::kPortable && !(isa == Isa::kAvx512 && has_avx512_vnni()) && has_f16c()) {
-    return a.bits == 4 ? quads_rows_avx2<4>(a, rows, begin, end) : quads_rows_avx2<8>(a, rows, begin, end);
-  }
+    if (isa != Isa::kPortable && has_f16c() && (!is_vnni || quad_layout(a.num_inputs, a.bits).has_half_chunk)) {
+      return a.bits == 4 ? quads_rows_avx2<4>(a, rows, begin, end) : quads_rows_avx2<8>(a, rows, begin, end);
+    }
 #endif
+    if (!is_vnni) return a.bits == 4 ? quads_portable<4>(a, rows, begin, end) : quads_portable<8>(a, rows, begin, end);
+  }
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
     const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
     point_quad(a, n0, num_valid, q);

@@ -73,7 +73,24 @@ bool has_avx512_vnni();
 // K): the four outputs' packed weights of the chunk (64 bytes each at 4 bits, 128 at 8), then
 // 16 float16 scales and 16 float16 biases, value 4i + k for output i's block k (a group's
 // value once per block of 32). The same floats as the plain rows, so the same bits.
+// With half tails, a K whose last chunk holds at most 64 inputs (K = 576: 4.5 chunks) ends
+// each quad in a half chunk: the four outputs' weights of its two blocks (32 bytes each at 4
+// bits, 64 at 8), then the 16 scales and 16 biases (zeros for blocks 2-3): 10% fewer bytes
+// at K = 576, and the same bits (a block past K adds fma(0, 0, lane), which keeps the lane).
 int64_t quad_chunk_bytes(int bits);
+// The layout's shape for K inputs: whole chunks, then a half chunk or not.
+struct QuadLayout {
+  int64_t num_whole_chunks = 0;  // 128-input chunks, the last one padded where K needs it
+  bool has_half_chunk = false;
+  int64_t chunk_bytes = 0;
+  int64_t half_chunk_bytes = 0;
+  int64_t quad_bytes = 0;  // one quad's stream
+};
+QuadLayout quad_layout(int64_t num_inputs, int bits);
+// Whether layouts packed from now on end in half chunks (the default: on CPUs without AVX-512
+// VNNI, whose kernel reads whole chunks only). A knob for tests, which pack after setting it.
+void set_half_tails(bool is_enabled);
+bool half_tails();
 int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
 // Chunks ahead the kernels prefetch in that layout (0: off; < 0: the default). Same bits.
 void set_prefetch_chunks(int64_t num_chunks);

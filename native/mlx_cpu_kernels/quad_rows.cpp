@@ -15,17 +15,17 @@ namespace gmlx_kernels {
 
 namespace {
 
-// Row `id` of the layout into y (num_inputs floats). Per 128-input chunk the layout holds the
-// four outputs' packed weights (output i's at i * W, mlx's own packing: low nibble first),
-// then 16 float16 scales and 16 biases, output i's block k at 4i + k.
+// Row `id` of the layout into y (num_inputs floats). Per 128-input chunk (a half chunk: 64)
+// the layout holds the four outputs' packed weights (output i's at i * W, mlx's own packing:
+// low nibble first), then 16 float16 scales and 16 biases, output i's block k at 4i + k.
 void quad_row(const uint8_t* quads, int64_t id, int64_t num_inputs, int bits, float* y) {
-  const int64_t num_chunks = (num_inputs + kInt8ChunkInputs - 1) / kInt8ChunkInputs;
-  const int64_t chunk_bytes = quad_chunk_bytes(bits);
-  const int64_t weight_bytes = kInt8ChunkInputs * bits / 8;
+  const QuadLayout layout = quad_layout(num_inputs, bits);
   const int64_t lane = id % 4;
-  const uint8_t* quad = quads + id / 4 * num_chunks * chunk_bytes;
+  const uint8_t* quad = quads + id / 4 * layout.quad_bytes;
   for (int64_t j0 = 0; j0 < num_inputs; j0 += kInt8BlockInputs) {
-    const uint8_t* chunk = quad + j0 / kInt8ChunkInputs * chunk_bytes;
+    const int64_t c = j0 / kInt8ChunkInputs;
+    const uint8_t* chunk = quad + c * layout.chunk_bytes;  // a half chunk follows the whole ones
+    const int64_t weight_bytes = kInt8ChunkInputs * bits / 8 / (c == layout.num_whole_chunks ? 2 : 1);
     const int64_t block = j0 % kInt8ChunkInputs / kInt8BlockInputs;
     const uint8_t* w = chunk + lane * weight_bytes + block * kInt8BlockInputs * bits / 8;
     const auto* halves = reinterpret_cast<const uint16_t*>(chunk + 4 * weight_bytes);
