@@ -261,6 +261,7 @@ def status() -> dict:
                       quant_activations=config.cpu_quant_activations() if hasattr(ext, "has_avx512_vnni") else "float",
                       has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni(),
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
+                      half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"),
                       float_panels=config.is_cpu_float_kernels_enabled() and hasattr(ext, "float_matmul"))
     return report
@@ -273,9 +274,10 @@ def format_status(report: dict) -> str:
     ops = "on" if report["decode_ops"] else "off"
     vnni = ", VNNI" if report.get("has_vnni") else ""
     layout = "quad layout" if report.get("quad_layout") else "row layout"
+    half = ", half tail chunks" if report.get("quad_layout") and report.get("half_tails") else ""
     layers = "fused llama layers" if report.get("fused_layers") and report["decode_ops"] else "layers apart"
     floats = "float32 products on panels" if report.get("float_panels") else "float32 products in the BLAS"
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
-            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS); "
+            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT{half}); {layers} (GMLX_CPU_FUSED_LAYERS); "
             f"{floats} (GMLX_CPU_FLOAT_KERNELS)")
