@@ -335,6 +335,16 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
+  // 8 bits: each row's 128 int8 inputs of the chunk as int16, shared by the four outputs.
+  __m256i x16[kBits == 8 ? kRows : 1][8];
+  if constexpr (kBits == 8) {
+    for (int r = 0; r < kRows; ++r) {
+      const int8_t* xr = xq[r] + c * kInt8ChunkInputs;
+      for (int i = 0; i < (kHalf ? 4 : 8); ++i) {
+        x16[r][i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16 * i)));
+      }
+    }
+  }
   for (int h = 0; h < 2; ++h) {  // outputs 2h and 2h + 1: their lanes are y[r][h]
     const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
     const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h));
@@ -371,20 +381,30 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
         y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
       }
     } else {
-      for (int r = 0; r < kRows; ++r) {
-        const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
-        __m128i blocks[2];
-        for (int o = 0; o < 2; ++o) {
-          const uint8_t* w = o == 0 ? w0 : w1;
+      // 8 bits: each output's weights widened to int16 once for all rows; madd's int32 pair
+      // sums of byte x int8 products are exact (maddubs would need the bytes split in nibbles).
+      constexpr int kNumBlocks = kHalf ? 2 : kBlocksPerChunk;
+      __m128i blocks[kRows][2];  // per row, each output's four block sums
+      for (int o = 0; o < 2; ++o) {
+        const uint8_t* w = o == 0 ? w0 : w1;
+        __m256i w16[kNumBlocks][2];
+        for (int k = 0; k < kNumBlocks; ++k) {
+          for (int half = 0; half < 2; ++half) {
+            w16[k][half] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 16 * half)));
+          }
+        }
+        for (int r = 0; r < kRows; ++r) {
           __m256i parts[4];
           for (int k = 0; k < 4; ++k) {
-            parts[k] = kHalf && k >= 2 ? _mm256_setzero_si256()
-                                       : block8_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)),
-                                                     _mm256_loadu_si256(xr + k));
+            parts[k] = k < kNumBlocks ? _mm256_add_epi32(_mm256_madd_epi16(w16[k][0], x16[r][2 * k]),
+                                                         _mm256_madd_epi16(w16[k][1], x16[r][2 * k + 1]))
+                                      : _mm256_setzero_si256();
           }
-          blocks[o] = blocks8_avx2(parts);
+          blocks[r][o] = blocks8_avx2(parts);
         }
-        const __m256i isum = _mm256_set_m128i(blocks[1], blocks[0]);
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const __m256i isum = _mm256_set_m128i(blocks[r][1], blocks[r][0]);
         const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
         const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
         y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
