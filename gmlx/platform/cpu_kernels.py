@@ -143,7 +143,8 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
         first_block, num_blocks = first_input // _BLOCK_INPUTS, num_chunks * chunk_inputs // _BLOCK_INPUTS
         for values in (block_scales, block_biases):  # 16 per chunk: zeros past K and past a half chunk's 2 blocks
             values = values[:, first_block : first_block + num_blocks]
-            values = mx.pad(values, [(0, 0), (0, num_blocks - values.shape[1])]).reshape(-1, num_chunks, num_blocks // num_chunks)
+            values = mx.pad(values, [(0, 0), (0, num_blocks - values.shape[1])])
+            values = values.reshape(-1, num_chunks, num_blocks // num_chunks)
             values = mx.pad(values, [(0, 0), (0, 0), (0, blocks_per_chunk - values.shape[2])])
             values = values.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, blocks_per_chunk).transpose(0, 2, 1, 3)
             halves.append(mx.view(values.reshape(num_quads, num_chunks, -1), mx.uint8))

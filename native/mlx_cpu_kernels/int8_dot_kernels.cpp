@@ -322,6 +322,16 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
   }
 }
 
+// Lanes 4i + k of two outputs plus block k's terms: fma(s, d * isum, lane), then
+// fma(b, xsd, lane), with the row's d and xsd of the chunk's four blocks.
+GMLX_AVX2_F16C inline __m256 lanes_plus(__m256 lanes, __m256i isum, __m256 s, __m256 b, const float* d4,
+                                        const float* xsd4) {
+  const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(d4));
+  const __m256 xsd = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd4));
+  lanes = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), lanes);
+  return _mm256_fmadd_ps(b, xsd, lanes);
+}
+
 // One chunk of the quad layout on AVX2 for rows [r0, r0 + kRows): a whole chunk, or a half
 // one (blocks 0-1; its blocks 2-3 count as zero weights, scales and biases, which keeps the
 // lanes as a padded whole chunk does). Per lane the float operations of quad_avx2 (so the
@@ -375,10 +385,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
           pair[o] = _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
         }
         const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[0], pair[1]), order);
-        const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
-        const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
-        y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
-        y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
+        y[r][h] = lanes_plus(y[r][h], isum, s, b, xd[r] + c * kBlocksPerChunk, xsd[r] + c * kBlocksPerChunk);
       }
     } else {
       // 8 bits: each output's weights widened to int16 once for all rows; madd's int32 pair
@@ -390,7 +397,8 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
         __m256i w16[kNumBlocks][2];
         for (int k = 0; k < kNumBlocks; ++k) {
           for (int half = 0; half < 2; ++half) {
-            w16[k][half] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 16 * half)));
+            const auto* bytes = reinterpret_cast<const __m128i*>(w + 32 * k + 16 * half);
+            w16[k][half] = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes));
           }
         }
         for (int r = 0; r < kRows; ++r) {
@@ -405,10 +413,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
       }
       for (int r = 0; r < kRows; ++r) {
         const __m256i isum = _mm256_set_m128i(blocks[r][1], blocks[r][0]);
-        const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xd[r] + c * kBlocksPerChunk));
-        const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd[r] + c * kBlocksPerChunk));
-        y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), y[r][h]);
-        y[r][h] = _mm256_fmadd_ps(b, xs, y[r][h]);
+        y[r][h] = lanes_plus(y[r][h], isum, s, b, xd[r] + c * kBlocksPerChunk, xsd[r] + c * kBlocksPerChunk);
       }
     }
   }
@@ -436,7 +441,8 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
     for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
       if (prefetch_bytes > 0) {
-        for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + prefetch_bytes + b, _MM_HINT_T0);
+        const char* ahead = reinterpret_cast<const char*>(chunk) + prefetch_bytes;
+        for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
       }
       quad_chunk_avx2<kBits, kRows, false>(chunk, c, xq, xd, xsd, y);
     }
@@ -693,7 +699,8 @@ QuadLayout quad_layout(int64_t num_inputs, int bits) {
   layout.num_whole_chunks = num_inputs / kInt8ChunkInputs + (rest != 0 && !layout.has_half_chunk ? 1 : 0);
   layout.chunk_bytes = quad_chunk_bytes(bits);
   layout.half_chunk_bytes = kQuadOutputs * kInt8ChunkInputs / 2 * bits / 8 + 2 * kQuadHalves * 2;
-  layout.quad_bytes = layout.num_whole_chunks * layout.chunk_bytes + (layout.has_half_chunk ? layout.half_chunk_bytes : 0);
+  layout.quad_bytes =
+      layout.num_whole_chunks * layout.chunk_bytes + (layout.has_half_chunk ? layout.half_chunk_bytes : 0);
   return layout;
 }
 

@@ -58,7 +58,8 @@ void rows_of(const mx::array& ids, const uint8_t* quads, int64_t num_outputs, in
 mx::array quad_rows(const mx::array& quads, const mx::array& ids, int num_outputs, int num_inputs, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
   if (num_inputs <= 0 || num_inputs % kInt8BlockInputs != 0) {
-    throw std::invalid_argument("quad_rows: num_inputs " + std::to_string(num_inputs) + " is not a positive multiple of 32");
+    throw std::invalid_argument("quad_rows: num_inputs " + std::to_string(num_inputs) +
+                                " is not a positive multiple of 32");
   }
   check_quad_layout(quads, num_outputs, num_inputs, bits, "quad_rows");
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32 && ids.dtype() != mx::int64) {
