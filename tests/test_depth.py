@@ -1,6 +1,8 @@
 """Draft depth and width cap from measured costs: the expected-throughput model, the
 calibration's cache, and the engine using a cost table."""
 
+import json
+
 import pytest
 
 from gmlx.config import EngineConfig
@@ -138,6 +140,18 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_target, tmp_
     assert calibration.load_or_measure(tiny_target, drafter, max_rows=4) == table
     monkeypatch.setenv("GMLX_CALIBRATE", "off")
     assert calibration.load_or_measure(tiny_target, drafter, max_rows=4) is None
+
+
+def test_calibration_is_measured_again_when_a_cpu_kernel_switch_changes(tiny_target, tmp_path, monkeypatch):
+    """The kernels set the costs: a table measured with one GMLX_CPU_* setting is not read under another."""
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GMLX_CALIBRATE", "auto")
+    monkeypatch.delenv("GMLX_CPU_FUSED_LAYERS", raising=False)
+    drafter = make_drafter("ngram", tiny_target)
+    calibration.load_or_measure(tiny_target, drafter, max_rows=2)
+    monkeypatch.setenv("GMLX_CPU_FUSED_LAYERS", "0")
+    calibration.load_or_measure(tiny_target, drafter, max_rows=2)
+    assert len(json.loads((tmp_path / "spec_calibration.json").read_text())) == 2
 
 
 @pytest.mark.parametrize("kind", ["mtp", "draft", "ngram"])

@@ -221,8 +221,11 @@ def _cache_key(target, drafter, max_rows: int) -> str:
     parts = [cpu_model_name(), str(os.cpu_count()), mx.__version__, str(CACHE_VERSION), drafter.kind,
              str(drafter.num_draft_tokens), str(min(max_rows, _MAX_WIDTH)), os.environ.get("OPENBLAS_CORETYPE", ""),
              str(getattr(drafter, "path", ""))]
+    # The CPU kernels' switches and build set the costs too: a rebuilt (faster) extension re-measures.
+    parts += [f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("GMLX_CPU_")]
+    kernels = sorted((Path(__file__).parents[1] / "platform").glob("_cpu_kernels*"))
     folder = Path(target.path)
-    return machine_cache.cache_key(parts, sorted(folder.glob("*.safetensors")) + [folder / "config.json"])
+    return machine_cache.cache_key(parts, sorted(folder.glob("*.safetensors")) + [folder / "config.json"] + kernels)
 
 
 def _read_cache(key: str) -> CostTable | None:
