@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from types import ModuleType
 
 from gmlx import config
@@ -72,6 +73,12 @@ def _load() -> tuple[ModuleType | None, str]:
     if num_threads is not None:
         ext.set_num_threads(num_threads)
     return ext, ""
+
+
+def build_files() -> list[Path]:
+    """The loaded extension's file (its size and time identify the build); none when not loaded."""
+    ext = _load()[0]
+    return [Path(ext.__file__)] if ext is not None else []
 
 
 def is_built() -> bool:
@@ -144,7 +151,7 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
         for values in (block_scales, block_biases):  # 16 per chunk: zeros past K and past a half chunk's 2 blocks
             values = values[:, first_block : first_block + num_blocks]
             values = mx.pad(values, [(0, 0), (0, num_blocks - values.shape[1])])
-            values = values.reshape(-1, num_chunks, num_blocks // num_chunks)
+            values = values.reshape(-1, num_chunks, chunk_inputs // _BLOCK_INPUTS)
             values = mx.pad(values, [(0, 0), (0, 0), (0, blocks_per_chunk - values.shape[2])])
             values = values.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, blocks_per_chunk).transpose(0, 2, 1, 3)
             halves.append(mx.view(values.reshape(num_quads, num_chunks, -1), mx.uint8))

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from gmlx import config
 from gmlx.cache.ragged import make_ragged_cache
-from gmlx.platform import machine_cache
+from gmlx.platform import cpu_kernels, machine_cache
 from gmlx.platform.blas_select import cpu_model_name
 from gmlx.spec.depth import expected_tokens
 
@@ -223,9 +223,9 @@ def _cache_key(target, drafter, max_rows: int) -> str:
              str(getattr(drafter, "path", ""))]
     # The CPU kernels' switches and build set the costs too: a rebuilt (faster) extension re-measures.
     parts += [f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("GMLX_CPU_")]
-    kernels = sorted((Path(__file__).parents[1] / "platform").glob("_cpu_kernels*"))
     folder = Path(target.path)
-    return machine_cache.cache_key(parts, sorted(folder.glob("*.safetensors")) + [folder / "config.json"] + kernels)
+    files = sorted(folder.glob("*.safetensors")) + [folder / "config.json"] + cpu_kernels.build_files()
+    return machine_cache.cache_key(parts, files)
 
 
 def _read_cache(key: str) -> CostTable | None:

@@ -300,7 +300,6 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
       s[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.scales[2 * h + 1], c), group4<kBlocksPerGroup>(q.scales[2 * h], c));
       b[h] = _mm256_set_m128(group4<kBlocksPerGroup>(q.biases[2 * h + 1], c), group4<kBlocksPerGroup>(q.biases[2 * h], c));
     }
-    prefetch_ahead(q, c);
     chunk_avx2<kRows, false, kBits>(q, c, kBlocksPerChunk, s, b, y);
   }
   if constexpr (kBlocksPerGroup < kBlocksPerChunk) {
@@ -711,7 +710,8 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
 
 namespace {
 
-// Points q at the four outputs from n0 on: their own rows, or their quad in the interleaved layout.
+// Points q at the four outputs from n0 on: their own rows, or (for the VNNI kernel, the only one
+// reading the interleaved layout through QuadArgs) their quad in that layout.
 void point_quad(const QmmArgs& a, int64_t n0, int num_valid, QuadArgs& q) {
   if (a.quads != nullptr) {
     // One stream: per chunk the quad's weights (output i's at i * W), 16 scales, 16 biases
