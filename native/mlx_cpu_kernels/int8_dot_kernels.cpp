@@ -42,8 +42,6 @@ inline float group_value(const GroupRow& row, int64_t i) { return row.f16 ? half
 struct QuadArgs {
   const uint8_t* w[kQuadOutputs];  // each output's packed row
   int64_t w_chunk_stride;  // bytes from one chunk's weights of an output to the next chunk's
-  int64_t prefetch_bytes;  // the interleaved layout: bytes of one chunk to prefetch ahead (0: none)
-  int64_t prefetch_chunks;  // how many chunks ahead
   GroupRow scales[kQuadOutputs];
   GroupRow biases[kQuadOutputs];
   int64_t num_blocks;  // K / 32
@@ -145,12 +143,6 @@ void quads_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int
 }
 
 #if GMLX_X86
-
-inline void prefetch_ahead(const QuadArgs& q, int64_t c) {
-  if (q.prefetch_bytes == 0) return;
-  const char* ahead = reinterpret_cast<const char*>(q.w[0]) + (c + q.prefetch_chunks) * q.w_chunk_stride;
-  for (int64_t b = 0; b < q.prefetch_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-}
 
 // Four floats per output, one per block of a whole chunk c.
 template <int kBlocksPerGroup>
@@ -545,7 +537,6 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
   for (int r = 0; r < kRows; ++r) y[r] = _mm512_setzero_ps();
   const int64_t num_whole = q.num_blocks / kBlocksPerChunk;
   for (int64_t c = 0; c < num_whole; ++c) {
-    prefetch_ahead(q, c);
     chunk_avx512<kRows, false, kBits>(q, c, kBlocksPerChunk, group16<kBlocksPerGroup>(q.scales, c),
                                group16<kBlocksPerGroup>(q.biases, c), y);
   }
@@ -562,6 +553,113 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(q.lanes + r * 16, y[r]);
+}
+
+// One chunk of the quad layout with VNNI for rows of xq: a whole chunk, or a half one (blocks
+// 0-1, its blocks 2-3 zero weights, scales and biases, as on AVX2). Per lane the float
+// operations of quad_avx512 over the plain rows, so the same bits; a chunk's 16 scales and 16
+// biases are one float16 load each (lane 4i + k is their order in the layout).
+template <int kBits, int kRows, bool kHalf>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void quad_chunk_avx512(const uint8_t* chunk, int64_t c,
+                                                                            const int8_t* const* xq,
+                                                                            const float* const* xd,
+                                                                            const float* const* xsd, __m512* y) {
+  constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits> / (kHalf ? 2 : 1);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const auto* halves = reinterpret_cast<const __m256i*>(chunk + kQuadOutputs * kWeightBytes);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
+  // 4 bits: low and high nibbles, 128-bit lane k = block k. 8 bits: blocks 0-1, then 2-3.
+  __m512i lo[kQuadOutputs], hi[kQuadOutputs];
+  for (int i = 0; i < kQuadOutputs; ++i) {
+    const uint8_t* w = chunk + i * kWeightBytes;
+    if constexpr (kBits == 4) {
+      const __m512i v = kHalf ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)))
+                              : _mm512_loadu_si512(w);
+      lo[i] = _mm512_and_si512(v, nibble);
+      hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    } else {
+      lo[i] = _mm512_loadu_si512(w);
+      hi[i] = kHalf ? _mm512_setzero_si512() : _mm512_loadu_si512(w + 64);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const int8_t* xr = xq[r] + c * kInt8ChunkInputs;
+    const __m512i x_lo = _mm512_loadu_si512(xr), x_hi = _mm512_loadu_si512(xr + 64);
+    __m512i acc[kQuadOutputs];  // 128-bit lane k: four partials of block k
+    for (int i = 0; i < kQuadOutputs; ++i) {
+      if constexpr (kBits == 4) {
+        acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo), hi[i], x_hi);
+      } else {  // whole bytes (u8 x s8: four products per dword stay far below 2^31)
+        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo);  // lanes j0, j0, j1, j1
+        const __m512i h = kHalf ? _mm512_setzero_si512() : _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[i], x_hi);
+        acc[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a, h, 0x88), _mm512_shuffle_i64x2(a, h, 0xDD));
+      }
+    }
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]), _mm512_unpackhi_epi32(acc[0], acc[1]));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]), _mm512_unpackhi_epi32(acc[2], acc[3]));
+    const __m512i isum = _mm512_permutexvar_epi32(
+        order, _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23)));
+    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(xd[r] + c * kBlocksPerChunk));
+    const __m512 sd = _mm512_broadcast_f32x4(_mm_loadu_ps(xsd[r] + c * kBlocksPerChunk));
+    y[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum)), y[r]);
+    y[r] = _mm512_fmadd_ps(b, sd, y[r]);
+  }
+}
+
+// The quad layout with VNNI: every quad of [begin, end) for rows [r0, r0 + kRows), outputs
+// written; one pointer walks the stream, as quads_avx2 does.
+template <int kBits, int kRows>
+GMLX_AVX512_VNNI void quads_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+  const QuadLayout layout = quad_layout(a.num_inputs, kBits);
+  constexpr int64_t kChunkBytes = kQuadOutputs * kChunkWeightBytes<kBits> + 2 * kQuadHalves * 2;
+  assert(layout.chunk_bytes == kChunkBytes);
+  const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
+  const int8_t* xq[kRows];
+  const float* xd[kRows];
+  const float* xsd[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    xq[r] = x.q_row(r0 + r);
+    xd[r] = x.d_row(r0 + r);
+    xsd[r] = x.xsd_row(r0 + r);
+  }
+  const uint8_t* chunk = a.quads + begin / kQuadOutputs * layout.quad_bytes;
+  for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
+    __m512 y[kRows];
+    for (int r = 0; r < kRows; ++r) y[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
+      if (prefetch_bytes > 0) {
+        const char* ahead = reinterpret_cast<const char*>(chunk) + prefetch_bytes;
+        for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+      quad_chunk_avx512<kBits, kRows, false>(chunk, c, xq, xd, xsd, y);
+    }
+    if (layout.has_half_chunk) {
+      quad_chunk_avx512<kBits, kRows, true>(chunk, layout.num_whole_chunks, xq, xd, xsd, y);
+      chunk += layout.half_chunk_bytes;
+    }
+    // Output i = (lane 4i + lane 4i+1) + (lane 4i+2 + lane 4i+3), as the scalar sum does.
+    const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
+    for (int r = 0; r < kRows; ++r) {
+      alignas(64) float l[16];
+      _mm512_store_ps(l, y[r]);
+      float* yr = a.y + (r0 + r) * a.num_outputs + n0;
+      for (int i = 0; i < num_valid; ++i) yr[i] = (l[4 * i] + l[4 * i + 1]) + (l[4 * i + 2] + l[4 * i + 3]);
+    }
+  }
+}
+
+template <int kBits>
+GMLX_AVX512_VNNI void quads_rows_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, a.num_rows - r0)) {
+      case 1: quads_avx512<kBits, 1>(a, x, begin, end, r0); break;
+      case 2: quads_avx512<kBits, 2>(a, x, begin, end, r0); break;
+      case 3: quads_avx512<kBits, 3>(a, x, begin, end, r0); break;
+      default: quads_avx512<kBits, 4>(a, x, begin, end, r0); break;
+    }
+  }
 }
 
 #endif  // GMLX_X86
@@ -677,19 +775,11 @@ int64_t prefetch_chunks() { return g_prefetch_chunks.load(); }
 int64_t quad_chunk_bytes(int bits) { return kQuadOutputs * kInt8ChunkInputs * bits / 8 + 2 * kQuadHalves * 2; }
 
 namespace {
-std::atomic<int> g_half_tails{-1};  // < 0: not decided yet (the CPU's default)
+std::atomic<bool> g_half_tails{true};
 }  // namespace
 
-void set_half_tails(bool is_enabled) { g_half_tails.store(is_enabled ? 1 : 0); }
-
-bool half_tails() {
-  int value = g_half_tails.load();
-  if (value < 0) {
-    value = has_avx512_vnni() ? 0 : 1;
-    g_half_tails.store(value);
-  }
-  return value == 1;
-}
+void set_half_tails(bool is_enabled) { g_half_tails.store(is_enabled); }
+bool half_tails() { return g_half_tails.load(); }
 
 QuadLayout quad_layout(int64_t num_inputs, int bits) {
   QuadLayout layout;
@@ -710,32 +800,12 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
 
 namespace {
 
-// Points q at the four outputs from n0 on: their own rows, or (for the VNNI kernel, the only one
-// reading the interleaved layout through QuadArgs) their quad in that layout.
+// Points q at the four outputs from n0 on, in their own rows.
 void point_quad(const QmmArgs& a, int64_t n0, int num_valid, QuadArgs& q) {
-  if (a.quads != nullptr) {
-    // One stream: per chunk the quad's weights (output i's at i * W), 16 scales, 16 biases
-    // (lane 4i + k: output i, block k, a group's value repeated over its blocks).
-    const int64_t chunk_bytes = quad_chunk_bytes(a.bits);
-    const int64_t weight_bytes = kInt8ChunkInputs * a.bits / 8;
-    const uint8_t* quad = a.quads + n0 / kQuadOutputs * q.num_chunks * chunk_bytes;
-    const auto* scales = reinterpret_cast<const uint16_t*>(quad + kQuadOutputs * weight_bytes);
-    q.w_chunk_stride = chunk_bytes;
-    const int64_t prefetch_chunks = g_prefetch_chunks.load(std::memory_order_relaxed);
-    q.prefetch_bytes = prefetch_chunks > 0 ? chunk_bytes : 0;
-    q.prefetch_chunks = prefetch_chunks;
-    for (int i = 0; i < kQuadOutputs; ++i) {
-      q.w[i] = quad + i * weight_bytes;
-      q.scales[i] = GroupRow{nullptr, scales + kBlocksPerChunk * i, chunk_bytes / 2};
-      q.biases[i] = GroupRow{nullptr, scales + kQuadHalves + kBlocksPerChunk * i, chunk_bytes / 2};
-    }
-    return;
-  }
   const int64_t num_groups = a.num_inputs / a.group_size;
   const int64_t row_bytes = a.num_inputs * a.bits / 8;
   const int64_t group_stride = kBlocksPerChunk / q.blocks_per_group;
   q.w_chunk_stride = kInt8ChunkInputs * a.bits / 8;
-  q.prefetch_bytes = 0;
   for (int i = 0; i < kQuadOutputs; ++i) {
     const int64_t n = n0 + std::min(i, num_valid - 1);  // past the end: the last output again, dropped
     q.w[i] = reinterpret_cast<const uint8_t*>(a.w) + n * row_bytes;
@@ -752,27 +822,26 @@ void point_quad(const QmmArgs& a, int64_t n0, int num_valid, QuadArgs& q) {
 }  // namespace
 
 void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa) {
-  float lanes[kMaxRows * 16];
-  QuadArgs q{};
-  q.num_chunks = rows.padded_inputs / kInt8ChunkInputs;
-  // The interleaved layout pads K with zero weights, scales and biases, so every chunk is
-  // whole there; the blocks past K then add fma(0, 0, lane), as a plain row's tail does.
-  q.num_blocks = a.quads != nullptr ? q.num_chunks * kBlocksPerChunk : a.num_inputs / kInt8BlockInputs;
-  q.blocks_per_group = a.quads != nullptr ? 1 : a.group_size / static_cast<int>(kInt8BlockInputs);
-  q.x = &rows;
-  q.lanes = lanes;
   assert(a.quads == nullptr || begin % kQuadOutputs == 0);
   if (a.quads != nullptr) {
-    // The VNNI kernel reads whole chunks (never a half one: layouts have none on its CPUs,
-    // unless a test asked for them); AVX2 on every other x86 ISA (the same integers).
-    const bool is_vnni = isa == Isa::kAvx512 && has_avx512_vnni();
+    // VNNI where the CPU has it, AVX2 on every other x86 ISA (the same integers).
 #if GMLX_X86
-    if (isa != Isa::kPortable && has_f16c() && (!is_vnni || quad_layout(a.num_inputs, a.bits).has_half_chunk)) {
+    if (isa == Isa::kAvx512 && has_avx512_vnni()) {
+      return a.bits == 4 ? quads_rows_avx512<4>(a, rows, begin, end) : quads_rows_avx512<8>(a, rows, begin, end);
+    }
+    if (isa != Isa::kPortable && has_f16c()) {
       return a.bits == 4 ? quads_rows_avx2<4>(a, rows, begin, end) : quads_rows_avx2<8>(a, rows, begin, end);
     }
 #endif
-    if (!is_vnni) return a.bits == 4 ? quads_portable<4>(a, rows, begin, end) : quads_portable<8>(a, rows, begin, end);
+    return a.bits == 4 ? quads_portable<4>(a, rows, begin, end) : quads_portable<8>(a, rows, begin, end);
   }
+  float lanes[kMaxRows * 16];
+  QuadArgs q{};
+  q.num_chunks = rows.padded_inputs / kInt8ChunkInputs;
+  q.num_blocks = a.num_inputs / kInt8BlockInputs;
+  q.blocks_per_group = a.group_size / static_cast<int>(kInt8BlockInputs);
+  q.x = &rows;
+  q.lanes = lanes;
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
     const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
     point_quad(a, n0, num_valid, q);

@@ -87,8 +87,8 @@ struct QuadLayout {
   int64_t quad_bytes = 0;  // one quad's stream
 };
 QuadLayout quad_layout(int64_t num_inputs, int bits);
-// Whether layouts packed from now on end in half chunks (the default: on CPUs without AVX-512
-// VNNI, whose kernel reads whole chunks only). A knob for tests, which pack after setting it.
+// Whether layouts packed from now on end in half chunks (the default). A knob for tests and
+// benchmarks, which pack after setting it.
 void set_half_tails(bool is_enabled);
 bool half_tails();
 int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
