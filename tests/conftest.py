@@ -11,7 +11,9 @@ os.environ.setdefault("GMLX_CALIBRATE", "off")
 import faulthandler
 import json
 import random
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx  # noqa: E402
@@ -24,17 +26,39 @@ from gmlx.models.loader import load_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # schedules, serving_support, frames: shared with scripts
 
 
+# After a hard timeout's interrupt, how long the run gets to stop and report before it is ended.
+HARD_TIMEOUT_GRACE_S = 60
+_hard_timeout_stderr = []  # the terminal's stderr, kept open for the last-resort dump
+
+
+def _on_hard_timeout(capture, nodeid: str, timeout_s: float) -> None:
+    """Every thread's traceback on the terminal (pytest's capture would swallow it), then a
+    KeyboardInterrupt in the main thread: pytest stops and prints its summary. Should the
+    main thread never get back to Python, the run ends HARD_TIMEOUT_GRACE_S later, dumping again."""
+    with capture.global_and_fixture_disabled():
+        sys.stderr.write(f"\n{nodeid}: past its hard timeout of {timeout_s} s (TEST_TIMEOUT_S); "
+                         "every thread's traceback:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        _hard_timeout_stderr.append(os.fdopen(os.dup(sys.stderr.fileno()), "w"))
+    faulthandler.dump_traceback_later(HARD_TIMEOUT_GRACE_S, exit=True, file=_hard_timeout_stderr[-1])
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # wakes a blocking call too
+
+
 @pytest.fixture(autouse=True)
 def hard_timeout(request):
-    """A test file that talks to processes sets TEST_TIMEOUT_S: past it the whole run fails
-    with every thread's traceback, where a hung socket would otherwise stall it."""
+    """A test file that talks to processes sets TEST_TIMEOUT_S: past it the run stops with the
+    test's name and every thread's traceback, where a hung socket would otherwise stall it."""
     timeout_s = getattr(request.module, "TEST_TIMEOUT_S", None)
     if timeout_s is None:
         yield
         return
-    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    timer = threading.Timer(timeout_s, _on_hard_timeout, args=(capture, request.node.nodeid, timeout_s))
+    timer.daemon = True
+    timer.start()
     yield
-    faulthandler.cancel_dump_traceback_later()
+    timer.cancel()
 
 
 def make_random_model_dir(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
