@@ -142,7 +142,38 @@ void quads_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int
   }
 }
 
+// A call's rows [r0, r0 + kRows) of x: each row's int8 inputs, block scales d and d * sum(q).
+template <int kRows>
+struct RowsOf {
+  const int8_t* q[kRows];
+  const float* d[kRows];
+  const float* xsd[kRows];
+  RowsOf(const QuantizedRows& x, int64_t r0) {
+    for (int r = 0; r < kRows; ++r) q[r] = x.q_row(r0 + r), d[r] = x.d_row(r0 + r), xsd[r] = x.xsd_row(r0 + r);
+  }
+};
+
+// Rows [0, num_rows) of a quad-layout product through Walk<kBits, kRows>::run, up to kMaxRows a call.
+template <template <int, int> class Walk, int kBits>
+void quads_by_rows(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, a.num_rows - r0)) {
+      case 1: Walk<kBits, 1>::run(a, x, begin, end, r0); break;
+      case 2: Walk<kBits, 2>::run(a, x, begin, end, r0); break;
+      case 3: Walk<kBits, 3>::run(a, x, begin, end, r0); break;
+      default: Walk<kBits, 4>::run(a, x, begin, end, r0); break;
+    }
+  }
+}
+
 #if GMLX_X86
+
+// The chunk prefetch_bytes ahead of the one a quad-layout walk is at (0: none).
+inline void prefetch_chunk(const uint8_t* chunk, int64_t chunk_bytes, int64_t prefetch_bytes) {
+  if (prefetch_bytes == 0) return;
+  const char* ahead = reinterpret_cast<const char*>(chunk) + prefetch_bytes;
+  for (int64_t b = 0; b < chunk_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+}
 
 // Four floats per output, one per block of a whole chunk c.
 template <int kBlocksPerGroup>
@@ -330,8 +361,7 @@ GMLX_AVX2_F16C inline __m256 lanes_plus(__m256 lanes, __m256i isum, __m256 s, __
 // their order in the layout) and its weights unpacked once for all rows.
 template <int kBits, int kRows, bool kHalf>
 GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const uint8_t* chunk, int64_t c,
-                                                                        const int8_t* const* xq, const float* const* xd,
-                                                                        const float* const* xsd, __m256 (*y)[2]) {
+                                                                        const RowsOf<kRows>& x, __m256 (*y)[2]) {
   constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits> / (kHalf ? 2 : 1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -340,7 +370,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
   __m256i x16[kBits == 8 ? kRows : 1][8];
   if constexpr (kBits == 8) {
     for (int r = 0; r < kRows; ++r) {
-      const int8_t* xr = xq[r] + c * kInt8ChunkInputs;
+      const int8_t* xr = x.q[r] + c * kInt8ChunkInputs;
       for (int i = 0; i < (kHalf ? 4 : 8); ++i) {
         x16[r][i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16 * i)));
       }
@@ -364,7 +394,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
         }
       }
       for (int r = 0; r < kRows; ++r) {
-        const auto* xr = reinterpret_cast<const __m256i*>(xq[r] + c * kInt8ChunkInputs);
+        const auto* xr = reinterpret_cast<const __m256i*>(x.q[r] + c * kInt8ChunkInputs);
         const __m256i ones = _mm256_set1_epi16(1);
         __m256i pair[2];
         for (int o = 0; o < 2; ++o) {
@@ -376,7 +406,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
           pair[o] = _mm256_hadd_epi32(_mm256_madd_epi16(d01, ones), _mm256_madd_epi16(d23, ones));
         }
         const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(pair[0], pair[1]), order);
-        y[r][h] = lanes_plus(y[r][h], isum, s, b, xd[r] + c * kBlocksPerChunk, xsd[r] + c * kBlocksPerChunk);
+        y[r][h] = lanes_plus(y[r][h], isum, s, b, x.d[r] + c * kBlocksPerChunk, x.xsd[r] + c * kBlocksPerChunk);
       }
     } else {
       // 8 bits: each output's weights widened to int16 once for all rows; madd's int32 pair
@@ -404,7 +434,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const 
       }
       for (int r = 0; r < kRows; ++r) {
         const __m256i isum = _mm256_set_m128i(blocks[r][1], blocks[r][0]);
-        y[r][h] = lanes_plus(y[r][h], isum, s, b, xd[r] + c * kBlocksPerChunk, xsd[r] + c * kBlocksPerChunk);
+        y[r][h] = lanes_plus(y[r][h], isum, s, b, x.d[r] + c * kBlocksPerChunk, x.xsd[r] + c * kBlocksPerChunk);
       }
     }
   }
@@ -418,27 +448,17 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
   constexpr int64_t kChunkBytes = kQuadOutputs * kChunkWeightBytes<kBits> + 2 * kQuadHalves * 2;
   assert(layout.chunk_bytes == kChunkBytes);
   const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
-  const int8_t* xq[kRows];
-  const float* xd[kRows];
-  const float* xsd[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    xq[r] = x.q_row(r0 + r);
-    xd[r] = x.d_row(r0 + r);
-    xsd[r] = x.xsd_row(r0 + r);
-  }
+  const RowsOf<kRows> rows(x, r0);
   const uint8_t* chunk = a.quads + begin / kQuadOutputs * layout.quad_bytes;
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
     __m256 y[kRows][2];
     for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
-      if (prefetch_bytes > 0) {
-        const char* ahead = reinterpret_cast<const char*>(chunk) + prefetch_bytes;
-        for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-      }
-      quad_chunk_avx2<kBits, kRows, false>(chunk, c, xq, xd, xsd, y);
+      prefetch_chunk(chunk, kChunkBytes, prefetch_bytes);
+      quad_chunk_avx2<kBits, kRows, false>(chunk, c, rows, y);
     }
     if (layout.has_half_chunk) {
-      quad_chunk_avx2<kBits, kRows, true>(chunk, layout.num_whole_chunks, xq, xd, xsd, y);
+      quad_chunk_avx2<kBits, kRows, true>(chunk, layout.num_whole_chunks, rows, y);
       chunk += layout.half_chunk_bytes;
     }
     // Output i = (lane 4i + lane 4i+1) + (lane 4i+2 + lane 4i+3), as the scalar sum does.
@@ -459,17 +479,12 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
   }
 }
 
-template <int kBits>
-GMLX_AVX2_F16C void quads_rows_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
-  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, a.num_rows - r0)) {
-      case 1: quads_avx2<kBits, 1>(a, x, begin, end, r0); break;
-      case 2: quads_avx2<kBits, 2>(a, x, begin, end, r0); break;
-      case 3: quads_avx2<kBits, 3>(a, x, begin, end, r0); break;
-      default: quads_avx2<kBits, 4>(a, x, begin, end, r0); break;
-    }
+template <int kBits, int kRows>
+struct Avx2QuadWalk {
+  static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+    quads_avx2<kBits, kRows>(a, x, begin, end, r0);
   }
-}
+};
 
 // ---------------------------------------------------------------- AVX-512 VNNI
 
@@ -561,9 +576,7 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
 // biases are one float16 load each (lane 4i + k is their order in the layout).
 template <int kBits, int kRows, bool kHalf>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void quad_chunk_avx512(const uint8_t* chunk, int64_t c,
-                                                                            const int8_t* const* xq,
-                                                                            const float* const* xd,
-                                                                            const float* const* xsd, __m512* y) {
+                                                                            const RowsOf<kRows>& x, __m512* y) {
   constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits> / (kHalf ? 2 : 1);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -585,7 +598,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void quad_chunk_avx512(co
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    const int8_t* xr = xq[r] + c * kInt8ChunkInputs;
+    const int8_t* xr = x.q[r] + c * kInt8ChunkInputs;
     const __m512i x_lo = _mm512_loadu_si512(xr), x_hi = _mm512_loadu_si512(xr + 64);
     __m512i acc[kQuadOutputs];  // 128-bit lane k: four partials of block k
     for (int i = 0; i < kQuadOutputs; ++i) {
@@ -601,8 +614,8 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void quad_chunk_avx512(co
     const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]), _mm512_unpackhi_epi32(acc[2], acc[3]));
     const __m512i isum = _mm512_permutexvar_epi32(
         order, _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23)));
-    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(xd[r] + c * kBlocksPerChunk));
-    const __m512 sd = _mm512_broadcast_f32x4(_mm_loadu_ps(xsd[r] + c * kBlocksPerChunk));
+    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(x.d[r] + c * kBlocksPerChunk));
+    const __m512 sd = _mm512_broadcast_f32x4(_mm_loadu_ps(x.xsd[r] + c * kBlocksPerChunk));
     y[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum)), y[r]);
     y[r] = _mm512_fmadd_ps(b, sd, y[r]);
   }
@@ -616,27 +629,17 @@ GMLX_AVX512_VNNI void quads_avx512(const QmmArgs& a, const QuantizedRows& x, int
   constexpr int64_t kChunkBytes = kQuadOutputs * kChunkWeightBytes<kBits> + 2 * kQuadHalves * 2;
   assert(layout.chunk_bytes == kChunkBytes);
   const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
-  const int8_t* xq[kRows];
-  const float* xd[kRows];
-  const float* xsd[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    xq[r] = x.q_row(r0 + r);
-    xd[r] = x.d_row(r0 + r);
-    xsd[r] = x.xsd_row(r0 + r);
-  }
+  const RowsOf<kRows> rows(x, r0);
   const uint8_t* chunk = a.quads + begin / kQuadOutputs * layout.quad_bytes;
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
     __m512 y[kRows];
     for (int r = 0; r < kRows; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
-      if (prefetch_bytes > 0) {
-        const char* ahead = reinterpret_cast<const char*>(chunk) + prefetch_bytes;
-        for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-      }
-      quad_chunk_avx512<kBits, kRows, false>(chunk, c, xq, xd, xsd, y);
+      prefetch_chunk(chunk, kChunkBytes, prefetch_bytes);
+      quad_chunk_avx512<kBits, kRows, false>(chunk, c, rows, y);
     }
     if (layout.has_half_chunk) {
-      quad_chunk_avx512<kBits, kRows, true>(chunk, layout.num_whole_chunks, xq, xd, xsd, y);
+      quad_chunk_avx512<kBits, kRows, true>(chunk, layout.num_whole_chunks, rows, y);
       chunk += layout.half_chunk_bytes;
     }
     // Output i = (lane 4i + lane 4i+1) + (lane 4i+2 + lane 4i+3), as the scalar sum does.
@@ -650,17 +653,12 @@ GMLX_AVX512_VNNI void quads_avx512(const QmmArgs& a, const QuantizedRows& x, int
   }
 }
 
-template <int kBits>
-GMLX_AVX512_VNNI void quads_rows_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
-  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, a.num_rows - r0)) {
-      case 1: quads_avx512<kBits, 1>(a, x, begin, end, r0); break;
-      case 2: quads_avx512<kBits, 2>(a, x, begin, end, r0); break;
-      case 3: quads_avx512<kBits, 3>(a, x, begin, end, r0); break;
-      default: quads_avx512<kBits, 4>(a, x, begin, end, r0); break;
-    }
+template <int kBits, int kRows>
+struct Avx512QuadWalk {
+  static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+    quads_avx512<kBits, kRows>(a, x, begin, end, r0);
   }
-}
+};
 
 #endif  // GMLX_X86
 
@@ -827,10 +825,12 @@ void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin
     // VNNI where the CPU has it, AVX2 on every other x86 ISA (the same integers).
 #if GMLX_X86
     if (isa == Isa::kAvx512 && has_avx512_vnni()) {
-      return a.bits == 4 ? quads_rows_avx512<4>(a, rows, begin, end) : quads_rows_avx512<8>(a, rows, begin, end);
+      return a.bits == 4 ? quads_by_rows<Avx512QuadWalk, 4>(a, rows, begin, end)
+                          : quads_by_rows<Avx512QuadWalk, 8>(a, rows, begin, end);
     }
     if (isa != Isa::kPortable && has_f16c()) {
-      return a.bits == 4 ? quads_rows_avx2<4>(a, rows, begin, end) : quads_rows_avx2<8>(a, rows, begin, end);
+      return a.bits == 4 ? quads_by_rows<Avx2QuadWalk, 4>(a, rows, begin, end)
+                          : quads_by_rows<Avx2QuadWalk, 8>(a, rows, begin, end);
     }
 #endif
     return a.bits == 4 ? quads_portable<4>(a, rows, begin, end) : quads_portable<8>(a, rows, begin, end);
