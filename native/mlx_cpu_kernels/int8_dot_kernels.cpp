@@ -570,7 +570,7 @@ GMLX_AVX512_VNNI void quad_avx512(const QuadArgs& q) {
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(q.lanes + r * 16, y[r]);
 }
 
-// One chunk of the quad layout with VNNI for rows of xq: a whole chunk, or a half one (blocks
+// One chunk of the quad layout with VNNI for a call's rows x: a whole chunk, or a half one (blocks
 // 0-1, its blocks 2-3 zero weights, scales and biases, as on AVX2). Per lane the float
 // operations of quad_avx512 over the plain rows, so the same bits; a chunk's 16 scales and 16
 // biases are one float16 load each (lane 4i + k is their order in the layout).
