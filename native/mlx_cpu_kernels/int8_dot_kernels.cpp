@@ -488,16 +488,47 @@ struct Avx2QuadWalk {
 
 // ---------------------------------------------------------------- AVX-512 VNNI
 
-// Chunk c for kRows rows; a tail chunk loads only its num_valid blocks' 16 bytes each.
 // The first num_bytes bytes of a 64-byte load (0-64).
 inline __mmask64 first_bytes(int num_bytes) { return num_bytes >= 64 ? ~0ull : (1ull << num_bytes) - 1; }
 
+// One row's lanes plus a chunk's terms with VNNI: the four outputs' integer block sums of the
+// row's 128 inputs at xq (weights lo / hi as the chunk kernels unpack them; kHighIsZero: 8-bit
+// blocks 2-3 hold no weights, so their products are skipped), then per lane
+// fma(s, d * isum, lane) and fma(b, xsd, lane) with the row's d and xsd of the chunk's blocks.
+template <int kBits, bool kHighIsZero>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 lanes_plus_avx512(
+    const __m512i* lo, const __m512i* hi, const int8_t* xq, const float* d4, const float* xsd4, __m512 s, __m512 b,
+    __m512 lanes) {
+  // The transpose-add below leaves block k of output i at 4k + i; lanes want 4i + k.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i x_lo = _mm512_loadu_si512(xq), x_hi = _mm512_loadu_si512(xq + 64);
+  __m512i acc[kQuadOutputs];  // 128-bit lane k: four partials of block k
+  for (int i = 0; i < kQuadOutputs; ++i) {
+    if constexpr (kBits == 4) {
+      acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo), hi[i], x_hi);
+    } else {  // whole bytes (u8 x s8: four products per dword stay far below 2^31)
+      const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo);  // lanes j0, j0, j1, j1
+      const __m512i h = kHighIsZero ? _mm512_setzero_si512()
+                                    : _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[i], x_hi);  // j2, j2, j3, j3
+      acc[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a, h, 0x88), _mm512_shuffle_i64x2(a, h, 0xDD));
+    }
+  }
+  // Sum each 128-bit lane's four partials, four outputs at once (exact integer adds).
+  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]), _mm512_unpackhi_epi32(acc[0], acc[1]));
+  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]), _mm512_unpackhi_epi32(acc[2], acc[3]));
+  const __m512i isum = _mm512_permutexvar_epi32(
+      order, _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23)));
+  const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(d4));
+  const __m512 xsd = _mm512_broadcast_f32x4(_mm_loadu_ps(xsd4));
+  lanes = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum)), lanes);
+  return _mm512_fmadd_ps(b, xsd, lanes);
+}
+
+// Chunk c for kRows rows over plain rows; a tail chunk loads only its num_valid blocks' bytes.
 template <int kRows, bool kTail, int kBits>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void chunk_avx512(const QuadArgs& q, int64_t c, int num_valid,
                                                                         __m512 s, __m512 b, __m512* y) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  // The transpose-add below leaves block k of output i at 4k + i; lanes want 4i + k.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   // 4 bits: low and high nibbles, 128-bit lane k = block k. 8 bits: blocks 0-1, then 2-3 (two lanes each).
   __m512i lo[kQuadOutputs], hi[kQuadOutputs];
   for (int i = 0; i < kQuadOutputs; ++i) {
@@ -513,28 +544,9 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void chunk_avx512(const Q
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    const int8_t* xq = q.x->q_row(q.r0 + r) + c * kInt8ChunkInputs;
-    const __m512i x_lo = _mm512_loadu_si512(xq), x_hi = _mm512_loadu_si512(xq + 64);
-    __m512i acc[kQuadOutputs];  // 128-bit lane k: four partials of block k
-    for (int i = 0; i < kQuadOutputs; ++i) {
-      if constexpr (kBits == 4) {
-        acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo), hi[i], x_hi);
-      } else {  // whole bytes (u8 x s8: four products per dword stay far below 2^31)
-        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo);  // lanes j0, j0, j1, j1
-        const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[i], x_hi);  // lanes j2, j2, j3, j3
-        acc[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a, h, 0x88), _mm512_shuffle_i64x2(a, h, 0xDD));
-      }
-    }
-    // Sum each 128-bit lane's four partials, four outputs at once (exact integer adds).
-    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]), _mm512_unpackhi_epi32(acc[0], acc[1]));
-    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]), _mm512_unpackhi_epi32(acc[2], acc[3]));
-    const __m512i isum = _mm512_permutexvar_epi32(
-        order, _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23)));
-    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(q.x->d_row(q.r0 + r) + c * kBlocksPerChunk));
-    const __m512 xsd = _mm512_broadcast_f32x4(_mm_loadu_ps(q.x->xsd_row(q.r0 + r) + c * kBlocksPerChunk));
-    const __m512 p = _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum));
-    y[r] = _mm512_fmadd_ps(s, p, y[r]);
-    y[r] = _mm512_fmadd_ps(b, xsd, y[r]);
+    y[r] = lanes_plus_avx512<kBits, false>(lo, hi, q.x->q_row(q.r0 + r) + c * kInt8ChunkInputs,
+                                           q.x->d_row(q.r0 + r) + c * kBlocksPerChunk,
+                                           q.x->xsd_row(q.r0 + r) + c * kBlocksPerChunk, s, b, y[r]);
   }
 }
 
@@ -579,7 +591,6 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void quad_chunk_avx512(co
                                                                             const RowsOf<kRows>& x, __m512* y) {
   constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits> / (kHalf ? 2 : 1);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const auto* halves = reinterpret_cast<const __m256i*>(chunk + kQuadOutputs * kWeightBytes);
   const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
   const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
@@ -598,26 +609,9 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void quad_chunk_avx512(co
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    const int8_t* xr = x.q[r] + c * kInt8ChunkInputs;
-    const __m512i x_lo = _mm512_loadu_si512(xr), x_hi = _mm512_loadu_si512(xr + 64);
-    __m512i acc[kQuadOutputs];  // 128-bit lane k: four partials of block k
-    for (int i = 0; i < kQuadOutputs; ++i) {
-      if constexpr (kBits == 4) {
-        acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo), hi[i], x_hi);
-      } else {  // whole bytes (u8 x s8: four products per dword stay far below 2^31)
-        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], x_lo);  // lanes j0, j0, j1, j1
-        const __m512i h = kHalf ? _mm512_setzero_si512() : _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[i], x_hi);
-        acc[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a, h, 0x88), _mm512_shuffle_i64x2(a, h, 0xDD));
-      }
-    }
-    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]), _mm512_unpackhi_epi32(acc[0], acc[1]));
-    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]), _mm512_unpackhi_epi32(acc[2], acc[3]));
-    const __m512i isum = _mm512_permutexvar_epi32(
-        order, _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23)));
-    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(x.d[r] + c * kBlocksPerChunk));
-    const __m512 sd = _mm512_broadcast_f32x4(_mm_loadu_ps(x.xsd[r] + c * kBlocksPerChunk));
-    y[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum)), y[r]);
-    y[r] = _mm512_fmadd_ps(b, sd, y[r]);
+    y[r] = lanes_plus_avx512<kBits, kBits == 8 && kHalf>(lo, hi, x.q[r] + c * kInt8ChunkInputs,
+                                                         x.d[r] + c * kBlocksPerChunk,
+                                                         x.xsd[r] + c * kBlocksPerChunk, s, b, y[r]);
   }
 }
 
