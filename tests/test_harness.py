@@ -1,5 +1,6 @@
 """The test harness itself: a test past its hard timeout stops the run visibly."""
 
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,8 @@ def test_a_hung_test_is_named_with_its_tracebacks_and_stops_the_run(tmp_path):
     """Past TEST_TIMEOUT_S the run ends with the test's name, every thread's traceback and
     pytest's own summary (a KeyboardInterrupt, exit 2), not a silent exit under the capture."""
     (tmp_path / "test_hung.py").write_text(HUNG_TEST)
-    env = {**repo_env(), "PYTHONPATH": f"{Path(__file__).parent}:{repo_env()['PYTHONPATH']}"}
+    env = repo_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env["PYTHONPATH"]])  # conftest as a plugin
     start_s = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                           "--rootdir", str(tmp_path), str(tmp_path / "test_hung.py")],
