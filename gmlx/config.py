@@ -186,6 +186,13 @@ def is_quad_layout_enabled() -> bool:
     return _env_flag("GMLX_CPU_QUAD_LAYOUT", True)
 
 
+def cpu_tile_layout() -> bool | None:
+    """GMLX_CPU_TILE_LAYOUT: 1 packs the one-stream layout as 16-output tiles, 0 as quads;
+    unset, the kernels choose (tiles where the CPU has AVX-512 VNNI and runs it). Same bits."""
+    raw = os.environ.get("GMLX_CPU_TILE_LAYOUT")
+    return None if raw is None or raw.strip() == "" else _env_flag("GMLX_CPU_TILE_LAYOUT", True)
+
+
 def cpu_kernels_isa() -> str | None:
     raw = os.environ.get("GMLX_CPU_KERNELS_ISA")
     if raw is None or raw.strip() == "":

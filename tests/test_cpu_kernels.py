@@ -205,6 +205,17 @@ def test_forcing_an_unknown_isa_is_refused(ext, monkeypatch):
         config.cpu_kernels_isa()
 
 
+def test_tile_layout_setting_is_read_or_refused(monkeypatch):
+    monkeypatch.delenv("GMLX_CPU_TILE_LAYOUT", raising=False)
+    assert config.cpu_tile_layout() is None  # the kernels choose: tiles where the CPU has VNNI
+    for raw, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("GMLX_CPU_TILE_LAYOUT", raw)
+        assert config.cpu_tile_layout() is expected
+    monkeypatch.setenv("GMLX_CPU_TILE_LAYOUT", "tiles")
+    with pytest.raises(ValueError, match="GMLX_CPU_TILE_LAYOUT='tiles'"):
+        config.cpu_tile_layout()
+
+
 def test_read_bandwidth_is_positive(ext):
     assert cpu_kernels.read_bandwidth_gbs(16 << 20, 2) > 0.1
 
@@ -405,16 +416,18 @@ def half_exact_weights(num_outputs, num_inputs, bits, group_size, seed):
     num_rows=st.one_of(st.integers(1, 6), st.integers(7, 40)),
     prefetch_chunks=st.sampled_from([0, 1, 8]),
     half_tails=st.booleans(),
+    tiles=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_quad_layout_gives_the_plain_rows_bits(bits, group_size, num_inputs_in_32s, num_outputs, num_rows,
-                                               prefetch_chunks, half_tails, seed, ext):
-    """The one-stream layout is a reordering: every row, thread count, ISA, pool split,
-    prefetch distance and last chunk (half or padded whole) gives the int8 path's bits over
-    the plain rows."""
+                                               prefetch_chunks, half_tails, tiles, seed, ext):
+    """The one-stream layout, quads or tiles, is a reordering: every row, thread count, ISA,
+    pool split, prefetch distance and last chunk (half or padded whole) gives the int8 path's
+    bits over the plain rows."""
     num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
     w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed)
     ext.set_half_tails(half_tails)
+    ext.set_tile_layout(tiles)
     quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
     assert quads.size == ext.quad_layout_bytes(num_outputs, num_inputs, bits)
     x = 3.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
@@ -433,14 +446,15 @@ def test_quad_layout_gives_the_plain_rows_bits(bits, group_size, num_inputs_in_3
             assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa)
 
 
-@pytest.mark.parametrize("half_tails", [True, False])
+@pytest.mark.parametrize("half_tails, tiles", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("bits, group_size, num_inputs", [(4, 32, 128), (4, 32, 576), (4, 128, 384), (8, 32, 576),
                                                          (8, 64, 192), (8, 32, 224)])
-def test_quad_layout_lookups_are_the_dequantized_rows(bits, group_size, num_inputs, half_tails, ext):
-    """A tied head kept only in the layout still embeds: any ids, the plain rows' very floats
-    (a last chunk of 64 inputs half or padded, one of 96 padded)."""
+def test_quad_layout_lookups_are_the_dequantized_rows(bits, group_size, num_inputs, half_tails, tiles, ext):
+    """A tied head kept only in the layout (quads or tiles) still embeds: any ids, the plain
+    rows' very floats (a last chunk of 64 inputs half or padded, one of 96 padded)."""
     num_outputs = 53
     ext.set_half_tails(half_tails)
+    ext.set_tile_layout(tiles)
     w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed=4)
     quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
     ids = mx.array([[0, 52, 3], [17, 17, 50]])
@@ -450,11 +464,13 @@ def test_quad_layout_lookups_are_the_dequantized_rows(bits, group_size, num_inpu
     assert got.dtype == mx.float32 and mx.array_equal(got, expected).item()
 
 
-def test_quad_layout_of_another_shape_is_refused(ext):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_quad_layout_of_another_shape_is_refused(tiles, ext):
+    ext.set_tile_layout(tiles)
     w, scales, biases = half_exact_weights(12, 128, 4, 32, seed=1)
     quads = cpu_kernels.pack_quads(w, scales, biases, 32, 4)
-    with pytest.raises(ValueError, match="quads must be the uint8 layout of 13 outputs x 128 inputs"):
-        cpu_kernels.quantized_matmul_quads(mx.ones((1, 128)), quads, 13, 4)
+    with pytest.raises(ValueError, match="quads must be the uint8 layout of 17 outputs x 128 inputs"):
+        cpu_kernels.quantized_matmul_quads(mx.ones((1, 128)), quads, 17, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_kernels.quantized_matmul_quads(mx.ones((1, 100)), quads, 12, 4)
 
@@ -576,12 +592,16 @@ def test_gguf_like_model_runs_in_the_quad_layout(gguf_like_target):
     assert all(type(layer).__name__ == "FusedLlamaBlock" for layer in gguf_like_target.model.model.layers)
 
 
-def test_quad_layout_and_grouping_leave_every_logit_bit_alone(gguf_like_target, code_prompts):
-    """The layout and the grouped nodes only move bytes and merge calls: the same folder loaded
-    with mlx's row layout (GMLX_CPU_QUAD_LAYOUT=0, one node per product) gives identical logits."""
+@pytest.mark.parametrize("tiles", [False, True])
+def test_quad_layout_and_grouping_leave_every_logit_bit_alone(tiles, gguf_like_target, code_prompts, ext):
+    """The layout (quads or tiles) and the grouped nodes only move bytes and merge calls: the
+    same folder loaded with mlx's row layout (GMLX_CPU_QUAD_LAYOUT=0, one node per product)
+    gives identical logits."""
     with env_overrides({"GMLX_CPU_QUAD_LAYOUT": "0"}):
         rows_target = load_model(gguf_like_target.path)
     assert not any("quads" in m for _, m in rows_target.model.named_modules())
+    ext.set_tile_layout(tiles)  # packed and read under this setting
+    gguf_like_target = load_model(gguf_like_target.path)
     for prompt in code_prompts[:4]:
         tokens = mx.array([prompt[:40]])
         for cache in (None, "ragged"):  # mlx-lm's attention, then gmlx's kernel attention over its KV
@@ -604,8 +624,12 @@ def test_speculative_and_batched_equal_plain_in_the_quad_layout(kind, gguf_like_
     assert check_schedules_with_drafter(gguf_like_target, kind, code_prompts, range(600, 606)) > 0
 
 
-def test_doctor_line_names_the_layout_and_the_fused_layers():
-    assert "quad layout where scales allow" in cpu_kernels.format_status(cpu_kernels.status())
+def test_doctor_line_names_the_layout_and_the_fused_layers(ext):
+    ext.set_tile_layout(False)
+    assert "one-stream layout as quads, half tail chunks where scales allow" in cpu_kernels.format_status(
+        cpu_kernels.status())
+    ext.set_tile_layout(True)
+    assert "16-output tiles" in cpu_kernels.format_status(cpu_kernels.status())
     assert "fused llama layers" in cpu_kernels.format_status(cpu_kernels.status())
     with env_overrides({"GMLX_CPU_QUAD_LAYOUT": "0", "GMLX_CPU_FUSED_LAYERS": "0"}):
         line = cpu_kernels.format_status(cpu_kernels.status())
@@ -626,7 +650,17 @@ def test_quad_layout_lookups_of_unknown_ids_are_zero_rows_and_bad_ids_are_refuse
 def test_half_tails_drop_the_padding_of_a_last_chunk_of_64_inputs(ext):
     """SmolLM2's K = 576 is 4.5 chunks: a half chunk (192 bytes a quad at 4 bits) instead of a
     padded whole one (320); a last chunk of 96 inputs stays whole."""
+    ext.set_tile_layout(False)
     for half_tails, expected in ((True, 4 * 320 + 192), (False, 5 * 320)):
         ext.set_half_tails(half_tails)
         assert ext.quad_layout_bytes(4, 576, 4) == expected
         assert ext.quad_layout_bytes(4, 608, 4) == 5 * 320
+
+
+def test_tiles_pad_outputs_to_16_and_inputs_to_nothing(ext):
+    """A tile is 16 outputs over 32-input blocks: a block's weights (256 bytes at 4 bits, 512
+    at 8) and 16 scales and 16 biases; K = 576 takes 18 blocks, no padded chunk."""
+    ext.set_tile_layout(True)
+    assert ext.quad_layout_bytes(16, 576, 4) == 18 * (256 + 64)
+    assert ext.quad_layout_bytes(17, 576, 4) == 2 * 18 * (256 + 64)
+    assert ext.quad_layout_bytes(16, 608, 8) == 19 * (512 + 64)

@@ -69,6 +69,9 @@ def _load() -> tuple[ModuleType | None, str]:
     isa = config.cpu_kernels_isa()
     if isa is not None:
         ext.set_isa(isa)  # ValueError naming the ISA when this CPU lacks it
+    tiles = config.cpu_tile_layout()
+    if tiles is not None or (isa is not None and isa != "avx512"):
+        ext.set_tile_layout(bool(tiles))  # tiles run fast on VNNI only; a forced ISA keeps quads
     num_threads = config.cpu_kernels_threads()
     if num_threads is not None:
         ext.set_num_threads(num_threads)
@@ -127,6 +130,8 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
     import mlx.core as mx
 
     assert scales.dtype == mx.float16 and biases.dtype == mx.float16, (scales.dtype, biases.dtype)
+    if extension().tile_layout():
+        return _pack_tiles(w, scales, biases, group_size, bits)
     num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
     num_quads = -(-num_outputs // _QUAD_OUTPUTS)
     pad_outputs = num_quads * _QUAD_OUTPUTS - num_outputs
@@ -163,6 +168,39 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
     quads = mx.concatenate(parts, axis=1).reshape(-1)
     assert quads.size == extension().quad_layout_bytes(num_outputs, num_inputs, bits), quads.size
     return mx.contiguous(quads)
+
+
+_TILE_OUTPUTS = 16  # outputs per tile, one per dword lane (int8_dot_kernels.h)
+
+
+def _pack_tiles(w, scales, biases, group_size: int, bits: int):
+    """The tile layout (int8_dot_kernels.h): per 16 outputs and 32-input block, the outputs'
+    weights as 64-byte vectors (dword o: output o's four bytes), then 16 scales and 16 biases."""
+    import mlx.core as mx
+
+    num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
+    num_tiles, num_blocks = -(-num_outputs // _TILE_OUTPUTS), num_inputs // _BLOCK_INPUTS
+    pad_outputs = num_tiles * _TILE_OUTPUTS - num_outputs
+    packed = mx.pad(mx.view(w, mx.uint8), [(0, pad_outputs), (0, 0)])  # (16T, K * bits / 8)
+    if bits == 4:
+        # Vector t of a block: inputs 8t..8t+3 in the low nibbles, 8t+4..8t+7 in the high ones.
+        values = mx.stack([packed & 0xF, packed >> 4], axis=-1)  # (16T, K / 2, 2): mlx's low nibble first
+        values = values.reshape(num_tiles, _TILE_OUTPUTS, num_blocks, 4, 2, 4)  # tile, o, block, t, high, byte
+        values = values.transpose(0, 2, 3, 1, 5, 4)  # tile, block, t, o, byte, high
+        weights = values[..., 0] | (values[..., 1] << 4)
+    else:
+        values = packed.reshape(num_tiles, _TILE_OUTPUTS, num_blocks, 8, 4)  # tile, o, block, t, byte
+        weights = values.transpose(0, 2, 3, 1, 4)
+    weights = weights.reshape(num_tiles, num_blocks, -1)
+
+    def per_block(values):  # (N, K / group) -> (T, blocks, 32 bytes): a group's value once per block
+        values = mx.pad(mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1), [(0, pad_outputs), (0, 0)])
+        values = values.reshape(num_tiles, _TILE_OUTPUTS, num_blocks).transpose(0, 2, 1)
+        return mx.view(mx.contiguous(values), mx.uint8).reshape(num_tiles, num_blocks, -1)
+
+    tiles = mx.concatenate([weights, per_block(scales), per_block(biases)], axis=2).reshape(-1)
+    assert tiles.size == extension().quad_layout_bytes(num_outputs, num_inputs, bits), tiles.size
+    return mx.contiguous(tiles)
 
 
 def lookup_quads(quads, ids, num_outputs: int, num_inputs: int, bits: int):
@@ -270,6 +308,7 @@ def status() -> dict:
                       has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni(),
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
+                      tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
                       fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"),
                       float_panels=config.is_cpu_float_kernels_enabled() and hasattr(ext, "float_matmul"))
     return report
@@ -281,11 +320,15 @@ def format_status(report: dict) -> str:
     state = "on" if report["enabled"] else "off (GMLX_CPU_KERNELS=0)"
     ops = "on" if report["decode_ops"] else "off"
     vnni = ", VNNI" if report.get("has_vnni") else ""
-    layout = "quad layout" if report.get("quad_layout") else "row layout"
-    half = ", half tail chunks" if report.get("quad_layout") and report.get("half_tails") else ""
+    if not report.get("quad_layout"):
+        layout = "row layout"
+    elif report.get("tile_layout"):
+        layout = "one-stream layout as 16-output tiles (GMLX_CPU_TILE_LAYOUT)"
+    else:
+        layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "fused llama layers" if report.get("fused_layers") and report["decode_ops"] else "layers apart"
     floats = "float32 products on panels" if report.get("float_panels") else "float32 products in the BLAS"
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
-            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT{half}); {layers} (GMLX_CPU_FUSED_LAYERS); "
+            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS); "
             f"{floats} (GMLX_CPU_FLOAT_KERNELS)")

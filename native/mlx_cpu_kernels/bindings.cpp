@@ -44,6 +44,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_half_tails", &gmlx_kernels::set_half_tails, "is_enabled"_a,
         "Whether quad layouts packed from now on end a K of 64 past a chunk in a half chunk (same bits)");
   m.def("half_tails", &gmlx_kernels::half_tails);
+  m.def("set_tile_layout", &gmlx_kernels::set_tile_layout, "is_enabled"_a,
+        "Whether one-stream layouts packed from now on are 16-output tiles (default: VNNI CPUs) or quads");
+  m.def("tile_layout", &gmlx_kernels::tile_layout);
   m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "int8_walk.h"
 #include "isa_target.h"
 
 namespace gmlx_kernels {
@@ -22,7 +23,6 @@ constexpr int kQuadHalves = 16;
 // waiting on its first loads of each chunk, so it fetches the chunk this many ahead (0: off).
 constexpr int64_t kDefaultPrefetchChunks = 8;  // 1.1-1.2x on SmolLM2 shapes (scripts/bench_kernels.py)
 std::atomic<int64_t> g_prefetch_chunks{kDefaultPrefetchChunks};  // a quad's scales (or biases) per chunk in the interleaved layout
-constexpr int kMaxRows = 4;  // rows per kernel call (weights unpacked once for them)
 constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23
 
 // One output's scales or biases: float32, or half precision (f16 set: values a float32
@@ -142,38 +142,7 @@ void quads_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int
   }
 }
 
-// A call's rows [r0, r0 + kRows) of x: each row's int8 inputs, block scales d and d * sum(q).
-template <int kRows>
-struct RowsOf {
-  const int8_t* q[kRows];
-  const float* d[kRows];
-  const float* xsd[kRows];
-  RowsOf(const QuantizedRows& x, int64_t r0) {
-    for (int r = 0; r < kRows; ++r) q[r] = x.q_row(r0 + r), d[r] = x.d_row(r0 + r), xsd[r] = x.xsd_row(r0 + r);
-  }
-};
-
-// Rows [0, num_rows) of a quad-layout product through Walk<kBits, kRows>::run, up to kMaxRows a call.
-template <template <int, int> class Walk, int kBits>
-void quads_by_rows(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
-  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, a.num_rows - r0)) {
-      case 1: Walk<kBits, 1>::run(a, x, begin, end, r0); break;
-      case 2: Walk<kBits, 2>::run(a, x, begin, end, r0); break;
-      case 3: Walk<kBits, 3>::run(a, x, begin, end, r0); break;
-      default: Walk<kBits, 4>::run(a, x, begin, end, r0); break;
-    }
-  }
-}
-
 #if GMLX_X86
-
-// The chunk prefetch_bytes ahead of the one a quad-layout walk is at (0: none).
-inline void prefetch_chunk(const uint8_t* chunk, int64_t chunk_bytes, int64_t prefetch_bytes) {
-  if (prefetch_bytes == 0) return;
-  const char* ahead = reinterpret_cast<const char*>(chunk) + prefetch_bytes;
-  for (int64_t b = 0; b < chunk_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-}
 
 // Four floats per output, one per block of a whole chunk c.
 template <int kBlocksPerGroup>
@@ -454,7 +423,7 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
     __m256 y[kRows][2];
     for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
-      prefetch_chunk(chunk, kChunkBytes, prefetch_bytes);
+      prefetch_ahead(chunk, kChunkBytes, prefetch_bytes);
       quad_chunk_avx2<kBits, kRows, false>(chunk, c, rows, y);
     }
     if (layout.has_half_chunk) {
@@ -629,7 +598,7 @@ GMLX_AVX512_VNNI void quads_avx512(const QmmArgs& a, const QuantizedRows& x, int
     __m512 y[kRows];
     for (int r = 0; r < kRows; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
-      prefetch_chunk(chunk, kChunkBytes, prefetch_bytes);
+      prefetch_ahead(chunk, kChunkBytes, prefetch_bytes);
       quad_chunk_avx512<kBits, kRows, false>(chunk, c, rows, y);
     }
     if (layout.has_half_chunk) {
@@ -786,6 +755,10 @@ QuadLayout quad_layout(int64_t num_inputs, int bits) {
 }
 
 int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
+  if (tile_layout()) {
+    const int64_t num_tiles = (num_outputs + kTileOutputs - 1) / kTileOutputs;
+    return num_tiles * (num_inputs / kInt8BlockInputs) * tile_block_bytes(bits);
+  }
   const int64_t num_quads = (num_outputs + kQuadOutputs - 1) / kQuadOutputs;
   return num_quads * quad_layout(num_inputs, bits).quad_bytes;
 }
@@ -814,17 +787,18 @@ void point_quad(const QmmArgs& a, int64_t n0, int num_valid, QuadArgs& q) {
 }  // namespace
 
 void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa) {
+  if (a.quads != nullptr && tile_layout()) return tile_outputs(a, rows, begin, end, isa);
   assert(a.quads == nullptr || begin % kQuadOutputs == 0);
   if (a.quads != nullptr) {
     // VNNI where the CPU has it, AVX2 on every other x86 ISA (the same integers).
 #if GMLX_X86
     if (isa == Isa::kAvx512 && has_avx512_vnni()) {
-      return a.bits == 4 ? quads_by_rows<Avx512QuadWalk, 4>(a, rows, begin, end)
-                          : quads_by_rows<Avx512QuadWalk, 8>(a, rows, begin, end);
+      return a.bits == 4 ? walk_by_rows<Avx512QuadWalk, 4>(a, rows, begin, end)
+                          : walk_by_rows<Avx512QuadWalk, 8>(a, rows, begin, end);
     }
     if (isa != Isa::kPortable && has_f16c()) {
-      return a.bits == 4 ? quads_by_rows<Avx2QuadWalk, 4>(a, rows, begin, end)
-                          : quads_by_rows<Avx2QuadWalk, 8>(a, rows, begin, end);
+      return a.bits == 4 ? walk_by_rows<Avx2QuadWalk, 4>(a, rows, begin, end)
+                          : walk_by_rows<Avx2QuadWalk, 8>(a, rows, begin, end);
     }
 #endif
     return a.bits == 4 ? quads_portable<4>(a, rows, begin, end) : quads_portable<8>(a, rows, begin, end);

@@ -91,7 +91,27 @@ QuadLayout quad_layout(int64_t num_inputs, int bits);
 // benchmarks, which pack after setting it.
 void set_half_tails(bool is_enabled);
 bool half_tails();
+// The one-stream layout's bytes: tiles or quads, as tile_layout() says.
 int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
+// The tile layout, the one-stream layout on VNNI CPUs: for each 16 outputs (zero rows past
+// the last), for each 32-input block: the 16 outputs' weights, then their 16 float16 scales
+// and 16 biases (output o at o; a group's value once per block). The weights of a block are
+// 64-byte vectors, dword o of each one output's four bytes: at 4 bits vector t holds inputs
+// 8t..8t+3 in low nibbles and 8t+4..8t+7 in high ones, at 8 bits vector t inputs 4t..4t+3.
+// A vpdpbusd against four of x's bytes broadcast so gives each output's block sum in its own
+// lane, with no reduction across lanes: rows cost little more than the integer dots. Same
+// floats per output as the quad layout (block j's two fmas on lane j % 4), so the same bits.
+constexpr int64_t kTileOutputs = 16;
+constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockInputs * bits / 8 + 2 * kTileOutputs * 2; }
+// Whether layouts packed from now on are tiles (default: where the CPU has VNNI) or quads.
+// Kernels and lookups read a layout under the setting it was packed under.
+void set_tile_layout(bool is_enabled);
+bool tile_layout();
+// Outputs [begin, end) (begin a multiple of 16) of every row over the tile layout; x
+// quantized in x's own order (quantize_rows with bits 8), whatever the weights' bits.
+void tile_outputs(const QmmArgs& args, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa);
+// Row `id` of a tile layout, dequantized into y (num_inputs floats).
+void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, float* y);
 // Chunks ahead the kernels prefetch in that layout (0: off; < 0: the default). Same bits.
 void set_prefetch_chunks(int64_t num_chunks);
 int64_t prefetch_chunks();

@@ -48,7 +48,7 @@ void rows_of(const mx::array& ids, const uint8_t* quads, int64_t num_outputs, in
     if (id < 0 || id >= num_outputs) {
       std::fill(row, row + num_inputs, 0.0f);
     } else {
-      quad_row(quads, id, num_inputs, bits, row);
+      (tile_layout() ? tile_row : quad_row)(quads, id, num_inputs, bits, row);
     }
   }
 }

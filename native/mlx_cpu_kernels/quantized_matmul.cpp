@@ -112,6 +112,8 @@ void run_int8_chunk(void* context, int64_t chunk) {
 void run_int8_parts(Int8Job& job) {
   QmmJob quantize;  // the first part's x, rows and bits: every part's
   quantize.args = job.parts[0];
+  // The tile layout pairs a vector with four consecutive inputs: x in its own order (8 bits').
+  if (quantize.args.quads != nullptr && tile_layout()) quantize.args.bits = 8;
   // Reused across calls (a decode step makes ~200): this thread runs one product at a time,
   // and the pool is done with the buffers before run_on_pool returns.
   thread_local QuantizedRows rows;

@@ -1,0 +1,192 @@
+// The int8 path over the tile layout (int8_dot_kernels.h): 16 outputs a tile, one lane each,
+// so a row's block sum needs no reduction across lanes. Per output the float operations of
+// the quad layout and the plain rows: p = d_j * float(isum), then on lane j % 4
+// fma(s, p, lane) and fma(b, xsd_j, lane), and (lane0 + lane1) + (lane2 + lane3) at the end.
+#include <algorithm>
+#include <atomic>
+#include <cassert>
+#include <cmath>
+#include <cstring>
+
+#include "int8_dot_kernels.h"
+#include "int8_walk.h"
+#include "isa_target.h"
+
+namespace gmlx_kernels {
+
+namespace {
+
+constexpr int kLanes = 4;  // float lanes per output: block j adds into lane j % 4
+constexpr int64_t kVectorsPerBlock = 8;  // vpdpbusd steps a block: four x bytes each
+
+int64_t tile_bytes(int64_t num_inputs, int bits) { return num_inputs / kInt8BlockInputs * tile_block_bytes(bits); }
+
+// Weight q of output o (0-15), input t (0-31) of a block's weights.
+inline int tile_weight(const uint8_t* block, int o, int t, int bits) {
+  if (bits == 8) return block[t / 4 * 64 + 4 * o + t % 4];
+  const uint8_t byte = block[t / 8 * 64 + 4 * o + t % 4];
+  return t % 8 < 4 ? byte & 0xF : byte >> 4;
+}
+
+// ---------------------------------------------------------------- portable
+
+void tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
+  const int64_t block_bytes = tile_block_bytes(a.bits), weight_bytes = block_bytes - 4 * kTileOutputs;
+  for (int64_t r = 0; r < a.num_rows; ++r) {
+    const int8_t* xq = x.q_row(r);
+    const float* d = x.d_row(r);
+    const float* xsd = x.xsd_row(r);
+    for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+      const uint8_t* block = a.quads + n0 / kTileOutputs * tile_bytes(a.num_inputs, a.bits);
+      float lanes[kTileOutputs][kLanes] = {};
+      for (int64_t j = 0; j < num_blocks; ++j, block += block_bytes) {
+        const auto* halves = reinterpret_cast<const uint16_t*>(block + weight_bytes);
+        for (int o = 0; o < kTileOutputs; ++o) {
+          int32_t isum = 0;
+          for (int t = 0; t < kInt8BlockInputs; ++t) isum += tile_weight(block, o, t, a.bits) * xq[j * 32 + t];
+          const float p = d[j] * static_cast<float>(isum);
+          float& lane = lanes[o][j % kLanes];
+          lane = std::fma(half_to_float(halves[o]), p, lane);
+          lane = std::fma(half_to_float(halves[kTileOutputs + o]), xsd[j], lane);
+        }
+      }
+      for (int o = 0; o < std::min<int64_t>(kTileOutputs, end - n0); ++o) {
+        a.y[r * a.num_outputs + n0 + o] = (lanes[o][0] + lanes[o][1]) + (lanes[o][2] + lanes[o][3]);
+      }
+    }
+  }
+}
+
+#if GMLX_X86
+
+// ---------------------------------------------------------------- AVX-512 VNNI
+
+// Block j of a tile for kRows rows into lane kLane of each row.
+template <int kBits, int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
+                                                                            const RowsOf<kRows>& x,
+                                                                            __m512 (*lanes)[kLanes]) {
+  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
+  // Vector i pairs with x's bytes 4i..4i+3 of the block: at 4 bits the low then the high
+  // nibbles of each 64 bytes, at 8 bits the 64 bytes as they are.
+  __m512i w[kVectorsPerBlock];
+  if constexpr (kBits == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < kVectorsPerBlock / 2; ++t) {
+      const __m512i v = _mm512_loadu_si512(block + 64 * t);
+      w[2 * t] = _mm512_and_si512(v, nibble);
+      w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
+  } else {
+    for (int t = 0; t < kVectorsPerBlock; ++t) w[t] = _mm512_loadu_si512(block + 64 * t);
+  }
+  const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
+  // Few rows leave vpdpbusd's latency exposed: split each row's sum over independent chains.
+  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  for (int r = 0; r < kRows; ++r) {
+    const int8_t* xq = x.q[r] + j * kInt8BlockInputs;
+    __m512i partial[kChains];
+    for (int c = 0; c < kChains; ++c) partial[c] = _mm512_setzero_si512();
+    for (int i = 0; i < kVectorsPerBlock; ++i) {
+      int32_t four;
+      std::memcpy(&four, xq + 4 * i, sizeof(four));
+      partial[i % kChains] = _mm512_dpbusd_epi32(partial[i % kChains], w[i], _mm512_set1_epi32(four));
+    }
+    __m512i isum = partial[0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isum = _mm512_add_epi32(isum, partial[c]);
+    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isum));
+    __m512& lane = lanes[r][kLane];
+    lane = _mm512_fmadd_ps(s, p, lane);
+    lane = _mm512_fmadd_ps(b, _mm512_set1_ps(x.xsd[r][j]), lane);
+  }
+}
+
+// Every tile of [begin, end) for rows [r0, r0 + kRows), outputs written; one pointer walks
+// the stream, four blocks a step so each block's lane is known at compile time.
+template <int kBits, int kRows>
+GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+  constexpr int64_t kBlockBytes = tile_block_bytes(kBits);
+  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
+  const int64_t prefetch_bytes = prefetch_chunks() * kBlockBytes;
+  const RowsOf<kRows> rows(x, r0);
+  const uint8_t* block = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kBits);
+  for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+    __m512 lanes[kRows][kLanes];
+    for (int r = 0; r < kRows; ++r) {
+      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + kLanes <= num_blocks; j += kLanes, block += kLanes * kBlockBytes) {
+      prefetch_ahead(block, kLanes * kBlockBytes, prefetch_bytes);
+      tile_block_avx512<kBits, kRows, 0>(block, j, rows, lanes);
+      tile_block_avx512<kBits, kRows, 1>(block + kBlockBytes, j + 1, rows, lanes);
+      tile_block_avx512<kBits, kRows, 2>(block + 2 * kBlockBytes, j + 2, rows, lanes);
+      tile_block_avx512<kBits, kRows, 3>(block + 3 * kBlockBytes, j + 3, rows, lanes);
+    }
+    const int64_t num_left = num_blocks - j;
+    if (num_left > 0) tile_block_avx512<kBits, kRows, 0>(block, j, rows, lanes);
+    if (num_left > 1) tile_block_avx512<kBits, kRows, 1>(block + kBlockBytes, j + 1, rows, lanes);
+    if (num_left > 2) tile_block_avx512<kBits, kRows, 2>(block + 2 * kBlockBytes, j + 2, rows, lanes);
+    block += num_left * kBlockBytes;
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
+      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
+    }
+  }
+}
+
+template <int kBits, int kRows>
+struct Avx512TileWalk {
+  static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+    tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
+  }
+};
+
+#endif  // GMLX_X86
+
+std::atomic<int> g_tile_layout{-1};  // -1: not chosen yet (where the CPU has VNNI)
+
+}  // namespace
+
+void set_tile_layout(bool is_enabled) { g_tile_layout.store(is_enabled ? 1 : 0); }
+
+bool tile_layout() {
+  int value = g_tile_layout.load();
+  if (value < 0) {
+    const int chosen = has_avx512_vnni() ? 1 : 0;
+    g_tile_layout.compare_exchange_strong(value, chosen);
+    value = g_tile_layout.load();
+  }
+  return value == 1;
+}
+
+void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa) {
+  assert(begin % kTileOutputs == 0);
+#if GMLX_X86
+  if (isa == Isa::kAvx512 && has_avx512_vnni()) {
+    return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end)
+                        : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end);
+  }
+#endif
+  (void)isa;
+  tiles_portable(a, rows, begin, end);  // other CPUs keep quads by default: this is for tests
+}
+
+void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, float* y) {
+  const int64_t block_bytes = tile_block_bytes(bits), weight_bytes = block_bytes - 4 * kTileOutputs;
+  const int o = static_cast<int>(id % kTileOutputs);
+  const uint8_t* block = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);
+  for (int64_t j0 = 0; j0 < num_inputs; j0 += kInt8BlockInputs, block += block_bytes) {
+    const auto* halves = reinterpret_cast<const uint16_t*>(block + weight_bytes);
+    const float scale = half_to_float(halves[o]), bias = half_to_float(halves[kTileOutputs + o]);
+    for (int t = 0; t < kInt8BlockInputs; ++t) {
+      y[j0 + t] = scale * static_cast<float>(tile_weight(block, o, t, bits)) + bias;
+    }
+  }
+}
+
+}  // namespace gmlx_kernels
