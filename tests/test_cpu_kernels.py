@@ -414,7 +414,7 @@ def half_exact_weights(num_outputs, num_inputs, bits, group_size, seed):
     num_inputs_in_32s=st.integers(1, 52),  # partial last chunks
     num_outputs=st.integers(1, 70),  # partial quads and thread chunks
     num_rows=st.one_of(st.integers(1, 6), st.integers(7, 40)),
-    prefetch_chunks=st.sampled_from([0, 1, 8]),
+    prefetch_chunks=st.sampled_from([-1, 0, 1, 8]),
     half_tails=st.booleans(),
     tiles=st.booleans(),
     seed=st.integers(0, 2**16),

@@ -35,7 +35,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("quantized_matmul_quads", &gmlx_kernels::quantized_matmul_quads, "x"_a, "quads"_a, "num_outputs"_a, "bits"_a,
         "quantized_matmul's int8 path over weights in the quad-interleaved layout (same bits)");
   m.def("set_prefetch_chunks", &gmlx_kernels::set_prefetch_chunks, "num_chunks"_a,
-        "Chunks ahead the quad-layout kernels prefetch (0: off, < 0: the default; same bits)");
+        "Steps ahead the one-stream kernels prefetch (quads: chunks, tiles: blocks; 0: off, < 0: each layout's default; same bits)");
   m.def("prefetch_chunks", &gmlx_kernels::prefetch_chunks);
   m.def("quantized_matmul_quads_group", &gmlx_kernels::quantized_matmul_quads_group, "x"_a, "quads"_a,
         "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");

@@ -22,7 +22,11 @@ constexpr int kQuadHalves = 16;
 // The interleaved layout is one stream; the hardware prefetcher alone leaves the kernel
 // waiting on its first loads of each chunk, so it fetches the chunk this many ahead (0: off).
 constexpr int64_t kDefaultPrefetchChunks = 8;  // 1.1-1.2x on SmolLM2 shapes (scripts/bench_kernels.py)
-std::atomic<int64_t> g_prefetch_chunks{kDefaultPrefetchChunks};  // a quad's scales (or biases) per chunk in the interleaved layout
+std::atomic<int64_t> g_prefetch_chunks{-1};  // -1: each layout's default
+int64_t quad_prefetch_chunks() {
+  const int64_t setting = g_prefetch_chunks.load(std::memory_order_relaxed);
+  return setting < 0 ? kDefaultPrefetchChunks : setting;
+}
 constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23
 
 // One output's scales or biases: float32, or half precision (f16 set: values a float32
@@ -416,7 +420,7 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
   const QuadLayout layout = quad_layout(a.num_inputs, kBits);
   constexpr int64_t kChunkBytes = kQuadOutputs * kChunkWeightBytes<kBits> + 2 * kQuadHalves * 2;
   assert(layout.chunk_bytes == kChunkBytes);
-  const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
+  const int64_t prefetch_bytes = quad_prefetch_chunks() * kChunkBytes;
   const RowsOf<kRows> rows(x, r0);
   const uint8_t* chunk = a.quads + begin / kQuadOutputs * layout.quad_bytes;
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
@@ -591,7 +595,7 @@ GMLX_AVX512_VNNI void quads_avx512(const QmmArgs& a, const QuantizedRows& x, int
   const QuadLayout layout = quad_layout(a.num_inputs, kBits);
   constexpr int64_t kChunkBytes = kQuadOutputs * kChunkWeightBytes<kBits> + 2 * kQuadHalves * 2;
   assert(layout.chunk_bytes == kChunkBytes);
-  const int64_t prefetch_bytes = g_prefetch_chunks.load(std::memory_order_relaxed) * kChunkBytes;
+  const int64_t prefetch_bytes = quad_prefetch_chunks() * kChunkBytes;
   const RowsOf<kRows> rows(x, r0);
   const uint8_t* chunk = a.quads + begin / kQuadOutputs * layout.quad_bytes;
   for (int64_t n0 = begin; n0 < end; n0 += kQuadOutputs) {
@@ -730,7 +734,7 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
   }
 }
 
-void set_prefetch_chunks(int64_t num_chunks) { g_prefetch_chunks.store(num_chunks < 0 ? kDefaultPrefetchChunks : num_chunks); }
+void set_prefetch_chunks(int64_t num_chunks) { g_prefetch_chunks.store(num_chunks < 0 ? -1 : num_chunks); }
 int64_t prefetch_chunks() { return g_prefetch_chunks.load(); }
 
 int64_t quad_chunk_bytes(int bits) { return kQuadOutputs * kInt8ChunkInputs * bits / 8 + 2 * kQuadHalves * 2; }

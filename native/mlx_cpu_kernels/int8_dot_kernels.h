@@ -112,7 +112,8 @@ bool tile_layout();
 void tile_outputs(const QmmArgs& args, const QuantizedRows& rows, int64_t begin, int64_t end, Isa isa);
 // Row `id` of a tile layout, dequantized into y (num_inputs floats).
 void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, float* y);
-// Chunks ahead the kernels prefetch in that layout (0: off; < 0: the default). Same bits.
+// Steps ahead the one-stream kernels prefetch (quads: chunks, tiles: blocks; 0: off; -1:
+// each layout's default, 8 chunks for quads, none for tiles). Same bits.
 void set_prefetch_chunks(int64_t num_chunks);
 int64_t prefetch_chunks();
 

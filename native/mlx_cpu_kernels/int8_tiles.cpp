@@ -110,7 +110,9 @@ template <int kBits, int kRows>
 GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
   constexpr int64_t kBlockBytes = tile_block_bytes(kBits);
   const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
-  const int64_t prefetch_bytes = prefetch_chunks() * kBlockBytes;
+  // One stream a thread, which the hardware prefetcher follows: software prefetch 8 blocks
+  // ahead cost 0.91x on SmolLM2 (Zen 4), so tiles take none unless asked.
+  const int64_t prefetch_bytes = std::max<int64_t>(prefetch_chunks(), 0) * kBlockBytes;
   const RowsOf<kRows> rows(x, r0);
   const uint8_t* block = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kBits);
   for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
