@@ -492,6 +492,32 @@ def test_int8_activations_convert_every_finite_float16_scale_alike_on_every_isa(
         assert np.array_equal(np.array(got), np.array(expected), equal_nan=True), isa
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_quantize_odd_rows_alike_on_every_isa(bits, ext):
+    """x's quantization (scalar on the portable ISA, vectors elsewhere) on blocks with NaN,
+    infinities, zeros, negative zeros, subnormals, exact halves and huge values: the same
+    products bit for bit, NaNs where they fall."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(6, 256)).astype(np.float32) * 3  # 8 blocks a row
+    x[0, :32] = 0.0
+    x[0, 32:64] = -0.0
+    x[1, 5] = np.nan
+    x[5, [29, 100, 127, 135, 250]] = np.nan  # each block's last vectors too
+    x[1, 40] = np.inf
+    x[1, 70] = -np.inf
+    x[2, :32] = np.float32(1e-42)  # subnormal
+    x[2, 32:64] = np.float32(3e38)
+    x[3, :32] = np.arange(32, dtype=np.float32) - 15.5  # halves after scaling near the ends
+    x[4, 64:96] = 127.0 * np.sign(rng.normal(size=32)).astype(np.float32) / 2
+    w, scales, biases = half_exact_weights(40, 256, bits, 32, seed=9)
+    ext.set_isa("portable")
+    expected = np.array(cpu_kernels.quantized_matmul(mx.array(x), w, scales, biases, 32, bits, int8_activations=True))
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        got = np.array(cpu_kernels.quantized_matmul(mx.array(x), w, scales, biases, 32, bits, int8_activations=True))
+        assert np.array_equal(got, expected, equal_nan=True), isa
+
+
 def test_int8_activations_need_a_known_setting(monkeypatch):
     monkeypatch.setenv("GMLX_CPU_QUANT_ACTIVATIONS", "int4")
     with pytest.raises(ValueError, match="GMLX_CPU_QUANT_ACTIVATIONS='int4'"):

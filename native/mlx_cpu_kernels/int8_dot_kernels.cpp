@@ -700,7 +700,64 @@ void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_in
   rows.xsd.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
 }
 
+namespace {
+
+#if GMLX_X86
+// One block of 32 inputs, quantize_rows's integers and floats with AVX2 (the same operations
+// lane by lane: max ignores a NaN as std::max does when the running maximum is its second
+// operand, the rounding is the same magic-number add). Returns sum(q); *amax_out = amax.
+GMLX_AVX2 int32_t quantize_block_avx2(const float* xb, int bits, int8_t* even, int8_t* block, float* amax_out) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    amax = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), amax);  // a NaN lane keeps amax
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax_value = _mm_cvtss_f32(m4);
+  *amax_out = amax_value;
+  const __m256 inverse = _mm256_set1_ps(amax_value > 0.0f ? 127.0f / amax_value : 0.0f);
+  const __m256 low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f), magic = _mm256_set1_ps(kRoundingMagic);
+  __m256i q[4];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    __m256 t = _mm256_mul_ps(v[i], inverse);
+    t = _mm256_and_ps(t, _mm256_cmp_ps(t, t, _CMP_ORD_Q));  // NaN becomes 0
+    t = _mm256_min_ps(_mm256_max_ps(t, low), high);
+    q[i] = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, magic), magic));  // integral already
+    sum = _mm256_add_epi32(sum, q[i]);
+  }
+  // int32 -> int8 in input order: the packs interleave 128-bit lanes, the permute undoes it.
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (bits == 4) {  // even inputs to even[0..15], odd ones to even[64..79]
+    const __m256i split = _mm256_shuffle_epi8(
+        packed, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3,
+                                 5, 7, 9, 11, 13, 15));
+    const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);  // evens 0-15, 16-31, odds 0-15, 16-31
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(even), _mm256_castsi256_si128(halves));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(even + 64), _mm256_extracti128_si256(halves, 1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(block), packed);
+  }
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
+#endif
+
+}  // namespace
+
 void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, int bits, QuantizedRows& rows) {
+#if GMLX_X86
+  // Scalar on the portable ISA, so the kernel tests compare the two quantizers bit for bit.
+  const bool is_vector = kernels_isa() != Isa::kPortable && is_isa_supported(Isa::kAvx2);
+#endif
   const int64_t num_blocks = num_inputs / kInt8BlockInputs;
   const int64_t padded_blocks = rows.padded_inputs / kInt8BlockInputs;
   for (int64_t r = begin; r < end; ++r) {
@@ -713,11 +770,20 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
     std::fill(xsd, xsd + padded_blocks, 0.0f);
     for (int64_t j = 0; j < num_blocks; ++j) {
       const float* xb = xr + j * kInt8BlockInputs;
+      int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;  // 4 bits
+      int8_t* block = q + j * kInt8BlockInputs;  // 8 bits
+#if GMLX_X86
+      if (is_vector) {
+        float amax;
+        const int32_t sum = quantize_block_avx2(xb, bits, even, block, &amax);
+        d[j] = amax / 127.0f;
+        xsd[j] = d[j] * static_cast<float>(sum);
+        continue;
+      }
+#endif
       float amax = 0.0f;
       for (int t = 0; t < kInt8BlockInputs; ++t) amax = std::max(amax, std::fabs(xb[t]));
       const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;  // 4 bits
-      int8_t* block = q + j * kInt8BlockInputs;  // 8 bits
       int32_t sum = 0;
       for (int t = 0; t < kInt8BlockInputs; ++t) {
         // Round half to even without a libm call: adding and removing 1.5 * 2^23 leaves the
