@@ -125,6 +125,7 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
     """The int8 path's weights as one stream (quad-interleaved, int8_dot_kernels.h): per four
     outputs and 128-input chunk, their packed weights, then 16 float16 scales and 16 biases; a
     K of at most 64 past whole chunks ends in a half chunk where the kernels take half tails.
+    Where the extension's tile_layout() is on (VNNI CPUs), 16-output tiles instead (_pack_tiles).
 
     scales and biases must be float16 (exact: the kernels read those very values)."""
     import mlx.core as mx

@@ -99,7 +99,7 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
 // 64-byte vectors, dword o of each one output's four bytes: at 4 bits vector t holds inputs
 // 8t..8t+3 in low nibbles and 8t+4..8t+7 in high ones, at 8 bits vector t inputs 4t..4t+3.
 // A vpdpbusd against four of x's bytes broadcast so gives each output's block sum in its own
-// lane, with no reduction across lanes: rows cost little more than the integer dots. Same
+// lane, with no reduction across lanes: a row costs 8 integer dots and 4 float operations a block. Same
 // floats per output as the quad layout (block j's two fmas on lane j % 4), so the same bits.
 constexpr int64_t kTileOutputs = 16;
 constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockInputs * bits / 8 + 2 * kTileOutputs * 2; }
