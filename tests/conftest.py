@@ -28,6 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # sche
 
 # After a hard timeout's interrupt, how long the run gets to stop and report before it is ended.
 HARD_TIMEOUT_GRACE_S = 60
+# A run started in the background of a script inherits SIGINT ignored, and Python then keeps
+# ignoring it: the hard timeout's interrupt would do nothing and the run would end a minute
+# later with exit 1. The run takes SIGINT as pytest expects it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 _hard_timeout_stderr = []  # the terminal's stderr, kept open for the last-resort dump
 
 
