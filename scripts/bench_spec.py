@@ -11,7 +11,8 @@ separately (lift_prose, lift_code); its mtp drafter is the head shipped for that
 
 Sections:
   verify   a verify forward of 2-4 positions over a one-position step, interposer on and off
-  lift     decode tok/s at width 1, each drafter against plain, with acceptance
+  lift     decode tok/s at width 1, each drafter against plain, with acceptance; drafter engines
+           as served (start-up cost table; --uncalibrated: without it, as before session 14)
   mlx_lm   gmlx's scalar loop as served (adaptive depth, calibrated) vs mlx_lm speculative_generate_step
            at its best fixed k, same target and draft model
   widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
@@ -78,13 +79,27 @@ def bench_verify_cost(target, repeats):
     return rows
 
 
-def bench_lift(target, drafter_specs, prompts, params, repeats):
+def served_engine_for(target, drafter_spec):
+    """A drafter's engine as Engine.load (and so `gmlx serve`) builds it: with the start-up
+    cost table (cached per model and machine) and its served-cost corrections."""
+    from gmlx.spec.calibration import load_or_measure
+
+    drafter = make_drafter(drafter_spec, target)
+    return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0),
+                  cost_table=load_or_measure(target, drafter, EngineConfig().max_num_rows))
+
+
+def bench_lift(target, drafter_specs, prompts, params, repeats, is_calibrated=True):
     rows = []
-    engines = {"none": engine_for(target, "none")} | {d: engine_for(target, d) for d in drafter_specs}
-    for prompt in prompts[:repeats]:
-        plain, _ = decode_tok_per_s(engines["none"], [prompt], params)
+    make = served_engine_for if is_calibrated else engine_for
+    engines = {"none": engine_for(target, "none")} | {d: make(target, d) for d in drafter_specs}
+    for i, prompt in enumerate(prompts[:repeats]):
+        # ABBA: plain first on even prompts, last on odd ones, so neither side meets the box's drift first.
+        order = ["none", *drafter_specs]
+        runs = {name: decode_tok_per_s(engines[name], [prompt], params) for name in (order if i % 2 == 0 else order[::-1])}
+        plain = runs["none"][0]
         for d in drafter_specs:
-            spec, delta = decode_tok_per_s(engines[d], [prompt], params)
+            spec, delta = runs[d]
             rows.append((d, spec, plain, acceptance(delta),
                          (delta["num_accepted"] + delta["num_spec_rounds"]) / max(delta["num_spec_rounds"], 1)))
     out = []
@@ -236,6 +251,8 @@ def main() -> None:
     parser.add_argument("--k-max", type=int, default=4, help="mlx_lm: gmlx's deepest draft, mlx-lm's ks 1..this")
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
     parser.add_argument("--calibrate", action="store_true", help="depth: use the start-up calibration table")
+    parser.add_argument("--uncalibrated", action="store_true",
+                        help="lift: drafter engines without the start-up cost table (sessions <= 14's tables)")
     args = parser.parse_args()
     params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=1)
     sections = args.sections.split(",")
@@ -258,10 +275,11 @@ def main() -> None:
         if "lift" in sections and name == "smollm2":
             for kind in ("prose", "code"):
                 kind_prompts = heldout_text_prompts(target.tokenizer, kind, args.repeats, 64)
-                result[f"lift_{kind}"] = bench_lift(target, specs, kind_prompts, params, args.repeats)
+                result[f"lift_{kind}"] = bench_lift(target, specs, kind_prompts, params, args.repeats,
+                                                    not args.uncalibrated)
                 print(json.dumps({f"lift_{kind}": result[f"lift_{kind}"]}), flush=True)
         elif "lift" in sections:
-            result["lift"] = bench_lift(target, specs, prompts, params, args.repeats)
+            result["lift"] = bench_lift(target, specs, prompts, params, args.repeats, not args.uncalibrated)
         if "mlx_lm" in sections:
             result["mlx_lm"] = bench_vs_mlx_lm(target, prompts, params, args.repeats, args.k_max)
         if "widths" in sections:
