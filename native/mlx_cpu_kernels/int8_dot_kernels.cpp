@@ -751,12 +751,32 @@ GMLX_AVX2 int32_t quantize_block_avx2(const float* xb, int bits, int8_t* even, i
 }
 #endif
 
+// The same block, one input at a time.
+int32_t quantize_block_scalar(const float* xb, int bits, int8_t* even, int8_t* block, float* amax_out) {
+  float amax = 0.0f;
+  for (int t = 0; t < kInt8BlockInputs; ++t) amax = std::max(amax, std::fabs(xb[t]));
+  *amax_out = amax;
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+  for (int t = 0; t < kInt8BlockInputs; ++t) {
+    // Round half to even without a libm call: adding and removing 1.5 * 2^23 leaves the
+    // nearest integer of any |v| <= 127 (v clamped first; NaN becomes 0).
+    float v = xb[t] * inverse;
+    v = v == v ? std::min(std::max(v, -127.0f), 127.0f) : 0.0f;
+    const int32_t rounded = static_cast<int32_t>((v + kRoundingMagic) - kRoundingMagic);
+    (bits == 4 ? even[t % 2 * 64 + t / 2] : block[t]) = static_cast<int8_t>(rounded);
+    sum += rounded;
+  }
+  return sum;
+}
+
 }  // namespace
 
 void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, int bits, QuantizedRows& rows) {
-#if GMLX_X86
   // Scalar on the portable ISA, so the kernel tests compare the two quantizers bit for bit.
-  const bool is_vector = kernels_isa() != Isa::kPortable && is_isa_supported(Isa::kAvx2);
+  int32_t (*quantize_block)(const float*, int, int8_t*, int8_t*, float*) = quantize_block_scalar;
+#if GMLX_X86
+  if (kernels_isa() != Isa::kPortable && is_isa_supported(Isa::kAvx2)) quantize_block = quantize_block_avx2;
 #endif
   const int64_t num_blocks = num_inputs / kInt8BlockInputs;
   const int64_t padded_blocks = rows.padded_inputs / kInt8BlockInputs;
@@ -772,28 +792,8 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
       const float* xb = xr + j * kInt8BlockInputs;
       int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;  // 4 bits
       int8_t* block = q + j * kInt8BlockInputs;  // 8 bits
-#if GMLX_X86
-      if (is_vector) {
-        float amax;
-        const int32_t sum = quantize_block_avx2(xb, bits, even, block, &amax);
-        d[j] = amax / 127.0f;
-        xsd[j] = d[j] * static_cast<float>(sum);
-        continue;
-      }
-#endif
-      float amax = 0.0f;
-      for (int t = 0; t < kInt8BlockInputs; ++t) amax = std::max(amax, std::fabs(xb[t]));
-      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t sum = 0;
-      for (int t = 0; t < kInt8BlockInputs; ++t) {
-        // Round half to even without a libm call: adding and removing 1.5 * 2^23 leaves the
-        // nearest integer of any |v| <= 127 (v clamped first; NaN becomes 0).
-        float v = xb[t] * inverse;
-        v = v == v ? std::min(std::max(v, -127.0f), 127.0f) : 0.0f;
-        const int32_t rounded = static_cast<int32_t>((v + kRoundingMagic) - kRoundingMagic);
-        (bits == 4 ? even[t % 2 * 64 + t / 2] : block[t]) = static_cast<int8_t>(rounded);
-        sum += rounded;
-      }
+      float amax;
+      const int32_t sum = quantize_block(xb, bits, even, block, &amax);
       d[j] = amax / 127.0f;
       xsd[j] = d[j] * static_cast<float>(sum);
     }
