@@ -121,6 +121,17 @@ _CHUNK_INPUTS = 128  # inputs per chunk
 _BLOCK_INPUTS = 32  # inputs per int8 block: a scale and bias per block in the layout
 
 
+def _padded_rows(w, scales, biases, group_size: int, num_padded_outputs: int) -> tuple:
+    """What both one-stream layouts start from: w's rows as bytes (low nibble first, as the
+    kernels read them), and each group's scale and bias once per 32-input block; zero rows
+    past the outputs, up to num_padded_outputs."""
+    import mlx.core as mx
+
+    pad = [(0, num_padded_outputs - w.shape[0]), (0, 0)]
+    return (mx.pad(mx.view(w, mx.uint8), pad),
+            *(mx.pad(mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1), pad) for values in (scales, biases)))
+
+
 def pack_quads(w, scales, biases, group_size: int, bits: int):
     """The int8 path's weights as one stream (quad-interleaved, int8_dot_kernels.h): per four
     outputs and 128-input chunk, their packed weights, then 16 float16 scales and 16 biases; a
@@ -135,17 +146,12 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
         return _pack_tiles(w, scales, biases, group_size, bits)
     num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
     num_quads = -(-num_outputs // _QUAD_OUTPUTS)
-    pad_outputs = num_quads * _QUAD_OUTPUTS - num_outputs
     rest = num_inputs % _CHUNK_INPUTS
     has_half_chunk = 0 < rest <= _CHUNK_INPUTS // 2 and extension().half_tails()
     num_whole_chunks = num_inputs // _CHUNK_INPUTS + (1 if rest and not has_half_chunk else 0)
-    weights = mx.pad(mx.view(w, mx.uint8), [(0, pad_outputs), (0, 0)])  # low nibble first, as the kernels read it
+    # (4Q, K * bits / 8) bytes, (4Q, K / 32) scales and biases
+    weights, block_scales, block_biases = _padded_rows(w, scales, biases, group_size, num_quads * _QUAD_OUTPUTS)
     blocks_per_chunk = _CHUNK_INPUTS // _BLOCK_INPUTS
-
-    def per_block(values):  # (N, K / group) -> (4Q, K / 32): a group's value once per block
-        return mx.pad(mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1), [(0, pad_outputs), (0, 0)])
-
-    block_scales, block_biases = per_block(scales), per_block(biases)
 
     def chunks(first_input: int, chunk_inputs: int, num_chunks: int):  # -> (Q, num_chunks * chunk bytes)
         weight_bytes = chunk_inputs * bits // 8
@@ -181,8 +187,8 @@ def _pack_tiles(w, scales, biases, group_size: int, bits: int):
 
     num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
     num_tiles, num_blocks = -(-num_outputs // _TILE_OUTPUTS), num_inputs // _BLOCK_INPUTS
-    pad_outputs = num_tiles * _TILE_OUTPUTS - num_outputs
-    packed = mx.pad(mx.view(w, mx.uint8), [(0, pad_outputs), (0, 0)])  # (16T, K * bits / 8)
+    # (16T, K * bits / 8) bytes, (16T, K / 32) scales and biases
+    packed, block_scales, block_biases = _padded_rows(w, scales, biases, group_size, num_tiles * _TILE_OUTPUTS)
     if bits == 4:
         # Vector t of a block: inputs 8t..8t+3 in the low nibbles, 8t+4..8t+7 in the high ones.
         values = mx.stack([packed & 0xF, packed >> 4], axis=-1)  # (16T, K / 2, 2): mlx's low nibble first
@@ -194,12 +200,11 @@ def _pack_tiles(w, scales, biases, group_size: int, bits: int):
         weights = values.transpose(0, 2, 3, 1, 4)
     weights = weights.reshape(num_tiles, num_blocks, -1)
 
-    def per_block(values):  # (N, K / group) -> (T, blocks, 32 bytes): a group's value once per block
-        values = mx.pad(mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1), [(0, pad_outputs), (0, 0)])
+    def per_tile(values):  # (16T, blocks) -> (T, blocks, 32 bytes): the tile's 16 outputs side by side
         values = values.reshape(num_tiles, _TILE_OUTPUTS, num_blocks).transpose(0, 2, 1)
         return mx.view(mx.contiguous(values), mx.uint8).reshape(num_tiles, num_blocks, -1)
 
-    tiles = mx.concatenate([weights, per_block(scales), per_block(biases)], axis=2).reshape(-1)
+    tiles = mx.concatenate([weights, per_tile(block_scales), per_tile(block_biases)], axis=2).reshape(-1)
     assert tiles.size == extension().quad_layout_bytes(num_outputs, num_inputs, bits), tiles.size
     return mx.contiguous(tiles)
 
