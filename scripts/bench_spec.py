@@ -79,20 +79,20 @@ def bench_verify_cost(target, repeats):
     return rows
 
 
-def served_engine_for(target, drafter_spec):
+def served_engine_for(target, drafter):
     """A drafter's engine as Engine.load (and so `gmlx serve`) builds it: with the start-up
     cost table (cached per model and machine) and its served-cost corrections."""
     from gmlx.spec.calibration import load_or_measure
 
-    drafter = make_drafter(drafter_spec, target)
     return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0),
                   cost_table=load_or_measure(target, drafter, EngineConfig().max_num_rows))
 
 
 def bench_lift(target, drafter_specs, prompts, params, repeats, is_calibrated=True):
     rows = []
-    make = served_engine_for if is_calibrated else engine_for
-    engines = {"none": engine_for(target, "none")} | {d: make(target, d) for d in drafter_specs}
+    engines = {"none": engine_for(target, "none")} | {
+        d: served_engine_for(target, make_drafter(d, target)) if is_calibrated else engine_for(target, d)
+        for d in drafter_specs}
     for i, prompt in enumerate(prompts[:repeats]):
         # ABBA: plain first on even prompts, last on odd ones, so neither side meets the box's drift first.
         order = ["none", *drafter_specs]
@@ -117,14 +117,10 @@ def bench_vs_mlx_lm(target, prompts, params, repeats, k_max):
     """gmlx's scalar loop as served (adaptive depth up to k_max, the start-up calibration)
     against mlx-lm's speculative_generate_step at every fixed k in 1..k_max, same target and
     draft model, alternating per prompt; the ratio is over mlx-lm's best k (by median)."""
-    from gmlx.spec.calibration import load_or_measure
-
     draft = load_model(BUILTIN_DRAFT_DIR)
     spec = f"draft:{BUILTIN_DRAFT_DIR}"
-    adaptive_drafter = make_drafter(spec, target, num_draft_tokens=k_max)
-    table = load_or_measure(target, adaptive_drafter, EngineConfig().max_num_rows)
     engines = {"plain": engine_for(target, "none"),
-               "adaptive": Engine(target, adaptive_drafter, EngineConfig(prompt_cache_bytes=0), cost_table=table),
+               "adaptive": served_engine_for(target, make_drafter(spec, target, num_draft_tokens=k_max)),
                "fixed": Engine(target, make_drafter(spec, target, num_draft_tokens=k_max),
                                EngineConfig(prompt_cache_bytes=0, is_adaptive_depth=False))}
     ks = list(range(1, k_max + 1))
@@ -208,15 +204,13 @@ def bench_gated(target, drafter_spec, prompts, params, repeats, width=4):
 
 def bench_depth(target, drafter_specs, prompts, params, repeats, widths, is_calibrated):
     """Aggregate tok/s at each width: adaptive depth and fixed k, each over plain, side by side."""
-    from gmlx.spec.calibration import load_or_measure
-
     out = []
     for d in drafter_specs:
         drafter_fixed, drafter_adaptive = make_drafter(d, target), make_drafter(d, target)
-        table = load_or_measure(target, drafter_adaptive, 64) if is_calibrated else None
         engines = {"plain": engine_for(target, "none"),
                    "fixed": Engine(target, drafter_fixed, EngineConfig(prompt_cache_bytes=0, is_adaptive_depth=False)),
-                   "adaptive": Engine(target, drafter_adaptive, EngineConfig(prompt_cache_bytes=0), cost_table=table)}
+                   "adaptive": (served_engine_for(target, drafter_adaptive) if is_calibrated
+                                else Engine(target, drafter_adaptive, EngineConfig(prompt_cache_bytes=0)))}
         for width in widths:
             rows = []
             for r in range(repeats):
