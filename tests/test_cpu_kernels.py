@@ -627,17 +627,17 @@ def test_quad_layout_and_grouping_leave_every_logit_bit_alone(tiles, gguf_like_t
         rows_target = load_model(gguf_like_target.path)
     assert not any("quads" in m for _, m in rows_target.model.named_modules())
     ext.set_tile_layout(tiles)  # packed and read under this setting
-    gguf_like_target = load_model(gguf_like_target.path)
+    layout_target = load_model(gguf_like_target.path)
     for prompt in code_prompts[:4]:
         tokens = mx.array([prompt[:40]])
         for cache in (None, "ragged"):  # mlx-lm's attention, then gmlx's kernel attention over its KV
             caches = [[RaggedKVCache() for _ in range(2)] for _ in range(2)] if cache else [None, None]
             _, expected = rows_target.forward(tokens, caches[0])
-            _, got = gguf_like_target.forward(tokens, caches[1])
+            _, got = layout_target.forward(tokens, caches[1])
             assert mx.array_equal(got, expected).item(), cache
             if cache:  # and a decode step after the prompt
                 next_token = expected[:, -1:].argmax(-1)
-                assert mx.array_equal(gguf_like_target.forward(next_token, caches[1])[1],
+                assert mx.array_equal(layout_target.forward(next_token, caches[1])[1],
                                       rows_target.forward(next_token, caches[0])[1]).item()
 
 
