@@ -17,29 +17,39 @@ namespace {
 // Vectors of D features (one per (b, ..., t)) per pool chunk: a prefill's call spreads
 // over the cores, a decode step's stays on the caller.
 constexpr int64_t kVectorsPerChunk = 256;
+constexpr int64_t kPositionsPerChunk = 64;  // angle rows per pool chunk
 
+// Each (b, t)'s cosines and sines are computed once per call into a table: with t the
+// fastest index, every head of a multi-position call would otherwise recompute them
+// (a 4-position verify spent ~25 us a SmolLM2 layer in std::cos and std::sin).
 struct RopeJob : RopeArgs {
   std::vector<double> inv_freqs;  // (dims / 2,)
+  std::vector<float> cosines, sines;  // (B * T, dims / 2)
 };
+
+void fill_angles(void* context, int64_t chunk) {
+  auto* job = static_cast<RopeJob*>(context);
+  const int half = job->dims / 2;
+  for (int64_t r = chunk * kPositionsPerChunk; r < std::min(job->num_b * job->num_t, (chunk + 1) * kPositionsPerChunk);
+       ++r) {
+    const int64_t position = job->offsets[r / job->num_t * job->offset_stride] + r % job->num_t;
+    const double angle_scale = static_cast<double>(static_cast<float>(position) * job->scale);
+    for (int i = 0; i < half; ++i) {
+      const double angle = angle_scale * job->inv_freqs[i];
+      job->cosines[r * half + i] = static_cast<float>(std::cos(angle));
+      job->sines[r * half + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+}
 
 void rotate_vectors(void* context, int64_t chunk) {
   const auto* job = static_cast<const RopeJob*>(context);
   const int64_t num_vectors = job->num_b * job->num_m * job->num_t;
   const int half = job->dims / 2;
-  std::vector<float> cosines(half), sines(half);
-  int64_t cached_position = -1;
   for (int64_t v = chunk * kVectorsPerChunk; v < std::min(num_vectors, (chunk + 1) * kVectorsPerChunk); ++v) {
     const int64_t t = v % job->num_t, m = v / job->num_t % job->num_m, b = v / (job->num_t * job->num_m);
-    const int64_t position = job->offsets[b * job->offset_stride] + t;
-    if (position != cached_position) {
-      const double angle_scale = static_cast<double>(static_cast<float>(position) * job->scale);
-      for (int i = 0; i < half; ++i) {
-        const double angle = angle_scale * job->inv_freqs[i];
-        cosines[i] = static_cast<float>(std::cos(angle));
-        sines[i] = static_cast<float>(std::sin(angle));
-      }
-      cached_position = position;
-    }
+    const float* cosines = job->cosines.data() + (b * job->num_t + t) * half;
+    const float* sines = job->sines.data() + (b * job->num_t + t) * half;
     const float* x = job->x + b * job->stride_b + m * job->stride_m + t * job->stride_t;
     const int64_t sd = job->stride_d;
     float* y = job->y + v * job->num_d;
@@ -65,6 +75,10 @@ void rotate(const RopeArgs& args) {
   for (int i = 0; i < half; ++i) {
     job.inv_freqs[i] = std::pow(static_cast<double>(args.base), -static_cast<double>(i) / half);
   }
+  const int64_t num_positions = job.num_b * job.num_t;
+  job.cosines.resize(num_positions * half);
+  job.sines.resize(num_positions * half);
+  run_on_pool(fill_angles, &job, (num_positions + kPositionsPerChunk - 1) / kPositionsPerChunk);
   const int64_t num_vectors = job.num_b * job.num_m * job.num_t;
   run_on_pool(rotate_vectors, &job, (num_vectors + kVectorsPerChunk - 1) / kVectorsPerChunk);
 }
