@@ -2,12 +2,15 @@
 calibration's cache, and the engine using a cost table."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
+from gmlx.models.loader import load_model
 from gmlx.request import SamplingParams
 from gmlx.spec import calibration
 from gmlx.spec.calibration import CostTable
@@ -151,6 +154,23 @@ def test_calibration_is_measured_again_when_a_cpu_kernel_switch_changes(tiny_tar
     calibration.load_or_measure(tiny_target, drafter, max_rows=2)
     monkeypatch.setenv("GMLX_CPU_FUSED_LAYERS", "0")
     calibration.load_or_measure(tiny_target, drafter, max_rows=2)
+    assert len(json.loads((tmp_path / "spec_calibration.json").read_text())) == 2
+
+
+def test_calibration_is_measured_again_when_a_gguf_file_changes(tiny_llama_dir, tmp_path, monkeypatch):
+    """A GGUF replaced at the same path (another quantization, say) is not read with the old file's costs."""
+    from gguf_support import write_gguf_from_folder
+
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GMLX_CALIBRATE", "auto")
+    path = write_gguf_from_folder(Path(tiny_llama_dir), tmp_path / "model.gguf")
+    target = load_model(path)
+    drafter = make_drafter("ngram", target)
+    calibration.load_or_measure(target, drafter, max_rows=2)
+    calibration.load_or_measure(target, drafter, max_rows=2)  # read back: still one entry
+    assert len(json.loads((tmp_path / "spec_calibration.json").read_text())) == 1
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    calibration.load_or_measure(target, drafter, max_rows=2)
     assert len(json.loads((tmp_path / "spec_calibration.json").read_text())) == 2
 
 

@@ -223,8 +223,10 @@ def _cache_key(target, drafter, max_rows: int) -> str:
              str(getattr(drafter, "path", ""))]
     # The CPU kernels' switches and build set the costs too: a rebuilt (faster) extension re-measures.
     parts += [f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("GMLX_CPU_")]
-    folder = Path(target.path)
-    files = sorted(folder.glob("*.safetensors")) + [folder / "config.json"] + cpu_kernels.build_files()
+    # The weights too: a model folder's safetensors and config, or the GGUF file itself.
+    source = Path(target.path)
+    weights = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
+    files = weights + cpu_kernels.build_files()
     return machine_cache.cache_key(parts, files)
 
 
