@@ -2,7 +2,11 @@
 calibration's cache, and the engine using a cost table."""
 
 import json
+import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.models.loader import load_model
+from gmlx.platform import timing
 from gmlx.request import SamplingParams
 from gmlx.spec import calibration
 from gmlx.spec.calibration import CostTable
@@ -132,6 +137,7 @@ def test_engine_with_a_table_equals_plain(builtin_target, code_prompts):
 
 def test_calibration_is_measured_once_then_read_from_the_cache(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(timing, "MAX_OTHER_LOAD", 1.0)  # caching, whatever else this machine runs
     monkeypatch.setenv("GMLX_CALIBRATE", "auto")
     drafter = make_drafter("ngram", tiny_target)
     table = calibration.load_or_measure(tiny_target, drafter, max_rows=4)
@@ -148,6 +154,7 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_target, tmp_
 def test_calibration_is_measured_again_when_a_cpu_kernel_switch_changes(tiny_target, tmp_path, monkeypatch):
     """The kernels set the costs: a table measured with one GMLX_CPU_* setting is not read under another."""
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(timing, "MAX_OTHER_LOAD", 1.0)
     monkeypatch.setenv("GMLX_CALIBRATE", "auto")
     monkeypatch.delenv("GMLX_CPU_FUSED_LAYERS", raising=False)
     drafter = make_drafter("ngram", tiny_target)
@@ -163,6 +170,7 @@ def test_calibration_is_measured_again_when_a_gguf_file_changes(tiny_llama_dir, 
 
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("GMLX_CALIBRATE", "auto")
+    monkeypatch.setattr(timing, "MAX_OTHER_LOAD", 1.0)
     path = write_gguf_from_folder(Path(tiny_llama_dir), tmp_path / "model.gguf")
     target = load_model(path)
     drafter = make_drafter("ngram", target)
@@ -172,6 +180,27 @@ def test_calibration_is_measured_again_when_a_gguf_file_changes(tiny_llama_dir, 
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     calibration.load_or_measure(target, drafter, max_rows=2)
     assert len(json.loads((tmp_path / "spec_calibration.json").read_text())) == 2
+
+
+@pytest.mark.skipif(timing._cpu_ticks() is None, reason="the OS does not report machine CPU time")
+def test_a_calibration_disturbed_by_other_processes_is_not_cached(tiny_target, tmp_path, monkeypatch, caplog):
+    """Real processes spin on every core while it measures: each attempt sees them, so the costs
+    serve this process only (each cell's fastest reading) and the cache stays empty."""
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GMLX_CALIBRATE", "auto")
+    drafter = make_drafter("ngram", tiny_target)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)  # running before the first attempt starts
+        with caplog.at_level(logging.WARNING, logger="gmlx.spec.calibration"):
+            table = calibration.load_or_measure(tiny_target, drafter, max_rows=2)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert table.widths == (1, 2) and table.k_max == drafter.num_draft_tokens
+    assert not (tmp_path / "spec_calibration.json").exists()
+    assert "not cached" in caplog.text
 
 
 @pytest.mark.parametrize("kind", ["mtp", "draft", "ngram"])

@@ -18,6 +18,7 @@ from pathlib import Path
 from gmlx import config
 from gmlx.platform import machine_cache
 from gmlx.platform.blas_cores import CoreChoice, CoreTiming, candidate_cores, choose_core, is_x86
+from gmlx.platform.timing import OtherLoad
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +142,13 @@ def select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
     elif inherited is None:  # a child of a gmlx process that chose already need not measure
         logger.info("timing the OpenBLAS cores this CPU can run (once per machine; cached in %s)",
                     machine_cache.cache_path(CACHE_NAME))
-        sel.detected, sel.timings = measure_cores(blas_path, flags)
-        if sel.timings:
+        with OtherLoad() as load:
+            sel.detected, sel.timings = measure_cores(blas_path, flags)
+        if sel.timings and not load.is_disturbed:
             _write_cache(key, sel.detected, sel.timings)
+        elif sel.timings:  # chosen for this process; the next start times the cores again
+            logger.warning("OpenBLAS core timings not cached: other processes used %.0f%% of the CPU meanwhile",
+                           100 * load.share)
     if inherited is not None and not sel.timings:
         sel.choice = CoreChoice(inherited, f"{inherited}, chosen by the parent gmlx process")
     else:
