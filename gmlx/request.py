@@ -114,6 +114,9 @@ class Request:
     num_accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [j] = drafts accepted at depth j
     num_rounds_by_loop: dict = field(default_factory=dict)  # loop name (batch.Loop values) -> rounds
+    # A drafter's own per-request state (the n-gram drafter's index of the history): it lives
+    # and dies with the request, whatever batches and transitions the request passes through.
+    drafter_memo: object = field(default=None, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -38,7 +38,7 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gmlx.config import env_overrides  # noqa: E402
-from gmlx.drafters.ngram import NgramDrafter  # noqa: E402
+from gmlx.drafters.ngram import NgramDrafter, scan_lookup  # noqa: E402
 from gmlx.models.head_registry import SHIPPED_HEADS_DIR, file_sha256  # noqa: E402
 from gmlx.models.loader import load_model  # noqa: E402
 from gmlx.models.mtp_head import MTPHead, MTPHeadArgs, load_mtp_head, save_mtp_head  # noqa: E402
@@ -223,7 +223,7 @@ def ngram_first_hits(data: dict) -> tuple[int, int]:
     drafter, hits, total = NgramDrafter(), 0, 0
     for tokens, greedy in zip(data["tokens"].tolist(), data["greedy"]):
         for t in range(len(tokens) - 1):
-            hits += drafter._lookup(tokens[:t + 2], 1)[0] == greedy[t + 1]
+            hits += scan_lookup(tokens[:t + 2], 1, drafter.max_ngram)[0] == greedy[t + 1]
             total += 1
     return hits, total
 

@@ -323,3 +323,27 @@ def test_a_depth_gated_lone_stream_admits_waiters_with_preempt_off(builtin_targe
     assert engine.counters["num_preempts"] == 0
     for name, prompt in prompts.items():
         assert got[name] == reference.tokens(prompt, params)[0], name
+
+
+def test_ngram_index_drafts_what_the_scan_drafts():
+    """The n-gram drafter's index against scan_lookup over random growing histories (a small
+    vocabulary, so n-grams repeat), with the gated score's one-shorter history in between."""
+    import random
+
+    from gmlx.drafters.ngram import NgramDrafter, scan_lookup
+    from gmlx.request import Request
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        drafter = NgramDrafter(max_ngram=rng.choice([1, 2, 3, 4]))
+        request = Request("r", [rng.randrange(6) for _ in range(rng.randrange(1, 8))], SamplingParams(), 0)
+        for _ in range(60):
+            request.output_token_ids.extend(rng.randrange(6) for _ in range(rng.randrange(1, 5)))
+            history = request.all_token_ids
+            for _ in range(rng.randrange(1, 3)):  # both at one length: the score after a round's drafts
+                k = rng.randrange(1, 6)
+                if rng.random() < 0.3:
+                    assert drafter.would_have_drafted(request) == (
+                        scan_lookup(history[:-1], 1, drafter.max_ngram)[0] == history[-1])
+                else:
+                    assert drafter._lookup(request, history, k) == scan_lookup(history, k, drafter.max_ngram)
