@@ -220,10 +220,10 @@ def train(head, target, data: dict, args, rng) -> float:
 def ngram_first_hits(data: dict) -> tuple[int, int]:
     """The n-gram drafter's first draft after each pending token x_{t+1}, against the
     target's greedy choice there, over each window's history so far."""
-    drafter, hits, total = NgramDrafter(), 0, 0
+    max_ngram, hits, total = NgramDrafter().max_ngram, 0, 0  # the served drafter's n
     for tokens, greedy in zip(data["tokens"].tolist(), data["greedy"]):
         for t in range(len(tokens) - 1):
-            hits += scan_lookup(tokens[:t + 2], 1, drafter.max_ngram)[0] == greedy[t + 1]
+            hits += scan_lookup(tokens[:t + 2], 1, max_ngram)[0] == greedy[t + 1]
             total += 1
     return hits, total
 

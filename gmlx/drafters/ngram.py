@@ -87,7 +87,7 @@ class NgramIndex:
         for last in range(self._num_ends, end):  # n-grams ending at `last`, the latest start kept
             for size in range(1, min(self.max_ngram, last + 1) + 1):
                 self._last_start[size][tuple(tokens[last - size + 1 : last + 1])] = last - size + 1
-        self._num_ends = max(self._num_ends, end)
+        self._num_ends = end  # can_answer: it was at most end
         for size in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
             start = self._last_start[size].get(tuple(tokens[-size:]))
             if start is not None:
