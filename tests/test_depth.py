@@ -19,7 +19,7 @@ from gmlx.platform import timing
 from gmlx.request import SamplingParams
 from gmlx.spec import calibration
 from gmlx.spec.calibration import CostTable
-from gmlx.spec.depth import MIN_TRIES_TO_STOP, PRIOR_ACCEPTANCE, DepthPolicy, DraftCosts, expected_tokens
+from gmlx.spec.depth import MIN_TRIES_TO_STOP, PRIOR_ACCEPTANCE, PROBE_SPREAD, DepthPolicy, DraftCosts, expected_tokens
 from gmlx.spec.served_costs import ServedCosts
 from schedules import SoloReference, check_schedule, make_schedule, run_alone
 
@@ -65,8 +65,8 @@ def test_default_cost_model_without_a_table():
 def test_depth_policy_learns_each_rows_acceptance():
     policy = DepthPolicy(k_max=3, table=SYNTHETIC)
     four = ["new", "a", "b", "c"]
-    for _ in range(MIN_TRIES_TO_STOP):  # its first rounds probe, though the prior says 0 at width 4
-        assert policy.depths(four) == [1] * 4
+    assert policy.depths(four) == [0] * 4  # width 4: no acceptance would pay, so not even a probe
+    for _ in range(MIN_TRIES_TO_STOP):
         for request_id in four:
             policy.observe(request_id, 1, 0)
     assert policy.depths(four) == [0] * 4
@@ -82,6 +82,39 @@ def test_depth_policy_learns_each_rows_acceptance():
     assert policy.acceptance("bad") == pytest.approx(policy.prior_acceptance, abs=0.05)
     policy.forget("good")
     assert policy.acceptance("good") == policy.prior_acceptance
+
+
+def test_new_rows_probe_only_where_a_better_row_would_pay():
+    """A new row drafts in its first rounds although the pooled acceptance says k = 0, but only
+    where a row PROBE_SPREAD better than the pool would gain from drafts."""
+    # One draft for 1.8 plain rounds: SmolLM2's shipped MTP head needs 0.8 acceptance to pay.
+    costly = CostTable(widths=(1,), plain_s=(1.0,), spec_s=((1.3, 1.8, 2.4, 3.0),))
+    fresh = DepthPolicy(k_max=3, table=costly)
+    assert not fresh.pays_to_draft(["new"]) and fresh.depths(["new"]) == [1]  # 0.6 + 0.25 would pay
+    for table in (SYNTHETIC, costly):
+        policy = DepthPolicy(k_max=3, table=table)
+        for i in range(30):
+            policy.observe(f"earlier{i}", 1, 0)
+        assert policy.prior_acceptance + PROBE_SPREAD < 0.3 and not policy.pays_to_draft(["new"])
+        # Cheap drafts: a row at 0.29 would gain, so it probes; dear ones: it would not, so no draft.
+        assert policy.depths(["new"]) == ([1] if table is SYNTHETIC else [0])
+
+
+def test_a_lone_stream_does_not_probe_drafts_that_cannot_pay(builtin_target):
+    """Served: once the pooled acceptance says no row could gain, a new request decodes plain
+    from its first round (gated), and its tokens are plain decoding's."""
+    costly = CostTable(widths=(1,), plain_s=(1.0,), spec_s=((1.3, 1.8, 2.4, 3.0),))
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target),
+                    EngineConfig(is_served_costs=False), cost_table=costly)
+    prompt, params = [5, 9, 14, 3, 22], SamplingParams(max_tokens=12, temperature=0.0)
+    run_alone(engine, prompt, params)
+    assert engine.counters["num_spec_rounds"] > 0  # the first request probed
+    for i in range(30):
+        engine.depth_policy.observe(f"earlier{i}", 1, 0)
+    before = dict(engine.counters)
+    assert run_alone(engine, prompt, params)[:2] == SoloReference(builtin_target).tokens(prompt, params)
+    assert engine.counters["num_spec_rounds"] == before["num_spec_rounds"]
+    assert engine.counters["num_gated_rounds"] > before["num_gated_rounds"]
 
 
 def test_a_round_drafts_one_depth_for_its_rows_summed_tokens():

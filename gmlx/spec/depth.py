@@ -16,8 +16,9 @@ The costs come from the start-up calibration corrected by the rounds as served
 The acceptance a is per request, smoothed: decayed counts of accepted and tried drafts plus a
 prior, which is the drafter's acceptance over every row so far. A row at k = 0 tries nothing,
 so its counts decay toward the prior and it probes again after a while. A round with a row
-that has tried fewer than MIN_TRIES_TO_STOP drafts drafts at least one token, whatever the
-estimates say. When a round's depth is 0 the engine gates the batch to pipelined plain rounds;
+that has tried fewer than MIN_TRIES_TO_STOP drafts drafts at least one token where such a row,
+taking PROBE_SPREAD more of its drafts than the rows so far, would make drafts pay: a probe
+finds the texts a drafter suits, and costs only where none could. When a round's depth is 0 the engine gates the batch to pipelined plain rounds;
 it re-arms when the rows' estimates ask for drafts again (pays_to_draft; a gated n-gram row
 keeps score from its history, other rows rest toward the prior).
 """
@@ -43,6 +44,11 @@ DRAFT_GAIN_MARGIN = 0.1
 # A row drafts until it has tried this many drafts: n-gram drafts hit in runs, and one
 # rejected first draft stopped rows that accept a third of their drafts over a request.
 MIN_TRIES_TO_STOP = 3
+# How much better than the pooled acceptance a new row's may turn out: requests differ by
+# about this much (SmolLM2, shipped MTP head: prose 0.0, code 0.5). Where even that would
+# not pay (that head needs 0.8 at one row), a probe is only a cost: 4% of a lone stream's
+# tokens per second at 64 tokens a request.
+PROBE_SPREAD = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +100,7 @@ class DepthPolicy:
         (opted out) in the same verify: one k for all (the deepest row sets the round's cost)."""
         k = self._round_depth(request_ids, num_plain_rows)
         # A row's first rounds draft at least once, so its acceptance is measured, not assumed.
-        if k == 0 and self.k_max and any(self._is_probing(r) for r in request_ids):
+        if k == 0 and self.k_max and self._is_probe_worth_it(request_ids, num_plain_rows):
             k = 1
         return [k] * len(request_ids)
 
@@ -107,16 +113,30 @@ class DepthPolicy:
         row = self._rows.get(request_id)
         return row is None or row.num_tried_ever < MIN_TRIES_TO_STOP
 
+    def _is_probe_worth_it(self, request_ids: list[str], num_plain_rows: int) -> bool:
+        """Some row is still probing, and drafts would pay were the probing rows' acceptance
+        PROBE_SPREAD above the pooled one."""
+        is_probing = [self._is_probing(r) for r in request_ids]
+        if not any(is_probing):
+            return False
+        hopeful = min(1.0, self.prior_acceptance + PROBE_SPREAD)
+        acceptances = [hopeful if probing else self.acceptance(r) for r, probing in zip(request_ids, is_probing)]
+        return self._depth_for(acceptances, num_plain_rows) > 0
+
     def _round_depth(self, request_ids: list[str], num_plain_rows: int) -> int:
-        if not request_ids:
+        return self._depth_for([self.acceptance(r) for r in request_ids], num_plain_rows)
+
+    def _depth_for(self, acceptances: list[float], num_plain_rows: int) -> int:
+        """The round's depth for rows of these acceptances beside num_plain_rows plain rows."""
+        if not acceptances:
             return 0
         if not self.k_max:
             return 0
-        width = len(request_ids) + num_plain_rows
+        width = len(acceptances) + num_plain_rows
         # Asked every gated round: each row's E(0..k_max) once, as running sums (the very
         # additions expected_tokens makes), not E(k) afresh for every k and every comparison.
         rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
-                for a in map(self.acceptance, request_ids)]
+                for a in acceptances]
         rates = [(sum(row[k] for row in rows) + num_plain_rows) / self._round_cost(width, k)
                  for k in range(self.k_max + 1)]
         best = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
