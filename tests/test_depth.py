@@ -28,6 +28,8 @@ from schedules import SoloReference, check_schedule, make_schedule, run_alone
 # A speculative round's own host work shows at depth 0 (1.3 against a plain round's 1.0).
 SYNTHETIC = CostTable(widths=(1, 4), plain_s=(1.0, 1.0),
                       spec_s=((1.3, 1.07, 1.14, 1.21), (1.3, 2.1, 3.2, 4.3)))
+# One draft for 1.8 plain rounds at one row: SmolLM2's shipped MTP head needs 0.8 acceptance to pay.
+COSTLY = CostTable(widths=(1,), plain_s=(1.0,), spec_s=((1.3, 1.8, 2.4, 3.0),))
 
 
 def test_expected_tokens_counts_the_bonus():
@@ -87,11 +89,9 @@ def test_depth_policy_learns_each_rows_acceptance():
 def test_new_rows_probe_only_where_a_better_row_would_pay():
     """A new row drafts in its first rounds although the pooled acceptance says k = 0, but only
     where a row PROBE_SPREAD better than the pool would gain from drafts."""
-    # One draft for 1.8 plain rounds: SmolLM2's shipped MTP head needs 0.8 acceptance to pay.
-    costly = CostTable(widths=(1,), plain_s=(1.0,), spec_s=((1.3, 1.8, 2.4, 3.0),))
-    fresh = DepthPolicy(k_max=3, table=costly)
+    fresh = DepthPolicy(k_max=3, table=COSTLY)
     assert not fresh.pays_to_draft(["new"]) and fresh.depths(["new"]) == [1]  # 0.6 + 0.25 would pay
-    for table in (SYNTHETIC, costly):
+    for table in (SYNTHETIC, COSTLY):
         policy = DepthPolicy(k_max=3, table=table)
         for i in range(30):
             policy.observe(f"earlier{i}", 1, 0)
@@ -103,9 +103,8 @@ def test_new_rows_probe_only_where_a_better_row_would_pay():
 def test_a_lone_stream_does_not_probe_drafts_that_cannot_pay(builtin_target):
     """Served: once the pooled acceptance says no row could gain, a new request decodes plain
     from its first round (gated), and its tokens are plain decoding's."""
-    costly = CostTable(widths=(1,), plain_s=(1.0,), spec_s=((1.3, 1.8, 2.4, 3.0),))
     engine = Engine(builtin_target, make_drafter("mtp", builtin_target),
-                    EngineConfig(is_served_costs=False), cost_table=costly)
+                    EngineConfig(is_served_costs=False), cost_table=COSTLY)
     prompt, params = [5, 9, 14, 3, 22], SamplingParams(max_tokens=12, temperature=0.0)
     run_alone(engine, prompt, params)
     assert engine.counters["num_spec_rounds"] > 0  # the first request probed

@@ -18,9 +18,10 @@ prior, which is the drafter's acceptance over every row so far. A row at k = 0 t
 so its counts decay toward the prior and it probes again after a while. A round with a row
 that has tried fewer than MIN_TRIES_TO_STOP drafts drafts at least one token where such a row,
 taking PROBE_SPREAD more of its drafts than the rows so far, would make drafts pay: a probe
-finds the texts a drafter suits, and costs only where none could. When a round's depth is 0 the engine gates the batch to pipelined plain rounds;
-it re-arms when the rows' estimates ask for drafts again (pays_to_draft; a gated n-gram row
-keeps score from its history, other rows rest toward the prior).
+finds the texts a drafter suits, and costs only where none could. When a round's depth is 0
+the engine gates the batch to pipelined plain rounds; it re-arms when the rows' estimates ask
+for drafts again (pays_to_draft; a gated n-gram row keeps score from its history, other rows
+rest toward the prior).
 """
 
 from __future__ import annotations
