@@ -100,7 +100,7 @@ class DepthPolicy:
         """This round's k for each speculating row, beside num_plain_rows rows that decode plain
         (opted out) in the same verify: one k for all (the deepest row sets the round's cost)."""
         k = self._round_depth(request_ids, num_plain_rows)
-        # A row's first rounds draft at least once, so its acceptance is measured, not assumed.
+        # A row's first rounds draft once (acceptance measured, not assumed) where that could pay.
         if k == 0 and self.k_max and self._is_probe_worth_it(request_ids, num_plain_rows):
             k = 1
         return [k] * len(request_ids)
