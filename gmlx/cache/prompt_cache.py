@@ -59,9 +59,11 @@ class PromptCache:
         if num_tokens <= 1:
             return
         key = tuple(token_ids[:num_tokens])
-        # Copies, so an entry neither pins the batch buffer nor sees later writes to it.
-        keys = tuple(mx.contiguous(c.keys[row : row + 1, :, :num_tokens, :]) for c in caches)
-        values = tuple(mx.contiguous(c.values[row : row + 1, :, :num_tokens, :]) for c in caches)
+        # Copies, so an entry neither pins the batch buffer nor sees later writes to it (the
+        # one-node layers write a cache's buffers in place). mx.contiguous would alias a slice
+        # that is already contiguous; mx.array copies.
+        keys = tuple(mx.array(c.keys[row : row + 1, :, :num_tokens, :]) for c in caches)
+        values = tuple(mx.array(c.values[row : row + 1, :, :num_tokens, :]) for c in caches)
         mx.eval(keys, values)
         nbytes = sum(a.nbytes for a in keys + values)
         if nbytes > self.max_bytes:
