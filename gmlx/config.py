@@ -168,9 +168,16 @@ def is_cpu_decode_ops_enabled() -> bool:
 
 def is_fused_layers_enabled() -> bool:
     """GMLX_CPU_FUSED_LAYERS (default on): with the decode ops on, a llama layer whose products are
-    all in the quad layout runs as four kernel nodes (gmlx/platform/cpu_layers.py, same bits);
-    0 keeps its ~20 (A/B runs)."""
+    all in the quad layout (or all float32 panels) runs as fused kernel nodes
+    (gmlx/platform/cpu_layers.py, same bits); 0 keeps its ~20 (A/B runs)."""
     return _env_flag("GMLX_CPU_FUSED_LAYERS", True)
+
+
+def is_one_node_layers_enabled() -> bool:
+    """GMLX_CPU_ONE_NODE_LAYERS (default on): a fused layer is one node that writes the KV cache's
+    buffers in place; 0 keeps it as five (attention_inputs, two KV writes, attention,
+    project_add, mlp_block; same bits, for A/B runs)."""
+    return _env_flag("GMLX_CPU_ONE_NODE_LAYERS", True)
 
 
 def is_cpu_float_kernels_enabled() -> bool:

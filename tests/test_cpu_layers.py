@@ -1,10 +1,15 @@
-"""Fused llama decoder layers (gmlx/platform/cpu_layers.py): four kernel nodes a layer where
-every product has packed weights (the quad layout or float32 panels), with the separate graph's bits in every shape the
-engine runs (ragged rows, verify widths, prefill chunks)."""
+"""Fused llama decoder layers (gmlx/platform/cpu_layers.py): one kernel node a layer (or the
+five-node form) where every product has packed weights (the quad layout or float32 panels), with
+the separate graph's bits in every shape the engine runs (ragged rows, verify widths, prefill
+chunks), writing the KV buffers in place only where no other array shares them."""
+
+import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from gmlx.cache.prompt_cache import PromptCache
 from gmlx.cache.ragged import RaggedKVCache
 from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
@@ -29,10 +34,32 @@ def test_layers_are_fused_and_the_switch_keeps_them_apart(fused_and_unfused):
     assert not any(type(layer) is FusedLlamaBlock for layer in unfused.model.model.layers)
 
 
-def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts):
+def test_the_one_node_switch_keeps_five_nodes(fused_and_unfused):
+    fused = fused_and_unfused[0]
+    with env_overrides({"GMLX_CPU_ONE_NODE_LAYERS": "0"}):
+        five = load_model(fused.path)
+    assert all(type(layer) is FusedLlamaBlock and not layer._layer_call.is_one_node for layer in five.model.model.layers)
+
+
+def _set_one_node(target, is_one_node: bool) -> None:
+    for layer in target.model.model.layers:
+        layer._layer_call.is_one_node = is_one_node
+
+
+@pytest.mark.parametrize("is_one_node", [True, False], ids=["one-node", "five-node"])
+def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts, is_one_node):
     """Two rows at their own lengths through prefill chunks, a 4-position verify and single
     steps: logits and every KV position bit for bit the unfused layers'."""
     fused_target, unfused_target = fused_and_unfused
+    assert all(layer._layer_call.is_one_node for layer in fused_target.model.model.layers)
+    _set_one_node(fused_target, is_one_node)
+    try:
+        _check_ragged_rows(fused_target, unfused_target, code_prompts)
+    finally:
+        _set_one_node(fused_target, True)
+
+
+def _check_ragged_rows(fused_target, unfused_target, code_prompts):
     num_layers = len(fused_target.model.model.layers)
     caches = {name: [RaggedKVCache(num_rows=2) for _ in range(num_layers)] for name in ("fused", "unfused")}
     targets = {"fused": fused_target, "unfused": unfused_target}
@@ -65,3 +92,46 @@ def test_fused_ops_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match="mlp_block gate"):
         ext.mlp_block(x, mx.ones((64,)), 1e-5, mx.zeros((10,), dtype=mx.uint8), mx.zeros((10,), dtype=mx.uint8),
                       mx.zeros((10,), dtype=mx.uint8), 128, 4)
+
+
+def _address(array: mx.array) -> int:
+    return np.asarray(memoryview(array)).ctypes.data
+
+
+def test_a_decode_step_is_one_node_a_layer_writing_the_kv_in_place(fused_and_unfused, tmp_path):
+    """The point of the one-node layer: a step's graph holds one kernel node per layer and no
+    separate KV writes, and the cache's buffers stay where they are from step to step."""
+    target = fused_and_unfused[0]
+    num_layers = len(target.model.model.layers)
+    cache = [RaggedKVCache() for _ in range(num_layers)]
+    mx.eval(target.forward(mx.array([[5, 6, 7, 8]]), cache)[1])
+    addresses = [_address(c.keys) for c in cache]
+    logits = target.forward(mx.array([[9]]), cache)[1]
+    path = tmp_path / "step.dot"
+    mx.export_to_dot(str(path), logits)
+    labels = re.findall(r'label ="([^"]+)"', path.read_text())
+    assert labels.count("GmlxDecoderLayerOp") == num_layers
+    assert "SliceUpdate" not in labels
+    mx.eval(logits)
+    assert [_address(c.keys) for c in cache] == addresses
+
+
+def test_buffers_shared_with_a_prompt_cache_entry_are_copied_before_a_write(fused_and_unfused):
+    """A cache restored from a prompt-cache entry views the entry's arrays: the one-node layer
+    must leave the entry's bits alone, and an offered entry must not view a live buffer."""
+    target = fused_and_unfused[0]
+    num_layers = len(target.model.model.layers)
+    prompt = [11 + i % 50 for i in range(256)]  # the buffers' whole capacity: a contiguous slice
+    store = PromptCache(max_bytes=1 << 30)
+    cache = [RaggedKVCache() for _ in range(num_layers)]
+    mx.eval(target.forward(mx.array([prompt]), cache)[1])
+    store.offer(prompt, cache, 0)
+    entry = store._entries[tuple(prompt)]
+    assert all(_address(k) != _address(c.keys) for k, c in zip(entry.keys, cache))
+    before = [np.array(k) for k in entry.keys]
+    restored, num_hit = store.fetch(prompt + [7])
+    assert num_hit == len(prompt)
+    for c in restored:  # a write inside the entry's span (rolled back two positions, two written)
+        c.trim_rows([2])
+    mx.eval(target.forward(mx.array([[99, 7]]), restored)[1])
+    assert all(np.array_equal(b, np.array(k)) for b, k in zip(before, entry.keys))

@@ -17,10 +17,34 @@ class RaggedKVCache:
     def __init__(self, num_rows: int = 1, min_capacity: int = 0):
         # A prompt's length known up front: its prefill then never copies the buffer to grow it.
         self.min_capacity = min_capacity
-        self.keys: mx.array | None = None  # (B, H, S, Dk)
-        self.values: mx.array | None = None  # (B, H, S, Dv)
+        self._keys: mx.array | None = None  # (B, H, S, Dk)
+        self._values: mx.array | None = None  # (B, H, S, Dv)
+        # Whether no array outside this cache may share the buffers' memory: true for buffers its
+        # own methods made (mlx ops' fresh or donated outputs), false for ones assigned from
+        # outside (a prompt-cache entry's slices). Only such buffers are written in place.
+        self._is_exclusive = True
         self.lengths: list[int] = [0] * num_rows
         self._offset: mx.array | None = None
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: mx.array | None) -> None:
+        self._keys, self._is_exclusive = keys, False
+
+    @property
+    def values(self) -> mx.array | None:
+        return self._values
+
+    @values.setter
+    def values(self, values: mx.array | None) -> None:
+        self._values, self._is_exclusive = values, False
+
+    def _own(self, keys: mx.array | None, values: mx.array | None) -> None:
+        """Buffers this cache holds alone (an mlx op's output it just made)."""
+        self._keys, self._values, self._is_exclusive = keys, values, True
 
     # --- the contract mlx-lm's attention layers call ---------------------------------
 
@@ -45,14 +69,35 @@ class RaggedKVCache:
             start = self.lengths[0]
             self.keys[..., start : start + num_new, :] = keys
             self.values[..., start : start + num_new, :] = values
+            self._is_exclusive = True  # slice updates' outputs: fresh, or donated (held by nothing else)
         else:
             positions = self.offset[:, None] + mx.arange(num_new)[None, :]  # (B, T)
             index = positions[:, None, :, None]  # (B, 1, T, 1)
-            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+            self._own(mx.put_along_axis(self.keys, index, keys, axis=2),
+                      mx.put_along_axis(self.values, index, values, axis=2))
+        self.advance(num_new)
+        return end
+
+    def writable_buffers(self, num_new: int, num_heads: int, head_dim: int, dtype) -> tuple[mx.array, mx.array]:
+        """Buffers with room for num_new more positions past the longest row that a writer may
+        fill in place (the one-node layer, gmlx/platform/cpu_layers.py): held by this cache
+        alone, else first copied. The writer's outputs come back through wrote_in_place."""
+        self._reserve_shape(max(self.lengths) + num_new, num_heads, head_dim, head_dim, dtype)
+        if not self._is_exclusive:
+            # Strictly more room: a slice update covering a whole buffer may return its source.
+            self._copy_into((self.keys.shape[2] // _STEP_TOKENS + 1) * _STEP_TOKENS, num_heads, head_dim, head_dim,
+                            dtype)
+        return self.keys, self.values
+
+    def wrote_in_place(self, keys: mx.array, values: mx.array, num_new: int) -> None:
+        """The writer's outputs (the same buffers, now depending on its write) and num_new more
+        positions a row."""
+        self._own(keys, values)
+        self.advance(num_new)
+
+    def advance(self, num_new: int) -> None:
         self.lengths = [n + num_new for n in self.lengths]
         self._offset = None
-        return end
 
     def make_mask(self, num_new: int, return_array: bool = False, window_size=None):
         assert window_size is None, "sliding-window attention is not supported"
@@ -106,12 +151,11 @@ class RaggedKVCache:
         if self.keys is None:
             return
         if not rows:
-            self.keys = self.values = None
+            self._own(None, None)
             return
         index = mx.array(rows, dtype=mx.int32)
         num_keys = max(max(self.lengths), 1)
-        self.keys = self.keys[index, :, :num_keys, :]
-        self.values = self.values[index, :, :num_keys, :]
+        self._own(self.keys[index, :, :num_keys, :], self.values[index, :, :num_keys, :])
 
     @classmethod
     def concat(cls, caches: list[RaggedKVCache]) -> RaggedKVCache:
@@ -123,8 +167,8 @@ class RaggedKVCache:
             return merged
         width = max(c.keys.shape[2] for c in filled)
         proto = filled[0]
-        merged.keys = mx.concatenate([_pad_to(c, "keys", width, proto) for c in caches], axis=0)
-        merged.values = mx.concatenate([_pad_to(c, "values", width, proto) for c in caches], axis=0)
+        merged._own(mx.concatenate([_pad_to(c, "keys", width, proto) for c in caches], axis=0),
+                    mx.concatenate([_pad_to(c, "values", width, proto) for c in caches], axis=0))
         return merged
 
     def with_leading_rows(self, num_rows: int, width: int) -> RaggedKVCache:
@@ -133,9 +177,8 @@ class RaggedKVCache:
         assert self.keys is not None and width >= self.keys.shape[2]
         staged = RaggedKVCache(0)
         staged.lengths = [0] * num_rows + self.lengths
-        for name in ("keys", "values"):
-            own = _pad_to(self, name, width, self)
-            setattr(staged, name, mx.concatenate([mx.zeros((num_rows, *own.shape[1:]), own.dtype), own], axis=0))
+        staged._own(*(mx.concatenate([mx.zeros((num_rows, *own.shape[1:]), own.dtype), own], axis=0)
+                      for own in (_pad_to(self, name, width, self) for name in ("keys", "values"))))
         return staged
 
     def can_fill_leading_rows(self, source: RaggedKVCache) -> bool:
@@ -154,17 +197,24 @@ class RaggedKVCache:
         self._offset = None
 
     def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
+        self._reserve_shape(end, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+
+    def _reserve_shape(self, end: int, num_heads: int, k_dim: int, v_dim: int, dtype) -> None:
         if self.keys is not None and end <= self.keys.shape[2]:
             return
-        num_rows, num_heads, _, k_dim = keys.shape
         capacity = ((max(end, self.min_capacity) + _STEP_TOKENS - 1) // _STEP_TOKENS) * _STEP_TOKENS
-        new_k = mx.zeros((num_rows, num_heads, capacity, k_dim), keys.dtype)
-        new_v = mx.zeros((num_rows, num_heads, capacity, values.shape[3]), values.dtype)
+        self._copy_into(capacity, num_heads, k_dim, v_dim, dtype)
+
+    def _copy_into(self, capacity: int, num_heads: int, k_dim: int, v_dim: int, dtype) -> None:
+        """New buffers of `capacity` (> the old) positions holding the old ones' (this cache's alone)."""
+        assert self.keys is None or capacity > self.keys.shape[2]
+        new_k = mx.zeros((self.num_rows, num_heads, capacity, k_dim), dtype)
+        new_v = mx.zeros((self.num_rows, num_heads, capacity, v_dim), dtype)
         if self.keys is not None:
             used = self.keys.shape[2]
             new_k[..., :used, :] = self.keys
             new_v[..., :used, :] = self.values
-        self.keys, self.values = new_k, new_v
+        self._own(new_k, new_v)
 
 
 def _pad_to(cache: RaggedKVCache, name: str, width: int, proto: RaggedKVCache) -> mx.array:

@@ -170,7 +170,7 @@ def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> None:
     if num_kernel_modules > 0 and is_cpu_decode_ops_enabled():
         use_cpu_decode_ops(model)  # off mlx's bits already: its small ops as one node each too
         if is_fused_layers_enabled():
-            use_fused_layers(model)  # and a layer whose products all have packed weights, four nodes
+            use_fused_layers(model)  # and a layer whose products all have packed weights, one node
 
 
 def _check_model_type(source: Path, config: dict) -> None:

@@ -249,6 +249,22 @@ class LayerCall:
         post_norm = block.post_attention_layernorm
         self.mlp = (post_norm["weight"], post_norm.eps, packed_weights(mlp.gate_proj), packed_weights(mlp.up_proj),
                     packed_weights(mlp.down_proj), mlp.gate_proj.num_outputs, mlp.gate_proj.bits)
+        # The whole layer in one node needs one eps for both norms (llama's config has one).
+        self.is_one_node = config.is_one_node_layers_enabled() and post_norm.eps == norm.eps
+        self.layer_weights = (norm["weight"], post_norm["weight"], norm.eps,
+                              [packed_weights(p) for p in (*projections, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                           mlp.down_proj)])
+        self.layer_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
+                            mlp.gate_proj.num_outputs, attention.q_proj.bits, attention.scale, rope.dims,
+                            rope.traditional, rope.base, rope.scale)
+
+    def layer(self, x, offset, keys, values):
+        """The whole layer as one node: [h, keys, values], row b's new keys and values written at
+        offset[b] into the buffers themselves (no other array may share them:
+        RaggedKVCache.writable_buffers); the returned keys and values alias them."""
+        input_norm, post_norm, eps, weights = self.layer_weights
+        return extension().decoder_layer(x, offset, keys, values, input_norm, post_norm, eps, weights,
+                                         *self.layer_shape)
 
     def attention_inputs(self, x, offset):
         """Norm, q/k/v products and RoPE as one node: q (B, Hq, T, Dh), k and v (B, Hkv, T, Dh),
@@ -332,9 +348,12 @@ def format_status(report: dict) -> str:
         layout = "one-stream layout as 16-output tiles (GMLX_CPU_TILE_LAYOUT)"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
-    layers = "fused llama layers" if report.get("fused_layers") and report["decode_ops"] else "layers apart"
+    layers = "layers apart"
+    if report.get("fused_layers") and report["decode_ops"]:
+        layers = "fused llama layers, " + ("one node each" if config.is_one_node_layers_enabled() else "five nodes each")
     floats = "float32 products on panels" if report.get("float_panels") else "float32 products in the BLAS"
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
-            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS); "
+            f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS, "
+            "GMLX_CPU_ONE_NODE_LAYERS); "
             f"{floats} (GMLX_CPU_FLOAT_KERNELS)")

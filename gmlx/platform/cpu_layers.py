@@ -1,16 +1,19 @@
-"""A llama decoder layer in four kernel nodes on the CPU, where its weights allow.
+"""A llama decoder layer in one kernel node on the CPU, where its weights allow.
 
 With the decode ops swapped in (gmlx/platform/cpu_decode_ops.py) a SmolLM2 layer is still
 ~20 graph nodes (norms, grouped products, reshapes, transposes, RoPE, the KV writes,
 attention, residual adds), and building and walking ~680 nodes a step costs the Python
 thread ~3 ms: on two cores, time the kernels' second thread needed. Where every product of
 a layer has packed weights (the quad layout, gmlx/platform/cpu_quantized.py, or float32
-panels, gmlx/platform/cpu_float.py), its call with a
-RaggedKVCache becomes: attention_inputs (norm, q/k/v, RoPE), the two KV writes, ragged
-attention, project_add (o_proj + residual), mlp_block (norm, gate/up, SwiGLU, down,
-residual). Each runs the separate ops' code, so the bits are the separate graph's (a probe
-at load checks it); packed forwards and calls without a ragged cache run the layer as
-mlx-lm builds it.
+panels, gmlx/platform/cpu_float.py), its call with a RaggedKVCache becomes one node
+(decoder_layer): norm, q/k/v, RoPE, the KV write, ragged attention, o_proj + residual,
+norm, gate/up, SwiGLU, down + residual. Even at five nodes a layer (attention_inputs, two KV
+writes, ragged attention, project_add, mlp_block) mlx's dispatch took the Python thread
+~11 us a node, ~2 ms of a SmolLM2 step. The one node writes the cache's buffers in place,
+which the cache hands over only when no other array shares them (RaggedKVCache.
+writable_buffers). Each stage runs the separate ops' code, so the bits are the separate
+graph's (a probe at load checks it); packed forwards and calls without a ragged cache run the
+layer as mlx-lm builds it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ class _FusedBlock:
             return super().__call__(x, mask, cache)
         call = self.__dict__.get("_layer_call") or cpu_kernels.LayerCall(self)  # set by use_fused_layers
         offset = cache.offset  # (B,) each row's first new position, before the write
+        if call.is_one_node:
+            num_new = x.shape[1]
+            keys, values = cache.writable_buffers(num_new, self.self_attn.n_kv_heads, call.layer_shape[2], mx.float32)
+            h, keys, values = call.layer(x, offset, keys, values)
+            cache.wrote_in_place(keys, values, num_new)
+            return h
         queries, keys, values = call.attention_inputs(x, offset)
         cache.append(keys, values)
         out = cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, call.scale)

@@ -147,6 +147,30 @@ Strided4 strided4(const mx::array& x, std::vector<float>& copy) {
 
 }  // namespace
 
+void run_attention_job(AttentionJob& job) {
+  const int64_t num_queries = job.num_b * job.num_q_heads * job.num_t;
+  // The keys the queries see, not the buffer's capacity: a decode step over a short
+  // context stays on the caller (waking the pool for it kept a worker spinning all step).
+  int64_t num_seen_keys = 0;
+  for (int64_t b = 0; b < job.num_b; ++b) {
+    num_seen_keys = std::max<int64_t>(num_seen_keys, job.offsets[b * job.offset_stride] + job.num_t);
+  }
+  const bool is_small = num_queries * std::min(num_seen_keys, job.num_keys) * job.num_d < kMinPoolWork;
+  if (can_attend_blocked(job)) {
+    plan_tiles(job, is_small ? 1 : pool_num_threads());
+    const int64_t num_tiles = job.num_b * (job.num_q_heads / job.group) * job.num_tiles_per_kv_head;
+    if (is_small) {
+      attend_tiles(job, 0, num_tiles);
+    } else {
+      run_on_pool(run_attention_tile, &job, num_tiles);
+    }
+  } else if (is_small) {
+    attend(job, 0, num_queries);
+  } else {
+    run_on_pool(run_attention_chunk, &job, (num_queries + kQueriesPerChunk - 1) / kQueriesPerChunk);
+  }
+}
+
 mx::array ragged_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
                            const mx::array& offset, float scale) {
   if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4) {
@@ -193,27 +217,7 @@ void RaggedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     job.group = q.shape(1) / keys.shape(1);
     job.scale = scale;
     job.isa = kernels_isa();
-    const int64_t num_queries = job.num_b * job.num_q_heads * job.num_t;
-    // The keys the queries see, not the buffer's capacity: a decode step over a short
-    // context stays on the caller (waking the pool for it kept a worker spinning all step).
-    int64_t num_seen_keys = 0;
-    for (int64_t b = 0; b < job.num_b; ++b) {
-      num_seen_keys = std::max<int64_t>(num_seen_keys, job.offsets[b * job.offset_stride] + job.num_t);
-    }
-    const bool is_small = num_queries * std::min(num_seen_keys, job.num_keys) * job.num_d < kMinPoolWork;
-    if (can_attend_blocked(job)) {
-      plan_tiles(job, is_small ? 1 : pool_num_threads());
-      const int64_t num_tiles = job.num_b * (job.num_q_heads / job.group) * job.num_tiles_per_kv_head;
-      if (is_small) {
-        attend_tiles(job, 0, num_tiles);
-      } else {
-        run_on_pool(run_attention_tile, &job, num_tiles);
-      }
-    } else if (is_small) {
-      attend(job, 0, num_queries);
-    } else {
-      run_on_pool(run_attention_chunk, &job, (num_queries + kQueriesPerChunk - 1) / kQueriesPerChunk);
-    }
+    run_attention_job(job);
   });
 }
 

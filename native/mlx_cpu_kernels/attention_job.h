@@ -40,6 +40,9 @@ struct TileQuery {
   float* score;  // scores, then probabilities, of keys [0, num_seen)
 };
 
+// Runs every query of a filled-in job (isa set): on the caller when it is small, else on the pool.
+void run_attention_job(AttentionJob& job);
+
 // Does the key-blocked kernel take this job (AVX-512: head dims up to 256; AVX2: 64, 128)?
 bool can_attend_blocked(const AttentionJob& job);
 // Tiles [begin, end) of the job, numbered (row, kv head, tile); each query's bits equal

@@ -58,6 +58,12 @@ NB_MODULE(_cpu_kernels, m) {
         "residual + a @ W.T over a quad-layout W, one node");
   m.def("mlp_block", &gmlx_kernels::mlp_block, "h"_a, "norm_weight"_a, "eps"_a, "gate_quads"_a, "up_quads"_a,
         "down_quads"_a, "hidden_dims"_a, "bits"_a, "h + down(swiglu(gate(n), up(n))), n = rms_norm(h), one node");
+  m.def("decoder_layer", &gmlx_kernels::decoder_layer, "x"_a, "offset"_a, "keys"_a, "values"_a,
+        "input_norm_weight"_a, "post_norm_weight"_a, "eps"_a, "weights"_a, "num_q_heads"_a, "num_kv_heads"_a,
+        "head_dim"_a, "hidden_dims"_a, "bits"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a,
+        "rope_base"_a, "rope_scale"_a,
+        "A whole llama layer as one node (attention_inputs, the KV write at offset, ragged attention, project_add, "
+        "mlp_block): [h, keys, values], the KV buffers (no other array may share them) written in place");
   m.def("swiglu", &gmlx_kernels::swiglu, "gate"_a, "up"_a, "silu(gate) * up for float32 gate and up of one shape");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");

@@ -7,6 +7,7 @@
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "arrays.h"
+#include "attention_job.h"
 #include "encode.h"
 #include "float_matmul.h"
 #include "int8_dot_kernels.h"
@@ -19,10 +20,11 @@ namespace gmlx_kernels {
 
 namespace {
 
-// Per-thread scratch for the stages' intermediates: a decode step makes ~90 fused calls,
-// each would otherwise allocate and free three or four buffers. Only grows.
+// Per-thread scratch for the stages' intermediates: a decode step makes 30-90 fused calls,
+// each would otherwise allocate and free several buffers. Only grows. The stages use 0-3;
+// the whole layer keeps its own intermediates in 4-8.
 struct Scratch {
-  std::vector<float> buffers[4];
+  std::vector<float> buffers[9];
   float* get(int i, int64_t num_floats) {
     if (static_cast<int64_t>(buffers[i].size()) < num_floats) buffers[i].resize(num_floats);
     return buffers[i].data();
@@ -78,6 +80,72 @@ void check_weights(const mx::array& weights, int64_t num_outputs, int64_t num_in
     check_panel_layout(weights, num_outputs, num_inputs, what);
   } else {
     check_quad_layout(weights, num_outputs, num_inputs, bits, what);
+  }
+}
+
+// Norm, the q/k/v products and RoPE: q into q_out (B, Hq, T, Dh), k and v into k_out and v_out
+// (B, Hkv, T, Dh). weights: q, k, v.
+void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t, int64_t num_inputs,
+                  const mx::array& norm_weight, float eps, const mx::array& offset, const mx::array* weights, int bits,
+                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, float* q_out, float* k_out,
+                  float* v_out) {
+  const int64_t num_rows = num_b * num_t;
+  const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
+  const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
+  float* normed = scratch.get(0, num_rows * num_inputs);
+  float* q = scratch.get(1, num_rows * q_width);
+  float* k = scratch.get(2, num_rows * kv_width);
+  float* v = scratch.get(3, num_rows * kv_width);
+  normalize(x, norm_weight.data<float>(), norm_weight.strides(0), normed, num_rows, num_inputs, eps);
+  weight_products(normed, num_rows, num_inputs, bits, {{&weights[0], q_width, q}, {&weights[1], kv_width, k},
+                                                      {&weights[2], kv_width, v}});
+  rotate_heads(q, num_b, num_q_heads, num_t, head_dim, offset, rope, q_out);
+  rotate_heads(k, num_b, num_kv_heads, num_t, head_dim, offset, rope, k_out);
+  for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t t = 0; t < num_t; ++t) {
+        const float* src = v + (b * num_t + t) * kv_width + h * head_dim;
+        std::copy(src, src + head_dim, v_out + ((b * num_kv_heads + h) * num_t + t) * head_dim);
+      }
+    }
+  }
+}
+
+// y = residual + a @ W.T, in the residual add's order (a float add either way).
+void project_add_stage(const float* a, int64_t num_rows, int64_t num_inputs, const mx::array& weights,
+                       int64_t num_outputs, const float* residual, int bits, float* y) {
+  weight_products(a, num_rows, num_inputs, bits, {{&weights, num_outputs, y}});
+  for (int64_t i = 0; i < num_rows * num_outputs; ++i) y[i] = residual[i] + y[i];
+}
+
+// y = h + down(swiglu(gate(n), up(n))), n = rms_norm(h). weights: gate, up, down.
+void mlp_stage(Scratch& scratch, const float* h, int64_t num_rows, int64_t num_inputs, const mx::array& norm_weight,
+               float eps, const mx::array* weights, int64_t hidden_dims, int bits, float* y) {
+  float* normed = scratch.get(0, num_rows * num_inputs);
+  float* gate = scratch.get(1, num_rows * hidden_dims);
+  float* up = scratch.get(2, num_rows * hidden_dims);
+  normalize(h, norm_weight.data<float>(), norm_weight.strides(0), normed, num_rows, num_inputs, eps);
+  weight_products(normed, num_rows, num_inputs, bits, {{&weights[0], hidden_dims, gate}, {&weights[1], hidden_dims, up}});
+  apply_swiglu(gate, up, gate, num_rows * hidden_dims);
+  weight_products(gate, num_rows, hidden_dims, bits, {{&weights[2], num_inputs, y}});
+  for (int64_t i = 0; i < num_rows * num_inputs; ++i) y[i] = h[i] + y[i];
+}
+
+// Row b's T new keys or values (B, H, T, Dh) into a (B, H, S, Dh) buffer at positions offset[b] + t;
+// a position outside [0, S) is not written (the caller reserves room; this keeps memory safe).
+void write_new_positions(const float* fresh, const mx::array& offset, int64_t num_b, int64_t num_heads,
+                         int64_t num_t, int64_t head_dim, int64_t capacity, float* buffer) {
+  const int32_t* offsets = offset.data<int32_t>();
+  const int64_t offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+  for (int64_t b = 0; b < num_b; ++b) {
+    const int64_t start = offsets[b * offset_stride];
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t t = 0; t < num_t; ++t) {
+        if (start + t < 0 || start + t >= capacity) continue;
+        const float* src = fresh + ((b * num_heads + h) * num_t + t) * head_dim;
+        std::copy(src, src + head_dim, buffer + ((b * num_heads + h) * capacity + start + t) * head_dim);
+      }
+    }
   }
 }
 
@@ -145,8 +213,59 @@ mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps,
                     down_quads});
 }
 
+std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset, const mx::array& keys,
+                                     const mx::array& values, const mx::array& input_norm_weight,
+                                     const mx::array& post_norm_weight, float eps,
+                                     const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
+                                     int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
+                                     bool rope_traditional, float rope_base, float rope_scale) {
+  if (x.ndim() != 3 || x.shape(2) % 32 != 0 || hidden_dims % 32 != 0) {
+    throw std::invalid_argument("decoder_layer: x must be (B, T, D), D and hidden_dims multiples of 32");
+  }
+  const int dims = x.shape(2);
+  for (const auto* norm : {&input_norm_weight, &post_norm_weight}) {
+    if (norm->ndim() != 1 || norm->shape(0) != dims) throw std::invalid_argument("decoder_layer: norm weights (D,)");
+  }
+  if (weights.size() != 7) throw std::invalid_argument("decoder_layer: weights of q, k, v, o, gate, up, down");
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) {
+    throw std::invalid_argument("decoder_layer: the q heads must be a multiple of the kv heads");
+  }
+  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
+    throw std::invalid_argument("decoder_layer: rope dims must be even and at most head_dim");
+  }
+  const mx::Shape kv_shape = {x.shape(0), num_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, head_dim};
+  if (keys.shape() != kv_shape || values.shape() != kv_shape || keys.shape(2) < x.shape(1)) {
+    throw std::invalid_argument("decoder_layer: keys and values must be (B, Hkv, S, Dh) with S >= T");
+  }
+  if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
+    throw std::invalid_argument("decoder_layer: offset must be a scalar or one per row");
+  }
+  const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
+  const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
+  check_weights(weights[0], q_width, dims, bits, "decoder_layer q");
+  check_weights(weights[1], kv_width, dims, bits, "decoder_layer k");
+  check_weights(weights[2], kv_width, dims, bits, "decoder_layer v");
+  check_weights(weights[3], dims, q_width, bits, "decoder_layer o");
+  check_weights(weights[4], hidden_dims, dims, bits, "decoder_layer gate");
+  check_weights(weights[5], hidden_dims, dims, bits, "decoder_layer up");
+  check_weights(weights[6], dims, hidden_dims, bits, "decoder_layer down");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s),
+                                   as_dtype(keys, mx::float32, s), as_dtype(values, mx::float32, s),
+                                   as_dtype(input_norm_weight, mx::float32, s),
+                                   as_dtype(post_norm_weight, mx::float32, s)};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  return mx::array::make_arrays(
+      {x.shape(), kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
+      std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kLayer, bits, eps, num_q_heads, num_kv_heads, head_dim,
+                                       hidden_dims, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale},
+                                       attention_scale),
+      inputs);
+}
+
 void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
+  if (kind_ == Kind::kLayer) return eval_layer(encoder, inputs, outputs);
   EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);
   encoder.dispatch([in = std::move(arrays.inputs), y = std::move(arrays.outputs), kind = kind_, bits = bits_,
                     eps = eps_, num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
@@ -157,43 +276,89 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const int64_t num_inputs = in[0].shape(-1);
     const int64_t num_rows = in[0].size() / num_inputs;
     if (kind == Kind::kAttentionInputs) {
-      const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
-      const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
-      float* normed = scratch.get(0, num_rows * num_inputs);
-      float* q = scratch.get(1, num_rows * q_width);
-      float* k = scratch.get(2, num_rows * kv_width);
-      float* v = scratch.get(3, num_rows * kv_width);
-      normalize(x, in[1].data<float>(), in[1].strides(0), normed, num_rows, num_inputs, eps);
-      weight_products(normed, num_rows, num_inputs, bits, {{&in[3], q_width, q}, {&in[4], kv_width, k},
-                                                          {&in[5], kv_width, v}});
-      const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
-      rotate_heads(q, num_b, num_q_heads, num_t, head_dim, in[2], rope, y[0]);
-      rotate_heads(k, num_b, num_kv_heads, num_t, head_dim, in[2], rope, y[1]);
-      for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          for (int64_t t = 0; t < num_t; ++t) {
-            const float* src = v + (b * num_t + t) * kv_width + h * head_dim;
-            std::copy(src, src + head_dim, y[2] + ((b * num_kv_heads + h) * num_t + t) * head_dim);
-          }
-        }
-      }
+      inputs_stage(scratch, x, in[0].shape(0), in[0].shape(1), num_inputs, in[1], eps, in[2], &in[3], bits,
+                   num_q_heads, num_kv_heads, head_dim, rope, y[0], y[1], y[2]);
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
-      const int64_t num_outputs = in[2].shape(-1);
-      weight_products(x, num_rows, num_inputs, bits, {{&in[1], num_outputs, y[0]}});
-      // residual + product, in the residual add's order (a float add either way).
-      for (int64_t i = 0; i < num_rows * num_outputs; ++i) y[0][i] = residual[i] + y[0][i];
+      project_add_stage(x, num_rows, num_inputs, in[1], in[2].shape(-1), residual, bits, y[0]);
     } else {
-      float* normed = scratch.get(0, num_rows * num_inputs);
-      float* gate = scratch.get(1, num_rows * hidden_dims);
-      float* up = scratch.get(2, num_rows * hidden_dims);
-      normalize(x, in[1].data<float>(), in[1].strides(0), normed, num_rows, num_inputs, eps);
-      weight_products(normed, num_rows, num_inputs, bits, {{&in[2], hidden_dims, gate}, {&in[3], hidden_dims, up}});
-      apply_swiglu(gate, up, gate, num_rows * hidden_dims);
-      weight_products(gate, num_rows, hidden_dims, bits, {{&in[4], num_inputs, y[0]}});
-      for (int64_t i = 0; i < num_rows * num_inputs; ++i) y[0][i] = x[i] + y[0][i];
+      mlp_stage(scratch, x, num_rows, num_inputs, in[1], eps, &in[2], hidden_dims, bits, y[0]);
     }
+  });
+}
+
+// Inputs: x, offset, keys, values, the two norms' weights, then q, k, v, o, gate, up, down.
+void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  // The KV buffers are written in place: the caller hands over buffers no other array shares
+  // (RaggedKVCache.writable_buffers), and takes the outputs, which alias them, so later readers
+  // depend on this write. (mlx's donation cannot be used: the previous step's node, still queued,
+  // keeps its sibling outputs' buffers referenced until it runs.) A strided buffer is copied.
+  bool is_copied[2];
+  for (int i = 0; i < 2; ++i) {
+    const auto& buffer = inputs[2 + i];
+    is_copied[i] = !buffer.flags().row_contiguous;
+    if (is_copied[i]) {
+      outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
+    } else {
+      outputs[1 + i].copy_shared_buffer(buffer);
+    }
+  }
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& y : outputs) encoder.set_output_array(y);
+  encoder.dispatch([in = std::move(in), h_out = outputs[0].data<float>(), keys = outputs[1].data<float>(),
+                    values = outputs[2].data<float>(), is_keys_copied = is_copied[0], is_values_copied = is_copied[1],
+                    bits = bits_, eps = eps_, num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_,
+                    head_dim = head_dim_, hidden_dims = hidden_dims_, rope = rope_, scale = attention_scale_]() {
+    thread_local Scratch scratch;
+    std::vector<float> x_copy, kv_copy;
+    if (is_keys_copied) {
+      const float* src = row_major_data<float>(in[2], kv_copy);
+      std::copy(src, src + in[2].size(), keys);
+    }
+    if (is_values_copied) {
+      const float* src = row_major_data<float>(in[3], kv_copy);
+      std::copy(src, src + in[3].size(), values);
+    }
+    const float* x = row_major_data<float>(in[0], x_copy);
+    const mx::array& offset = in[1];
+    const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1), dims = in[0].shape(2);
+    const int64_t num_rows = num_b * num_t, capacity = in[2].shape(2);
+    const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
+    const int64_t kv_size = num_rows * num_kv_heads * head_dim;
+    float* q = scratch.get(4, num_rows * q_width);
+    float* k = scratch.get(5, kv_size);
+    float* v = scratch.get(6, kv_size);
+    float* attended = scratch.get(7, num_rows * q_width);
+    float* h = scratch.get(8, num_rows * dims);
+    inputs_stage(scratch, x, num_b, num_t, dims, in[4], eps, offset, &in[6], bits, num_q_heads, num_kv_heads,
+                 head_dim, rope, q, k, v);
+    write_new_positions(k, offset, num_b, num_kv_heads, num_t, head_dim, capacity, keys);
+    write_new_positions(v, offset, num_b, num_kv_heads, num_t, head_dim, capacity, values);
+    AttentionJob job;
+    job.q = {q, num_q_heads * num_t * head_dim, num_t * head_dim, head_dim};
+    job.keys = {keys, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
+    job.values = {values, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
+    job.offsets = offset.data<int32_t>();
+    job.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+    job.out = attended;
+    job.num_b = num_b;
+    job.num_q_heads = num_q_heads;
+    job.num_t = num_t;
+    job.num_d = head_dim;
+    job.num_keys = capacity;
+    job.group = num_q_heads / num_kv_heads;
+    job.scale = scale;
+    job.isa = kernels_isa();
+    run_attention_job(job);
+    project_add_stage(attended, num_rows, q_width, in[9], dims, x, bits, h);
+    mlp_stage(scratch, h, num_rows, dims, in[5], eps, &in[10], hidden_dims, bits, h_out);
   });
 }
 
@@ -206,7 +371,7 @@ bool DecoderLayerOp::is_equivalent(const mx::Primitive& other) const {
   return kind_ == o.kind_ && bits_ == o.bits_ && eps_ == o.eps_ && num_q_heads_ == o.num_q_heads_ &&
          num_kv_heads_ == o.num_kv_heads_ && head_dim_ == o.head_dim_ && hidden_dims_ == o.hidden_dims_ &&
          rope_.dims == o.rope_.dims && rope_.traditional == o.rope_.traditional && rope_.base == o.rope_.base &&
-         rope_.scale == o.rope_.scale;
+         rope_.scale == o.rope_.scale && attention_scale_ == o.attention_scale_;
 }
 
 }  // namespace gmlx_kernels

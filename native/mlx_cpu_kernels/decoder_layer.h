@@ -4,12 +4,17 @@
 //   (the KV write and ragged_attention stay their own nodes)
 //   project_add:      residual + a @ W.T (o_proj and the residual add)
 //   mlp_block:        h + down(swiglu(gate(n), up(n))), n = rms_norm(h)
+//   decoder_layer:    all of a layer in one node: the three stages above with the KV write and
+//                     ragged attention between them (h, keys, values out; the KV buffers written in
+//                     place), so a step's main thread hands mlx ~40 nodes, not ~190 (each costs it
+//                     ~11 us, time the second core's kernels need)
 // Each stage calls the code of the separate op (normalize, quads_products or panels_products, rotate,
 // apply_swiglu), so every value has the separate graph's bits; the node count and the Python
 // that builds it are what shrink (a SmolLM2 step: 682 nodes, ~3 ms of graph building).
 #pragma once
 
 #include "mlx/ops.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 namespace gmlx_kernels {
@@ -33,13 +38,25 @@ mx::array project_add(const mx::array& a, const mx::array& quads, const mx::arra
 mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps, const mx::array& gate_quads,
                     const mx::array& up_quads, const mx::array& down_quads, int hidden_dims, int bits);
 
+// x (B, T, D); keys and values (B, Hkv, S, Dh) float32 buffers with S >= offset[b] + T for every
+// row, which no other array may share (they are written in place); weights as for the three
+// stages: [q, k, v, o, gate, up, down]. Row b's new keys and values land at positions
+// offset[b] .. offset[b] + T - 1. Returns [h_out, keys, values], keys and values on the same memory.
+std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset, const mx::array& keys,
+                                     const mx::array& values, const mx::array& input_norm_weight,
+                                     const mx::array& post_norm_weight, float eps,
+                                     const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
+                                     int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
+                                     bool rope_traditional, float rope_base, float rope_scale);
+
 class DecoderLayerOp : public mx::Primitive {
  public:
-  enum class Kind { kAttentionInputs, kProjectAdd, kMlpBlock };
+  enum class Kind { kAttentionInputs, kProjectAdd, kMlpBlock, kLayer };
   DecoderLayerOp(mx::Stream stream, Kind kind, int bits, float eps, int num_q_heads, int num_kv_heads,
-                 int head_dim, int hidden_dims, RopeSpec rope)
+                 int head_dim, int hidden_dims, RopeSpec rope, float attention_scale = 0.0f)
       : mx::Primitive(stream), kind_(kind), bits_(bits), eps_(eps), num_q_heads_(num_q_heads),
-        num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_dims_(hidden_dims), rope_(rope) {}
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_dims_(hidden_dims), rope_(rope),
+        attention_scale_(attention_scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -47,11 +64,15 @@ class DecoderLayerOp : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
+  void eval_layer(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
+                  std::vector<mx::array>& outputs);
+
   Kind kind_;
   int bits_;
   float eps_;
   int num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_;
   RopeSpec rope_;
+  float attention_scale_;
 };
 
 }  // namespace gmlx_kernels
