@@ -1,0 +1,94 @@
+"""A fused llama layer as one graph node against five, side by side in one process.
+
+Both forms give the same bits (tests/test_cpu_layers.py); each fused layer's form is a flag
+read when it is called, so one loaded model serves both and the flag flips before each timed
+run (scripts/ab.py's ABBA turns, medians of per-rep ratios). Per compute format of SmolLM2
+(4-bit and float32): greedy decode tok/s (--tokens), the Python thread's CPU per decode step
+(mlx's dispatch of each node runs on it, and on two cores it shares a core with the kernels'
+second thread), and a forward of 1-4 positions at 160 KV tokens (best of 10) with the
+positions' cost over one (the verify cost of issue 17).
+
+    PYTHONPATH=. python3 scripts/bench_layer_nodes.py --reps 10
+    PYTHONPATH=. python3 scripts/bench_layer_nodes.py --formats quantized --reps 16 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this tree's gmlx
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_decode_ops  # noqa: E402  (sets the BLAS up before mlx)
+import mlx.core as mx  # noqa: E402
+
+from ab import alternate, median_ratio  # noqa: E402
+from bench_compute_format import gmlx_tok_per_s  # noqa: E402
+from gmlx.config import EngineConfig, env_overrides  # noqa: E402
+from gmlx.engine import Engine  # noqa: E402
+from gmlx.models.source import resolve_model_path  # noqa: E402
+from gmlx.platform.cpu_layers import FusedLlamaBlock  # noqa: E402
+from gmlx.platform.timing import best_of_s  # noqa: E402
+
+FORMS = ("one node", "five nodes")
+POSITIONS = (1, 2, 3, 4)
+
+
+def bench_format(compute_format: str, num_reps: int, num_tokens: int) -> None:
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": compute_format}):
+        engine = Engine.load(EngineConfig(model_path=str(resolve_model_path("smollm2")), prompt_cache_bytes=0))
+    calls = [layer._layer_call for layer in engine.target.model.model.layers if type(layer) is FusedLlamaBlock]
+    if not calls or not all(call.is_one_node for call in calls):
+        sys.exit("SmolLM2's layers are not fused as one node here (kernels not built, or a switch is off)")
+    cache = bench_decode_ops.make_ragged_cache(engine.target.num_layers)
+    mx.eval(engine.target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(160)]]), cache)[1])
+    forwards = {n: bench_decode_ops.forward_fn(engine.target, cache, n) for n in POSITIONS}
+
+    def run(form: str) -> dict[str, float]:
+        for call in calls:
+            call.is_one_node = form == FORMS[0]
+        cpu_before, steps_before = time.thread_time(), engine.counters["num_rounds"]
+        result = {"decode tok/s": gmlx_tok_per_s(engine, num_tokens)}
+        num_steps = engine.counters["num_rounds"] - steps_before
+        result["Python thread CPU ms a step"] = 1e3 * (time.thread_time() - cpu_before) / max(num_steps, 1)
+        result.update({f"forward {n} ms": 1e3 * best_of_s(fn, 10) for n, fn in forwards.items()})
+        return result
+
+    try:
+        runs = alternate(FORMS, num_reps, run)
+    finally:
+        for call in calls:
+            call.is_one_node = True
+    print(f"\nSmolLM2 {compute_format}, {num_reps} ABBA reps, {num_tokens} tokens; one node's speed is the median "
+          "of per-rep ratios")
+    print("| measure | one node | five nodes | one node's speed |")
+    print("|---|---|---|---|")
+    for key in runs[FORMS[0]][0]:
+        one, five = ([r[key] for r in runs[form]] for form in FORMS)
+        faster = zip(one, five) if key.endswith("tok/s") else zip(five, one)
+        print(f"| {key} | {statistics.median(one):.2f} | {statistics.median(five):.2f} | {median_ratio(faster):.3f}x |")
+    for form in FORMS:
+        over = " / ".join(f"{median_ratio((r[f'forward {n} ms'], r['forward 1 ms']) for r in runs[form]):.2f}"
+                          for n in POSITIONS[1:])
+        print(f"{form}: {'/'.join(map(str, POSITIONS[1:]))} positions over 1 (median of per-rep ratios): {over}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="quantized,float32", help="GMLX_CPU_COMPUTE_FORMAT values, comma-separated")
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    print(f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for compute_format in args.formats.split(","):
+        bench_format(compute_format, args.reps, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
