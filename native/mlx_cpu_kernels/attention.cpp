@@ -207,7 +207,7 @@ void RaggedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     job.keys = strided4(keys, k_copy);
     job.values = strided4(values, v_copy);
     job.offsets = offset.data<int32_t>();
-    job.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+    job.offset_stride = per_row_stride(offset);
     job.out = out_data;
     job.num_b = q.shape(0);
     job.num_q_heads = q.shape(1);

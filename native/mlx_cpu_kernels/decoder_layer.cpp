@@ -45,7 +45,7 @@ void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_
   args.stride_t = num_heads * head_dim;
   args.stride_d = 1;
   args.offsets = offset.data<int32_t>();
-  args.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+  args.offset_stride = per_row_stride(offset);
   args.y = y;
   args.dims = rope.dims;
   args.traditional = rope.traditional;
@@ -136,7 +136,7 @@ void mlp_stage(Scratch& scratch, const float* h, int64_t num_rows, int64_t num_i
 void write_new_positions(const float* fresh, const mx::array& offset, int64_t num_b, int64_t num_heads,
                          int64_t num_t, int64_t head_dim, int64_t capacity, float* buffer) {
   const int32_t* offsets = offset.data<int32_t>();
-  const int64_t offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+  const int64_t offset_stride = per_row_stride(offset);
   for (int64_t b = 0; b < num_b; ++b) {
     const int64_t start = offsets[b * offset_stride];
     for (int64_t h = 0; h < num_heads; ++h) {
@@ -346,7 +346,7 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     job.keys = {keys, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
     job.values = {values, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
     job.offsets = offset.data<int32_t>();
-    job.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+    job.offset_stride = per_row_stride(offset);
     job.out = attended;
     job.num_b = num_b;
     job.num_q_heads = num_q_heads;

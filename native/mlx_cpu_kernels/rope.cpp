@@ -144,7 +144,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
     }
     job.x = data;
     job.offsets = offset.data<int32_t>();
-    job.offset_stride = offset.ndim() == 1 && offset.size() > 1 ? offset.strides(0) : 0;
+    job.offset_stride = per_row_stride(offset);
     job.y = y_data;
     job.dims = dims;
     job.traditional = traditional;
