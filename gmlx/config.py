@@ -175,7 +175,7 @@ def is_fused_layers_enabled() -> bool:
 
 def is_one_node_layers_enabled() -> bool:
     """GMLX_CPU_ONE_NODE_LAYERS (default on): a fused layer is one node that writes the KV cache's
-    buffers in place; 0 keeps it as five (attention_inputs, two KV writes, attention,
+    buffers in place; 0 keeps it as six (attention_inputs, two KV writes, attention,
     project_add, mlp_block; same bits, for A/B runs)."""
     return _env_flag("GMLX_CPU_ONE_NODE_LAYERS", True)
 

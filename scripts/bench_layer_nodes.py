@@ -1,4 +1,4 @@
-"""A fused llama layer as one graph node against five, side by side in one process.
+"""A fused llama layer as one graph node against six, side by side in one process.
 
 Both forms give the same bits (tests/test_cpu_layers.py); each fused layer's form is a flag
 read when it is called, so one loaded model serves both and the flag flips before each timed
@@ -36,7 +36,7 @@ from gmlx.models.source import resolve_model_path  # noqa: E402
 from gmlx.platform.cpu_layers import FusedLlamaBlock  # noqa: E402
 from gmlx.platform.timing import best_of_s  # noqa: E402
 
-FORMS = ("one node", "five nodes")
+FORMS = ("one node", "six nodes")
 POSITIONS = (1, 2, 3, 4)
 
 
@@ -67,12 +67,12 @@ def bench_format(compute_format: str, num_reps: int, num_tokens: int) -> None:
             call.is_one_node = True
     print(f"\nSmolLM2 {compute_format}, {num_reps} ABBA reps, {num_tokens} tokens; one node's speed is the median "
           "of per-rep ratios")
-    print("| measure | one node | five nodes | one node's speed |")
+    print("| measure | one node | six nodes | one node's speed |")
     print("|---|---|---|---|")
     for key in runs[FORMS[0]][0]:
-        one, five = ([r[key] for r in runs[form]] for form in FORMS)
-        faster = zip(one, five) if key.endswith("tok/s") else zip(five, one)
-        print(f"| {key} | {statistics.median(one):.2f} | {statistics.median(five):.2f} | {median_ratio(faster):.3f}x |")
+        one, six = ([r[key] for r in runs[form]] for form in FORMS)
+        faster = zip(one, six) if key.endswith("tok/s") else zip(six, one)
+        print(f"| {key} | {statistics.median(one):.2f} | {statistics.median(six):.2f} | {median_ratio(faster):.3f}x |")
     for form in FORMS:
         over = " / ".join(f"{median_ratio((r[f'forward {n} ms'], r['forward 1 ms']) for r in runs[form]):.2f}"
                           for n in POSITIONS[1:])

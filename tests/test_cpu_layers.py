@@ -1,5 +1,5 @@
 """Fused llama decoder layers (gmlx/platform/cpu_layers.py): one kernel node a layer (or the
-five-node form) where every product has packed weights (the quad layout or float32 panels), with
+six-node form) where every product has packed weights (the quad layout or float32 panels), with
 the separate graph's bits in every shape the engine runs (ragged rows, verify widths, prefill
 chunks), writing the KV buffers in place only where no other array shares them."""
 
@@ -34,11 +34,11 @@ def test_layers_are_fused_and_the_switch_keeps_them_apart(fused_and_unfused):
     assert not any(type(layer) is FusedLlamaBlock for layer in unfused.model.model.layers)
 
 
-def test_the_one_node_switch_keeps_five_nodes(fused_and_unfused):
+def test_the_one_node_switch_keeps_six_nodes(fused_and_unfused):
     fused = fused_and_unfused[0]
     with env_overrides({"GMLX_CPU_ONE_NODE_LAYERS": "0"}):
-        five = load_model(fused.path)
-    assert all(type(layer) is FusedLlamaBlock and not layer._layer_call.is_one_node for layer in five.model.model.layers)
+        six = load_model(fused.path)
+    assert all(type(layer) is FusedLlamaBlock and not layer._layer_call.is_one_node for layer in six.model.model.layers)
 
 
 def _set_one_node(target, is_one_node: bool) -> None:
@@ -46,7 +46,7 @@ def _set_one_node(target, is_one_node: bool) -> None:
         layer._layer_call.is_one_node = is_one_node
 
 
-@pytest.mark.parametrize("is_one_node", [True, False], ids=["one-node", "five-node"])
+@pytest.mark.parametrize("is_one_node", [True, False], ids=["one-node", "six-node"])
 def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts, is_one_node):
     """Two rows at their own lengths through prefill chunks, a 4-position verify and single
     steps: logits and every KV position bit for bit the unfused layers'."""

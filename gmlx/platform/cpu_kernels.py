@@ -350,7 +350,7 @@ def format_status(report: dict) -> str:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"
     if report.get("fused_layers") and report["decode_ops"]:
-        layers = "fused llama layers, " + ("one node each" if config.is_one_node_layers_enabled() else "five nodes each")
+        layers = "fused llama layers, " + ("one node each" if config.is_one_node_layers_enabled() else "six nodes each")
     floats = "float32 products on panels" if report.get("float_panels") else "float32 products in the BLAS"
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "

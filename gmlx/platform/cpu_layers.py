@@ -7,7 +7,7 @@ thread ~3 ms: on two cores, time the kernels' second thread needed. Where every 
 a layer has packed weights (the quad layout, gmlx/platform/cpu_quantized.py, or float32
 panels, gmlx/platform/cpu_float.py), its call with a RaggedKVCache becomes one node
 (decoder_layer): norm, q/k/v, RoPE, the KV write, ragged attention, o_proj + residual,
-norm, gate/up, SwiGLU, down + residual. Even at five nodes a layer (attention_inputs, two KV
+norm, gate/up, SwiGLU, down + residual. Even at six nodes a layer (attention_inputs, two KV
 writes, ragged attention, project_add, mlp_block) mlx's dispatch took the Python thread
 ~11 us a node, ~2 ms of a SmolLM2 step. The one node writes the cache's buffers in place,
 which the cache hands over only when no other array shares them (RaggedKVCache.
