@@ -233,7 +233,7 @@ def packed_weights(module):
 
 
 class LayerCall:
-    """A fused llama layer's weights and constants in the order its three ops take them, read
+    """A fused llama layer's weights and constants in the order its ops take them, read
     from the modules once: building a step's graph re-read them through ~18 module attribute
     lookups a layer (~0.6 ms a SmolLM2 step). A layer's weights never change after load."""
 
@@ -257,6 +257,7 @@ class LayerCall:
         self.layer_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
                             mlp.gate_proj.num_outputs, attention.q_proj.bits, attention.scale, rope.dims,
                             rope.traditional, rope.base, rope.scale)
+        self.kv_heads_and_dim = self.layer_shape[1:3]  # the KV buffers' (Hkv, Dh)
 
     def layer(self, x, offset, keys, values):
         """The whole layer as one node: [h, keys, values], row b's new keys and values written at

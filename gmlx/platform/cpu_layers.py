@@ -44,7 +44,7 @@ class _FusedBlock:
         offset = cache.offset  # (B,) each row's first new position, before the write
         if call.is_one_node:
             num_new = x.shape[1]
-            keys, values = cache.writable_buffers(num_new, self.self_attn.n_kv_heads, call.layer_shape[2], mx.float32)
+            keys, values = cache.writable_buffers(num_new, *call.kv_heads_and_dim, mx.float32)
             h, keys, values = call.layer(x, offset, keys, values)
             cache.wrote_in_place(keys, values, num_new)
             return h
