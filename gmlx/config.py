@@ -180,6 +180,13 @@ def is_one_node_layers_enabled() -> bool:
     return _env_flag("GMLX_CPU_ONE_NODE_LAYERS", True)
 
 
+def is_layer_stack_enabled() -> bool:
+    """GMLX_CPU_LAYER_STACK (default on): where every layer of a model is a one-node fused layer of
+    one shape, a step runs them all as one node that holds their weights; 0 keeps a node a
+    layer (same bits, for A/B runs)."""
+    return _env_flag("GMLX_CPU_LAYER_STACK", True)
+
+
 def is_cpu_float_kernels_enabled() -> bool:
     """GMLX_CPU_FLOAT_KERNELS (default on): with the CPU kernels on, float32 linear weights are kept
     as panels and multiplied on the kernels' threads (gmlx/platform/cpu_float.py), and the decode

@@ -1,7 +1,8 @@
-"""Fused llama decoder layers (gmlx/platform/cpu_layers.py): one kernel node a layer (or the
-six-node form) where every product has packed weights (the quad layout or float32 panels), with
-the separate graph's bits in every shape the engine runs (ragged rows, verify widths, prefill
-chunks), writing the KV buffers in place only where no other array shares them."""
+"""Fused llama decoder layers (gmlx/platform/cpu_layers.py): one kernel node a step for all the
+layers, one a layer, or the six-node form, where every product has packed weights (the quad
+layout or float32 panels), with the separate graph's bits in every shape the engine runs
+(ragged rows, verify widths, prefill chunks), writing the KV buffers in place only where no
+other array shares them."""
 
 import re
 
@@ -14,7 +15,7 @@ from gmlx.cache.ragged import RaggedKVCache
 from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
-from gmlx.platform.cpu_layers import FusedLlamaBlock
+from gmlx.platform.cpu_layers import FusedLlamaBlock, StackedLlamaModel
 from kernel_support import requires_kernels
 
 pytestmark = requires_kernels
@@ -41,22 +42,37 @@ def test_the_one_node_switch_keeps_six_nodes(fused_and_unfused):
     assert all(type(layer) is FusedLlamaBlock and not layer._layer_call.is_one_node for layer in six.model.model.layers)
 
 
-def _set_one_node(target, is_one_node: bool) -> None:
+def test_the_stack_switch_keeps_a_node_a_layer(fused_and_unfused):
+    fused = fused_and_unfused[0]
+    assert type(fused.model.model) is StackedLlamaModel
+    with env_overrides({"GMLX_CPU_LAYER_STACK": "0"}):
+        per_layer = load_model(fused.path)
+    assert type(per_layer.model.model) is not StackedLlamaModel
+    assert all(layer._layer_call.is_one_node for layer in per_layer.model.model.layers)
+
+
+FORMS = ("stack", "one-node", "six-node")
+
+
+def _set_form(target, form: str, stack_call) -> None:
+    """Run the body's layers as one stack node, a node a layer, or six a layer (the same bits)."""
+    object.__setattr__(target.model.model, "_stack_call", stack_call if form == "stack" else None)
     for layer in target.model.model.layers:
-        layer._layer_call.is_one_node = is_one_node
+        layer._layer_call.is_one_node = form != "six-node"
 
 
-@pytest.mark.parametrize("is_one_node", [True, False], ids=["one-node", "six-node"])
-def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts, is_one_node):
+@pytest.mark.parametrize("form", FORMS)
+def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts, form):
     """Two rows at their own lengths through prefill chunks, a 4-position verify and single
     steps: logits and every KV position bit for bit the unfused layers'."""
     fused_target, unfused_target = fused_and_unfused
-    assert all(layer._layer_call.is_one_node for layer in fused_target.model.model.layers)
-    _set_one_node(fused_target, is_one_node)
+    stack_call = fused_target.model.model._stack_call
+    assert stack_call is not None and all(layer._layer_call.is_one_node for layer in fused_target.model.model.layers)
+    _set_form(fused_target, form, stack_call)
     try:
         _check_ragged_rows(fused_target, unfused_target, code_prompts)
     finally:
-        _set_one_node(fused_target, True)
+        _set_form(fused_target, "stack", stack_call)
 
 
 def _check_ragged_rows(fused_target, unfused_target, code_prompts):
@@ -94,26 +110,56 @@ def test_fused_ops_refuse_mismatched_shapes():
                       mx.zeros((10,), dtype=mx.uint8), 128, 4)
 
 
+def test_the_layer_stack_refuses_bad_weights_and_buffers(fused_and_unfused):
+    target = fused_and_unfused[0]
+    ext, stack_call = cpu_kernels.extension(), target.model.model._stack_call
+    call = target.model.model.layers[0]._layer_call
+    input_norm, post_norm, eps, weights = call.layer_weights
+    with pytest.raises(ValueError, match="weights of q, k, v, o, gate, up, down"):
+        ext.LayerStack([input_norm], [post_norm], [weights[:6]], eps, *call.layer_shape)
+    with pytest.raises(ValueError, match="LayerStack q"):
+        ext.LayerStack([input_norm], [post_norm], [[weights[4], *weights[1:]]], eps, *call.layer_shape)
+    with pytest.raises(ValueError, match="must be evaluated"):  # the node reads them with no graph edge
+        ext.LayerStack([input_norm * 1], [post_norm], [weights], eps, *call.layer_shape)
+    x = mx.zeros((1, 1, input_norm.shape[0]))
+    heads, head_dim = call.kv_heads_and_dim
+    buffer = mx.zeros((1, heads, 16, head_dim))
+    with pytest.raises(ValueError, match="one keys and one values buffer per layer"):
+        ext.decoder_stack(stack_call.stack, x, mx.array([0]), [buffer], [buffer])
+    num_layers = stack_call.num_layers
+    with pytest.raises(ValueError, match=r"\(B, Hkv, S, Dh\)"):
+        ext.decoder_stack(stack_call.stack, x, mx.array([0]), [buffer[:, :, :, :4]] * num_layers, [buffer] * num_layers)
+
+
 def _address(array: mx.array) -> int:
     return np.asarray(memoryview(array)).ctypes.data
 
 
-def test_a_decode_step_is_one_node_a_layer_writing_the_kv_in_place(fused_and_unfused, tmp_path):
-    """The point of the one-node layer: a step's graph holds one kernel node per layer and no
-    separate KV writes, and the cache's buffers stay where they are from step to step."""
+@pytest.mark.parametrize("form", FORMS[:2])
+def test_a_decode_step_is_one_node_writing_the_kv_in_place(fused_and_unfused, tmp_path, form):
+    """The point of the one-node forms: a step's graph holds one kernel node for all the layers
+    (or one per layer) and no separate KV writes, and the cache's buffers stay where they are
+    from step to step."""
     target = fused_and_unfused[0]
+    stack_call = target.model.model._stack_call
     num_layers = len(target.model.model.layers)
     cache = [RaggedKVCache() for _ in range(num_layers)]
-    mx.eval(target.forward(mx.array([[5, 6, 7, 8]]), cache)[1])
-    addresses = [_address(c.keys) for c in cache]
-    logits = target.forward(mx.array([[9]]), cache)[1]
+    _set_form(target, form, stack_call)
+    try:
+        mx.eval(target.forward(mx.array([[5, 6, 7, 8]]), cache)[1])
+        addresses = [(_address(c.keys), _address(c.values)) for c in cache]
+        logits = target.forward(mx.array([[9]]), cache)[1]
+    finally:
+        _set_form(target, "stack", stack_call)
     path = tmp_path / "step.dot"
     mx.export_to_dot(str(path), logits)
     labels = re.findall(r'label ="([^"]+)"', path.read_text())
-    assert labels.count("GmlxDecoderLayerOp") == num_layers
+    expected = {"GmlxDecoderStackOp": 1, "GmlxDecoderLayerOp": 0} if form == "stack" else {
+        "GmlxDecoderStackOp": 0, "GmlxDecoderLayerOp": num_layers}
+    assert {name: labels.count(name) for name in expected} == expected
     assert "SliceUpdate" not in labels
     mx.eval(logits)
-    assert [_address(c.keys) for c in cache] == addresses
+    assert [(_address(c.keys), _address(c.values)) for c in cache] == addresses
 
 
 def test_buffers_shared_with_a_prompt_cache_entry_are_copied_before_a_write(fused_and_unfused):

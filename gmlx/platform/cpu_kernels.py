@@ -351,10 +351,14 @@ def format_status(report: dict) -> str:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"
     if report.get("fused_layers") and report["decode_ops"]:
-        layers = "fused llama layers, " + ("one node each" if config.is_one_node_layers_enabled() else "six nodes each")
+        if not config.is_one_node_layers_enabled():
+            layers = "fused llama layers, six nodes each"
+        else:
+            layers = "fused llama layers, " + ("one node a step where they stack" if config.is_layer_stack_enabled()
+                                               else "one node each")
     floats = "float32 products on panels" if report.get("float_panels") else "float32 products in the BLAS"
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
             f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS, "
-            "GMLX_CPU_ONE_NODE_LAYERS); "
+            "GMLX_CPU_ONE_NODE_LAYERS, GMLX_CPU_LAYER_STACK); "
             f"{floats} (GMLX_CPU_FLOAT_KERNELS)")

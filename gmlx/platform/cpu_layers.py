@@ -14,6 +14,12 @@ which the cache hands over only when no other array shares them (RaggedKVCache.
 writable_buffers). Each stage runs the separate ops' code, so the bits are the separate
 graph's (a probe at load checks it); packed forwards and calls without a ragged cache run the
 layer as mlx-lm builds it.
+
+Where every layer of the model is such a one-node layer of one shape, a step runs them all as
+one node (decoder_stack) that holds their weights, instead of ~30 nodes of ~13 inputs each:
+mlx's dispatch costs the Python thread per node and per input, and that thread shares the
+second core with the kernels' worker. The stack runs each layer's code, so the bits are the
+per-layer nodes'.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
+from gmlx import config
 from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import _KernelAttention
@@ -56,6 +63,48 @@ class _FusedBlock:
 
 
 class FusedLlamaBlock(_FusedBlock, llama.TransformerBlock):
+    pass
+
+
+class LayerStackCall:
+    """A model's one-node layers as one decoder_stack node: the stack of their weights (built once)."""
+
+    def __init__(self, calls: list[cpu_kernels.LayerCall]):
+        first = calls[0]
+        assert all(c.is_one_node and c.layer_shape == first.layer_shape and c.layer_weights[2] == first.layer_weights[2]
+                   for c in calls), "a stack needs one-node layers of one shape"
+        # The node reads the norms without a graph edge: evaluated float32 arrays.
+        norms = [[mx.array(c.layer_weights[i], dtype=mx.float32) for c in calls] for i in (0, 1)]
+        weights = [c.layer_weights[3] for c in calls]
+        mx.eval(norms, weights)
+        self.stack = cpu_kernels.extension().LayerStack(*norms, weights, first.layer_weights[2], *first.layer_shape)
+        self.kv_heads_and_dim = first.kv_heads_and_dim
+        self.num_layers = len(calls)
+
+    def __call__(self, h: mx.array, caches: list[RaggedKVCache]) -> mx.array:
+        """Every layer over h (B, T, D), each cache's buffers written in place and advanced."""
+        first, num_new = caches[0], h.shape[1]
+        assert all(c.lengths == first.lengths for c in caches), "the layers' caches hold different rows"
+        buffers = [c.writable_buffers(num_new, *self.kv_heads_and_dim, mx.float32) for c in caches]
+        out = cpu_kernels.extension().decoder_stack(self.stack, h, first.offset, [k for k, _ in buffers],
+                                                    [v for _, v in buffers])
+        for cache, keys, values in zip(caches, out[1 : 1 + self.num_layers], out[1 + self.num_layers :]):
+            cache.wrote_in_place(keys, values, num_new)
+        return out[0]
+
+
+class _StackedModel:
+    """Mixed into mlx-lm's LlamaModel whose layers make a LayerStackCall (use_fused_layers)."""
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
+        call = self.__dict__.get("_stack_call")
+        if (call is None or cache is None or input_embeddings is not None
+                or not all(isinstance(c, RaggedKVCache) for c in cache)):
+            return super().__call__(inputs, cache, input_embeddings)
+        return self.norm(call(self.embed_tokens(inputs), cache))
+
+
+class StackedLlamaModel(_StackedModel, llama.LlamaModel):
     pass
 
 
@@ -110,4 +159,21 @@ def use_fused_layers(model: nn.Module) -> int:
         block.__class__ = FusedLlamaBlock
         # Outside the module's dict (object's setattr), so the arguments are no parameters or children.
         object.__setattr__(block, "_layer_call", cpu_kernels.LayerCall(block))
+    _use_layer_stack(model.model)
     return len(blocks)
+
+
+def _use_layer_stack(body: nn.Module) -> bool:
+    """Run a llama body's layers as one node a step where they are all one-node layers of one shape."""
+    layers = getattr(body, "layers", [])
+    calls = [layer.__dict__.get("_layer_call") for layer in layers]
+    if (type(body) is not llama.LlamaModel or not calls or not config.is_layer_stack_enabled()
+            or not hasattr(cpu_kernels.extension(), "decoder_stack")):
+        return False
+    first = calls[0]
+    if not all(c is not None and c.is_one_node and c.layer_shape == first.layer_shape
+               and c.layer_weights[2] == first.layer_weights[2] for c in calls):
+        return False
+    body.__class__ = StackedLlamaModel
+    object.__setattr__(body, "_stack_call", LayerStackCall(calls))
+    return True

@@ -3,6 +3,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <memory>
+
 #include "mlx/version.h"
 #include "attention.h"
 #include "decoder_layer.h"
@@ -17,6 +19,14 @@
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+namespace {
+// Python's handle on a LayerStack. The node's task holds the stack by a C++ shared_ptr: one
+// from nanobind's caster would drop a Python reference on mlx's stream thread, without the GIL.
+struct LayerStackHandle {
+  std::shared_ptr<const gmlx_kernels::LayerStack> stack;
+};
+}  // namespace
 
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "gmlx CPU decode kernels for MLX (few-row quantized products, RoPE, RMSNorm, attention)";
@@ -64,6 +74,30 @@ NB_MODULE(_cpu_kernels, m) {
         "rope_base"_a, "rope_scale"_a,
         "A whole llama layer as one node (attention_inputs, the KV write at offset, ragged attention, project_add, "
         "mlp_block): [h, keys, values], the KV buffers (no other array may share them) written in place");
+  nb::class_<LayerStackHandle>(m, "LayerStack", "The weights of a model's llama layers, one shape, for decoder_stack")
+      .def(
+          "__init__",
+          [](LayerStackHandle* self, const std::vector<mlx::core::array>& input_norms,
+             const std::vector<mlx::core::array>& post_norms, const std::vector<std::vector<mlx::core::array>>& weights,
+             float eps, int num_q_heads, int num_kv_heads, int head_dim, int hidden_dims, int bits,
+             float attention_scale, int rope_dims, bool rope_traditional, float rope_base, float rope_scale) {
+            new (self) LayerStackHandle{std::make_shared<const gmlx_kernels::LayerStack>(
+                input_norms, post_norms, weights, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims, bits,
+                attention_scale, rope_dims, rope_traditional, rope_base, rope_scale)};
+          },
+          "input_norms"_a, "post_norms"_a, "weights"_a, "eps"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a,
+          "hidden_dims"_a, "bits"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
+          "rope_scale"_a)
+      .def_prop_ro("num_layers", [](const LayerStackHandle& h) { return h.stack->num_layers(); });
+  m.def(
+      "decoder_stack",
+      [](const LayerStackHandle& h, const mlx::core::array& x, const mlx::core::array& offset,
+         const std::vector<mlx::core::array>& keys, const std::vector<mlx::core::array>& values) {
+        return gmlx_kernels::decoder_stack(h.stack, x, offset, keys, values);
+      },
+      "stack"_a, "x"_a, "offset"_a, "keys"_a, "values"_a,
+      "Every layer of the stack as one node, each as decoder_layer runs it: [h, keys..., values...], each "
+      "layer's KV buffers (no other array may share them) written in place");
   m.def("swiglu", &gmlx_kernels::swiglu, "gate"_a, "up"_a, "silu(gate) * up for float32 gate and up of one shape");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");

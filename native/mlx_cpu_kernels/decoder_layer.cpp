@@ -22,9 +22,9 @@ namespace {
 
 // Per-thread scratch for the stages' intermediates: a decode step makes 30-90 fused calls,
 // each would otherwise allocate and free several buffers. Only grows. The stages use 0-3;
-// the whole layer keeps its own intermediates in 4-8.
+// the whole layer keeps its own intermediates in 4-8, a stack its layers' hidden states in 9-10.
 struct Scratch {
-  std::vector<float> buffers[9];
+  std::vector<float> buffers[11];
   float* get(int i, int64_t num_floats) {
     if (static_cast<int64_t>(buffers[i].size()) < num_floats) buffers[i].resize(num_floats);
     return buffers[i].data();
@@ -147,6 +147,66 @@ void write_new_positions(const float* fresh, const mx::array& offset, int64_t nu
       }
     }
   }
+}
+
+// One layer over x (B, T, D) into h_out, row b's new keys and values written at offset[b] into the
+// (B, Hkv, capacity, Dh) buffers: the code of the one-node layer and of each layer of a stack.
+// weights: q, k, v, o, gate, up, down.
+void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const mx::array& offset, int64_t num_b,
+               int64_t num_t, float* keys, float* values, int64_t capacity, const mx::array& input_norm,
+               const mx::array& post_norm, const mx::array* weights, float* h_out) {
+  const int64_t num_q_heads = shape.num_q_heads, num_kv_heads = shape.num_kv_heads, head_dim = shape.head_dim;
+  const int64_t dims = input_norm.shape(0), num_rows = num_b * num_t;
+  const int64_t q_width = num_q_heads * head_dim;
+  const int64_t kv_size = num_rows * num_kv_heads * head_dim;
+  float* q = scratch.get(4, num_rows * q_width);
+  float* k = scratch.get(5, kv_size);
+  float* v = scratch.get(6, kv_size);
+  float* attended = scratch.get(7, num_rows * q_width);
+  float* h = scratch.get(8, num_rows * dims);
+  inputs_stage(scratch, x, num_b, num_t, dims, input_norm, shape.eps, offset, weights, shape.bits, shape.num_q_heads,
+               shape.num_kv_heads, shape.head_dim, shape.rope, q, k, v);
+  write_new_positions(k, offset, num_b, num_kv_heads, num_t, head_dim, capacity, keys);
+  write_new_positions(v, offset, num_b, num_kv_heads, num_t, head_dim, capacity, values);
+  AttentionJob job;
+  job.q = {q, num_q_heads * num_t * head_dim, num_t * head_dim, head_dim};
+  job.keys = {keys, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
+  job.values = {values, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
+  job.offsets = offset.data<int32_t>();
+  job.offset_stride = per_row_stride(offset);
+  job.out = attended;
+  job.num_b = num_b;
+  job.num_q_heads = num_q_heads;
+  job.num_t = num_t;
+  job.num_d = head_dim;
+  job.num_keys = capacity;
+  job.group = num_q_heads / num_kv_heads;
+  job.scale = shape.attention_scale;
+  job.isa = kernels_isa();
+  run_attention_job(job);
+  project_add_stage(attended, num_rows, q_width, weights[3], dims, x, shape.bits, h);
+  mlp_stage(scratch, h, num_rows, dims, post_norm, shape.eps, &weights[4], shape.hidden_dims, shape.bits, h_out);
+}
+
+// The KV buffers a layer writes in place: the caller hands over buffers no other array shares
+// (RaggedKVCache.writable_buffers) and takes the outputs, which alias them, so later readers
+// depend on this write. (mlx's donation cannot be used: the previous step's node, still queued,
+// keeps its sibling outputs' buffers referenced until it runs.) A strided buffer is copied:
+// true when `output` got a fresh buffer the task must fill from `buffer`.
+bool share_or_allocate(const mx::array& buffer, mx::array& output) {
+  if (buffer.flags().row_contiguous) {
+    output.copy_shared_buffer(buffer);
+    return false;
+  }
+  output.set_data(mx::allocator::malloc(output.nbytes()));
+  return true;
+}
+
+// A strided KV input into the fresh buffer share_or_allocate gave its output.
+void fill_copied(const mx::array& buffer, float* y) {
+  std::vector<float> copy;
+  const float* src = row_major_data<float>(buffer, copy);
+  std::copy(src, src + buffer.size(), y);
 }
 
 }  // namespace
@@ -291,20 +351,8 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
 // Inputs: x, offset, keys, values, the two norms' weights, then q, k, v, o, gate, up, down.
 void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  // The KV buffers are written in place: the caller hands over buffers no other array shares
-  // (RaggedKVCache.writable_buffers), and takes the outputs, which alias them, so later readers
-  // depend on this write. (mlx's donation cannot be used: the previous step's node, still queued,
-  // keeps its sibling outputs' buffers referenced until it runs.) A strided buffer is copied.
   bool is_copied[2];
-  for (int i = 0; i < 2; ++i) {
-    const auto& buffer = inputs[2 + i];
-    is_copied[i] = !buffer.flags().row_contiguous;
-    if (is_copied[i]) {
-      outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
-    } else {
-      outputs[1 + i].copy_shared_buffer(buffer);
-    }
-  }
+  for (int i = 0; i < 2; ++i) is_copied[i] = share_or_allocate(inputs[2 + i], outputs[1 + i]);
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
   std::vector<mx::array> in;
   for (const auto& a : inputs) {
@@ -314,52 +362,131 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
   for (auto& y : outputs) encoder.set_output_array(y);
   encoder.dispatch([in = std::move(in), h_out = outputs[0].data<float>(), keys = outputs[1].data<float>(),
                     values = outputs[2].data<float>(), is_keys_copied = is_copied[0], is_values_copied = is_copied[1],
-                    bits = bits_, eps = eps_, num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_,
-                    head_dim = head_dim_, hidden_dims = hidden_dims_, rope = rope_, scale = attention_scale_]() {
+                    shape = LayerShape{bits_, eps_, num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_, rope_,
+                                       attention_scale_}]() {
     thread_local Scratch scratch;
-    std::vector<float> x_copy, kv_copy;
-    if (is_keys_copied) {
-      const float* src = row_major_data<float>(in[2], kv_copy);
-      std::copy(src, src + in[2].size(), keys);
-    }
-    if (is_values_copied) {
-      const float* src = row_major_data<float>(in[3], kv_copy);
-      std::copy(src, src + in[3].size(), values);
-    }
+    std::vector<float> x_copy;
+    if (is_keys_copied) fill_copied(in[2], keys);
+    if (is_values_copied) fill_copied(in[3], values);
     const float* x = row_major_data<float>(in[0], x_copy);
-    const mx::array& offset = in[1];
-    const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1), dims = in[0].shape(2);
-    const int64_t num_rows = num_b * num_t, capacity = in[2].shape(2);
-    const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
-    const int64_t kv_size = num_rows * num_kv_heads * head_dim;
-    float* q = scratch.get(4, num_rows * q_width);
-    float* k = scratch.get(5, kv_size);
-    float* v = scratch.get(6, kv_size);
-    float* attended = scratch.get(7, num_rows * q_width);
-    float* h = scratch.get(8, num_rows * dims);
-    inputs_stage(scratch, x, num_b, num_t, dims, in[4], eps, offset, &in[6], bits, num_q_heads, num_kv_heads,
-                 head_dim, rope, q, k, v);
-    write_new_positions(k, offset, num_b, num_kv_heads, num_t, head_dim, capacity, keys);
-    write_new_positions(v, offset, num_b, num_kv_heads, num_t, head_dim, capacity, values);
-    AttentionJob job;
-    job.q = {q, num_q_heads * num_t * head_dim, num_t * head_dim, head_dim};
-    job.keys = {keys, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
-    job.values = {values, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
-    job.offsets = offset.data<int32_t>();
-    job.offset_stride = per_row_stride(offset);
-    job.out = attended;
-    job.num_b = num_b;
-    job.num_q_heads = num_q_heads;
-    job.num_t = num_t;
-    job.num_d = head_dim;
-    job.num_keys = capacity;
-    job.group = num_q_heads / num_kv_heads;
-    job.scale = scale;
-    job.isa = kernels_isa();
-    run_attention_job(job);
-    project_add_stage(attended, num_rows, q_width, in[9], dims, x, bits, h);
-    mlp_stage(scratch, h, num_rows, dims, in[5], eps, &in[10], hidden_dims, bits, h_out);
+    run_layer(shape, scratch, x, in[1], in[0].shape(0), in[0].shape(1), keys, values, in[2].shape(2), in[4], in[5],
+              &in[6], h_out);
   });
+}
+
+LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
+                       const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads,
+                       int num_kv_heads, int head_dim, int hidden_dims, int bits, float attention_scale,
+                       int rope_dims, bool rope_traditional, float rope_base, float rope_scale)
+    : input_norms_(input_norms),
+      post_norms_(post_norms),
+      weights_(weights),
+      shape_{bits, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
+             RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}, attention_scale} {
+  if (input_norms.empty() || post_norms.size() != input_norms.size() || weights.size() != input_norms.size()) {
+    throw std::invalid_argument("LayerStack: one input norm, post norm and weight list per layer, at least one");
+  }
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || hidden_dims % 32 != 0) {
+    throw std::invalid_argument("LayerStack: q heads a multiple of the kv heads, hidden_dims of 32");
+  }
+  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
+    throw std::invalid_argument("LayerStack: rope dims must be even and at most head_dim");
+  }
+  const int dims = input_norms[0].ndim() == 1 ? input_norms[0].shape(0) : 0;
+  if (dims % 32 != 0 || dims == 0) throw std::invalid_argument("LayerStack: norm weights (D,), D a multiple of 32");
+  const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
+  const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
+  for (size_t l = 0; l < weights.size(); ++l) {
+    for (const auto* norm : {&input_norms[l], &post_norms[l]}) {
+      // Read by the node's task without a graph edge: it must hold its floats already.
+      if (norm->ndim() != 1 || norm->shape(0) != dims || norm->dtype() != mx::float32 || !norm->is_available()) {
+        throw std::invalid_argument("LayerStack: norm weights must be evaluated float32 (D,) arrays");
+      }
+    }
+    const auto& w = weights[l];
+    if (w.size() != 7) throw std::invalid_argument("LayerStack: weights of q, k, v, o, gate, up, down per layer");
+    for (const auto& a : w) {
+      if (!a.is_available()) throw std::invalid_argument("LayerStack: weights must be evaluated");
+    }
+    check_weights(w[0], q_width, dims, bits, "LayerStack q");
+    check_weights(w[1], kv_width, dims, bits, "LayerStack k");
+    check_weights(w[2], kv_width, dims, bits, "LayerStack v");
+    check_weights(w[3], dims, q_width, bits, "LayerStack o");
+    check_weights(w[4], hidden_dims, dims, bits, "LayerStack gate");
+    check_weights(w[5], hidden_dims, dims, bits, "LayerStack up");
+    check_weights(w[6], dims, hidden_dims, bits, "LayerStack down");
+  }
+}
+
+std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const mx::array& x,
+                                     const mx::array& offset, const std::vector<mx::array>& keys,
+                                     const std::vector<mx::array>& values) {
+  if (!stack) throw std::invalid_argument("decoder_stack: no layer stack");
+  const LayerShape& shape = stack->shape();
+  const int num_layers = stack->num_layers();
+  if (x.ndim() != 3 || x.shape(2) != stack->dims()) throw std::invalid_argument("decoder_stack: x must be (B, T, D)");
+  if (static_cast<int>(keys.size()) != num_layers || static_cast<int>(values.size()) != num_layers) {
+    throw std::invalid_argument("decoder_stack: one keys and one values buffer per layer");
+  }
+  if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
+    throw std::invalid_argument("decoder_stack: offset must be a scalar or one per row");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::Shape> shapes = {x.shape()};
+  std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)};
+  for (const auto* buffers : {&keys, &values}) {
+    for (const auto& buffer : *buffers) {
+      const mx::Shape kv_shape = {x.shape(0), shape.num_kv_heads, buffer.ndim() == 4 ? buffer.shape(2) : 0,
+                                  shape.head_dim};
+      if (buffer.shape() != kv_shape || buffer.shape(2) < x.shape(1)) {
+        throw std::invalid_argument("decoder_stack: keys and values must be (B, Hkv, S, Dh) with S >= T");
+      }
+      shapes.push_back(kv_shape);
+      inputs.push_back(as_dtype(buffer, mx::float32, s));
+    }
+  }
+  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32),
+                                std::make_shared<DecoderStackOp>(s, std::move(stack)), inputs);
+}
+
+// Inputs: x, offset, keys of each layer, values of each layer; outputs: h, then the same buffers.
+void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const int num_layers = stack_->num_layers();
+  std::vector<bool> is_copied(2 * num_layers);
+  for (int i = 0; i < 2 * num_layers; ++i) is_copied[i] = share_or_allocate(inputs[2 + i], outputs[1 + i]);
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  std::vector<float*> kv;
+  for (auto& y : outputs) encoder.set_output_array(y);
+  for (int i = 1; i <= 2 * num_layers; ++i) kv.push_back(outputs[i].data<float>());
+  encoder.dispatch([in = std::move(in), kv = std::move(kv), is_copied = std::move(is_copied),
+                    h_out = outputs[0].data<float>(), stack = stack_]() {
+    thread_local Scratch scratch;
+    const int num_layers = stack->num_layers();
+    for (int i = 0; i < 2 * num_layers; ++i) {
+      if (is_copied[i]) fill_copied(in[2 + i], kv[i]);
+    }
+    std::vector<float> x_copy;
+    const float* x = row_major_data<float>(in[0], x_copy);
+    const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
+    const int64_t size = in[0].size();
+    // The hidden state between layers alternates between two scratch buffers; the last layer writes h_out.
+    for (int l = 0; l < num_layers; ++l) {
+      float* y = l + 1 == num_layers ? h_out : scratch.get(9 + l % 2, size);
+      run_layer(stack->shape(), scratch, x, in[1], num_b, num_t, kv[l], kv[num_layers + l], in[2 + l].shape(2),
+                stack->input_norm(l), stack->post_norm(l), stack->weights(l), y);
+      x = y;
+    }
+  });
+}
+
+void DecoderStackOp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxDecoderStackOp runs on the CPU only");
 }
 
 void DecoderLayerOp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

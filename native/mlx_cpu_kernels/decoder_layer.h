@@ -17,6 +17,9 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
+#include <memory>
+#include <vector>
+
 namespace gmlx_kernels {
 
 namespace mx = mlx::core;
@@ -25,6 +28,39 @@ struct RopeSpec {
   int dims;
   bool traditional;
   float base, scale;
+};
+
+// A llama layer's sizes and constants (what its weights do not say).
+struct LayerShape {
+  int bits;
+  float eps;
+  int num_q_heads, num_kv_heads, head_dim, hidden_dims;
+  RopeSpec rope;
+  float attention_scale;
+};
+
+// The weights of a model's llama layers, all of one shape, held for decoder_stack: a decode
+// step's one node reads them from here, not as ~270 graph inputs (mlx's dispatch costs the
+// Python thread per input: a set entry, a weak copy). Weights are evaluated arrays that never
+// change after load.
+class LayerStack {
+ public:
+  // Per layer: the two norms' weights (D,) and q, k, v, o, gate, up, down (quads or panels).
+  LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
+             const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads, int num_kv_heads,
+             int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims, bool rope_traditional,
+             float rope_base, float rope_scale);
+  int num_layers() const { return static_cast<int>(input_norms_.size()); }
+  int dims() const { return input_norms_[0].shape(0); }
+  const LayerShape& shape() const { return shape_; }
+  const mx::array& input_norm(int layer) const { return input_norms_[layer]; }
+  const mx::array& post_norm(int layer) const { return post_norms_[layer]; }
+  const mx::array* weights(int layer) const { return weights_[layer].data(); }
+
+ private:
+  std::vector<mx::array> input_norms_, post_norms_;
+  std::vector<std::vector<mx::array>> weights_;
+  LayerShape shape_;
 };
 
 // x (B, T, D), norm_weight (D,), offset (B,) or scalar int32: each row's first position.
@@ -48,6 +84,28 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
                                      int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
                                      bool rope_traditional, float rope_base, float rope_scale);
+
+// Every layer of the stack in one node, each as decoder_layer runs it (the same bits): x (B, T, D),
+// keys[l] and values[l] layer l's (B, Hkv, S_l, Dh) float32 buffers, written in place as
+// decoder_layer's. Returns [h_out, keys..., values...], the buffers on the same memory.
+std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const mx::array& x,
+                                     const mx::array& offset, const std::vector<mx::array>& keys,
+                                     const std::vector<mx::array>& values);
+
+class DecoderStackOp : public mx::Primitive {
+ public:
+  DecoderStackOp(mx::Stream stream, std::shared_ptr<const LayerStack> stack)
+      : mx::Primitive(stream), stack_(std::move(stack)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxDecoderStackOp"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return stack_ == static_cast<const DecoderStackOp&>(other).stack_;
+  }
+
+ private:
+  std::shared_ptr<const LayerStack> stack_;
+};
 
 class DecoderLayerOp : public mx::Primitive {
  public:
