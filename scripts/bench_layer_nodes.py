@@ -1,7 +1,8 @@
-"""A fused llama layer as one graph node against six, side by side in one process.
+"""A model's fused llama layers as one graph node a step, one a layer, or six a layer, side by
+side in one process.
 
-Both forms give the same bits (tests/test_cpu_layers.py); each fused layer's form is a flag
-read when it is called, so one loaded model serves both and the flag flips before each timed
+The forms give the same bits (tests/test_cpu_layers.py); the form is read when the body and
+each fused layer are called, so one loaded model serves all and the flags flip before each timed
 run (scripts/ab.py's ABBA turns, medians of per-rep ratios). Per compute format of SmolLM2
 (4-bit and float32): greedy decode tok/s (--tokens), the Python thread's CPU per decode step
 (mlx's dispatch of each node runs on it, and on two cores it shares a core with the kernels'
@@ -10,6 +11,7 @@ positions' cost over one (the verify cost of issue 17).
 
     PYTHONPATH=. python3 scripts/bench_layer_nodes.py --reps 10
     PYTHONPATH=. python3 scripts/bench_layer_nodes.py --formats quantized --reps 16 --tokens 128
+    GMLX_CPU_LAYER_STACK=1 is needed (the default): the script flips the forms itself.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from gmlx.models.source import resolve_model_path  # noqa: E402
 from gmlx.platform.cpu_layers import FusedLlamaBlock  # noqa: E402
 from gmlx.platform.timing import best_of_s  # noqa: E402
 
-FORMS = ("one node", "six nodes")
+FORMS = ("a node a step", "a node a layer", "six a layer")
 POSITIONS = (1, 2, 3, 4)
 
 
@@ -44,15 +46,21 @@ def bench_format(compute_format: str, num_reps: int, num_tokens: int) -> None:
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": compute_format}):
         engine = Engine.load(EngineConfig(model_path=str(resolve_model_path("smollm2")), prompt_cache_bytes=0))
     calls = [layer._layer_call for layer in engine.target.model.model.layers if type(layer) is FusedLlamaBlock]
-    if not calls or not all(call.is_one_node for call in calls):
-        sys.exit("SmolLM2's layers are not fused as one node here (kernels not built, or a switch is off)")
+    body = engine.target.model.model
+    stack_call = body.__dict__.get("_stack_call")
+    if not calls or not all(call.is_one_node for call in calls) or stack_call is None:
+        sys.exit("SmolLM2's layers are not fused as one node a step here (kernels not built, or a switch is off)")
     cache = bench_decode_ops.make_ragged_cache(engine.target.num_layers)
     mx.eval(engine.target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(160)]]), cache)[1])
     forwards = {n: bench_decode_ops.forward_fn(engine.target, cache, n) for n in POSITIONS}
 
-    def run(form: str) -> dict[str, float]:
+    def set_form(form: str) -> None:
+        object.__setattr__(body, "_stack_call", stack_call if form == FORMS[0] else None)
         for call in calls:
-            call.is_one_node = form == FORMS[0]
+            call.is_one_node = form != FORMS[2]
+
+    def run(form: str) -> dict[str, float]:
+        set_form(form)
         cpu_before, steps_before = time.thread_time(), engine.counters["num_rounds"]
         result = {"decode tok/s": gmlx_tok_per_s(engine, num_tokens)}
         num_steps = engine.counters["num_rounds"] - steps_before
@@ -63,16 +71,19 @@ def bench_format(compute_format: str, num_reps: int, num_tokens: int) -> None:
     try:
         runs = alternate(FORMS, num_reps, run)
     finally:
-        for call in calls:
-            call.is_one_node = True
-    print(f"\nSmolLM2 {compute_format}, {num_reps} ABBA reps, {num_tokens} tokens; one node's speed is the median "
-          "of per-rep ratios")
-    print("| measure | one node | six nodes | one node's speed |")
-    print("|---|---|---|---|")
+        set_form(FORMS[0])
+    print(f"\nSmolLM2 {compute_format}, {num_reps} ABC-CBA reps, {num_tokens} tokens; speeds are medians of "
+          "per-rep ratios")
+    print(f"| measure | {' | '.join(FORMS)} | a step's node over a layer's | a layer's node over six |")
+    print("|---|---|---|---|---|---|")
     for key in runs[FORMS[0]][0]:
-        one, six = ([r[key] for r in runs[form]] for form in FORMS)
-        faster = zip(one, six) if key.endswith("tok/s") else zip(six, one)
-        print(f"| {key} | {statistics.median(one):.2f} | {statistics.median(six):.2f} | {median_ratio(faster):.3f}x |")
+        values = [[r[key] for r in runs[form]] for form in FORMS]
+
+        def speed(fast, slow):
+            return median_ratio(zip(fast, slow) if key.endswith("tok/s") else zip(slow, fast))
+
+        medians = " | ".join(f"{statistics.median(v):.2f}" for v in values)
+        print(f"| {key} | {medians} | {speed(values[0], values[1]):.3f}x | {speed(values[1], values[2]):.3f}x |")
     for form in FORMS:
         over = " / ".join(f"{median_ratio((r[f'forward {n} ms'], r['forward 1 ms']) for r in runs[form]):.2f}"
                           for n in POSITIONS[1:])
