@@ -83,6 +83,22 @@ void check_weights(const mx::array& weights, int64_t num_outputs, int64_t num_in
   }
 }
 
+// A layer's seven products' weights (q, k, v, o, gate, up, down) in the layout `bits` names.
+void check_layer_weights(const mx::array* weights, int64_t q_width, int64_t kv_width, int64_t dims,
+                         int64_t hidden_dims, int bits, const std::string& who) {
+  const char* names[] = {" q", " k", " v", " o", " gate", " up", " down"};
+  const int64_t outputs[] = {q_width, kv_width, kv_width, dims, hidden_dims, hidden_dims, dims};
+  const int64_t inputs[] = {dims, dims, dims, q_width, dims, dims, hidden_dims};
+  for (int i = 0; i < 7; ++i) check_weights(weights[i], outputs[i], inputs[i], bits, who + names[i]);
+}
+
+// An offset is a scalar or one per row of x (B, ...).
+void check_offset(const mx::array& offset, const mx::array& x, const std::string& who) {
+  if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
+    throw std::invalid_argument(who + ": offset must be a scalar or one per row");
+  }
+}
+
 // Norm, the q/k/v products and RoPE: q into q_out (B, Hq, T, Dh), k and v into k_out and v_out
 // (B, Hkv, T, Dh). weights: q, k, v.
 void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t, int64_t num_inputs,
@@ -222,9 +238,7 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
   if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
     throw std::invalid_argument("attention_inputs: rope dims must be even and at most head_dim");
   }
-  if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
-    throw std::invalid_argument("attention_inputs: offset must be a scalar or one per row");
-  }
+  check_offset(offset, x, "attention_inputs");
   const int dims = x.shape(2);
   check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
   check_weights(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
@@ -297,18 +311,10 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
   if (keys.shape() != kv_shape || values.shape() != kv_shape || keys.shape(2) < x.shape(1)) {
     throw std::invalid_argument("decoder_layer: keys and values must be (B, Hkv, S, Dh) with S >= T");
   }
-  if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
-    throw std::invalid_argument("decoder_layer: offset must be a scalar or one per row");
-  }
+  check_offset(offset, x, "decoder_layer");
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
   const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
-  check_weights(weights[0], q_width, dims, bits, "decoder_layer q");
-  check_weights(weights[1], kv_width, dims, bits, "decoder_layer k");
-  check_weights(weights[2], kv_width, dims, bits, "decoder_layer v");
-  check_weights(weights[3], dims, q_width, bits, "decoder_layer o");
-  check_weights(weights[4], hidden_dims, dims, bits, "decoder_layer gate");
-  check_weights(weights[5], hidden_dims, dims, bits, "decoder_layer up");
-  check_weights(weights[6], dims, hidden_dims, bits, "decoder_layer down");
+  check_layer_weights(weights.data(), q_width, kv_width, dims, hidden_dims, bits, "decoder_layer");
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s),
                                    as_dtype(keys, mx::float32, s), as_dtype(values, mx::float32, s),
@@ -408,13 +414,7 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
     for (const auto& a : w) {
       if (!a.is_available()) throw std::invalid_argument("LayerStack: weights must be evaluated");
     }
-    check_weights(w[0], q_width, dims, bits, "LayerStack q");
-    check_weights(w[1], kv_width, dims, bits, "LayerStack k");
-    check_weights(w[2], kv_width, dims, bits, "LayerStack v");
-    check_weights(w[3], dims, q_width, bits, "LayerStack o");
-    check_weights(w[4], hidden_dims, dims, bits, "LayerStack gate");
-    check_weights(w[5], hidden_dims, dims, bits, "LayerStack up");
-    check_weights(w[6], dims, hidden_dims, bits, "LayerStack down");
+    check_layer_weights(w.data(), q_width, kv_width, dims, hidden_dims, bits, "LayerStack");
   }
 }
 
@@ -428,9 +428,7 @@ std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, co
   if (static_cast<int>(keys.size()) != num_layers || static_cast<int>(values.size()) != num_layers) {
     throw std::invalid_argument("decoder_stack: one keys and one values buffer per layer");
   }
-  if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
-    throw std::invalid_argument("decoder_stack: offset must be a scalar or one per row");
-  }
+  check_offset(offset, x, "decoder_stack");
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::Shape> shapes = {x.shape()};
   std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)};
