@@ -167,7 +167,7 @@ def is_cpu_decode_ops_enabled() -> bool:
 
 
 def is_fused_layers_enabled() -> bool:
-    """GMLX_CPU_FUSED_LAYERS (default on): with the decode ops on, a llama layer whose products are
+    """GMLX_CPU_FUSED_LAYERS (default on): with the decode ops on, a llama or qwen3 layer whose products are
     all in the quad layout (or all float32 panels) runs as fused kernel nodes
     (gmlx/platform/cpu_layers.py, same bits); 0 keeps its ~20 (A/B runs)."""
     return _env_flag("GMLX_CPU_FUSED_LAYERS", True)

@@ -15,15 +15,20 @@ from gmlx.cache.ragged import RaggedKVCache
 from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
-from gmlx.platform.cpu_layers import FusedLlamaBlock, StackedLlamaModel
+from gmlx.platform.cpu_layers import FusedLlamaBlock, FusedQwen3Block, StackedLlamaModel, StackedQwen3Model
 from kernel_support import requires_kernels
 
 pytestmark = requires_kernels
 
 
-@pytest.fixture(scope="module", params=["gguf_like_target", "tiny_target"])
+FUSED_BLOCKS = (FusedLlamaBlock, FusedQwen3Block)
+STACKED_BODIES = (StackedLlamaModel, StackedQwen3Model)
+
+
+@pytest.fixture(scope="module", params=["gguf_like_target", "tiny_target", "builtin_target"])
 def fused_and_unfused(request):
-    """A model loaded with its layers fused (quad layout, or float32 panels) and without."""
+    """A model loaded with its layers fused (quad layout, or float32 panels) and without: llama
+    layers (4-bit, float32) and the built-in model's qwen3 layers (q and k head norms)."""
     fused = request.getfixturevalue(request.param)
     with env_overrides({"GMLX_CPU_FUSED_LAYERS": "0"}):
         return fused, load_model(fused.path)
@@ -31,23 +36,23 @@ def fused_and_unfused(request):
 
 def test_layers_are_fused_and_the_switch_keeps_them_apart(fused_and_unfused):
     fused, unfused = fused_and_unfused
-    assert all(type(layer) is FusedLlamaBlock for layer in fused.model.model.layers)
-    assert not any(type(layer) is FusedLlamaBlock for layer in unfused.model.model.layers)
+    assert all(type(layer) in FUSED_BLOCKS for layer in fused.model.model.layers)
+    assert not any(type(layer) in FUSED_BLOCKS for layer in unfused.model.model.layers)
 
 
 def test_the_one_node_switch_keeps_six_nodes(fused_and_unfused):
     fused = fused_and_unfused[0]
     with env_overrides({"GMLX_CPU_ONE_NODE_LAYERS": "0"}):
         six = load_model(fused.path)
-    assert all(type(layer) is FusedLlamaBlock and not layer._layer_call.is_one_node for layer in six.model.model.layers)
+    assert all(type(layer) in FUSED_BLOCKS and not layer._layer_call.is_one_node for layer in six.model.model.layers)
 
 
 def test_the_stack_switch_keeps_a_node_a_layer(fused_and_unfused):
     fused = fused_and_unfused[0]
-    assert type(fused.model.model) is StackedLlamaModel
+    assert type(fused.model.model) in STACKED_BODIES
     with env_overrides({"GMLX_CPU_LAYER_STACK": "0"}):
         per_layer = load_model(fused.path)
-    assert type(per_layer.model.model) is not StackedLlamaModel
+    assert type(per_layer.model.model) not in STACKED_BODIES
     assert all(layer._layer_call.is_one_node for layer in per_layer.model.model.layers)
 
 
@@ -101,7 +106,7 @@ def test_fused_ops_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match="attention_inputs: x must be"):
         ext.attention_inputs(mx.zeros((2, 64)), mx.ones((64,)), 1e-5, mx.array([0]), [], 4, 2, 16, 4, 16, False,
                              1e4, 1.0)
-    with pytest.raises(ValueError, match="quads of q, k and v"):
+    with pytest.raises(ValueError, match="attention_inputs: the products. weights, then optionally the q and k head norms"):
         ext.attention_inputs(x, mx.ones((64,)), 1e-5, mx.array([0]), [], 4, 2, 16, 4, 16, False, 1e4, 1.0)
     with pytest.raises(ValueError, match="project_add: quads must be the uint8 layout of 64 outputs x 64 inputs"):
         ext.project_add(x, mx.zeros((10,), dtype=mx.uint8), x, 4)
@@ -115,7 +120,7 @@ def test_the_layer_stack_refuses_bad_weights_and_buffers(fused_and_unfused):
     ext, stack_call = cpu_kernels.extension(), target.model.model._stack_call
     call = target.model.model.layers[0]._layer_call
     input_norm, post_norm, eps, weights = call.layer_weights
-    with pytest.raises(ValueError, match="weights of q, k, v, o, gate, up, down"):
+    with pytest.raises(ValueError, match="LayerStack: the products. weights, then optionally the q and k head norms"):
         ext.LayerStack([input_norm], [post_norm], [weights[:6]], eps, *call.layer_shape)
     with pytest.raises(ValueError, match="LayerStack q"):
         ext.LayerStack([input_norm], [post_norm], [[weights[4], *weights[1:]]], eps, *call.layer_shape)

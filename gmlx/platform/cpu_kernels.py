@@ -233,7 +233,7 @@ def packed_weights(module):
 
 
 class LayerCall:
-    """A fused llama layer's weights and constants in the order its ops take them, read
+    """A fused llama (or qwen3) layer's weights and constants in the order its ops take them, read
     from the modules once: building a step's graph re-read them through ~18 module attribute
     lookups a layer (~0.6 ms a SmolLM2 step). A layer's weights never change after load."""
 
@@ -241,7 +241,9 @@ class LayerCall:
         attention, mlp = block.self_attn, block.mlp
         norm, rope = block.input_layernorm, attention.rope
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        self.inputs_weights = (norm["weight"], norm.eps, [packed_weights(p) for p in projections])
+        # qwen3's q and k norms over each head ride after the products (the ops take them there).
+        head_norms = [attention.q_norm["weight"], attention.k_norm["weight"]] if "q_norm" in attention else []
+        self.inputs_weights = (norm["weight"], norm.eps, [packed_weights(p) for p in projections] + head_norms)
         self.inputs_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
                              attention.q_proj.bits, rope.dims, rope.traditional, rope.base, rope.scale)
         self.scale = attention.scale
@@ -253,7 +255,7 @@ class LayerCall:
         self.is_one_node = config.is_one_node_layers_enabled() and post_norm.eps == norm.eps
         self.layer_weights = (norm["weight"], post_norm["weight"], norm.eps,
                               [packed_weights(p) for p in (*projections, attention.o_proj, mlp.gate_proj, mlp.up_proj,
-                                                           mlp.down_proj)])
+                                                           mlp.down_proj)] + head_norms)
         self.layer_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
                             mlp.gate_proj.num_outputs, attention.q_proj.bits, attention.scale, rope.dims,
                             rope.traditional, rope.base, rope.scale)

@@ -1,4 +1,6 @@
-"""A llama decoder layer in one kernel node on the CPU, where its weights allow.
+"""A llama decoder layer in one kernel node on the CPU, where its weights allow (qwen3's too:
+the same layer with RMSNorm over each q and k head before RoPE, which the node runs with the
+separate op's code).
 
 With the decode ops swapped in (gmlx/platform/cpu_decode_ops.py) a SmolLM2 layer is still
 ~20 graph nodes (norms, grouped products, reshapes, transposes, RoPE, the KV writes,
@@ -28,7 +30,7 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen3
 
 from gmlx import config
 from gmlx.cache.ragged import RaggedKVCache
@@ -66,6 +68,13 @@ class FusedLlamaBlock(_FusedBlock, llama.TransformerBlock):
     pass
 
 
+class FusedQwen3Block(_FusedBlock, qwen3.TransformerBlock):
+    """qwen3's layer: llama's with RMSNorm over each q and k head before RoPE."""
+
+
+_FUSED_BLOCKS = {llama.TransformerBlock: FusedLlamaBlock, qwen3.TransformerBlock: FusedQwen3Block}
+
+
 class LayerStackCall:
     """A model's one-node layers as one decoder_stack node: the stack of their weights (built once)."""
 
@@ -94,7 +103,7 @@ class LayerStackCall:
 
 
 class _StackedModel:
-    """Mixed into mlx-lm's LlamaModel whose layers make a LayerStackCall (use_fused_layers)."""
+    """Mixed into mlx-lm's LlamaModel or Qwen3Model whose layers make a LayerStackCall (use_fused_layers)."""
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         call = self.__dict__.get("_stack_call")
@@ -108,6 +117,13 @@ class StackedLlamaModel(_StackedModel, llama.LlamaModel):
     pass
 
 
+class StackedQwen3Model(_StackedModel, qwen3.Qwen3Model):
+    pass
+
+
+_STACKED_BODIES = {llama.LlamaModel: StackedLlamaModel, qwen3.Qwen3Model: StackedQwen3Model}
+
+
 def _is_packed(module: nn.Module) -> bool:
     """Weights in the quad layout or float32 panels, no bias: what the fused ops multiply."""
     if "bias" in module:
@@ -116,16 +132,24 @@ def _is_packed(module: nn.Module) -> bool:
 
 
 def is_fusable(block: nn.Module) -> bool:
-    """A llama block whose products all have packed weights of one width (quads of 4 or 8 bits,
-    or float32 panels), with the kernels' attention (no q/k norms), RoPE, norms and MLP."""
-    if type(block) is not llama.TransformerBlock:
+    """A llama (or qwen3) block whose products all have packed weights of one width (quads of 4
+    or 8 bits, or float32 panels), with the kernels' attention, RoPE, norms (qwen3's q and k
+    head norms too) and MLP."""
+    if type(block) not in _FUSED_BLOCKS:
         return False
     attn, mlp = block.self_attn, block.mlp
     products = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return (isinstance(attn, _KernelAttention) and "q_norm" not in attn and type(attn.rope) is KernelRoPE
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    if type(block) is qwen3.TransformerBlock:
+        # The fused ops normalize the heads with the input norm's eps.
+        if attn.q_norm.eps != block.input_layernorm.eps or attn.k_norm.eps != block.input_layernorm.eps:
+            return False
+        norms += [attn.q_norm, attn.k_norm]
+    elif "q_norm" in attn:
+        return False
+    return (isinstance(attn, _KernelAttention) and type(attn.rope) is KernelRoPE
             and isinstance(mlp, _KernelMLP) and all(_is_packed(p) for p in products)
-            and len({p.bits for p in products}) == 1
-            and type(block.input_layernorm) is KernelRMSNorm and type(block.post_attention_layernorm) is KernelRMSNorm)
+            and len({p.bits for p in products}) == 1 and all(type(n) is KernelRMSNorm for n in norms))
 
 
 def _is_probe_exact(block: nn.Module) -> bool:
@@ -135,9 +159,10 @@ def _is_probe_exact(block: nn.Module) -> bool:
     x = mx.random.normal((2, 3, hidden), key=mx.random.key(3))
     prefix = mx.random.normal((2, 5, hidden), key=mx.random.key(4))
     results = []
-    for call in (llama.TransformerBlock.__call__, FusedLlamaBlock.__call__):
+    own_call = type(block).__call__
+    for call in (own_call, _FUSED_BLOCKS[type(block)].__call__):
         cache = RaggedKVCache(num_rows=2)
-        llama.TransformerBlock.__call__(block, prefix, None, cache)
+        own_call(block, prefix, None, cache)
         cache.lengths = [5, 2]  # ragged: the second row's last 3 prefix positions are overwritten
         cache._offset = None
         out = call(block, x, None, cache)
@@ -146,7 +171,8 @@ def _is_probe_exact(block: nn.Module) -> bool:
 
 
 def use_fused_layers(model: nn.Module) -> int:
-    """Swap the model's fusable llama blocks for FusedLlamaBlock; how many (0 if the probe fails)."""
+    """Swap the model's fusable llama (qwen3) blocks for FusedLlamaBlock (FusedQwen3Block); how many
+    (0 if the probe fails)."""
     if not cpu_kernels.is_built() or not hasattr(cpu_kernels.extension(), "mlp_block"):
         return 0
     blocks = [b for b in getattr(model.model, "layers", []) if is_fusable(b)]
@@ -156,7 +182,7 @@ def use_fused_layers(model: nn.Module) -> int:
         logger.warning("not fusing the decoder layers: the fused call differs from the layer's own")
         return 0
     for block in blocks:
-        block.__class__ = FusedLlamaBlock
+        block.__class__ = _FUSED_BLOCKS[type(block)]
         # Outside the module's dict (object's setattr), so the arguments are no parameters or children.
         object.__setattr__(block, "_layer_call", cpu_kernels.LayerCall(block))
     _use_layer_stack(model.model)
@@ -164,16 +190,16 @@ def use_fused_layers(model: nn.Module) -> int:
 
 
 def _use_layer_stack(body: nn.Module) -> bool:
-    """Run a llama body's layers as one node a step where they are all one-node layers of one shape."""
+    """Run a llama (qwen3) body's layers as one node a step where they are all one-node layers of one shape."""
     layers = getattr(body, "layers", [])
     calls = [layer.__dict__.get("_layer_call") for layer in layers]
-    if (type(body) is not llama.LlamaModel or not calls or not config.is_layer_stack_enabled()
+    if (type(body) not in _STACKED_BODIES or not calls or not config.is_layer_stack_enabled()
             or not hasattr(cpu_kernels.extension(), "decoder_stack")):
         return False
     first = calls[0]
     if not all(c is not None and c.is_one_node and c.layer_shape == first.layer_shape
                and c.layer_weights[2] == first.layer_weights[2] for c in calls):
         return False
-    body.__class__ = StackedLlamaModel
+    body.__class__ = _STACKED_BODIES[type(body)]
     object.__setattr__(body, "_stack_call", LayerStackCall(calls))
     return True

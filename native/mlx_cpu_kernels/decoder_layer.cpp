@@ -92,6 +92,18 @@ void check_layer_weights(const mx::array* weights, int64_t q_width, int64_t kv_w
   for (int i = 0; i < 7; ++i) check_weights(weights[i], outputs[i], inputs[i], bits, who + names[i]);
 }
 
+// A layer's weights after the seven products: none, or qwen3's q and k norms over each head (Dh,).
+void check_head_norms(const std::vector<mx::array>& weights, size_t num_products, int head_dim, const std::string& who) {
+  if (weights.size() != num_products && weights.size() != num_products + 2) {
+    throw std::invalid_argument(who + ": the products' weights, then optionally the q and k head norms");
+  }
+  for (size_t i = num_products; i < weights.size(); ++i) {
+    if (weights[i].ndim() != 1 || weights[i].shape(0) != head_dim) {
+      throw std::invalid_argument(who + ": head norm weights must be (head_dim,)");
+    }
+  }
+}
+
 // An offset is a scalar or one per row of x (B, ...).
 void check_offset(const mx::array& offset, const mx::array& x, const std::string& who) {
   if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
@@ -99,12 +111,20 @@ void check_offset(const mx::array& offset, const mx::array& x, const std::string
   }
 }
 
-// Norm, the q/k/v products and RoPE: q into q_out (B, Hq, T, Dh), k and v into k_out and v_out
-// (B, Hkv, T, Dh). weights: q, k, v.
+// A node's inputs, then the weights' head norms (those past the products') as float32.
+std::vector<mx::array> with_head_norms(std::vector<mx::array> inputs, const std::vector<mx::array>& weights,
+                                       size_t num_products, mx::Stream s) {
+  for (size_t i = num_products; i < weights.size(); ++i) inputs.push_back(as_dtype(weights[i], mx::float32, s));
+  return inputs;
+}
+
+// Norm, the q/k/v products, qwen3's per-head q and k norms where head_norms is not null (q's,
+// then k's), and RoPE: q into q_out (B, Hq, T, Dh), k and v into k_out and v_out (B, Hkv, T, Dh).
+// weights: q, k, v.
 void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t, int64_t num_inputs,
                   const mx::array& norm_weight, float eps, const mx::array& offset, const mx::array* weights, int bits,
-                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, float* q_out, float* k_out,
-                  float* v_out) {
+                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, const mx::array* head_norms,
+                  float* q_out, float* k_out, float* v_out) {
   const int64_t num_rows = num_b * num_t;
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
   const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
@@ -115,6 +135,10 @@ void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t
   normalize(x, norm_weight.data<float>(), norm_weight.strides(0), normed, num_rows, num_inputs, eps);
   weight_products(normed, num_rows, num_inputs, bits, {{&weights[0], q_width, q}, {&weights[1], kv_width, k},
                                                       {&weights[2], kv_width, v}});
+  if (head_norms != nullptr) {  // rows of Dh, normalized in place (a row is read before it is written)
+    normalize(q, head_norms[0].data<float>(), head_norms[0].strides(0), q, num_rows * num_q_heads, head_dim, eps);
+    normalize(k, head_norms[1].data<float>(), head_norms[1].strides(0), k, num_rows * num_kv_heads, head_dim, eps);
+  }
   rotate_heads(q, num_b, num_q_heads, num_t, head_dim, offset, rope, q_out);
   rotate_heads(k, num_b, num_kv_heads, num_t, head_dim, offset, rope, k_out);
   for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
@@ -167,10 +191,10 @@ void write_new_positions(const float* fresh, const mx::array& offset, int64_t nu
 
 // One layer over x (B, T, D) into h_out, row b's new keys and values written at offset[b] into the
 // (B, Hkv, capacity, Dh) buffers: the code of the one-node layer and of each layer of a stack.
-// weights: q, k, v, o, gate, up, down.
+// weights: q, k, v, o, gate, up, down; head_norms: null, or qwen3's q and k norms.
 void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const mx::array& offset, int64_t num_b,
                int64_t num_t, float* keys, float* values, int64_t capacity, const mx::array& input_norm,
-               const mx::array& post_norm, const mx::array* weights, float* h_out) {
+               const mx::array& post_norm, const mx::array* weights, const mx::array* head_norms, float* h_out) {
   const int64_t num_q_heads = shape.num_q_heads, num_kv_heads = shape.num_kv_heads, head_dim = shape.head_dim;
   const int64_t dims = input_norm.shape(0), num_rows = num_b * num_t;
   const int64_t q_width = num_q_heads * head_dim;
@@ -181,7 +205,7 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
   float* attended = scratch.get(7, num_rows * q_width);
   float* h = scratch.get(8, num_rows * dims);
   inputs_stage(scratch, x, num_b, num_t, dims, input_norm, shape.eps, offset, weights, shape.bits, shape.num_q_heads,
-               shape.num_kv_heads, shape.head_dim, shape.rope, q, k, v);
+               shape.num_kv_heads, shape.head_dim, shape.rope, head_norms, q, k, v);
   write_new_positions(k, offset, num_b, num_kv_heads, num_t, head_dim, capacity, keys);
   write_new_positions(v, offset, num_b, num_kv_heads, num_t, head_dim, capacity, values);
   AttentionJob job;
@@ -234,7 +258,7 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
   if (x.ndim() != 3 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(2) || x.shape(2) % 32 != 0) {
     throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
   }
-  if (quads.size() != 3) throw std::invalid_argument("attention_inputs: quads of q, k and v");
+  check_head_norms(quads, 3, head_dim, "attention_inputs");
   if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
     throw std::invalid_argument("attention_inputs: rope dims must be even and at most head_dim");
   }
@@ -251,8 +275,9 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
       {q_shape, kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
                                        head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}),
-      {as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s), as_dtype(offset, mx::int32, s), quads[0],
-       quads[1], quads[2]});
+      with_head_norms({as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s),
+                       as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]},
+                      quads, 3, s));
 }
 
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits) {
@@ -300,7 +325,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
   for (const auto* norm : {&input_norm_weight, &post_norm_weight}) {
     if (norm->ndim() != 1 || norm->shape(0) != dims) throw std::invalid_argument("decoder_layer: norm weights (D,)");
   }
-  if (weights.size() != 7) throw std::invalid_argument("decoder_layer: weights of q, k, v, o, gate, up, down");
+  check_head_norms(weights, 7, head_dim, "decoder_layer");
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) {
     throw std::invalid_argument("decoder_layer: the q heads must be a multiple of the kv heads");
   }
@@ -320,13 +345,13 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                    as_dtype(keys, mx::float32, s), as_dtype(values, mx::float32, s),
                                    as_dtype(input_norm_weight, mx::float32, s),
                                    as_dtype(post_norm_weight, mx::float32, s)};
-  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  inputs.insert(inputs.end(), weights.begin(), weights.begin() + 7);
   return mx::array::make_arrays(
       {x.shape(), kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kLayer, bits, eps, num_q_heads, num_kv_heads, head_dim,
                                        hidden_dims, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale},
                                        attention_scale),
-      inputs);
+      with_head_norms(std::move(inputs), weights, 7, s));
 }
 
 void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -343,7 +368,7 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const int64_t num_rows = in[0].size() / num_inputs;
     if (kind == Kind::kAttentionInputs) {
       inputs_stage(scratch, x, in[0].shape(0), in[0].shape(1), num_inputs, in[1], eps, in[2], &in[3], bits,
-                   num_q_heads, num_kv_heads, head_dim, rope, y[0], y[1], y[2]);
+                   num_q_heads, num_kv_heads, head_dim, rope, in.size() == 8 ? &in[6] : nullptr, y[0], y[1], y[2]);
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
@@ -354,7 +379,8 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   });
 }
 
-// Inputs: x, offset, keys, values, the two norms' weights, then q, k, v, o, gate, up, down.
+// Inputs: x, offset, keys, values, the two norms' weights, then q, k, v, o, gate, up, down, and
+// qwen3's q and k head norms where the layer has them.
 void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
   bool is_copied[2];
@@ -376,7 +402,7 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     if (is_values_copied) fill_copied(in[3], values);
     const float* x = row_major_data<float>(in[0], x_copy);
     run_layer(shape, scratch, x, in[1], in[0].shape(0), in[0].shape(1), keys, values, in[2].shape(2), in[4], in[5],
-              &in[6], h_out);
+              &in[6], in.size() == 15 ? &in[13] : nullptr, h_out);
   });
 }
 
@@ -410,9 +436,11 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
       }
     }
     const auto& w = weights[l];
-    if (w.size() != 7) throw std::invalid_argument("LayerStack: weights of q, k, v, o, gate, up, down per layer");
-    for (const auto& a : w) {
-      if (!a.is_available()) throw std::invalid_argument("LayerStack: weights must be evaluated");
+    check_head_norms(w, 7, head_dim, "LayerStack");
+    if (w.size() != weights[0].size()) throw std::invalid_argument("LayerStack: every layer with head norms or none");
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (!w[i].is_available()) throw std::invalid_argument("LayerStack: weights must be evaluated");
+      if (i >= 7 && w[i].dtype() != mx::float32) throw std::invalid_argument("LayerStack: head norms must be float32");
     }
     check_layer_weights(w.data(), q_width, kv_width, dims, hidden_dims, bits, "LayerStack");
   }
@@ -477,7 +505,7 @@ void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     for (int l = 0; l < num_layers; ++l) {
       float* y = l + 1 == num_layers ? h_out : scratch.get(9 + l % 2, size);
       run_layer(stack->shape(), scratch, x, in[1], num_b, num_t, kv[l], kv[num_layers + l], in[2 + l].shape(2),
-                stack->input_norm(l), stack->post_norm(l), stack->weights(l), y);
+                stack->input_norm(l), stack->post_norm(l), stack->weights(l), stack->head_norms(l), y);
       x = y;
     }
   });

@@ -45,7 +45,8 @@ struct LayerShape {
 // change after load.
 class LayerStack {
  public:
-  // Per layer: the two norms' weights (D,) and q, k, v, o, gate, up, down (quads or panels).
+  // Per layer: the two norms' weights (D,) and q, k, v, o, gate, up, down (quads or panels), then
+  // qwen3's q and k head norms (Dh,) for every layer or none.
   LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
              const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads, int num_kv_heads,
              int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims, bool rope_traditional,
@@ -56,6 +57,10 @@ class LayerStack {
   const mx::array& input_norm(int layer) const { return input_norms_[layer]; }
   const mx::array& post_norm(int layer) const { return post_norms_[layer]; }
   const mx::array* weights(int layer) const { return weights_[layer].data(); }
+  // qwen3's q and k norms over each head, or null for a layer without them.
+  const mx::array* head_norms(int layer) const {
+    return weights_[layer].size() > 7 ? weights_[layer].data() + 7 : nullptr;
+  }
 
  private:
   std::vector<mx::array> input_norms_, post_norms_;
@@ -76,7 +81,8 @@ mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps,
 
 // x (B, T, D); keys and values (B, Hkv, S, Dh) float32 buffers with S >= offset[b] + T for every
 // row, which no other array may share (they are written in place); weights as for the three
-// stages: [q, k, v, o, gate, up, down]. Row b's new keys and values land at positions
+// stages: [q, k, v, o, gate, up, down], then qwen3's q and k head norms (Dh,) where the layer has
+// them (attention_inputs takes [q, k, v] and the same optional two). Row b's new keys and values land at positions
 // offset[b] .. offset[b] + T - 1. Returns [h_out, keys, values], keys and values on the same memory.
 std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset, const mx::array& keys,
                                      const mx::array& values, const mx::array& input_norm_weight,
