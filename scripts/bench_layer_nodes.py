@@ -1,16 +1,17 @@
-"""A model's fused llama layers as one graph node a step, one a layer, or six a layer, side by
+"""A model's fused llama (or qwen3) layers as one graph node a step, one a layer, or six a layer, side by
 side in one process.
 
 The forms give the same bits (tests/test_cpu_layers.py); the form is read when the body and
 each fused layer are called, so one loaded model serves all and the flags flip before each timed
-run (scripts/ab.py's ABBA turns, medians of per-rep ratios). Per compute format of SmolLM2
-(4-bit and float32): greedy decode tok/s (--tokens), the Python thread's CPU per decode step
+run (scripts/ab.py's ABBA turns, medians of per-rep ratios). Per compute format of the model
+(SmolLM2 by default, 4-bit and float32; the built-in model is float32): greedy decode tok/s (--tokens), the Python thread's CPU per decode step
 (mlx's dispatch of each node runs on it, and on two cores it shares a core with the kernels'
 second thread), and a forward of 1-4 positions at 160 KV tokens (best of 10) with the
 positions' cost over one (the verify cost of issue 17).
 
     PYTHONPATH=. python3 scripts/bench_layer_nodes.py --reps 10
     PYTHONPATH=. python3 scripts/bench_layer_nodes.py --formats quantized --reps 16 --tokens 128
+    PYTHONPATH=. python3 scripts/bench_layer_nodes.py --model builtin --formats float32 --reps 10
     GMLX_CPU_LAYER_STACK=1 is needed (the default): the script flips the forms itself.
 """
 
@@ -35,21 +36,23 @@ from bench_compute_format import gmlx_tok_per_s  # noqa: E402
 from gmlx.config import EngineConfig, env_overrides  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
 from gmlx.models.source import resolve_model_path  # noqa: E402
-from gmlx.platform.cpu_layers import FusedLlamaBlock  # noqa: E402
+from gmlx.platform.cpu_layers import FusedLlamaBlock, FusedQwen3Block  # noqa: E402
 from gmlx.platform.timing import best_of_s  # noqa: E402
 
 FORMS = ("a node a step", "a node a layer", "six a layer")
 POSITIONS = (1, 2, 3, 4)
 
 
-def bench_format(compute_format: str, num_reps: int, num_tokens: int) -> None:
+def bench_format(model: str, compute_format: str, num_reps: int, num_tokens: int) -> None:
+    model_path = resolve_model_path(None if model == "builtin" else model)
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": compute_format}):
-        engine = Engine.load(EngineConfig(model_path=str(resolve_model_path("smollm2")), prompt_cache_bytes=0))
-    calls = [layer._layer_call for layer in engine.target.model.model.layers if type(layer) is FusedLlamaBlock]
+        engine = Engine.load(EngineConfig(model_path=str(model_path), prompt_cache_bytes=0))
+    calls = [layer._layer_call for layer in engine.target.model.model.layers
+             if type(layer) in (FusedLlamaBlock, FusedQwen3Block)]
     body = engine.target.model.model
     stack_call = body.__dict__.get("_stack_call")
     if not calls or not all(call.is_one_node for call in calls) or stack_call is None:
-        sys.exit("SmolLM2's layers are not fused as one node a step here (kernels not built, or a switch is off)")
+        sys.exit(f"{model}'s layers are not fused as one node a step here (kernels not built, or a switch is off)")
     cache = bench_decode_ops.make_ragged_cache(engine.target.num_layers)
     mx.eval(engine.target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(160)]]), cache)[1])
     forwards = {n: bench_decode_ops.forward_fn(engine.target, cache, n) for n in POSITIONS}
@@ -72,7 +75,7 @@ def bench_format(compute_format: str, num_reps: int, num_tokens: int) -> None:
         runs = alternate(FORMS, num_reps, run)
     finally:
         set_form(FORMS[0])
-    print(f"\nSmolLM2 {compute_format}, {num_reps} ABC-CBA reps, {num_tokens} tokens; speeds are medians of "
+    print(f"\n{model} {compute_format}, {num_reps} ABC-CBA reps, {num_tokens} tokens; speeds are medians of "
           "per-rep ratios")
     print(f"| measure | {' | '.join(FORMS)} | a step's node over a layer's | a layer's node over six |")
     print("|---|---|---|---|---|---|")
@@ -92,13 +95,14 @@ def bench_format(compute_format: str, num_reps: int, num_tokens: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2 (default), builtin, or a model path")
     parser.add_argument("--formats", default="quantized,float32", help="GMLX_CPU_COMPUTE_FORMAT values, comma-separated")
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for compute_format in args.formats.split(","):
-        bench_format(compute_format, args.reps, args.tokens)
+        bench_format(args.model, compute_format, args.reps, args.tokens)
 
 
 if __name__ == "__main__":
