@@ -4,7 +4,8 @@ side in one process.
 The forms give the same bits (tests/test_cpu_layers.py); the form is read when the body and
 each fused layer are called, so one loaded model serves all and the flags flip before each timed
 run (scripts/ab.py's ABBA turns, medians of per-rep ratios). Per compute format of the model
-(SmolLM2 by default, 4-bit and float32; the built-in model is float32): greedy decode tok/s (--tokens), the Python thread's CPU per decode step
+(SmolLM2 by default, 4-bit and float32; the built-in model is float32): greedy decode tok/s
+(--tokens), the Python thread's CPU per decode step
 (mlx's dispatch of each node runs on it, and on two cores it shares a core with the kernels'
 second thread), and a forward of 1-4 positions at 160 KV tokens (best of 10) with the
 positions' cost over one (the verify cost of issue 17).

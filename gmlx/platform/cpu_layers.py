@@ -79,9 +79,8 @@ class LayerStackCall:
     """A model's one-node layers as one decoder_stack node: the stack of their weights (built once)."""
 
     def __init__(self, calls: list[cpu_kernels.LayerCall]):
+        assert can_stack(calls), "a stack needs one-node layers of one shape"
         first = calls[0]
-        assert all(c.is_one_node and c.layer_shape == first.layer_shape and c.layer_weights[2] == first.layer_weights[2]
-                   for c in calls), "a stack needs one-node layers of one shape"
         # The node reads the norms without a graph edge: evaluated float32 arrays.
         norms = [[mx.array(c.layer_weights[i], dtype=mx.float32) for c in calls] for i in (0, 1)]
         weights = [c.layer_weights[3] for c in calls]
@@ -100,6 +99,17 @@ class LayerStackCall:
         for cache, keys, values in zip(caches, out[1 : 1 + self.num_layers], out[1 + self.num_layers :]):
             cache.wrote_in_place(keys, values, num_new)
         return out[0]
+
+
+def can_stack(calls: list) -> bool:
+    """Layers (their LayerCall, or None where not fused) that one decoder_stack node can run: all
+    one-node, of one shape, one eps, and each with the same weights (head norms or none)."""
+    if not calls or calls[0] is None:
+        return False
+    first = calls[0]
+    return all(c is not None and c.is_one_node and c.layer_shape == first.layer_shape
+               and c.layer_weights[2] == first.layer_weights[2]
+               and len(c.layer_weights[3]) == len(first.layer_weights[3]) for c in calls)
 
 
 class _StackedModel:
@@ -193,12 +203,8 @@ def _use_layer_stack(body: nn.Module) -> bool:
     """Run a llama (qwen3) body's layers as one node a step where they are all one-node layers of one shape."""
     layers = getattr(body, "layers", [])
     calls = [layer.__dict__.get("_layer_call") for layer in layers]
-    if (type(body) not in _STACKED_BODIES or not calls or not config.is_layer_stack_enabled()
-            or not hasattr(cpu_kernels.extension(), "decoder_stack")):
-        return False
-    first = calls[0]
-    if not all(c is not None and c.is_one_node and c.layer_shape == first.layer_shape
-               and c.layer_weights[2] == first.layer_weights[2] for c in calls):
+    if (type(body) not in _STACKED_BODIES or not config.is_layer_stack_enabled()
+            or not hasattr(cpu_kernels.extension(), "decoder_stack") or not can_stack(calls)):
         return False
     body.__class__ = _STACKED_BODIES[type(body)]
     object.__setattr__(body, "_stack_call", LayerStackCall(calls))
