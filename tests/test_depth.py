@@ -298,6 +298,20 @@ def test_served_costs_guess_only_toward_plain_where_one_kind_has_not_run():
     assert costs.spec_scale(2) == pytest.approx(2.0)  # the nearest pair
 
 
+def test_before_any_speculative_round_is_served_it_pays_the_plain_rounds_served_excess():
+    """A gated lone stream learns what a round costs served from its plain rounds alone: the
+    same excess a round, added to a speculative round's table cost (COSTLY: 3 drafts at 3x)."""
+    costs = ServedCosts(COSTLY)
+    assert costs.round_s(1, 3) == 3.0  # nothing served: the table
+    _serve_rounds(costs, 1, 0, 3.0, 40, 0.0)  # plain rounds served at 3x the table: 2.0 past it each
+    assert costs.round_s(1, 0) == 1.0 and costs.round_s(1, 3) == pytest.approx((3.0 + 2.0) / 3.0)
+    # In plain-round units a 3-draft round now costs 1.67, not 3.0: at 0.7 acceptance it pays.
+    policy = DepthPolicy(3, table=costs)
+    assert policy._depth_for([0.7], 0) == 3 and DepthPolicy(3, table=COSTLY)._depth_for([0.7], 0) == 0
+    _serve_rounds(costs, 1, 3, 1.5 * 3.0, 40, 200.0)  # once speculative rounds are served, their own ratio
+    assert costs.round_s(1, 3) == pytest.approx(3.0 * 1.5 / 3.0)
+
+
 def test_an_engine_times_its_served_rounds_and_streams_plain_decodings_tokens(builtin_target, code_prompts):
     """The engine with a measured table: steady rounds feed the served correction (stats show
     it per width), and the stream is still plain decoding's."""
