@@ -242,6 +242,27 @@ bool share_or_allocate(const mx::array& buffer, mx::array& output) {
   return true;
 }
 
+// A node that writes KV buffers in place: inputs [x, offset, num_buffers KV buffers, ...], outputs
+// [h, the same buffers]. Registers both with the encoder (h fresh, each buffer shared or, if
+// strided, fresh); returns the inputs' graph-detached copies and which buffers are fresh.
+struct InPlaceEncoded {
+  std::vector<mx::array> inputs;
+  std::vector<bool> is_copied;  // per buffer: the task fills it from its input (fill_copied)
+};
+
+InPlaceEncoded encode_in_place(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs, int num_buffers) {
+  InPlaceEncoded encoded;
+  for (int i = 0; i < num_buffers; ++i) encoded.is_copied.push_back(share_or_allocate(inputs[2 + i], outputs[1 + i]));
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    encoded.inputs.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& y : outputs) encoder.set_output_array(y);
+  return encoded;
+}
+
 // A strided KV input into the fresh buffer share_or_allocate gave its output.
 void fill_copied(const mx::array& buffer, float* y) {
   std::vector<float> copy;
@@ -383,17 +404,10 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
 // qwen3's q and k head norms where the layer has them.
 void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  bool is_copied[2];
-  for (int i = 0; i < 2; ++i) is_copied[i] = share_or_allocate(inputs[2 + i], outputs[1 + i]);
-  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  std::vector<mx::array> in;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  for (auto& y : outputs) encoder.set_output_array(y);
-  encoder.dispatch([in = std::move(in), h_out = outputs[0].data<float>(), keys = outputs[1].data<float>(),
-                    values = outputs[2].data<float>(), is_keys_copied = is_copied[0], is_values_copied = is_copied[1],
+  InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 2);
+  encoder.dispatch([in = std::move(encoded.inputs), h_out = outputs[0].data<float>(), keys = outputs[1].data<float>(),
+                    values = outputs[2].data<float>(), is_keys_copied = encoded.is_copied[0],
+                    is_values_copied = encoded.is_copied[1],
                     shape = LayerShape{bits_, eps_, num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_, rope_,
                                        attention_scale_}]() {
     thread_local Scratch scratch;
@@ -479,18 +493,10 @@ std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, co
 void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   const int num_layers = stack_->num_layers();
-  std::vector<bool> is_copied(2 * num_layers);
-  for (int i = 0; i < 2 * num_layers; ++i) is_copied[i] = share_or_allocate(inputs[2 + i], outputs[1 + i]);
-  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-  std::vector<mx::array> in;
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
+  InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 2 * num_layers);
   std::vector<float*> kv;
-  for (auto& y : outputs) encoder.set_output_array(y);
   for (int i = 1; i <= 2 * num_layers; ++i) kv.push_back(outputs[i].data<float>());
-  encoder.dispatch([in = std::move(in), kv = std::move(kv), is_copied = std::move(is_copied),
+  encoder.dispatch([in = std::move(encoded.inputs), kv = std::move(kv), is_copied = std::move(encoded.is_copied),
                     h_out = outputs[0].data<float>(), stack = stack_]() {
     thread_local Scratch scratch;
     const int num_layers = stack->num_layers();
