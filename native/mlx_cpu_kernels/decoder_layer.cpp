@@ -93,7 +93,8 @@ void check_layer_weights(const mx::array* weights, int64_t q_width, int64_t kv_w
 }
 
 // A layer's weights after the seven products: none, or qwen3's q and k norms over each head (Dh,).
-void check_head_norms(const std::vector<mx::array>& weights, size_t num_products, int head_dim, const std::string& who) {
+void check_head_norms(const std::vector<mx::array>& weights, size_t num_products, int head_dim,
+                      const std::string& who) {
   if (weights.size() != num_products && weights.size() != num_products + 2) {
     throw std::invalid_argument(who + ": the products' weights, then optionally the q and k head norms");
   }
@@ -101,6 +102,20 @@ void check_head_norms(const std::vector<mx::array>& weights, size_t num_products
     if (weights[i].ndim() != 1 || weights[i].shape(0) != head_dim) {
       throw std::invalid_argument(who + ": head norm weights must be (head_dim,)");
     }
+  }
+}
+
+// Grouped heads: the q heads a whole multiple of the kv heads.
+void check_heads(int num_q_heads, int num_kv_heads, const std::string& who) {
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) {
+    throw std::invalid_argument(who + ": the q heads must be a multiple of the kv heads");
+  }
+}
+
+// RoPE over the first rope_dims of each head: even, at most head_dim.
+void check_rope_dims(int rope_dims, int head_dim, const std::string& who) {
+  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
+    throw std::invalid_argument(who + ": rope dims must be even and at most head_dim");
   }
 }
 
@@ -253,7 +268,9 @@ struct InPlaceEncoded {
 InPlaceEncoded encode_in_place(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs, int num_buffers) {
   InPlaceEncoded encoded;
-  for (int i = 0; i < num_buffers; ++i) encoded.is_copied.push_back(share_or_allocate(inputs[2 + i], outputs[1 + i]));
+  for (int i = 0; i < num_buffers; ++i) {
+    encoded.is_copied.push_back(share_or_allocate(inputs[2 + i], outputs[1 + i]));
+  }
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
   for (const auto& a : inputs) {
     encoder.set_input_array(a);
@@ -280,9 +297,7 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
     throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
   }
   check_head_norms(quads, 3, head_dim, "attention_inputs");
-  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
-    throw std::invalid_argument("attention_inputs: rope dims must be even and at most head_dim");
-  }
+  check_rope_dims(rope_dims, head_dim, "attention_inputs");
   check_offset(offset, x, "attention_inputs");
   const int dims = x.shape(2);
   check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
@@ -347,12 +362,8 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
     if (norm->ndim() != 1 || norm->shape(0) != dims) throw std::invalid_argument("decoder_layer: norm weights (D,)");
   }
   check_head_norms(weights, 7, head_dim, "decoder_layer");
-  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) {
-    throw std::invalid_argument("decoder_layer: the q heads must be a multiple of the kv heads");
-  }
-  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
-    throw std::invalid_argument("decoder_layer: rope dims must be even and at most head_dim");
-  }
+  check_heads(num_q_heads, num_kv_heads, "decoder_layer");
+  check_rope_dims(rope_dims, head_dim, "decoder_layer");
   const mx::Shape kv_shape = {x.shape(0), num_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, head_dim};
   if (keys.shape() != kv_shape || values.shape() != kv_shape || keys.shape(2) < x.shape(1)) {
     throw std::invalid_argument("decoder_layer: keys and values must be (B, Hkv, S, Dh) with S >= T");
@@ -432,12 +443,9 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
   if (input_norms.empty() || post_norms.size() != input_norms.size() || weights.size() != input_norms.size()) {
     throw std::invalid_argument("LayerStack: one input norm, post norm and weight list per layer, at least one");
   }
-  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || hidden_dims % 32 != 0) {
-    throw std::invalid_argument("LayerStack: q heads a multiple of the kv heads, hidden_dims of 32");
-  }
-  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
-    throw std::invalid_argument("LayerStack: rope dims must be even and at most head_dim");
-  }
+  check_heads(num_q_heads, num_kv_heads, "LayerStack");
+  check_rope_dims(rope_dims, head_dim, "LayerStack");
+  if (hidden_dims % 32 != 0) throw std::invalid_argument("LayerStack: hidden_dims must be a multiple of 32");
   const int dims = input_norms[0].ndim() == 1 ? input_norms[0].shape(0) : 0;
   if (dims % 32 != 0 || dims == 0) throw std::invalid_argument("LayerStack: norm weights (D,), D a multiple of 32");
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
