@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 _INCOMPLETE = "\ufffd"  # what a tokenizer yields for a cut UTF-8 sequence
+# Tokens kept before the new ones when decoding: enough for a tokenizer's joins (a word's
+# leading space, a clean-up rule's neighbour) to see what precedes them.
+_CONTEXT_TOKENS = 8
 
 
 class TextStream:
@@ -18,12 +21,20 @@ class TextStream:
         self._token_ids: list[int] = []
         self._num_emitted_chars = 0
         self.is_stopped = False
+        # The text of the first _num_settled tokens, built by decoding a window of recent tokens
+        # only (re-decoding the whole list made a request's detokenization quadratic):
+        # decode(tokens[_window_start:_num_settled]) is _window_text.
+        self._text = ""
+        self._num_settled = 0
+        self._window_start = 0
+        self._window_text = ""
 
     def add(self, token_ids) -> str:
         """Append tokens; returns the new text that is safe to show."""
         assert not self.is_stopped, "add() after a stop string matched"
         self._token_ids.extend(token_ids)
-        text = self._tokenizer.decode(self._token_ids)
+        unsettled = self._unsettled_text()  # settles what it can into self._text first
+        text = self._text + unsettled
         if text.endswith(_INCOMPLETE):
             text = text[: len(text.rstrip(_INCOMPLETE))]
         stop_at = self._find_stop(text)
@@ -36,6 +47,28 @@ class TextStream:
         delta = text[self._num_emitted_chars : end]
         self._num_emitted_chars = end
         return delta
+
+    def _unsettled_text(self) -> str:
+        """The text the tokens past the settled ones add, which settles them unless it ends in
+        a cut UTF-8 sequence (the next token may complete it)."""
+        window = self._tokenizer.decode(self._token_ids[self._window_start :])
+        if not window.startswith(self._window_text):  # a join reached back past the window: start over
+            self._text, self._num_settled, self._window_start, self._window_text = "", 0, 0, ""
+            window = self._tokenizer.decode(self._token_ids)
+        fresh = window[len(self._window_text) :]
+        if fresh.endswith(_INCOMPLETE):
+            return fresh
+        self._text += fresh
+        self._num_settled = len(self._token_ids)
+        self._window_text = window
+        if self._num_settled - self._window_start > 2 * _CONTEXT_TOKENS:
+            start = self._num_settled - _CONTEXT_TOKENS
+            recent = self._tokenizer.decode(self._token_ids[start:])
+            # Slide only where the recent tokens decode alone to the text's end; else keep the
+            # longer window and try again next time.
+            if self._text.endswith(recent):
+                self._window_start, self._window_text = start, recent
+        return ""
 
     def add_until_stop(self, token_ids) -> tuple[list[int], str]:
         """Like add(), but keeps only the tokens up to the one that completes a stop string."""
@@ -62,7 +95,8 @@ class TextStream:
         """The held-back tail, once the request ended without a stop string."""
         if self.is_stopped:
             return ""
-        text = self._tokenizer.decode(self._token_ids)
+        unsettled = self._unsettled_text()  # settles what it can into self._text first
+        text = self._text + unsettled
         delta = text[self._num_emitted_chars :]
         self._num_emitted_chars = len(text)
         return delta

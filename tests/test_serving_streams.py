@@ -1,5 +1,7 @@
 """The front-end's per-request logic: sequence checks, stop strings, final stats (no sockets)."""
 
+import random
+
 import pytest
 
 from gmlx.textstream import TextStream
@@ -78,3 +80,51 @@ def test_take_flushes_only_a_final_row_that_no_stop_string_ended(tokenizers):
     kept, text = stream.take(ids, is_final=True)
     assert stream.is_stopped and text == "value " and "= b" in decoder.decode(kept)
     assert "= b" not in decoder.decode(kept[:-1])  # the stream ends at the token that completes the match
+
+
+def _streamed_text(decoder, ids, rng) -> str:
+    """ids added in random-sized pieces, then flushed: the whole text a client receives."""
+    stream, pieces, i = TextStream(decoder), [], 0
+    while i < len(ids):
+        size = rng.choice([1, 1, 1, 2, 3, 7])
+        pieces.append(stream.add(ids[i : i + size]))
+        i += size
+    return "".join(pieces) + stream.flush()
+
+
+@pytest.mark.parametrize("model", ["builtin", "smollm2"])
+def test_windowed_decode_streams_the_whole_lists_text(tokenizers, model):
+    # TextStream decodes only recent tokens; the text must be the whole list's decode, through
+    # split UTF-8 sequences, spaces joined to words, and random ids (invalid bytes too).
+    if model == "smollm2":
+        from gmlx.models.source import smollm2_path
+
+        try:
+            tokenizers = load_tokenizer(str(smollm2_path()))
+        except (FileNotFoundError, ValueError) as exc:
+            pytest.skip(f"SmolLM2 GGUF absent: {exc}")
+    tokenizer, fast = tokenizers
+    rng = random.Random(7)
+    texts = ["def main(argv):\n    return {'a': [1, 2]}  # é ü 🙂 日本語\n" * 6,
+             "Hello world . , ' s don't  stop\n\n" * 12, "🙂🙃🤖 ∑∫ Ωμ 中文字符 ☃ " * 12]
+    for trial in range(48):
+        if trial % 2:
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 90))]
+        else:
+            ids = tokenizer.encode(rng.choice(texts))
+        for decoder in (tokenizer, fast):
+            assert _streamed_text(decoder, ids, rng) == decoder.decode(ids), (model, trial)
+
+
+def test_windowed_decode_keeps_stop_strings_exact(tokenizers):
+    # A stop string far into a long stream, past many window slides, ends it where the whole
+    # list's decode first contains it.
+    tokenizer, decoder = tokenizers
+    ids = tokenizer.encode("x = 1\n" * 60 + "alpha beta gamma\n" + "y = 2\n" * 5)
+    stream, pieces = TextStream(decoder, ("beta",)), []
+    for n, token in enumerate(ids, 1):
+        pieces.append(stream.add([token]))
+        if stream.is_stopped:
+            break
+    assert "beta" in decoder.decode(ids[:n]) and "beta" not in decoder.decode(ids[: n - 1])
+    assert "".join(pieces) == decoder.decode(ids[:n]).split("beta")[0]

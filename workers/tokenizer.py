@@ -1,6 +1,6 @@
 """The front-end's tokenizer: transformers' AutoTokenizer from the model folder, no mlx.
 
-Detokenization runs once per row per round, re-decoding the request's whole token list
+Detokenization runs once per row per round, decoding the request's recent tokens
 (gmlx.textstream), so its per-call cost is the front-end's main cost. transformers' decode
 spends ~10x longer in Python than the Rust decode under it; where it provably adds nothing
 (a tokenizers backend, no clean-up pass) we call the backend directly.
