@@ -182,6 +182,14 @@ def test_swiglu_is_close_to_mlx_and_each_value_its_own(ext):
     assert bitwise_equal(cpu_kernels.swiglu(gate.transpose(1, 0, 2), up.transpose(1, 0, 2)),
                          results[0].transpose(1, 0, 2))
     assert mx.allclose(results[0], swiglu(gate, up), rtol=1e-5, atol=1e-6).item()
+    for isa in supported_isas(ext):  # exp_fixed's loop built per ISA: the same operations
+        ext.set_isa(isa)
+        assert bitwise_equal(cpu_kernels.swiglu(gate, up), results[0]), isa
+    # Past exp_fixed's range a gate's SiLU is still the gate or zero; NaN stays NaN.
+    extreme = mx.array([-1e4, -120.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.0, 88.5, 120.0, 1e4])
+    ones = mx.ones_like(extreme)
+    assert mx.allclose(cpu_kernels.swiglu(extreme, ones), swiglu(extreme, ones), rtol=1e-6, atol=1e-30).item()
+    assert mx.isnan(cpu_kernels.swiglu(mx.array([float("nan")]), mx.array([1.0]))).item()
     with pytest.raises(ValueError, match="one shape"):
         cpu_kernels.swiglu(gate, up[:, :2])
 

@@ -9,6 +9,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "arrays.h"
 #include "attention_job.h"
+#include "exp_fixed.h"
 #include "isa_target.h"
 #include "thread_pool.h"
 
@@ -57,11 +58,9 @@ inline __attribute__((always_inline)) void attend_one(const AttentionJob& job, i
     score[j] = dot<kD>(q, job.keys.at(b, kv_head, j), d) * job.scale;
     max_score = std::max(max_score, score[j]);
   }
+  exp_shifted(score, num_seen, max_score, job.isa);
   float denominator = 0.0f;
-  for (int64_t j = 0; j < num_seen; ++j) {
-    score[j] = std::exp(score[j] - max_score);
-    denominator += score[j];
-  }
+  for (int64_t j = 0; j < num_seen; ++j) denominator += score[j];
   if constexpr (kD > 0) {
     float acc[kD] = {};
     for (int64_t j = 0; j < num_seen; ++j) {

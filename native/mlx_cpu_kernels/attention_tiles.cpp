@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention_job.h"
+#include "exp_fixed.h"
 #include "isa_target.h"
 
 namespace gmlx_kernels {
@@ -39,9 +40,8 @@ void attend_tile(const AttentionJob& job, int64_t tile, std::vector<float>& scor
     float* score = queries[n].score;
     const int64_t num_seen = queries[n].num_seen;
     const float max = is_avx512 ? max_score_avx512(score, num_seen) : max_score_avx2(score, num_seen);
-    // No chain runs through these calls (the denominator is summed with the values), so
-    // successive exps overlap.
-    for (int64_t j = 0; j < num_seen; ++j) score[j] = std::exp(score[j] - max);
+    // The denominator is summed with the values, so these exps run as vectors.
+    exp_shifted(score, num_seen, max, job.isa);
   }
   if (is_avx512) {
     sum_values_avx512(job, b, kv_head, queries, num_queries);

@@ -9,6 +9,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "arrays.h"
 #include "encode.h"
+#include "exp_fixed.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -27,11 +28,9 @@ struct SwiGluJob {
 
 void swiglu_values(void* context, int64_t chunk) {
   const auto* job = static_cast<const SwiGluJob*>(context);
-  const int64_t end = std::min(job->num_values, (chunk + 1) * kValuesPerChunk);
-  for (int64_t i = chunk * kValuesPerChunk; i < end; ++i) {
-    const float g = job->gate[i];
-    job->y[i] = (g / (1.0f + std::exp(-g))) * job->up[i];
-  }
+  const int64_t begin = chunk * kValuesPerChunk;
+  const int64_t end = std::min(job->num_values, begin + kValuesPerChunk);
+  swiglu_span(job->gate + begin, job->up + begin, job->y + begin, end - begin, kernels_isa());
 }
 
 }  // namespace
