@@ -169,12 +169,12 @@ def test_back_to_back_threaded_calls_all_complete(is_yielding_spin, ext):
 
 def test_decode_attention_over_a_short_context_stays_on_the_caller(ext):
     """The pool is woken for the keys a query sees, not for the KV buffer's capacity: a decode
-    step at 40 keys of a 4096-key buffer is no pool job, one at 3000 keys is."""
+    step at 8 keys of a 4096-key buffer is no pool job, one at 3000 keys is."""
     ext.set_num_threads(2)
     q = mx.random.normal((1, 9, 1, 64), key=mx.random.key(1))  # (B, Hq, T, D)
     keys, values = (mx.random.normal((1, 3, 4096, 64), key=mx.random.key(k)) for k in (2, 3))
     mx.eval(q, keys, values)
-    for seen, expect_pool in ((40, False), (3000, True)):
+    for seen, expect_pool in ((8, False), (3000, True)):
         num_jobs = ext.num_pool_jobs()
         mx.eval(cpu_kernels.ragged_attention(q, keys, values, mx.array([seen - 1], dtype=mx.int32), 0.125))
         assert (ext.num_pool_jobs() > num_jobs) == expect_pool, seen
