@@ -56,7 +56,7 @@ void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_
 
 // A layer's products over its weights' layout: float32 panels (bits kFloatBits) or quads.
 struct Product {
-  const mx::array* weights;
+  const void* weights;
   int64_t num_outputs;
   float* y;
 };
@@ -65,11 +65,11 @@ void weight_products(const float* x, int64_t num_rows, int64_t num_inputs, int b
                      const std::vector<Product>& products) {
   if (bits == kFloatBits) {
     std::vector<PanelsPart> parts;
-    for (const auto& p : products) parts.push_back({p.weights->data<float>(), p.num_outputs, p.y});
+    for (const auto& p : products) parts.push_back({static_cast<const float*>(p.weights), p.num_outputs, p.y});
     panels_products(x, num_rows, num_inputs, parts);
   } else {
     std::vector<QuadsPart> parts;
-    for (const auto& p : products) parts.push_back({p.weights->data<uint8_t>(), p.num_outputs, p.y});
+    for (const auto& p : products) parts.push_back({static_cast<const uint8_t*>(p.weights), p.num_outputs, p.y});
     quads_products(x, num_rows, num_inputs, bits, parts);
   }
 }
@@ -133,12 +133,23 @@ std::vector<mx::array> with_head_norms(std::vector<mx::array> inputs, const std:
   return inputs;
 }
 
+NormWeight norm_weight(const mx::array& weight) { return {weight.data<float>(), weight.strides(0)}; }
+
+// A layer's weights: the norms, the seven products, and head_norms (q's, k's) or null.
+LayerWeights layer_weights(const mx::array& input_norm, const mx::array& post_norm, const mx::array* products,
+                           const mx::array* head_norms) {
+  LayerWeights w{norm_weight(input_norm), norm_weight(post_norm), {}, head_norms != nullptr, {}};
+  for (int i = 0; i < 7; ++i) w.products[i] = products[i].data<void>();
+  if (head_norms != nullptr) w.head_norms[0] = norm_weight(head_norms[0]), w.head_norms[1] = norm_weight(head_norms[1]);
+  return w;
+}
+
 // Norm, the q/k/v products, qwen3's per-head q and k norms where head_norms is not null (q's,
 // then k's), and RoPE: q into q_out (B, Hq, T, Dh), k and v into k_out and v_out (B, Hkv, T, Dh).
 // weights: q, k, v.
 void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t, int64_t num_inputs,
-                  const mx::array& norm_weight, float eps, const mx::array& offset, const mx::array* weights, int bits,
-                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, const mx::array* head_norms,
+                  const NormWeight& norm, float eps, const mx::array& offset, const void* const* weights, int bits,
+                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, const NormWeight* head_norms,
                   float* q_out, float* k_out, float* v_out) {
   const int64_t num_rows = num_b * num_t;
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
@@ -147,12 +158,12 @@ void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t
   float* q = scratch.get(1, num_rows * q_width);
   float* k = scratch.get(2, num_rows * kv_width);
   float* v = scratch.get(3, num_rows * kv_width);
-  normalize(x, norm_weight.data<float>(), norm_weight.strides(0), normed, num_rows, num_inputs, eps);
-  weight_products(normed, num_rows, num_inputs, bits, {{&weights[0], q_width, q}, {&weights[1], kv_width, k},
-                                                      {&weights[2], kv_width, v}});
+  normalize(x, norm.data, norm.stride, normed, num_rows, num_inputs, eps);
+  weight_products(normed, num_rows, num_inputs, bits, {{weights[0], q_width, q}, {weights[1], kv_width, k},
+                                                      {weights[2], kv_width, v}});
   if (head_norms != nullptr) {  // rows of Dh, normalized in place (a row is read before it is written)
-    normalize(q, head_norms[0].data<float>(), head_norms[0].strides(0), q, num_rows * num_q_heads, head_dim, eps);
-    normalize(k, head_norms[1].data<float>(), head_norms[1].strides(0), k, num_rows * num_kv_heads, head_dim, eps);
+    normalize(q, head_norms[0].data, head_norms[0].stride, q, num_rows * num_q_heads, head_dim, eps);
+    normalize(k, head_norms[1].data, head_norms[1].stride, k, num_rows * num_kv_heads, head_dim, eps);
   }
   rotate_heads(q, num_b, num_q_heads, num_t, head_dim, offset, rope, q_out);
   rotate_heads(k, num_b, num_kv_heads, num_t, head_dim, offset, rope, k_out);
@@ -167,22 +178,22 @@ void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t
 }
 
 // y = residual + a @ W.T, in the residual add's order (a float add either way).
-void project_add_stage(const float* a, int64_t num_rows, int64_t num_inputs, const mx::array& weights,
+void project_add_stage(const float* a, int64_t num_rows, int64_t num_inputs, const void* weights,
                        int64_t num_outputs, const float* residual, int bits, float* y) {
-  weight_products(a, num_rows, num_inputs, bits, {{&weights, num_outputs, y}});
+  weight_products(a, num_rows, num_inputs, bits, {{weights, num_outputs, y}});
   for (int64_t i = 0; i < num_rows * num_outputs; ++i) y[i] = residual[i] + y[i];
 }
 
 // y = h + down(swiglu(gate(n), up(n))), n = rms_norm(h). weights: gate, up, down.
-void mlp_stage(Scratch& scratch, const float* h, int64_t num_rows, int64_t num_inputs, const mx::array& norm_weight,
-               float eps, const mx::array* weights, int64_t hidden_dims, int bits, float* y) {
+void mlp_stage(Scratch& scratch, const float* h, int64_t num_rows, int64_t num_inputs, const NormWeight& norm,
+               float eps, const void* const* weights, int64_t hidden_dims, int bits, float* y) {
   float* normed = scratch.get(0, num_rows * num_inputs);
   float* gate = scratch.get(1, num_rows * hidden_dims);
   float* up = scratch.get(2, num_rows * hidden_dims);
-  normalize(h, norm_weight.data<float>(), norm_weight.strides(0), normed, num_rows, num_inputs, eps);
-  weight_products(normed, num_rows, num_inputs, bits, {{&weights[0], hidden_dims, gate}, {&weights[1], hidden_dims, up}});
+  normalize(h, norm.data, norm.stride, normed, num_rows, num_inputs, eps);
+  weight_products(normed, num_rows, num_inputs, bits, {{weights[0], hidden_dims, gate}, {weights[1], hidden_dims, up}});
   apply_swiglu(gate, up, gate, num_rows * hidden_dims);
-  weight_products(gate, num_rows, hidden_dims, bits, {{&weights[2], num_inputs, y}});
+  weight_products(gate, num_rows, hidden_dims, bits, {{weights[2], num_inputs, y}});
   for (int64_t i = 0; i < num_rows * num_inputs; ++i) y[i] = h[i] + y[i];
 }
 
@@ -208,10 +219,10 @@ void write_new_positions(const float* fresh, const mx::array& offset, int64_t nu
 // (B, Hkv, capacity, Dh) buffers: the code of the one-node layer and of each layer of a stack.
 // weights: q, k, v, o, gate, up, down; head_norms: null, or qwen3's q and k norms.
 void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const mx::array& offset, int64_t num_b,
-               int64_t num_t, float* keys, float* values, int64_t capacity, const mx::array& input_norm,
-               const mx::array& post_norm, const mx::array* weights, const mx::array* head_norms, float* h_out) {
+               int64_t num_t, int64_t dims, float* keys, float* values, int64_t capacity, const LayerWeights& weights,
+               float* h_out) {
   const int64_t num_q_heads = shape.num_q_heads, num_kv_heads = shape.num_kv_heads, head_dim = shape.head_dim;
-  const int64_t dims = input_norm.shape(0), num_rows = num_b * num_t;
+  const int64_t num_rows = num_b * num_t;
   const int64_t q_width = num_q_heads * head_dim;
   const int64_t kv_size = num_rows * num_kv_heads * head_dim;
   float* q = scratch.get(4, num_rows * q_width);
@@ -219,8 +230,9 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
   float* v = scratch.get(6, kv_size);
   float* attended = scratch.get(7, num_rows * q_width);
   float* h = scratch.get(8, num_rows * dims);
-  inputs_stage(scratch, x, num_b, num_t, dims, input_norm, shape.eps, offset, weights, shape.bits, shape.num_q_heads,
-               shape.num_kv_heads, shape.head_dim, shape.rope, head_norms, q, k, v);
+  inputs_stage(scratch, x, num_b, num_t, dims, weights.input_norm, shape.eps, offset, weights.products, shape.bits,
+               shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.rope,
+               weights.has_head_norms ? weights.head_norms : nullptr, q, k, v);
   write_new_positions(k, offset, num_b, num_kv_heads, num_t, head_dim, capacity, keys);
   write_new_positions(v, offset, num_b, num_kv_heads, num_t, head_dim, capacity, values);
   AttentionJob job;
@@ -239,8 +251,9 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
   job.scale = shape.attention_scale;
   job.isa = kernels_isa();
   run_attention_job(job);
-  project_add_stage(attended, num_rows, q_width, weights[3], dims, x, shape.bits, h);
-  mlp_stage(scratch, h, num_rows, dims, post_norm, shape.eps, &weights[4], shape.hidden_dims, shape.bits, h_out);
+  project_add_stage(attended, num_rows, q_width, weights.products[3], dims, x, shape.bits, h);
+  mlp_stage(scratch, h, num_rows, dims, weights.post_norm, shape.eps, &weights.products[4], shape.hidden_dims,
+            shape.bits, h_out);
 }
 
 // The KV buffers a layer writes in place: the caller hands over buffers no other array shares
@@ -399,14 +412,19 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const int64_t num_inputs = in[0].shape(-1);
     const int64_t num_rows = in[0].size() / num_inputs;
     if (kind == Kind::kAttentionInputs) {
-      inputs_stage(scratch, x, in[0].shape(0), in[0].shape(1), num_inputs, in[1], eps, in[2], &in[3], bits,
-                   num_q_heads, num_kv_heads, head_dim, rope, in.size() == 8 ? &in[6] : nullptr, y[0], y[1], y[2]);
+      const void* products[3] = {in[3].data<void>(), in[4].data<void>(), in[5].data<void>()};
+      NormWeight head_norms[2];
+      if (in.size() == 8) head_norms[0] = norm_weight(in[6]), head_norms[1] = norm_weight(in[7]);
+      inputs_stage(scratch, x, in[0].shape(0), in[0].shape(1), num_inputs, norm_weight(in[1]), eps, in[2], products,
+                   bits, num_q_heads, num_kv_heads, head_dim, rope, in.size() == 8 ? head_norms : nullptr, y[0], y[1],
+                   y[2]);
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
-      project_add_stage(x, num_rows, num_inputs, in[1], in[2].shape(-1), residual, bits, y[0]);
+      project_add_stage(x, num_rows, num_inputs, in[1].data<void>(), in[2].shape(-1), residual, bits, y[0]);
     } else {
-      mlp_stage(scratch, x, num_rows, num_inputs, in[1], eps, &in[2], hidden_dims, bits, y[0]);
+      const void* products[3] = {in[2].data<void>(), in[3].data<void>(), in[4].data<void>()};
+      mlp_stage(scratch, x, num_rows, num_inputs, norm_weight(in[1]), eps, products, hidden_dims, bits, y[0]);
     }
   });
 }
@@ -426,8 +444,8 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     if (is_keys_copied) fill_copied(in[2], keys);
     if (is_values_copied) fill_copied(in[3], values);
     const float* x = row_major_data<float>(in[0], x_copy);
-    run_layer(shape, scratch, x, in[1], in[0].shape(0), in[0].shape(1), keys, values, in[2].shape(2), in[4], in[5],
-              &in[6], in.size() == 15 ? &in[13] : nullptr, h_out);
+    run_layer(shape, scratch, x, in[1], in[0].shape(0), in[0].shape(1), in[0].shape(2), keys, values, in[2].shape(2),
+              layer_weights(in[4], in[5], &in[6], in.size() == 15 ? &in[13] : nullptr), h_out);
   });
 }
 
@@ -465,6 +483,10 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
       if (i >= 7 && w[i].dtype() != mx::float32) throw std::invalid_argument("LayerStack: head norms must be float32");
     }
     check_layer_weights(w.data(), q_width, kv_width, dims, hidden_dims, bits, "LayerStack");
+  }
+  for (size_t l = 0; l < weights.size(); ++l) {  // after every check: the arrays are evaluated
+    const auto& w = weights_[l];
+    layers_.push_back(layer_weights(input_norms_[l], post_norms_[l], w.data(), w.size() > 7 ? w.data() + 7 : nullptr));
   }
 }
 
@@ -518,8 +540,8 @@ void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     // The hidden state between layers alternates between two scratch buffers; the last layer writes h_out.
     for (int l = 0; l < num_layers; ++l) {
       float* y = l + 1 == num_layers ? h_out : scratch.get(9 + l % 2, size);
-      run_layer(stack->shape(), scratch, x, in[1], num_b, num_t, kv[l], kv[num_layers + l], in[2 + l].shape(2),
-                stack->input_norm(l), stack->post_norm(l), stack->weights(l), stack->head_norms(l), y);
+      run_layer(stack->shape(), scratch, x, in[1], num_b, num_t, in[0].shape(2), kv[l], kv[num_layers + l],
+                in[2 + l].shape(2), stack->layer(l), y);
       x = y;
     }
   });

@@ -39,6 +39,22 @@ struct LayerShape {
   float attention_scale;
 };
 
+// A norm's weight as a task reads it.
+struct NormWeight {
+  const float* data;
+  int64_t stride;
+};
+
+// A layer's weights as its task reads them: raw pointers. A stack takes them once at load: read
+// through each array's descriptor every step, which a step's stream of weights has evicted,
+// they cost a cache miss a product.
+struct LayerWeights {
+  NormWeight input_norm, post_norm;
+  const void* products[7];  // q, k, v, o, gate, up, down: quads or panels
+  bool has_head_norms;  // qwen3's q and k norms over each head
+  NormWeight head_norms[2];
+};
+
 // The weights of a model's llama layers, all of one shape, held for decoder_stack: a decode
 // step's one node reads them from here, not as ~270 graph inputs (mlx's dispatch costs the
 // Python thread per input: a set entry, a weak copy). Weights are evaluated arrays that never
@@ -54,17 +70,12 @@ class LayerStack {
   int num_layers() const { return static_cast<int>(input_norms_.size()); }
   int dims() const { return input_norms_[0].shape(0); }
   const LayerShape& shape() const { return shape_; }
-  const mx::array& input_norm(int layer) const { return input_norms_[layer]; }
-  const mx::array& post_norm(int layer) const { return post_norms_[layer]; }
-  const mx::array* weights(int layer) const { return weights_[layer].data(); }
-  // qwen3's q and k norms over each head, or null for a layer without them.
-  const mx::array* head_norms(int layer) const {
-    return weights_[layer].size() > 7 ? weights_[layer].data() + 7 : nullptr;
-  }
+  const LayerWeights& layer(int layer) const { return layers_[layer]; }
 
  private:
   std::vector<mx::array> input_norms_, post_norms_;
-  std::vector<std::vector<mx::array>> weights_;
+  std::vector<std::vector<mx::array>> weights_;  // what layers_ points into, held
+  std::vector<LayerWeights> layers_;
   LayerShape shape_;
 };
 
