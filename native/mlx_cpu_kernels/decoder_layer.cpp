@@ -25,15 +25,16 @@ namespace {
 // the whole layer keeps its own intermediates in 4-8, a stack its layers' hidden states in 9-10.
 struct Scratch {
   std::vector<float> buffers[11];
+  RopeAngles angles;  // a step's rows' RoPE angles: one layer's, or all of a stack's
   float* get(int i, int64_t num_floats) {
     if (static_cast<int64_t>(buffers[i].size()) < num_floats) buffers[i].resize(num_floats);
     return buffers[i].data();
   }
 };
 
-// Rows (b, t) of a (B * T, H * Dh) buffer as (B, H, T, Dh), rotated into y.
-void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_t, int64_t head_dim,
-                  const mx::array& offset, const RopeSpec& rope, float* y) {
+// RoPE of rows (b, t) of a (B * T, H * Dh) buffer as (B, H, T, Dh), into y.
+RopeArgs head_rope_args(const float* x, int64_t num_b, int64_t num_heads, int64_t num_t, int64_t head_dim,
+                        const mx::array& offset, const RopeSpec& rope, float* y) {
   RopeArgs args;
   args.x = x;
   args.num_b = num_b;
@@ -51,7 +52,13 @@ void rotate_heads(const float* x, int64_t num_b, int64_t num_heads, int64_t num_
   args.traditional = rope.traditional;
   args.base = rope.base;
   args.scale = rope.scale;
-  rotate(args);
+  return args;
+}
+
+// The angles each row (b, t) of a layer's q and k turn by: the same for every layer of a step.
+void fill_layer_angles(const mx::array& offset, int64_t num_b, int64_t num_t, int64_t head_dim, const RopeSpec& rope,
+                       RopeAngles& angles) {
+  fill_rope_angles(head_rope_args(nullptr, num_b, 1, num_t, head_dim, offset, rope, nullptr), angles);
 }
 
 // A layer's products over its weights' layout: float32 panels (bits kFloatBits) or quads.
@@ -145,12 +152,12 @@ LayerWeights layer_weights(const mx::array& input_norm, const mx::array& post_no
 }
 
 // Norm, the q/k/v products, qwen3's per-head q and k norms where head_norms is not null (q's,
-// then k's), and RoPE: q into q_out (B, Hq, T, Dh), k and v into k_out and v_out (B, Hkv, T, Dh).
-// weights: q, k, v.
+// then k's), and RoPE by angles (fill_layer_angles): q into q_out (B, Hq, T, Dh), k and v into
+// k_out and v_out (B, Hkv, T, Dh). weights: q, k, v.
 void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t, int64_t num_inputs,
                   const NormWeight& norm, float eps, const mx::array& offset, const void* const* weights, int bits,
-                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, const NormWeight* head_norms,
-                  float* q_out, float* k_out, float* v_out) {
+                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, const RopeAngles& angles,
+                  const NormWeight* head_norms, float* q_out, float* k_out, float* v_out) {
   const int64_t num_rows = num_b * num_t;
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
   const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
@@ -165,8 +172,8 @@ void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t
     normalize(q, head_norms[0].data, head_norms[0].stride, q, num_rows * num_q_heads, head_dim, eps);
     normalize(k, head_norms[1].data, head_norms[1].stride, k, num_rows * num_kv_heads, head_dim, eps);
   }
-  rotate_heads(q, num_b, num_q_heads, num_t, head_dim, offset, rope, q_out);
-  rotate_heads(k, num_b, num_kv_heads, num_t, head_dim, offset, rope, k_out);
+  rotate_with(head_rope_args(q, num_b, num_q_heads, num_t, head_dim, offset, rope, q_out), angles);
+  rotate_with(head_rope_args(k, num_b, num_kv_heads, num_t, head_dim, offset, rope, k_out), angles);
   for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t t = 0; t < num_t; ++t) {
@@ -217,7 +224,7 @@ void write_new_positions(const float* fresh, const mx::array& offset, int64_t nu
 
 // One layer over x (B, T, D) into h_out, row b's new keys and values written at offset[b] into the
 // (B, Hkv, capacity, Dh) buffers: the code of the one-node layer and of each layer of a stack.
-// weights: q, k, v, o, gate, up, down; head_norms: null, or qwen3's q and k norms.
+// scratch.angles holds the rows' RoPE angles (fill_layer_angles).
 void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const mx::array& offset, int64_t num_b,
                int64_t num_t, int64_t dims, float* keys, float* values, int64_t capacity, const LayerWeights& weights,
                float* h_out) {
@@ -231,7 +238,7 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
   float* attended = scratch.get(7, num_rows * q_width);
   float* h = scratch.get(8, num_rows * dims);
   inputs_stage(scratch, x, num_b, num_t, dims, weights.input_norm, shape.eps, offset, weights.products, shape.bits,
-               shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.rope,
+               shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.rope, scratch.angles,
                weights.has_head_norms ? weights.head_norms : nullptr, q, k, v);
   write_new_positions(k, offset, num_b, num_kv_heads, num_t, head_dim, capacity, keys);
   write_new_positions(v, offset, num_b, num_kv_heads, num_t, head_dim, capacity, values);
@@ -415,9 +422,10 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       const void* products[3] = {in[3].data<void>(), in[4].data<void>(), in[5].data<void>()};
       NormWeight head_norms[2];
       if (in.size() == 8) head_norms[0] = norm_weight(in[6]), head_norms[1] = norm_weight(in[7]);
+      fill_layer_angles(in[2], in[0].shape(0), in[0].shape(1), head_dim, rope, scratch.angles);
       inputs_stage(scratch, x, in[0].shape(0), in[0].shape(1), num_inputs, norm_weight(in[1]), eps, in[2], products,
-                   bits, num_q_heads, num_kv_heads, head_dim, rope, in.size() == 8 ? head_norms : nullptr, y[0], y[1],
-                   y[2]);
+                   bits, num_q_heads, num_kv_heads, head_dim, rope, scratch.angles, in.size() == 8 ? head_norms : nullptr,
+                   y[0], y[1], y[2]);
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
@@ -444,6 +452,7 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     if (is_keys_copied) fill_copied(in[2], keys);
     if (is_values_copied) fill_copied(in[3], values);
     const float* x = row_major_data<float>(in[0], x_copy);
+    fill_layer_angles(in[1], in[0].shape(0), in[0].shape(1), shape.head_dim, shape.rope, scratch.angles);
     run_layer(shape, scratch, x, in[1], in[0].shape(0), in[0].shape(1), in[0].shape(2), keys, values, in[2].shape(2),
               layer_weights(in[4], in[5], &in[6], in.size() == 15 ? &in[13] : nullptr), h_out);
   });
@@ -537,6 +546,7 @@ void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const float* x = row_major_data<float>(in[0], x_copy);
     const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
     const int64_t size = in[0].size();
+    fill_layer_angles(in[1], num_b, num_t, stack->shape().head_dim, stack->shape().rope, scratch.angles);
     // The hidden state between layers alternates between two scratch buffers; the last layer writes h_out.
     for (int l = 0; l < num_layers; ++l) {
       float* y = l + 1 == num_layers ? h_out : scratch.get(9 + l % 2, size);

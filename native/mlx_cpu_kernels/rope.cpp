@@ -1,6 +1,7 @@
 #include "rope.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
@@ -19,68 +20,84 @@ namespace {
 constexpr int64_t kVectorsPerChunk = 256;
 constexpr int64_t kPositionsPerChunk = 64;  // angle rows per pool chunk
 
-// Each (b, t)'s cosines and sines are computed once per call into a table: with t the
-// fastest index, every head of a multi-position call would otherwise recompute them
-// (a 4-position verify spent ~25 us a SmolLM2 layer in std::cos and std::sin).
-struct RopeJob : RopeArgs {
+// Each (b, t)'s cosines and sines are computed once into a table: with t the fastest
+// index, every head of a multi-position call would otherwise recompute them (a 4-position
+// verify spent ~25 us a SmolLM2 layer in std::cos and std::sin).
+struct AnglesJob {
+  const RopeArgs* args;
   std::vector<double> inv_freqs;  // (dims / 2,)
-  std::vector<float> cosines, sines;  // (B * T, dims / 2)
+  RopeAngles* angles;  // (B * T, dims / 2) each
+};
+
+struct RotateJob {
+  const RopeArgs* args;
+  const RopeAngles* angles;
 };
 
 void fill_angles(void* context, int64_t chunk) {
-  auto* job = static_cast<RopeJob*>(context);
-  const int half = job->dims / 2;
-  for (int64_t r = chunk * kPositionsPerChunk; r < std::min(job->num_b * job->num_t, (chunk + 1) * kPositionsPerChunk);
-       ++r) {
-    const int64_t position = job->offsets[r / job->num_t * job->offset_stride] + r % job->num_t;
-    const double angle_scale = static_cast<double>(static_cast<float>(position) * job->scale);
+  const auto* job = static_cast<const AnglesJob*>(context);
+  const RopeArgs& a = *job->args;
+  const int half = a.dims / 2;
+  for (int64_t r = chunk * kPositionsPerChunk; r < std::min(a.num_b * a.num_t, (chunk + 1) * kPositionsPerChunk); ++r) {
+    const int64_t position = a.offsets[r / a.num_t * a.offset_stride] + r % a.num_t;
+    const double angle_scale = static_cast<double>(static_cast<float>(position) * a.scale);
     for (int i = 0; i < half; ++i) {
       const double angle = angle_scale * job->inv_freqs[i];
-      job->cosines[r * half + i] = static_cast<float>(std::cos(angle));
-      job->sines[r * half + i] = static_cast<float>(std::sin(angle));
+      job->angles->cosines[r * half + i] = static_cast<float>(std::cos(angle));
+      job->angles->sines[r * half + i] = static_cast<float>(std::sin(angle));
     }
   }
 }
 
 void rotate_vectors(void* context, int64_t chunk) {
-  const auto* job = static_cast<const RopeJob*>(context);
-  const int64_t num_vectors = job->num_b * job->num_m * job->num_t;
-  const int half = job->dims / 2;
+  const auto* job = static_cast<const RotateJob*>(context);
+  const RopeArgs& a = *job->args;
+  const int64_t num_vectors = a.num_b * a.num_m * a.num_t;
+  const int half = a.dims / 2;
   for (int64_t v = chunk * kVectorsPerChunk; v < std::min(num_vectors, (chunk + 1) * kVectorsPerChunk); ++v) {
-    const int64_t t = v % job->num_t, m = v / job->num_t % job->num_m, b = v / (job->num_t * job->num_m);
-    const float* cosines = job->cosines.data() + (b * job->num_t + t) * half;
-    const float* sines = job->sines.data() + (b * job->num_t + t) * half;
-    const float* x = job->x + b * job->stride_b + m * job->stride_m + t * job->stride_t;
-    const int64_t sd = job->stride_d;
-    float* y = job->y + v * job->num_d;
+    const int64_t t = v % a.num_t, m = v / a.num_t % a.num_m, b = v / (a.num_t * a.num_m);
+    const float* cosines = job->angles->cosines.data() + (b * a.num_t + t) * half;
+    const float* sines = job->angles->sines.data() + (b * a.num_t + t) * half;
+    const float* x = a.x + b * a.stride_b + m * a.stride_m + t * a.stride_t;
+    const int64_t sd = a.stride_d;
+    float* y = a.y + v * a.num_d;
     for (int i = 0; i < half; ++i) {
       // traditional: pairs (2i, 2i + 1); else (i, i + dims / 2), as mx.fast.rope.
-      const int64_t p = job->traditional ? 2 * i : i;
-      const int64_t q = job->traditional ? 2 * i + 1 : i + half;
+      const int64_t p = a.traditional ? 2 * i : i;
+      const int64_t q = a.traditional ? 2 * i + 1 : i + half;
       const float x1 = x[p * sd], x2 = x[q * sd];
       y[p] = x1 * cosines[i] - x2 * sines[i];
       y[q] = x1 * sines[i] + x2 * cosines[i];
     }
-    for (int64_t d = job->dims; d < job->num_d; ++d) y[d] = x[d * sd];
+    for (int64_t d = a.dims; d < a.num_d; ++d) y[d] = x[d * sd];
   }
 }
 
 }  // namespace
 
-void rotate(const RopeArgs& args) {
-  RopeJob job;
-  static_cast<RopeArgs&>(job) = args;
+void fill_rope_angles(const RopeArgs& args, RopeAngles& angles) {
   const int half = args.dims / 2;
-  job.inv_freqs.resize(half);
+  AnglesJob job{&args, std::vector<double>(half), &angles};
   for (int i = 0; i < half; ++i) {
     job.inv_freqs[i] = std::pow(static_cast<double>(args.base), -static_cast<double>(i) / half);
   }
-  const int64_t num_positions = job.num_b * job.num_t;
-  job.cosines.resize(num_positions * half);
-  job.sines.resize(num_positions * half);
+  const int64_t num_positions = args.num_b * args.num_t;
+  angles.cosines.resize(num_positions * half);
+  angles.sines.resize(num_positions * half);
   run_on_pool(fill_angles, &job, (num_positions + kPositionsPerChunk - 1) / kPositionsPerChunk);
-  const int64_t num_vectors = job.num_b * job.num_m * job.num_t;
+}
+
+void rotate_with(const RopeArgs& args, const RopeAngles& angles) {
+  assert(angles.cosines.size() >= static_cast<size_t>(args.num_b * args.num_t * (args.dims / 2)));
+  RotateJob job{&args, &angles};
+  const int64_t num_vectors = args.num_b * args.num_m * args.num_t;
   run_on_pool(rotate_vectors, &job, (num_vectors + kVectorsPerChunk - 1) / kVectorsPerChunk);
+}
+
+void rotate(const RopeArgs& args) {
+  RopeAngles angles;
+  fill_rope_angles(args, angles);
+  rotate_with(args, angles);
 }
 
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset) {

@@ -1,6 +1,8 @@
 // Rotary position embedding as one MLX primitive, with a position per batch row.
 #pragma once
 
+#include <vector>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -28,6 +30,15 @@ struct RopeArgs {
   float base, scale;
 };
 void rotate(const RopeArgs& args);
+
+// Each row (b, t)'s cosines and sines, (B * T, dims / 2): what rotate turns that row's vectors
+// by, from args' offsets, rows, dims, base and scale (x and y unread). A fused layer fills them
+// once for its q and k, a stack once for all its layers.
+struct RopeAngles {
+  std::vector<float> cosines, sines;
+};
+void fill_rope_angles(const RopeArgs& args, RopeAngles& angles);
+void rotate_with(const RopeArgs& args, const RopeAngles& angles);
 
 class Rope : public mx::Primitive {
  public:
