@@ -128,3 +128,35 @@ def test_repeated_prompt_skips_prefill_and_preempted_is_not_offered(builtin_targ
     assert engine.counters["num_preempts"] == 1
     # Only the waiter retired; the preempted request dropped its retirement context.
     assert engine.prompt_cache.stats()["prompt_cache_entries"] == entries + 1
+
+
+def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_at_once_when_rows_leave(
+        builtin_target, reference, code_prompts, monkeypatch):
+    # Cap 2, three rows: gated. With its rows unchanged the batch asks whether to resume on one
+    # round in GATED_RECHECK_ROUNDS; the round after the short row leaves it asks, and resumes.
+    from gmlx import engine as engine_module
+
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
+    monkeypatch.setenv("GMLX_RESUME_MIN_BUDGET", "8")
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_chunk_tokens=4096))
+    checks = []
+    width_cap = engine._width_cap
+    monkeypatch.setattr(engine, "_width_cap", lambda: checks.append(engine.counters["num_rounds"]) or width_cap())
+    budgets = [60, 50, 12]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(code_prompts, budgets)]
+    got = {i: [] for i in ids}
+    rows_by_round = {}
+    while engine.has_unfinished():
+        if engine.batch is not None:
+            rows_by_round[engine.counters["num_rounds"]] = (engine.batch.num_rows, engine.batch.mode.value)
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    gated = [r for r, (num_rows, mode) in rows_by_round.items() if mode == "gated" and num_rows == 3]
+    assert len(gated) >= 2 * engine_module.GATED_RECHECK_ROUNDS
+    checked_while_gated = [r for r in gated if r in checks]
+    assert len(checked_while_gated) <= len(gated) // engine_module.GATED_RECHECK_ROUNDS + 1, (gated, checks)
+    first_two_rows = min(r for r, (num_rows, _) in rows_by_round.items() if num_rows == 2)
+    assert first_two_rows in checks  # the rows changed: asked at once
+    assert engine.counters["num_resumes"] == 1
+    for prompt, n, request_id in zip(code_prompts, budgets, ids):
+        assert got[request_id] == reference.tokens(prompt, SamplingParams(max_tokens=n))[0]
