@@ -21,11 +21,10 @@ class TextStream:
         self._token_ids: list[int] = []
         self._num_emitted_chars = 0
         self.is_stopped = False
-        # The text of the first _num_settled tokens, built by decoding a window of recent tokens
-        # only (re-decoding the whole list made a request's detokenization quadratic):
-        # decode(tokens[_window_start:_num_settled]) is _window_text.
+        # The settled tokens' text, built by decoding a window of recent tokens only (re-decoding
+        # the whole list made a request's detokenization quadratic): decode of the settled tokens
+        # from _window_start on is _window_text.
         self._text = ""
-        self._num_settled = 0
         self._window_start = 0
         self._window_text = ""
 
@@ -33,8 +32,7 @@ class TextStream:
         """Append tokens; returns the new text that is safe to show."""
         assert not self.is_stopped, "add() after a stop string matched"
         self._token_ids.extend(token_ids)
-        unsettled = self._unsettled_text()  # settles what it can into self._text first
-        text = self._text + unsettled
+        text = self._current_text()
         if text.endswith(_INCOMPLETE):
             text = text[: len(text.rstrip(_INCOMPLETE))]
         stop_at = self._find_stop(text)
@@ -48,27 +46,27 @@ class TextStream:
         self._num_emitted_chars = end
         return delta
 
-    def _unsettled_text(self) -> str:
-        """The text the tokens past the settled ones add, which settles them unless it ends in
-        a cut UTF-8 sequence (the next token may complete it)."""
+    def _current_text(self) -> str:
+        """Every token's text: the settled text and what the newer tokens add, which settles
+        them unless it ends in a cut UTF-8 sequence (the next token may complete it)."""
         window = self._tokenizer.decode(self._token_ids[self._window_start :])
         if not window.startswith(self._window_text):  # a join reached back past the window: start over
-            self._text, self._num_settled, self._window_start, self._window_text = "", 0, 0, ""
+            self._text, self._window_start, self._window_text = "", 0, ""
             window = self._tokenizer.decode(self._token_ids)
         fresh = window[len(self._window_text) :]
         if fresh.endswith(_INCOMPLETE):
-            return fresh
+            return self._text + fresh
         self._text += fresh
-        self._num_settled = len(self._token_ids)
         self._window_text = window
-        if self._num_settled - self._window_start > 2 * _CONTEXT_TOKENS:
-            start = self._num_settled - _CONTEXT_TOKENS
+        num_tokens = len(self._token_ids)
+        if num_tokens - self._window_start > 2 * _CONTEXT_TOKENS:
+            start = num_tokens - _CONTEXT_TOKENS
             recent = self._tokenizer.decode(self._token_ids[start:])
             # Slide only where the recent tokens decode alone to the text's end; else keep the
             # longer window and try again next time.
             if self._text.endswith(recent):
                 self._window_start, self._window_text = start, recent
-        return ""
+        return self._text
 
     def add_until_stop(self, token_ids) -> tuple[list[int], str]:
         """Like add(), but keeps only the tokens up to the one that completes a stop string."""
@@ -95,8 +93,7 @@ class TextStream:
         """The held-back tail, once the request ended without a stop string."""
         if self.is_stopped:
             return ""
-        unsettled = self._unsettled_text()  # settles what it can into self._text first
-        text = self._text + unsettled
+        text = self._current_text()
         delta = text[self._num_emitted_chars :]
         self._num_emitted_chars = len(text)
         return delta
