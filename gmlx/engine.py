@@ -23,7 +23,7 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -107,8 +107,7 @@ class Engine:
         self._is_joined_this_step = False
         self._is_landed_this_step = False
         self._staging: _StagedJoin | None = None
-        # A gated batch's last resume check: (its rows, whether over the cap, rounds until the next).
-        self._gate_hold: tuple[tuple[str, ...], bool, int] | None = None
+        self._gate_hold: _GateHold | None = None  # a gated batch's last resume check
         is_packed = engine_config.is_prefill_packed
         self.is_prefill_packed = target.is_packable and (
             target.num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_packed is None else is_packed)
@@ -486,7 +485,7 @@ class Engine:
             case BatchMode.GATED if (held is not None or is_over_cap or not admission.can_resume(batch.draft_requests)
                                      or not self._drafting_pays()):
                 if held is None:
-                    self._gate_hold = (_rows_key(batch), is_over_cap, GATED_RECHECK_ROUNDS - 1)
+                    self._gate_hold = _GateHold(_rows_key(batch), is_over_cap, GATED_RECHECK_ROUNDS - 1)
                 loop, tokens = Loop.GATED, self._plain_round(dispatch_next=is_worth_lookahead)
             case BatchMode.GATED | BatchMode.RESUMING | BatchMode.UNARMED if not batch.is_settled:
                 # Decided once, here: the settle round is paid only for a capture that follows.
@@ -527,11 +526,12 @@ class Engine:
         """Within a gated batch's hold (same rows, rounds left): whether it was over the cap at
         its last check, and one round of the hold spent; None where this round must check."""
         hold = self._gate_hold
-        if batch.mode is not BatchMode.GATED or hold is None or hold[2] == 0 or hold[0] != _rows_key(batch):
+        if (batch.mode is not BatchMode.GATED or hold is None or not hold.num_rounds_left
+                or hold.rows != _rows_key(batch)):
             self._gate_hold = None
             return None
-        self._gate_hold = (hold[0], hold[1], hold[2] - 1)
-        return hold[1]
+        self._gate_hold = replace(hold, num_rounds_left=hold.num_rounds_left - 1)
+        return hold.is_over_cap
 
     def _observe_gated(self, policy: DepthPolicy, request: Request, is_scored: bool) -> None:
         """A gated row's evidence: when scored (within the cap, a new token), a drafter that can
@@ -673,6 +673,14 @@ def check_model_config(folder) -> None:
         raise ValueError(f"model {folder}: sliding-window attention is not supported "
                          f"({num_sliding} of {len(layer_types)} layers, "
                          f"window {cfg.get('sliding_window')}); use a model with full attention in every layer")
+
+
+@dataclass(frozen=True)
+class _GateHold:
+    """A gated batch's last resume check, kept while its rows stay these requests."""
+    rows: tuple[str, ...]  # the batch's request ids, in order
+    is_over_cap: bool
+    num_rounds_left: int  # rounds that reuse it before the batch asks again
 
 
 @dataclass
