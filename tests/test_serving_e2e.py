@@ -282,11 +282,14 @@ def test_worker_kill_restart_and_drain(model_path, engine):
     """kill -9 one of two workers mid-stream, then SIGTERM the server mid-stream."""
     # Plain decoding (one token per round) keeps the streams alive until the kill; greedy
     # output does not depend on the drafter, so the reference engine (MTP or n-gram) applies.
+    # The built-in model decodes 200 tokens in ~0.1 s, less than a slow client thread can take
+    # to see its first chunk, so the streams run 800 (prompts are at most 200 of 1024 positions).
+    num_stream_tokens = 800
     srv = Server(model=model_path, drafter="none", num_workers=2, wait_ready=False)
     try:
-        streams = []  # four prompts whose greedy output runs the full 200 tokens
+        streams = []  # four prompts whose greedy output runs the full length
         for request in make_requests(engine.tokenizer, 16, seed=11):
-            tokens, reason = solo(engine, request["token_ids"], max_tokens=200)
+            tokens, reason = solo(engine, request["token_ids"], max_tokens=num_stream_tokens)
             if reason == "length":
                 streams.append((request["token_ids"], tokens))
             if len(streams) == 4:
@@ -301,7 +304,7 @@ def test_worker_kill_restart_and_drain(model_path, engine):
             try:
                 with Client(srv.address, timeout_s=30) as client:
                     tokens = []
-                    for chunk in client.generate(token_ids=streams[i][0], max_tokens=200):
+                    for chunk in client.generate(token_ids=streams[i][0], max_tokens=num_stream_tokens):
                         if not tokens:
                             started.wait(30)
                         tokens += chunk.token_ids
