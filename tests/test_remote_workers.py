@@ -181,7 +181,7 @@ def test_remote_worker_streams_equal_solo_and_its_death_fails_only_its_clients(n
     ns_a, ns_b = namespaces
     keys = make_keys(tmp_path / "keys")
     prompts = [list(p) for p in code_prompts[:NUM_STREAMS]]
-    max_tokens, long_max_tokens = 24, 400
+    max_tokens, long_max_tokens = 24, 800  # long: still streaming when the kill lands
     worker_address = f"tcp://{FRONTEND_ADDRESS}:{WORKER_PORT}"
 
     # Off loopback the worker link refuses to start without CURVE keys, naming the option.

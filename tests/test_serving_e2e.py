@@ -214,7 +214,7 @@ def test_cancel_mid_stream(server, engine):
     with Client(server.address, timeout_s=30) as client:
         num_cancelled = client.stats()["num_cancelled"]
         seen = []
-        for chunk in client.generate(token_ids=prompt, max_tokens=600):
+        for chunk in client.generate(token_ids=prompt, max_tokens=800):
             seen.append(chunk)
             if len(seen) == 2:
                 break  # leaving the loop cancels on the server
@@ -227,7 +227,7 @@ def test_cancel_mid_stream(server, engine):
     async def break_out_async():
         async with AsyncClient(server.address, timeout_s=30) as client:
             num_chunks = 0
-            async for _ in client.generate(token_ids=prompt, max_tokens=600):
+            async for _ in client.generate(token_ids=prompt, max_tokens=800):
                 num_chunks += 1
                 if num_chunks == 2:
                     break  # the abandoned generator's cleanup sends CANCEL
@@ -336,16 +336,26 @@ def test_worker_kill_restart_and_drain(model_path, engine):
                 time.sleep(0.2)
             assert stats["num_worker_restarts"] == 1
 
-            # SIGTERM mid-stream: the stream finishes, new requests are refused, exit 0.
+            # SIGTERM mid-stream: the stream finishes, new requests are refused, exit 0. The
+            # workers are stopped meanwhile: plain decoding ends 900 tokens in ~0.3 s, and the
+            # stream must still be in flight when the late request arrives.
             short_prompt = engine.tokenizer.encode("def main(")
-            chunks = client.generate(token_ids=short_prompt, max_tokens=300)
+            worker_pids = srv.worker_pids()
+            chunks = client.generate(token_ids=short_prompt, max_tokens=900)
             first = next(chunks)
-            srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-            with Client(srv.address, timeout_s=10) as late, pytest.raises(RequestError, match="shutting down"):
-                next(late.generate(token_ids=prompt, max_tokens=4))
+            for pid in worker_pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                srv.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.1)
+                with Client(srv.address, timeout_s=10) as late, pytest.raises(RequestError, match="shutting down"):
+                    next(late.generate(token_ids=prompt, max_tokens=4))
+            finally:
+                for pid in worker_pids:
+                    os.kill(pid, signal.SIGCONT)
             rest = collect(chunks)
-            assert first.token_ids + rest["token_ids"] == solo(engine, short_prompt, max_tokens=300)[0]
+            assert rest["finish_reason"] == "length"
+            assert first.token_ids + rest["token_ids"] == solo(engine, short_prompt, max_tokens=900)[0]
         assert srv.proc.wait(60) == 0, srv.log()
         assert not owned_segments(srv), "the bus outlived the server"
     finally:
@@ -359,8 +369,7 @@ def test_config_file_and_a_worker_started_by_hand(tmp_path, model_path, engine):
     path_line = "" if model_path == BUILTIN_TARGET else f'path = "{model_path}"\n'
     config.write_text(f"[models.tiny]\n{path_line}drafter = \"ngram\"\nspeculative_width_cap = 2\n")
     worker_address = f"tcp://127.0.0.1:{free_port()}"
-    # A drain far shorter than the long request below: the built-in model with n-gram drafts
-    # decodes its 900 tokens in ~0.3 s now.
+    # A drain far shorter than the long request below, whose workers are stopped through it.
     srv = Server("--config", str(config), "--worker-address", worker_address, "--drain-timeout-s", "0.05",
                  model=None, drafter=None)
     worker = None
@@ -383,11 +392,19 @@ def test_config_file_and_a_worker_started_by_hand(tmp_path, model_path, engine):
                 assert got["token_ids"] == solo(engine, **request)[0]
 
             # Past the drain timeout an in-flight request gets an error; the server still exits 0.
+            # The workers are stopped meanwhile, so the request is still in flight when it passes.
+            worker_pids = [*srv.worker_pids(), worker.pid]
             chunks = client.generate(token_ids=engine.tokenizer.encode("def main("), max_tokens=900)
             next(chunks)
-            srv.proc.send_signal(signal.SIGTERM)
-            with pytest.raises(RequestError, match="shut down"):
-                collect(chunks)
+            for pid in worker_pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                srv.proc.send_signal(signal.SIGTERM)
+                with pytest.raises(RequestError, match="shut down"):
+                    collect(chunks)
+            finally:
+                for pid in worker_pids:
+                    os.kill(pid, signal.SIGCONT)
         assert srv.proc.wait(60) == 0, srv.log()
         assert worker.wait(30) == 0  # SHUTDOWN reaches a worker started by hand too
     finally:
