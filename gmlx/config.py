@@ -268,6 +268,12 @@ def is_malloc_tuned() -> bool:
     return _env_flag("GMLX_MALLOC_TUNE", True)
 
 
+def is_huge_pages_enabled() -> bool:
+    """GMLX_HUGE_PAGES (default on, Linux): the model's weights are moved onto 2 MB transparent
+    huge pages at load (gmlx/platform/memory.py); 0 leaves them on 4 KB pages (A/B runs)."""
+    return _env_flag("GMLX_HUGE_PAGES", True)
+
+
 def log_level() -> str:
     level = os.environ.get("GMLX_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if level not in _LOG_LEVELS:
@@ -280,7 +286,8 @@ def validate_settings() -> None:
     it) instead of the first round that reads it."""
     for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
-                 is_malloc_tuned, cpu_quant_activations, is_quad_layout_enabled, is_fused_layers_enabled):
+                 is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
+                 is_fused_layers_enabled):
         read()
 
 

@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from gmlx import config
 from gmlx.cache.prompt_cache import PromptCache
@@ -35,7 +36,7 @@ from gmlx.drafters import make_drafter
 from gmlx.models.loader import LoadedModel, load_model, resolve_model_path
 from gmlx.models.packed import Segment
 from gmlx.platform.blas import ensure_fast_blas
-from gmlx.platform.memory import tune_malloc, warm_heap
+from gmlx.platform.memory import move_to_huge_pages, tune_malloc, warm_heap
 from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
@@ -76,6 +77,8 @@ class Engine:
         config.validate_settings()
         if tune_malloc():  # joins and growing batches then reuse warm pages
             warm_heap(4 * target.kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens))
+        if config.is_huge_pages_enabled():  # every weight is read every step: fewer TLB misses
+            move_to_huge_pages([w for _, w in tree_flatten(target.model.parameters())])
         self.target = target
         self.drafter = drafter
         self.config = engine_config

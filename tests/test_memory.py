@@ -73,3 +73,77 @@ def test_a_warmed_heap_keeps_its_pages_for_the_first_joins():
     assert out.returncode == 0, out.stderr
     # Nothing before tuning; then the bytes asked, once (a smaller ask finds it warm already).
     assert out.stdout.split() == ["0", "True", str(64 << 20), "0", "True"]
+
+
+def test_huge_page_spans_cover_every_range_inside_its_mapping_aligned_and_merged():
+    import random
+
+    from gmlx.platform.memory import HUGE_PAGE_BYTES as H
+    from gmlx.platform.memory import huge_page_spans
+
+    rng = random.Random(0)
+    for _ in range(300):
+        mappings, at = [], 1 << 40
+        for _ in range(rng.randint(1, 4)):  # disjoint, unaligned, sometimes touching
+            at += rng.choice([0, rng.randint(1, 8 << 20)])
+            size = rng.randint(1 << 12, 24 << 20)
+            mappings.append((at, at + size))
+            at += size
+        ranges = []
+        for _ in range(rng.randint(1, 10)):
+            map_start, map_end = rng.choice(mappings)
+            start = rng.randrange(map_start, map_end)
+            ranges.append((start, rng.randint(start + 1, map_end)))
+        ranges.append((1 << 39, (1 << 39) + (8 << 20)))  # unmapped: skipped
+        spans = huge_page_spans(ranges, mappings)
+        assert all(lo % H == 0 and hi % H == 0 and lo < hi for lo, hi in spans)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "sorted, disjoint"
+        assert all(any(ms <= lo and hi <= me for ms, me in mappings) for lo, hi in spans), "inside one mapping"
+        # Exactly the whole 2 MB pages inside a range's mapping that hold some of its bytes.
+        want = set()
+        for start, end in ranges:
+            for map_start, map_end in mappings:
+                if map_start <= start < map_end:
+                    for page in range(start - start % H, end, H):
+                        if map_start <= page and page + H <= map_end:
+                            want.add(page)
+        got = {page for lo, hi in spans for page in range(lo, hi, H)}
+        assert got == want
+
+
+_HUGE_PROBE = """
+import mlx.core as mx
+from gmlx.platform.memory import move_to_huge_pages
+weights = mx.arange(4 << 20, dtype=mx.float32)  # 16 MB: seven whole huge pages at least
+mx.eval(weights)
+print(move_to_huge_pages([weights]) >= 14 << 20, (weights == mx.arange(4 << 20, dtype=mx.float32)).all().item())
+"""
+
+
+def _can_collapse() -> bool:
+    """THP allowed on request (madvise or always) and MADV_COLLAPSE (Linux 6.1)."""
+    import os
+    import platform
+
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    major, minor = (int(part) for part in platform.release().split(".")[:2])
+    return "[never]" not in mode and (major, minor) >= (6, 1) and os.path.exists("/proc/self/smaps_rollup")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_collapse(), reason="Linux >= 6.1 with THP")
+def test_weights_move_onto_huge_pages_unchanged():
+    out = subprocess.run([sys.executable, "-c", _HUGE_PROBE], capture_output=True, text=True, timeout=60,
+                         env=repo_env(), cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_a_malformed_huge_pages_switch_fails_start_up():
+    from gmlx import config
+    from gmlx.config import env_overrides
+
+    with env_overrides({"GMLX_HUGE_PAGES": "sometimes"}), pytest.raises(ValueError, match="GMLX_HUGE_PAGES"):
+        config.validate_settings()
