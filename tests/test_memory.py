@@ -117,6 +117,9 @@ from gmlx.platform.memory import move_to_huge_pages
 weights = mx.arange(4 << 20, dtype=mx.float32)  # 16 MB: seven whole huge pages at least
 mx.eval(weights)
 print(move_to_huge_pages([weights]) >= 14 << 20, (weights == mx.arange(4 << 20, dtype=mx.float32)).all().item())
+from gmlx.platform.memory import anon_huge_page_bytes, tune_malloc, warm_heap
+before = anon_huge_page_bytes()
+print(tune_malloc(), warm_heap(64 << 20, is_huge=True) == 64 << 20, anon_huge_page_bytes() - before >= 48 << 20)
 """
 
 
@@ -134,11 +137,11 @@ def _can_collapse() -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_collapse(), reason="Linux >= 6.1 with THP")
-def test_weights_move_onto_huge_pages_unchanged():
+def test_weights_and_the_warm_heap_go_onto_huge_pages():
     out = subprocess.run([sys.executable, "-c", _HUGE_PROBE], capture_output=True, text=True, timeout=60,
                          env=repo_env(), cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "True"]
+    assert out.stdout.split() == ["True"] * 5
 
 
 def test_a_malformed_huge_pages_switch_fails_start_up():
