@@ -269,8 +269,9 @@ def is_malloc_tuned() -> bool:
 
 
 def is_huge_pages_enabled() -> bool:
-    """GMLX_HUGE_PAGES (default on, Linux): the model's weights are moved onto 2 MB transparent
-    huge pages at load (gmlx/platform/memory.py); 0 leaves them on 4 KB pages (A/B runs)."""
+    """GMLX_HUGE_PAGES (default on, Linux, CPU backend): the model's weights move onto 2 MB
+    transparent huge pages at load, and the heap warmed for KV buffers faults in on them
+    (gmlx/platform/memory.py); 0 leaves both on 4 KB pages (A/B runs)."""
     return _env_flag("GMLX_HUGE_PAGES", True)
 
 

@@ -79,7 +79,7 @@ class Engine:
         if tune_malloc():  # joins and growing batches then reuse warm pages
             warm_heap(4 * target.kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens),
                       is_huge)
-        if is_huge:
+        if is_huge and mx.default_device() == mx.cpu:  # a GPU's weights are not in these pages
             move_to_huge_pages([w for _, w in tree_flatten(target.model.parameters())])
         self.target = target
         self.drafter = drafter
