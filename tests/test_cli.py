@@ -54,3 +54,4 @@ def test_doctor_shows_the_calibration_table(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env)  # the cached table now
     assert text.returncode == 0, text.stderr
     assert "| width | plain round ms | depth 0 ms" in text.stdout and "speculate up to width" in text.stdout
+    assert "transparent huge pages: " in text.stdout

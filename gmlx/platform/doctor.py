@@ -1,6 +1,6 @@
 """`gmlx doctor`: what this machine runs gmlx with, in words: the CPU, the BLAS and the
-core OpenBLAS runs (detected, chosen, why, measured), the interposer, the MLX device and
-the CPU kernel extension.
+core OpenBLAS runs (detected, chosen, why, measured), the interposer, the MLX device, the
+CPU kernel extension and transparent huge pages.
 This module must not import mlx at import time.
 """
 
@@ -30,6 +30,9 @@ def describe_platform(measure: bool = True) -> dict:
     from gmlx.models.compute_format import choose_cpu_compute_format
 
     d["cpu_compute_format"], d["cpu_compute_format_reason"] = choose_cpu_compute_format()
+    from gmlx.platform.memory import huge_pages_status
+
+    d["huge_pages"] = huge_pages_status()
     return d
 
 
@@ -41,7 +44,8 @@ def format_report(d: dict) -> str:
 
     return "\n".join(lines + [format_blas_report(d), cpu_kernels.format_status(d["cpu_kernels"]),
                               f"quantized models on CPU compute in: {d['cpu_compute_format']} "
-                              f"({d['cpu_compute_format_reason']})"])
+                              f"({d['cpu_compute_format_reason']})",
+                              f"transparent huge pages: {d['huge_pages']}"])
 
 
 def format_blas_report(d: dict) -> str:

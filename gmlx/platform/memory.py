@@ -130,6 +130,21 @@ def anon_huge_page_bytes() -> int:
     return int(found.group(1)) * 1024 if found else 0
 
 
+def huge_pages_status() -> str:
+    """What `gmlx doctor` says of transparent huge pages: Linux's mode and what gmlx does with it."""
+    if not config.is_huge_pages_enabled():
+        return "off (GMLX_HUGE_PAGES=0): weights and KV on 4 KB pages"
+    try:
+        modes = open("/sys/kernel/mm/transparent_hugepage/enabled").read().split()
+    except OSError:
+        return "none on this system: weights and KV on the system's pages"
+    mode = next((m.strip("[]") for m in modes if m.startswith("[")), "unknown")
+    if mode == "never":
+        return ("never (Linux's setting): weights and KV stay on 4 KB pages; "
+                "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled lets gmlx ask for them")
+    return f"{mode}: on the CPU backend the weights and the KV heap are moved onto 2 MB pages"
+
+
 def advise_huge_pages(ranges: Iterable[tuple[int, int]], is_collapsed: bool) -> None:
     """Ask Linux for 2 MB pages under the whole huge pages of these byte ranges: collapsed now
     when is_collapsed (memory already touched), else as the pages are first touched."""
