@@ -43,13 +43,15 @@ def test_a_killed_frontend_tells_clients_stops_workers_and_comes_back():
         frontend = psutil.Process(server.first_frontend_pid)
         workers = [psutil.Process(pid) for pid in server.worker_pids()]
         results = [{} for _ in range(3)]
-        threads = []
-        for result in results:
-            started = threading.Event()
-            thread = threading.Thread(target=stream_until_error, args=(server.address, started, result), daemon=True)
+        # All three at once, not one after another: the built-in model decodes a stream's
+        # ~1,000 tokens in ~0.35 s, and the kill must find every one still streaming.
+        events = [threading.Event() for _ in results]
+        threads = [threading.Thread(target=stream_until_error, args=(server.address, started, result), daemon=True)
+                   for started, result in zip(events, results)]
+        for thread in threads:
             thread.start()
+        for started in events:
             assert started.wait(60), server.log()
-            threads.append(thread)
         killed_s = time.monotonic()
         frontend.kill()
         for thread in threads:
