@@ -56,6 +56,7 @@ Prints a markdown table and one JSON line.
 """
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -64,9 +65,12 @@ from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
+from gmlx import config
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_float import pack_panels
+from gmlx.platform.memory import move_to_huge_pages
 from gmlx.platform.timing import best_of_s
 
 
@@ -85,6 +89,31 @@ def best_time_s(make_outputs, reps: int) -> float:
 NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
 
 
+@contextlib.contextmanager
+def tile_layout(is_tiles: bool):
+    """The extension's one-stream layout setting for a block (packing and running)."""
+    ext = cpu_kernels.extension()
+    was_tiles = ext.tile_layout()
+    ext.set_tile_layout(is_tiles)
+    try:
+        yield
+    finally:
+        ext.set_tile_layout(was_tiles)
+
+
+def is_tiles_for(isa: str) -> bool:
+    """The layout the engine packs for this ISA: tiles where the default is tiles and the ISA is
+    AVX-512 (the tiles' fast path needs VNNI), quads under any other forced ISA."""
+    return cpu_kernels.extension().tile_layout() and isa == "avx512"
+
+
+def pack_one_stream(half_copies, group_size: int, bits: int, is_tiles: bool) -> list:
+    with tile_layout(is_tiles):  # evaluated inside: a lazy pack would read the setting later
+        copies = [cpu_kernels.pack_quads(w, s, b, group_size, bits) for w, s, b in half_copies]
+        mx.eval(copies)
+    return copies
+
+
 def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas,
                   panel_off_too=False, dequant_too=False, int8_too=False, quads_too=False, panels_too=False):
     weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
@@ -101,12 +130,17 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
     int8_too = int8_too or quads_too
     half_copies = [(w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in q_copies] if int8_too else []
     half_bytes = sum(a.nbytes for a in half_copies[0]) if int8_too else 0
-    # The same weights in the one-stream layout gmlx keeps them in (GMLX_CPU_QUAD_LAYOUT).
-    quad_copies = [cpu_kernels.pack_quads(w, s, b, group_size, bits) for w, s, b in half_copies] if quads_too else []
-    quad_bytes = quad_copies[0].nbytes if quads_too else 0
+    # The same weights in the one-stream layout gmlx keeps them in (GMLX_CPU_QUAD_LAYOUT), per
+    # ISA: tiles where the engine would run them (AVX-512 VNNI), quads under a forced ISA.
+    quad_copies = {isa: pack_one_stream(half_copies, group_size, bits, is_tiles_for(isa))
+                   for isa in isas} if quads_too else {}
+    quad_bytes = {isa: copies[0].nbytes for isa, copies in quad_copies.items()}
     # The float32 weights as gmlx keeps them with GMLX_CPU_FLOAT_KERNELS (the same bytes).
     panel_copies = [pack_panels(w) for w in f_copies] if panels_too else []
     mx.eval(q_copies, f_copies, half_copies, quad_copies, panel_copies)
+    if config.is_huge_pages_enabled():  # where the engine keeps its weights (GMLX_HUGE_PAGES)
+        move_to_huge_pages([a for _, a in tree_flatten([q_copies, f_copies, half_copies,
+                                                          list(quad_copies.values()), panel_copies])])
     ext = cpu_kernels.extension()
     rows = []
     for num_rows in num_rows_list:
@@ -126,9 +160,10 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
                                          for w, s, b in half_copies], reps) / num_copies
                 row[f"int8_half_{isa}_ms"], row[f"int8_half_{isa}_gbs"] = 1e3 * t, half_bytes / t / 1e9
             if quads_too:
-                t = best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
-                                         for q in quad_copies], reps) / num_copies
-                row[f"quads_{isa}_ms"], row[f"quads_{isa}_gbs"] = 1e3 * t, quad_bytes / t / 1e9
+                with tile_layout(is_tiles_for(isa)):  # kernels read a layout under its own setting
+                    t = best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
+                                             for q in quad_copies[isa]], reps) / num_copies
+                row[f"quads_{isa}_ms"], row[f"quads_{isa}_gbs"] = 1e3 * t, quad_bytes[isa] / t / 1e9
             if panel_off_too:
                 panel_min_rows = ext.panel_min_rows()
                 ext.set_panel_min_rows(NEVER)
@@ -164,7 +199,6 @@ def make_quantized_smollm2_shape(folder, bits: int, group_size: int):
     from pathlib import Path
 
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     from gmlx.config import BUILTIN_TARGET_DIR
@@ -272,8 +306,6 @@ def print_prefill(p: dict) -> None:
 
 
 def tree_flatten_params(model):
-    from mlx.utils import tree_flatten
-
     return tree_flatten(model.parameters())
 
 
