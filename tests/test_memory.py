@@ -113,13 +113,31 @@ def test_huge_page_spans_cover_every_range_inside_its_mapping_aligned_and_merged
 
 _HUGE_PROBE = """
 import mlx.core as mx
-from gmlx.platform.memory import move_to_huge_pages
+import numpy as np
+from gmlx.platform.memory import move_to_huge_pages, tune_malloc, warm_heap
+
+def huge_bytes(lo, hi):
+    # AnonHugePages of the mappings overlapping [lo, hi): holds whether THP is 'madvise' (the
+    # call moved them) or 'always' (they were huge already, and the call gained nothing).
+    total, is_inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if not fields[0].endswith(":"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            is_inside = start < hi and lo < end
+        elif fields[0] == "AnonHugePages:" and is_inside:
+            total += int(fields[1]) * 1024
+    return total
+
 weights = mx.arange(4 << 20, dtype=mx.float32)  # 16 MB: seven whole huge pages at least
 mx.eval(weights)
-print(move_to_huge_pages([weights]) >= 14 << 20, (weights == mx.arange(4 << 20, dtype=mx.float32)).all().item())
-from gmlx.platform.memory import anon_huge_page_bytes, tune_malloc, warm_heap
-before = anon_huge_page_bytes()
-print(tune_malloc(), warm_heap(64 << 20, is_huge=True) == 64 << 20, anon_huge_page_bytes() - before >= 48 << 20)
+move_to_huge_pages([weights])
+start = np.asarray(weights).ctypes.data
+print(huge_bytes(start, start + weights.nbytes) >= 14 << 20,
+      (weights == mx.arange(4 << 20, dtype=mx.float32)).all().item())
+print(tune_malloc(), warm_heap(64 << 20, is_huge=True) == 64 << 20)
+heap = [[int(x, 16) for x in line.split()[0].split("-")] for line in open("/proc/self/maps") if "[heap]" in line]
+print(huge_bytes(min(lo for lo, _ in heap), max(hi for _, hi in heap)) >= 48 << 20)
 """
 
 
