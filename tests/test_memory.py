@@ -145,13 +145,15 @@ def _can_collapse() -> bool:
     """THP allowed on request (madvise or always) and MADV_COLLAPSE (Linux 6.1)."""
     import os
     import platform
+    import re
 
     try:
         mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
     except OSError:
         return False
-    major, minor = (int(part) for part in platform.release().split(".")[:2])
-    return "[never]" not in mode and (major, minor) >= (6, 1) and os.path.exists("/proc/self/smaps_rollup")
+    version = re.match(r"(\d+)\.(\d+)", platform.release())
+    return (version is not None and (int(version[1]), int(version[2])) >= (6, 1) and "[never]" not in mode
+            and os.path.exists("/proc/self/smaps_rollup"))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_collapse(), reason="Linux >= 6.1 with THP")
