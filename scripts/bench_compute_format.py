@@ -158,11 +158,16 @@ def main() -> None:
     # Weight bytes a token reads (as loaded: quad layout, float16 scales) per second, of DRAM.
     weight_gbs = {name: medians[name] * engine.target.num_weight_bytes / 1e9 for name, engine in engines.items()}
     llama = medians.get("llama.cpp")
+    # Each repeat's own ratio, then their median: a repeat's engines ran the same minute of this
+    # shared box, which a ratio of medians taken over different minutes does not see.
+    paired = {f"{name} / {peer}": statistics.median(a / b for a, b in zip(results[name], results[peer]))
+              for name in engines for peer in llama_models}
     report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats,
               "cpu": platform.processor() or platform.machine(), "all_tok_per_s": results,
               "tok_per_s": medians, "ratio_to_gmlx_float32": {n: v / reference for n, v in medians.items()},
               "ratio_to_llama_cpp": {n: v / llama for n, v in medians.items()} if llama else None,
-              "dram_gbs": dram_gbs, "weight_gbs": weight_gbs, "weight_of_dram": {n: g / dram for n, g in weight_gbs.items()}}
+              "paired_ratio": paired, "dram_gbs": dram_gbs, "weight_gbs": weight_gbs,
+              "weight_of_dram": {n: g / dram for n, g in weight_gbs.items()}}
     if args.json:
         print(json.dumps(report))
         return
@@ -175,6 +180,9 @@ def main() -> None:
                    if name in weight_gbs else "")
         runs = ", ".join(f"{v:.1f}" for v in results[name])
         print(f"  {name:26s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32{versus}{weights}) [{runs}]")
+    if paired:
+        print("  paired (median of each repeat's own ratio): "
+              + "; ".join(f"{pair} {ratio:.2f}x" for pair, ratio in paired.items()))
 
 
 if __name__ == "__main__":
