@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import functools
 import logging
 import re
 import sys
@@ -34,6 +35,18 @@ _is_done = False
 _num_warm_bytes = 0  # heap bytes touched and freed so far (warm_heap)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (find_library runs ldconfig: ~2.4 ms a call); None where absent."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    libc.malloc.restype = ctypes.c_void_p
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 def tune_malloc() -> bool:
     """Apply the settings once per process (glibc only, GMLX_MALLOC_TUNE=0 skips); True when applied."""
     global _is_done
@@ -41,10 +54,8 @@ def tune_malloc() -> bool:
         return True
     if not sys.platform.startswith("linux") or not config.is_malloc_tuned():
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc (musl has no mallopt)
         return False
     is_applied = (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
                   and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
@@ -65,8 +76,7 @@ def warm_heap(num_bytes: int, is_huge: bool = False) -> int:
     num_bytes = min(num_bytes, WARM_HEAP_MAX_BYTES)
     if not _is_done or num_bytes <= _num_warm_bytes:
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
+    libc = _libc()
     block_bytes = MMAP_THRESHOLD_BYTES // 2  # under the threshold: from the heap
     blocks = []
     for _ in range(-(-num_bytes // block_bytes)):
@@ -150,11 +160,9 @@ def advise_huge_pages(ranges: Iterable[tuple[int, int]], is_collapsed: bool) -> 
     when is_collapsed (memory already touched), else as the pages are first touched."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+    libc = _libc()
+    if libc is None:
         return
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for lo, hi in huge_page_spans(ranges, process_mappings()):
         if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and is_collapsed:
             libc.madvise(lo, hi - lo, _MADV_COLLAPSE)  # before 6.1 EINVAL: khugepaged collapses later
