@@ -4,6 +4,7 @@ Every stream is checked against solo in-process decoding of the same request.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -77,6 +78,19 @@ def make_requests(tokenizer, num_requests: int, seed: int = 0) -> list[dict]:
                              temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1.0,
                              seed=1000 + i))
     return requests
+
+
+@contextlib.contextmanager
+def processes_stopped(pids: list[int]):
+    """SIGSTOP the processes for the block, SIGCONT after: a stream stays in flight however fast
+    it decodes, and a 2 s heartbeat timeout outlasts a short block."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def collect(chunks) -> dict:
@@ -343,16 +357,11 @@ def test_worker_kill_restart_and_drain(model_path, engine):
             worker_pids = srv.worker_pids()
             chunks = client.generate(token_ids=short_prompt, max_tokens=900)
             first = next(chunks)
-            for pid in worker_pids:
-                os.kill(pid, signal.SIGSTOP)
-            try:
+            with processes_stopped(worker_pids):
                 srv.proc.send_signal(signal.SIGTERM)
                 time.sleep(0.1)
                 with Client(srv.address, timeout_s=10) as late, pytest.raises(RequestError, match="shutting down"):
                     next(late.generate(token_ids=prompt, max_tokens=4))
-            finally:
-                for pid in worker_pids:
-                    os.kill(pid, signal.SIGCONT)
             rest = collect(chunks)
             assert rest["finish_reason"] == "length"
             assert first.token_ids + rest["token_ids"] == solo(engine, short_prompt, max_tokens=900)[0]
@@ -396,15 +405,10 @@ def test_config_file_and_a_worker_started_by_hand(tmp_path, model_path, engine):
             worker_pids = [*srv.worker_pids(), worker.pid]
             chunks = client.generate(token_ids=engine.tokenizer.encode("def main("), max_tokens=900)
             next(chunks)
-            for pid in worker_pids:
-                os.kill(pid, signal.SIGSTOP)
-            try:
+            with processes_stopped(worker_pids):
                 srv.proc.send_signal(signal.SIGTERM)
                 with pytest.raises(RequestError, match="shut down"):
                     collect(chunks)
-            finally:
-                for pid in worker_pids:
-                    os.kill(pid, signal.SIGCONT)
         assert srv.proc.wait(60) == 0, srv.log()
         assert worker.wait(30) == 0  # SHUTDOWN reaches a worker started by hand too
     finally:
