@@ -173,7 +173,7 @@ def move_to_huge_pages(arrays) -> int:
     of huge pages the process gained (0 off Linux, or where THP is off).
 
     Decode reads every weight once a step; on 4 KB pages that is a TLB miss every 4 KB, and
-    the weights of a 135M model at 4 bits measured 1.16x faster on huge pages (BENCHMARKS.md).
+    the weights of a 135M model at 4 bits measured 1.16-1.17x faster on huge pages (BENCHMARKS.md).
     The spans are rounded out to 2 MB within their mappings, so heap memory next to the
     weights comes along."""
     import numpy as np
