@@ -75,11 +75,12 @@ _STAT_KEYS = (
 class Engine:
     def __init__(self, target: LoadedModel, drafter, engine_config: EngineConfig, cost_table: CostTable | None = None):
         config.validate_settings()
-        is_huge = config.is_huge_pages_enabled()  # weights and KV are read every step: fewer TLB misses
+        # Weights and KV are read every step: fewer TLB misses. A GPU's are not in these pages.
+        is_huge = config.is_huge_pages_enabled() and mx.default_device() == mx.cpu
         if tune_malloc():  # joins and growing batches then reuse warm pages
             warm_heap(4 * target.kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens),
                       is_huge)
-        if is_huge and mx.default_device() == mx.cpu:  # a GPU's weights are not in these pages
+        if is_huge:
             move_to_huge_pages([w for _, w in tree_flatten(target.model.parameters())])
         self.target = target
         self.drafter = drafter
