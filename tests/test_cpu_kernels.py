@@ -657,6 +657,11 @@ def test_doctor_line_names_the_layout_and_the_fused_layers(ext):
     ext.set_tile_layout(True)
     assert "16-output tiles" in cpu_kernels.format_status(cpu_kernels.status())
     assert "fused llama layers" in cpu_kernels.format_status(cpu_kernels.status())
+    ext.set_prefetch_chunks(3)  # the tile prefetch the kernels run with is the one reported
+    assert "16-output tiles (GMLX_CPU_TILE_LAYOUT), prefetched 3 blocks ahead" in cpu_kernels.format_status(
+        cpu_kernels.status())
+    ext.set_prefetch_chunks(0)
+    assert "no software prefetch" in cpu_kernels.format_status(cpu_kernels.status())
     with env_overrides({"GMLX_CPU_QUAD_LAYOUT": "0", "GMLX_CPU_FUSED_LAYERS": "0"}):
         line = cpu_kernels.format_status(cpu_kernels.status())
     assert "row layout" in line and "layers apart" in line

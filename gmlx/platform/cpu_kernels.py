@@ -334,6 +334,7 @@ def status() -> dict:
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
+                      tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
                       fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"),
                       float_panels=config.is_cpu_float_kernels_enabled() and hasattr(ext, "float_matmul"))
     return report
@@ -348,7 +349,9 @@ def format_status(report: dict) -> str:
     if not report.get("quad_layout"):
         layout = "row layout"
     elif report.get("tile_layout"):
-        layout = "one-stream layout as 16-output tiles (GMLX_CPU_TILE_LAYOUT)"
+        ahead = report.get("tile_prefetch_blocks", 0)
+        layout = ("one-stream layout as 16-output tiles (GMLX_CPU_TILE_LAYOUT), "
+                  + (f"prefetched {ahead} blocks ahead" if ahead else "no software prefetch"))
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"

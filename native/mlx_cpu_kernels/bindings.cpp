@@ -47,6 +47,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_prefetch_chunks", &gmlx_kernels::set_prefetch_chunks, "num_chunks"_a,
         "Steps ahead the one-stream kernels prefetch (quads: chunks, tiles: blocks; 0: off, < 0: each layout's default; same bits)");
   m.def("prefetch_chunks", &gmlx_kernels::prefetch_chunks);
+  m.def("tile_prefetch_blocks", &gmlx_kernels::tile_prefetch_blocks,
+        "Blocks ahead the tile kernels prefetch now (the setting, else 8 on Intel CPUs and 0 on others)");
   m.def("quantized_matmul_quads_group", &gmlx_kernels::quantized_matmul_quads_group, "x"_a, "quads"_a,
         "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");
   m.def("quad_rows", &gmlx_kernels::quad_rows, "quads"_a, "ids"_a, "num_outputs"_a, "num_inputs"_a, "bits"_a,

@@ -113,8 +113,10 @@ void tile_outputs(const QmmArgs& args, const QuantizedRows& rows, int64_t begin,
 // Row `id` of a tile layout, dequantized into y (num_inputs floats).
 void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, float* y);
 // Steps ahead the one-stream kernels prefetch (quads: chunks, tiles: blocks; 0: off; -1:
-// each layout's default, 8 chunks for quads, none for tiles). Same bits.
+// each layout's default: 8 chunks for quads; for tiles 8 blocks on Intel, none elsewhere). Same bits.
 void set_prefetch_chunks(int64_t num_chunks);
 int64_t prefetch_chunks();
+// Blocks ahead the tile kernels prefetch now: the setting, or where unset this CPU's default.
+int64_t tile_prefetch_blocks();
 
 }  // namespace gmlx_kernels

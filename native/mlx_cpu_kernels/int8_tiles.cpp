@@ -19,6 +19,11 @@ namespace {
 constexpr int kLanes = 4;  // float lanes per output: block j adds into lane j % 4
 constexpr int64_t kVectorsPerBlock = 8;  // vpdpbusd steps a block: four x bytes each
 
+// Software prefetch 8 blocks ahead: on an Intel VNNI core 1.03-1.10x width-1 decode and a 2-4
+// position forward 1.05-1.10x (scripts/bench_kernel_settings.py); on Zen 4 it cost width-1 decode
+// 0.91x, so other CPUs leave the stream to the hardware prefetcher.
+constexpr int64_t kIntelPrefetchBlocks = 8;
+
 int64_t tile_bytes(int64_t num_inputs, int bits) { return num_inputs / kInt8BlockInputs * tile_block_bytes(bits); }
 
 // Weight q of output o (0-15), input t (0-31) of a block's weights.
@@ -110,9 +115,7 @@ template <int kBits, int kRows>
 GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
   constexpr int64_t kBlockBytes = tile_block_bytes(kBits);
   const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
-  // One stream a thread, which the hardware prefetcher follows: software prefetch 8 blocks
-  // ahead cost 0.91x on SmolLM2 (Zen 4), so tiles take none unless asked.
-  const int64_t prefetch_bytes = std::max<int64_t>(prefetch_chunks(), 0) * kBlockBytes;
+  const int64_t prefetch_bytes = tile_prefetch_blocks() * kBlockBytes;
   const RowsOf<kRows> rows(x, r0);
   const uint8_t* block = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kBits);
   for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
@@ -153,6 +156,17 @@ struct Avx512TileWalk {
 std::atomic<int> g_tile_layout{-1};  // -1: not chosen yet (where the CPU has VNNI)
 
 }  // namespace
+
+int64_t tile_prefetch_blocks() {
+  const int64_t setting = prefetch_chunks();
+  if (setting >= 0) return setting;
+#if GMLX_X86
+  static const bool is_intel = __builtin_cpu_is("intel");
+  return is_intel ? kIntelPrefetchBlocks : 0;
+#else
+  return 0;
+#endif
+}
 
 void set_tile_layout(bool is_enabled) { g_tile_layout.store(is_enabled ? 1 : 0); }
 
