@@ -45,6 +45,7 @@ SETTERS = {
     "prefetch_chunks": "set_prefetch_chunks",  # one-stream kernels' software prefetch distance
     "min_pool_macs": "set_min_pool_macs",  # smallest product handed to the pool
     "num_threads": "set_num_threads",
+    "panel_prefetch_bytes": "set_panel_prefetch_bytes",  # float32 panels' software prefetch distance
 }
 
 

@@ -1,5 +1,5 @@
 """Float32 products over panels (gmlx/platform/cpu_float.py): a row's bits independent of the
-rows, threads, pool split and ISA of its call, close to the BLAS product, and float32
+rows, threads, pool split, ISA and prefetch distance of its call, close to the BLAS product, and float32
 models swapped at load with their tied token table, near mlx-lm's logits."""
 
 import mlx.core as mx
@@ -25,7 +25,7 @@ _REFERENCE_RTOL = 1e-5
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_each_rows_bits_are_its_own_at_every_row_count_thread_count_and_isa(ext, seed):
+def test_each_rows_bits_are_its_own_at_every_row_count_thread_count_isa_and_prefetch(ext, seed):
     rng = np.random.default_rng(seed)
     num_outputs = int(rng.choice([64, 130, 192, 7]))
     num_inputs = int(rng.choice([576, 37, 64, 1000]))
@@ -37,18 +37,20 @@ def test_each_rows_bits_are_its_own_at_every_row_count_thread_count_and_isa(ext,
     reference = None
     for isa in supported_isas(ext):
         ext.set_isa(isa)
-        for num_threads in (1, 2):
+        for num_threads, prefetch_bytes in ((1, -1), (2, 0), (2, 64 * 13)):
             ext.set_num_threads(num_threads)
+            ext.set_panel_prefetch_bytes(prefetch_bytes)  # same bits at any distance, off or the default
             whole = np.array(cpu_kernels.float_matmul(mx.array(x), panels, num_outputs))
             if reference is None:
                 reference = whole
                 scale = np.abs(expected).max()
                 assert np.abs(whole - expected).max() <= _REFERENCE_RTOL * scale
-            assert np.array_equal(whole, reference), (isa, num_threads)
+            assert np.array_equal(whole, reference), (isa, num_threads, prefetch_bytes)
             for num_rows in (*range(1, 17), 33):
                 start = int(rng.integers(0, 37 - num_rows + 1))
                 part = np.array(cpu_kernels.float_matmul(mx.array(x[start : start + num_rows]), panels, num_outputs))
-                assert np.array_equal(part, reference[start : start + num_rows]), (isa, num_threads, num_rows)
+                assert np.array_equal(part, reference[start : start + num_rows]), (isa, num_threads, num_rows,
+                                                                                   prefetch_bytes)
 
 
 def test_bad_panels_are_refused_with_the_layout_named():

@@ -662,6 +662,8 @@ def test_doctor_line_names_the_layout_and_the_fused_layers(ext):
         cpu_kernels.status())
     ext.set_prefetch_chunks(0)
     assert "no software prefetch" in cpu_kernels.format_status(cpu_kernels.status())
+    ext.set_panel_prefetch_bytes(640)
+    assert "float32 products on panels prefetched 640 bytes ahead" in cpu_kernels.format_status(cpu_kernels.status())
     with env_overrides({"GMLX_CPU_QUAD_LAYOUT": "0", "GMLX_CPU_FUSED_LAYERS": "0"}):
         line = cpu_kernels.format_status(cpu_kernels.status())
     assert "row layout" in line and "layers apart" in line

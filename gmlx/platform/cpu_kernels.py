@@ -335,6 +335,7 @@ def status() -> dict:
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
                       tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
+                      panel_prefetch_bytes=ext.panel_prefetch_bytes() if hasattr(ext, "panel_prefetch_bytes") else 0,
                       fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"),
                       float_panels=config.is_cpu_float_kernels_enabled() and hasattr(ext, "float_matmul"))
     return report
@@ -361,7 +362,10 @@ def format_status(report: dict) -> str:
         else:
             layers = "fused llama layers, " + ("one node a step where they stack" if config.is_layer_stack_enabled()
                                                else "one node each")
-    floats = "float32 products on panels" if report.get("float_panels") else "float32 products in the BLAS"
+    floats = "float32 products in the BLAS"
+    if report.get("float_panels"):
+        ahead = report.get("panel_prefetch_bytes", 0)
+        floats = "float32 products on panels" + (f" prefetched {ahead} bytes ahead" if ahead else "")
     return (f"cpu kernels: {state}, {report['isa']} (best {report['best_isa']}{vnni}), {report['num_threads']} "
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
             f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS, "

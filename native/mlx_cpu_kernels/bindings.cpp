@@ -41,6 +41,9 @@ NB_MODULE(_cpu_kernels, m) {
         "x @ W.T for float32 x (..., K) and W kept as panels (ceil(N / 64), K, 64): one fma chain per output "
         "over k, the same at every row count, thread count and ISA");
   m.attr("PANEL_OUTPUTS") = gmlx_kernels::kPanelOutputs;
+  m.def("set_panel_prefetch_bytes", &gmlx_kernels::set_panel_prefetch_bytes, "num_bytes"_a,
+        "Bytes ahead a float32 panel stream prefetches (0: off, < 0: the CPU's default, 3072 on Intel and 0 elsewhere; same bits)");
+  m.def("panel_prefetch_bytes", &gmlx_kernels::panel_prefetch_bytes);
   m.attr("FLOAT_BITS") = gmlx_kernels::kFloatBits;
   m.def("quantized_matmul_quads", &gmlx_kernels::quantized_matmul_quads, "x"_a, "quads"_a, "num_outputs"_a, "bits"_a,
         "quantized_matmul's int8 path over weights in the quad-interleaved layout (same bits)");

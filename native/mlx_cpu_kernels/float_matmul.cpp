@@ -1,6 +1,7 @@
 #include "float_matmul.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 
@@ -38,11 +39,18 @@ void block_portable(const float* x, int64_t num_rows, int64_t num_inputs, const 
 // panel width: the first row streams the block from DRAM, the others re-read it from L1.
 // (Tiles of several rows by part of the width read each 256-byte panel row in 2-4 strided
 // passes: 4 rows of 49152x576 cost 3.5x one row from DRAM, against 1.4x this way.)
-GMLX_AVX2 void row_avx2(const float* x, const float* panel, int64_t k0, int64_t k1, float* acc) {
+// The first row prefetches the stream prefetch_bytes ahead (0: none), a panel row's 4 lines a step.
+template <bool kIsPrefetching>
+GMLX_AVX2 void row_avx2(const float* x, const float* panel, int64_t k0, int64_t k1, float* acc,
+                        int64_t prefetch_bytes) {
   __m256 sums[8];
   for (int v = 0; v < 8; ++v) sums[v] = _mm256_loadu_ps(acc + 8 * v);
   for (int64_t k = k0; k < k1; ++k) {
     const float* w = panel + k * kPanelOutputs;
+    if constexpr (kIsPrefetching) {
+      const char* ahead = reinterpret_cast<const char*>(w) + prefetch_bytes;
+      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
     const __m256 xv = _mm256_broadcast_ss(x + k);
     for (int v = 0; v < 8; ++v) sums[v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8 * v), sums[v]);
   }
@@ -50,8 +58,14 @@ GMLX_AVX2 void row_avx2(const float* x, const float* panel, int64_t k0, int64_t 
 }
 
 GMLX_AVX2 void block_avx2(const float* x, int64_t num_rows, int64_t num_inputs, const float* panel, int64_t k0,
-                          int64_t k1, float* acc) {
-  for (int64_t r = 0; r < num_rows; ++r) row_avx2(x + r * num_inputs, panel, k0, k1, acc + r * kPanelOutputs);
+                          int64_t k1, float* acc, int64_t prefetch_bytes) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (r == 0 && prefetch_bytes > 0) {
+      row_avx2<true>(x, panel, k0, k1, acc, prefetch_bytes);
+    } else {
+      row_avx2<false>(x + r * num_inputs, panel, k0, k1, acc + r * kPanelOutputs, 0);
+    }
+  }
 }
 #endif
 
@@ -60,11 +74,12 @@ void panel_rows(const float* x, int64_t num_rows, int64_t num_inputs, const floa
                 int64_t y_stride, Isa isa) {
   thread_local std::vector<float> acc;  // one panel call at a time per thread
   acc.assign(num_rows * kPanelOutputs, 0.0f);
+  const int64_t prefetch_bytes = panel_prefetch_bytes();
   for (int64_t k0 = 0; k0 < num_inputs; k0 += kBlockInputs) {
     const int64_t k1 = std::min(k0 + kBlockInputs, num_inputs);
 #if defined(GMLX_X86)
     if (isa != Isa::kPortable) {
-      block_avx2(x, num_rows, num_inputs, panel, k0, k1, acc.data());
+      block_avx2(x, num_rows, num_inputs, panel, k0, k1, acc.data(), prefetch_bytes);
       continue;
     }
 #endif
@@ -74,6 +89,11 @@ void panel_rows(const float* x, int64_t num_rows, int64_t num_inputs, const floa
     std::copy(acc.data() + r * kPanelOutputs, acc.data() + r * kPanelOutputs + num_valid, y + r * y_stride);
   }
 }
+
+std::atomic<int64_t> g_panel_prefetch_bytes{-1};  // -1: the default
+// 12 panel rows ahead: SmolLM2 float32 decode 1.03-1.06x on an Intel core (scripts/bench_kernel_settings.py);
+// unmeasured elsewhere, so other CPUs leave the stream to the hardware prefetcher.
+constexpr int64_t kIntelPanelPrefetchBytes = 3072;
 
 int64_t num_panels(int64_t num_outputs) { return (num_outputs + kPanelOutputs - 1) / kPanelOutputs; }
 
@@ -118,6 +138,13 @@ void panels_products(const float* x, int64_t num_rows, int64_t num_inputs, const
     job.first_chunk.push_back(job.first_chunk.back() + num_chunks);
   }
   run_sized(run_panels_chunk, &job, job.first_chunk.back(), num_rows * num_outputs * num_inputs);
+}
+
+void set_panel_prefetch_bytes(int64_t num_bytes) { g_panel_prefetch_bytes.store(num_bytes < 0 ? -1 : num_bytes); }
+
+int64_t panel_prefetch_bytes() {
+  const int64_t setting = g_panel_prefetch_bytes.load(std::memory_order_relaxed);
+  return setting >= 0 ? setting : is_intel_cpu() ? kIntelPanelPrefetchBytes : 0;
 }
 
 void check_panel_layout(const mx::array& panels, int64_t num_outputs, int64_t num_inputs, const std::string& what) {

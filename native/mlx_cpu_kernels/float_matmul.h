@@ -33,6 +33,10 @@ struct PanelsPart {
   float* y;
 };
 void panels_products(const float* x, int64_t num_rows, int64_t num_inputs, const std::vector<PanelsPart>& parts);
+// Bytes ahead of a panel stream its first row prefetches (0: off, < 0: the CPU's default, 3072 on
+// Intel and 0 elsewhere). Same bits.
+void set_panel_prefetch_bytes(int64_t num_bytes);
+int64_t panel_prefetch_bytes();
 
 class FloatMatmul : public mx::Primitive {
  public:

@@ -159,13 +159,7 @@ std::atomic<int> g_tile_layout{-1};  // -1: not chosen yet (where the CPU has VN
 
 int64_t tile_prefetch_blocks() {
   const int64_t setting = prefetch_chunks();
-  if (setting >= 0) return setting;
-#if GMLX_X86
-  static const bool is_intel = __builtin_cpu_is("intel");
-  return is_intel ? kIntelPrefetchBlocks : 0;
-#else
-  return 0;
-#endif
+  return setting >= 0 ? setting : is_intel_cpu() ? kIntelPrefetchBlocks : 0;
 }
 
 void set_tile_layout(bool is_enabled) { g_tile_layout.store(is_enabled ? 1 : 0); }

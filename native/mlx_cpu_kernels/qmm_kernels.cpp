@@ -636,6 +636,15 @@ bool is_isa_supported(Isa isa) {
   }
 }
 
+bool is_intel_cpu() {
+#if GMLX_X86
+  static const bool is_intel = __builtin_cpu_is("intel");
+  return is_intel;
+#else
+  return false;
+#endif
+}
+
 Isa best_isa() {
   if (is_isa_supported(Isa::kAvx512)) return Isa::kAvx512;
   if (is_isa_supported(Isa::kAvx2)) return Isa::kAvx2;

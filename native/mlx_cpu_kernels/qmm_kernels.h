@@ -66,6 +66,9 @@ float sum_floats(const float* data, int64_t num_floats, Isa isa);
 Isa best_isa();  // what this CPU runs
 Isa kernels_isa();  // what the kernels run now (quantized_matmul.cpp's set_isa)
 bool is_isa_supported(Isa isa);
+// Software prefetch along the one-stream and panel walks paid on Intel cores and cost on Zen 4:
+// their defaults follow the vendor.
+bool is_intel_cpu();
 const char* isa_name(Isa isa);
 
 }  // namespace gmlx_kernels
