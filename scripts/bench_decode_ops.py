@@ -71,6 +71,14 @@ MAX_POSITIONS = 4
 CLOCK = time.perf_counter  # time.process_time with --cpu-time
 
 
+def verify_forwards(target, positions, num_kv_tokens: int = 160) -> dict:
+    """num_positions -> a forward_fn of that many positions over one cache prefilled with
+    num_kv_tokens tokens (a verify's shape; each forward trims its positions after)."""
+    cache = make_ragged_cache(target.num_layers)
+    mx.eval(target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(num_kv_tokens)]]), cache)[1])
+    return {n: forward_fn(target, cache, n) for n in positions}
+
+
 def forward_fn(target, cache, num_positions: int):
     tokens = mx.array([[7] * num_positions])  # (1, T)
 

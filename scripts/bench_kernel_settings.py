@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_compute_format import gmlx_tok_per_s  # noqa: E402  (sets the BLAS up before mlx)
 import bench_decode_ops  # noqa: E402
-import mlx.core as mx  # noqa: E402
 
 from ab import alternate, median_ratio  # noqa: E402
 from gmlx.config import EngineConfig, env_overrides  # noqa: E402
@@ -92,9 +91,7 @@ def decode_measure(engine: Engine, num_tokens: int):
 
 def forwards_measure(engine: Engine):
     """A forward of 1-4 positions (ms, best of 10) over a 160-token KV, each one trimmed after."""
-    cache = bench_decode_ops.make_ragged_cache(engine.target.num_layers)
-    mx.eval(engine.target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(160)]]), cache)[1])
-    forwards = {n: bench_decode_ops.forward_fn(engine.target, cache, n) for n in POSITIONS}
+    forwards = bench_decode_ops.verify_forwards(engine.target, POSITIONS)
     return lambda: {f"forward {n} ms": 1e3 * best_of_s(fn, 10) for n, fn in forwards.items()}
 
 

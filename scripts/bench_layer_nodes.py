@@ -30,7 +30,6 @@ sys.path.insert(0, str(ROOT))  # this tree's gmlx
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_decode_ops  # noqa: E402  (sets the BLAS up before mlx)
-import mlx.core as mx  # noqa: E402
 
 from ab import alternate, median_ratio  # noqa: E402
 from bench_compute_format import gmlx_tok_per_s  # noqa: E402
@@ -54,9 +53,7 @@ def bench_format(model: str, compute_format: str, num_reps: int, num_tokens: int
     stack_call = body.__dict__.get("_stack_call")
     if not calls or not all(call.is_one_node for call in calls) or stack_call is None:
         sys.exit(f"{model}'s layers are not fused as one node a step here (kernels not built, or a switch is off)")
-    cache = bench_decode_ops.make_ragged_cache(engine.target.num_layers)
-    mx.eval(engine.target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(160)]]), cache)[1])
-    forwards = {n: bench_decode_ops.forward_fn(engine.target, cache, n) for n in POSITIONS}
+    forwards = bench_decode_ops.verify_forwards(engine.target, POSITIONS)
 
     def set_form(form: str) -> None:
         object.__setattr__(body, "_stack_call", stack_call if form == FORMS[0] else None)

@@ -90,10 +90,8 @@ def bench_model(num_reps: int) -> None:
         use(layout)
         with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
             engine = Engine.load(EngineConfig(model_path=str(resolve_model_path("smollm2")), prompt_cache_bytes=0))
-        cache = bench_decode_ops.make_ragged_cache(engine.target.num_layers)
-        mx.eval(engine.target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(160)]]), cache)[1])
         engines[layout] = engine
-        forwards[layout] = {n: bench_decode_ops.forward_fn(engine.target, cache, n) for n in POSITIONS}
+        forwards[layout] = bench_decode_ops.verify_forwards(engine.target, POSITIONS)
 
     def run(layout: str) -> dict[str, float]:
         use(layout)

@@ -8,6 +8,7 @@ in this process (greedy, width 1, SmolLM2 by default) while `perf record` sample
 
     python3 scripts/profile_decode.py                       # 4-bit SmolLM2, 5 s of samples
     python3 scripts/profile_decode.py --format float32 --seconds 8 --top 30
+    python3 scripts/profile_decode.py --positions 4     # a verify's forwards of 4 positions instead
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))  # this tree's gmlx
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_compute_format import gmlx_tok_per_s  # noqa: E402  (sets the BLAS up before mlx)
+import bench_decode_ops  # noqa: E402
 
 from gmlx.config import EngineConfig, env_overrides  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--format", default="quantized", help="GMLX_CPU_COMPUTE_FORMAT (quantized, float32)")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long perf samples")
     parser.add_argument("--top", type=int, default=20, help="functions listed")
+    parser.add_argument("--positions", type=int, default=0,
+                        help="sample forwards of this many positions at 160 KV tokens (a verify) instead of decode")
     parser.add_argument("--build-dir", default=str(ROOT / ".cache" / "profile-kernels"))
     args = parser.parse_args()
     for tool in ("perf", "objdump", "addr2line", "cmake"):
@@ -90,13 +94,14 @@ def main() -> None:
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": args.format}):
         engine = Engine.load(EngineConfig(model_path=str(resolve_model_path(args.model)), prompt_cache_bytes=0))
     gmlx_tok_per_s(engine, 64)  # warm
+    workload, unit = workload_fn(engine, args.positions)
     data = Path(args.build_dir) / "perf.data"
     perf = subprocess.Popen(["perf", "record", "-F", "999", "-p", str(os.getpid()), "-o", str(data)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(0.5)  # perf attached
     rates, deadline = [], time.perf_counter() + args.seconds
     while time.perf_counter() < deadline:
-        rates.append(gmlx_tok_per_s(engine, 128))
+        rates.append(workload())
     perf.send_signal(signal.SIGINT)
     if perf.wait(timeout=60) != 0 and not data.exists():
         sys.exit(f"perf record failed: {perf.stderr.read().decode()[-500:]} (kernel.perf_event_paranoid?)")
@@ -115,7 +120,7 @@ def main() -> None:
     total = sum(by_thread.values())
     num_cores = os.cpu_count() or 1
     busy_cores = _busy_cores(data, args.seconds)
-    print(f"{args.model} {args.format}, {len(rates)} decodes at {sorted(rates)[len(rates) // 2]:.1f} tok/s (median); "
+    print(f"{args.model} {args.format}, {len(rates)} runs at {sorted(rates)[len(rates) // 2]:.2f} {unit} (median); "
           f"{busy_cores:.2f} of {num_cores} cores busy in the samples")
     labels = _thread_labels(by_function, os.getpid())
     print("| thread | share of samples | cores |")
@@ -125,6 +130,22 @@ def main() -> None:
     print(f"\n| thread | function | share of samples |\n|---|---|---|")
     for (tid, function), percent in by_function.most_common(args.top):
         print(f"| {labels.get(tid, tid)} | {function} | {percent / total:.1%} |")
+
+
+def workload_fn(engine: Engine, num_positions: int):
+    """What perf samples, one run a call: greedy width-1 decode of 128 tokens (its tok/s), or with
+    num_positions 20 forwards of that many positions over a 160-token KV (ms a forward)."""
+    if num_positions <= 0:
+        return (lambda: gmlx_tok_per_s(engine, 128)), "tok/s"
+    forward = bench_decode_ops.verify_forwards(engine.target, [num_positions])[num_positions]
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(20):
+            forward()
+        return 1e3 * (time.perf_counter() - start) / 20
+
+    return run, f"ms a {num_positions}-position forward"
 
 
 def _busy_cores(data: Path, seconds: float) -> float:
