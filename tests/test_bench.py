@@ -7,6 +7,7 @@ import pytest
 
 from workers.bench import WorkloadOptions, parse_target, run_benchmark
 from workers.bench.metrics import StreamRecord, percentile, summarize
+from workers.bench.report import paired, results_table
 from workers.bench.workload import Lengths, heldout_files, poisson_arrivals
 
 TINY = dict(prompt_tokens="uniform:8,24", max_tokens="8", seed=3)
@@ -39,6 +40,9 @@ def test_closed_loop_against_engine_reports_every_metric():
     assert {"num_preempts", "num_resumes", "num_capture_rounds", "num_gated_rounds"} <= set(s["transitions"])
     (row,) = results["table"]
     assert row["vs_baseline"]["aggregate_tok_per_s"] == pytest.approx(1.0)
+    assert paired(row, "aggregate_tok_per_s") == pytest.approx(1.0)
+    header, _, line = results_table(results).splitlines()
+    assert "| x base | x base paired |" in header and "| 1.00x | 1.00x |" in line
     assert results["machine"]["logical_cores"] >= 1
 
 
@@ -74,6 +78,16 @@ def test_metrics_on_hand_made_records():
     assert s["num_output_tokens"] == 6 and s["num_errors"] == 1 and s["num_completed"] == 1
     assert s["aggregate_tok_per_s"] == pytest.approx(6 / 1.0)
     assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5) and percentile([], 50) is None
+
+
+def test_paired_ratio_is_the_median_of_each_repeats_own_ratio():
+    # Ratios of medians and paired ratios differ when the box's speed moves between repeats.
+    row = {"vs_baseline_per_repeat": {"aggregate_tok_per_s": [1.3, None, 0.8, 0.95]}}
+    assert paired(row, "aggregate_tok_per_s") == pytest.approx(0.95)
+    row["vs_baseline_per_repeat"]["aggregate_tok_per_s"].append(1.05)
+    assert paired(row, "aggregate_tok_per_s") == pytest.approx(1.0)
+    assert paired({"vs_baseline_per_repeat": {"aggregate_tok_per_s": [None]}}, "aggregate_tok_per_s") is None
+    assert paired({}, "aggregate_tok_per_s") is None
 
 
 def test_lengths_targets_and_arrivals_validate_and_sample():
