@@ -511,18 +511,20 @@ class Engine:
         # Gated rows' evidence; one row a round keeps score (round robin): a lookup scans the
         # row's history, and every row every round cost a wide batch of a fast model ~10%.
         gated_policy = self._depth_policy() if loop is Loop.GATED else None
-        draft_rows = batch.draft_rows
-        scored = (draft_rows[self.counters["num_rounds"] % len(draft_rows)]
-                  if gated_policy is not None and draft_rows and not is_over_cap else None)
+        draft_rows = batch.draft_rows if gated_policy is not None and not is_over_cap else []
+        scored = draft_rows[self.counters["num_rounds"] % len(draft_rows)] if draft_rows else None
+        scored_request = None
         for i, (request, row_tokens) in enumerate(zip(batch.requests, tokens)):
             request.num_rounds += 1
             request.num_rounds_by_loop[loop.value] = request.num_rounds_by_loop.get(loop.value, 0) + 1
             if self._deliver(request, row_tokens):
                 keep.append(i)
-                if gated_policy is not None and request.params.speculate:
-                    self._observe_gated(gated_policy, request, i == scored and bool(row_tokens))
+                if i == scored and row_tokens:
+                    scored_request = request
             else:
                 self._retire(request, batch.caches, i)
+        if gated_policy is not None:
+            self._observe_gated(gated_policy, scored_request)
         self._keep_rows(keep)
         if loop is Loop.GATED:
             return 0
@@ -539,15 +541,17 @@ class Engine:
         self._gate_hold = replace(hold, num_rounds_left=hold.num_rounds_left - 1)
         return hold.is_over_cap
 
-    def _observe_gated(self, policy: DepthPolicy, request: Request, is_scored: bool) -> None:
-        """A gated row's evidence: when scored (within the cap, a new token), a drafter that can
-        tell from the history alone (n-gram) says whether its draft would have been this round's
-        token, so a row whose text turns repetitive re-arms the batch; else the estimate rests."""
-        would_match = self.drafter.would_have_drafted(request) if is_scored else None
+    def _observe_gated(self, policy: DepthPolicy, scored: Request | None) -> None:
+        """A gated round's evidence: the speculating rows' estimates rest, but the scored row's
+        (within the cap, a new token, still decoding) where a drafter can tell from the history
+        alone (n-gram) whether its draft would have been this round's token, so a row whose
+        text turns repetitive re-arms the batch."""
+        would_match = self.drafter.would_have_drafted(scored) if scored is not None else None
         if would_match is None:
-            policy.rest(request.request_id)
+            policy.rest()
         else:
-            policy.observe(request.request_id, 1, int(would_match))
+            policy.rest(scored.request_id)
+            policy.observe(scored.request_id, 1, int(would_match))
 
     def _width_cap(self) -> int:
         calibrated = None

@@ -86,6 +86,31 @@ def test_depth_policy_learns_each_rows_acceptance():
     assert policy.acceptance("good") == policy.prior_acceptance
 
 
+def test_gated_rounds_rest_every_row_but_the_scored_one():
+    """A gated round fades each row's evidence toward the prior by the resting decay (applied
+    when the row is next read, so a round costs one step at any width); the scored row is
+    observed instead, and a row that joins later has no past rounds to fade."""
+    from gmlx.spec import depth
+
+    policy = DepthPolicy(k_max=3, table=SYNTHETIC)
+    for _ in range(6):
+        policy.observe("rests", 3, 3)
+        policy.observe("scored", 3, 0)
+    counts = {r: [policy._rows[r].num_accepted, policy._rows[r].num_tried] for r in ("rests", "scored")}
+    for _ in range(5):
+        policy.rest("scored")
+        policy.observe("scored", 1, 1)
+        counts["scored"] = [n * depth._DECAY + 1 for n in counts["scored"]]
+    policy.rest()
+    policy.observe("joined", 1, 1)
+    counts["rests"] = [n * depth._RESTING_DECAY ** 6 for n in counts["rests"]]
+    counts["scored"] = [n * depth._RESTING_DECAY for n in counts["scored"]]
+    counts["joined"] = [1.0, 1.0]
+    prior, weight = policy.prior_acceptance, depth._PRIOR_WEIGHT
+    for request_id, (accepted, tried) in counts.items():
+        assert policy.acceptance(request_id) == pytest.approx((accepted + prior * weight) / (tried + weight), rel=1e-12)
+
+
 def test_new_rows_probe_only_where_a_better_row_would_pay():
     """A new row drafts in its first rounds although the pooled acceptance says k = 0, but only
     where a row PROBE_SPREAD better than the pool would gain from drafts."""

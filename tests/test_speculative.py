@@ -201,7 +201,7 @@ class RandomDepths:
     def pays_to_draft(self, request_ids, num_plain_rows):
         return self.rng.random() < 0.3
 
-    def rest(self, request_id):
+    def rest(self, scored_id=None):
         pass
 
     def forget(self, request_id):
