@@ -17,7 +17,7 @@ Sections:
            at its best fixed k, same target and draft model
   widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
   coupling the batch loop at temperature 0.8: coupled drafting against greedy drafting
-  gated    a gated round (drafter loaded, over the cap) against a plain engine, width 4
+  gated    a gated round (drafter loaded, over the cap) against a plain engine, at --gated-widths
   depth    per-row adaptive draft depth against the drafter's fixed k and plain, uncapped, at
            --depth-widths (the engine's start-up calibration table is used when --calibrate)
 """
@@ -190,16 +190,23 @@ def bench_coupling(target, drafter_specs, prompts, params, repeats, widths=(2, 4
     return out
 
 
-def bench_gated(target, drafter_spec, prompts, params, repeats, width=4):
+def bench_gated(target, drafter_spec, prompts, params, repeats, widths=(4,)):
+    """A batch gated to plain rounds (drafter loaded, over the cap) against a plain engine, per
+    width, in alternating order: the gated rounds' own cost (cost_ratio > 1: dearer)."""
     plain_engine, gated_engine = engine_for(target, "none"), engine_for(target, drafter_spec)
-    pairs = []
-    with env_overrides({"GMLX_MTP_WIDTH_CAP": "1"}):  # every round at this width is gated
-        for _ in range(repeats):
-            gated, delta = decode_tok_per_s(gated_engine, prompts[:width], params)
-            plain, _ = decode_tok_per_s(plain_engine, prompts[:width], params)
-            assert delta["num_spec_rounds"] == 0 and delta["num_gated_rounds"] > 0
-            pairs.append((plain, gated))  # cost ratio = time per gated round / time per plain round
-    return dict(width=width, drafter=drafter_spec, cost_ratio=median_ratio(pairs))
+    out = []
+    with env_overrides({"GMLX_MTP_WIDTH_CAP": "1"}):  # every round at these widths is gated
+        for width in widths:
+            batch = [prompts[i % len(prompts)] for i in range(width)]
+            pairs = []
+            for rep in range(repeats):
+                runs = {}
+                for name in (("gated", "plain") if rep % 2 == 0 else ("plain", "gated")):
+                    runs[name] = decode_tok_per_s(gated_engine if name == "gated" else plain_engine, batch, params)
+                assert runs["gated"][1]["num_spec_rounds"] == 0 and runs["gated"][1]["num_gated_rounds"] > 0
+                pairs.append((runs["plain"][0], runs["gated"][0]))  # time per gated round / per plain round
+            out.append(dict(width=width, drafter=drafter_spec, cost_ratio=median_ratio(pairs)))
+    return out
 
 
 def bench_depth(target, drafter_specs, prompts, params, repeats, widths, is_calibrated):
@@ -242,6 +249,7 @@ def main() -> None:
     parser.add_argument("--inert-intermediate", type=int, default=8192)
     parser.add_argument("--inert-extra-layers", type=int, default=12)
     parser.add_argument("--depth-widths", default="1,4")
+    parser.add_argument("--gated-widths", default="4", help="gated: the widths a gated batch is timed at")
     parser.add_argument("--k-max", type=int, default=4, help="mlx_lm: gmlx's deepest draft, mlx-lm's ks 1..this")
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
     parser.add_argument("--calibrate", action="store_true", help="depth: use the start-up calibration table")
@@ -284,7 +292,8 @@ def main() -> None:
         if "coupling" in sections:
             result["coupling"] = bench_coupling(target, specs, prompts, params, args.repeats)
         if "gated" in sections:
-            result["gated"] = bench_gated(target, specs[0], prompts, params, args.repeats)
+            widths = [int(w) for w in args.gated_widths.split(",")]
+            result["gated"] = bench_gated(target, specs[0], prompts, params, args.repeats, widths)
         if "depth" in sections:
             widths = [int(w) for w in args.depth_widths.split(",")]
             result["depth"] = bench_depth(target, specs, prompts, params, args.repeats, widths, args.calibrate)
