@@ -7,7 +7,7 @@ import pytest
 
 from workers.bench import WorkloadOptions, parse_target, run_benchmark
 from workers.bench.metrics import StreamRecord, percentile, summarize
-from workers.bench.report import paired, results_table
+from workers.bench.report import paired, paired_range, results_table
 from workers.bench.workload import Lengths, heldout_files, poisson_arrivals
 
 TINY = dict(prompt_tokens="uniform:8,24", max_tokens="8", seed=3)
@@ -42,7 +42,8 @@ def test_closed_loop_against_engine_reports_every_metric():
     assert row["vs_baseline"]["aggregate_tok_per_s"] == pytest.approx(1.0)
     assert paired(row, "aggregate_tok_per_s") == pytest.approx(1.0)
     header, _, line = results_table(results).splitlines()
-    assert "| x base | x base paired |" in header and "| 1.00x | 1.00x |" in line
+    # One repeat: no range across repeats to show.
+    assert "| x base | x base paired | repeats' range |" in header and "| 1.00x | 1.00x | - |" in line
     assert results["machine"]["logical_cores"] >= 1
 
 
@@ -88,6 +89,8 @@ def test_paired_ratio_is_the_median_of_each_repeats_own_ratio():
     assert paired(row, "aggregate_tok_per_s") == pytest.approx(1.0)
     assert paired({"vs_baseline_per_repeat": {"aggregate_tok_per_s": [None]}}, "aggregate_tok_per_s") is None
     assert paired({}, "aggregate_tok_per_s") is None
+    assert paired_range(row, "aggregate_tok_per_s") == (0.8, 1.3)
+    assert paired_range({"vs_baseline_per_repeat": {"aggregate_tok_per_s": [0.9, None]}}, "aggregate_tok_per_s") is None
 
 
 def test_lengths_targets_and_arrivals_validate_and_sample():

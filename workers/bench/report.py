@@ -19,11 +19,25 @@ def times(value) -> str:
 def paired(row: dict, key: str) -> float | None:
     """The median of each repeat's own ratio to the baseline's same repeat (the repeats take turns,
     so each pair saw the same minutes of a noisy box)."""
-    values = sorted(v for v in row.get("vs_baseline_per_repeat", {}).get(key, []) if v is not None)
+    values = _per_repeat(row, key)
     if not values:
         return None
     middle = len(values) // 2
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def paired_range(row: dict, key: str) -> tuple[float, float] | None:
+    """The lowest and highest repeat's own ratio: how far one repeat can be trusted on this box."""
+    values = _per_repeat(row, key)
+    return (values[0], values[-1]) if len(values) >= 2 else None
+
+
+def _per_repeat(row: dict, key: str) -> list[float]:
+    return sorted(v for v in row.get("vs_baseline_per_repeat", {}).get(key, []) if v is not None)
+
+
+def span(bounds: tuple[float, float] | None) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}x"
 
 
 def transitions_cell(row: dict) -> str:
@@ -41,7 +55,7 @@ def results_table(results: dict) -> str:
     has_levels = any(r["level"] is not None for r in rows)
     has_arrivals = any(r.get("arrival_ttft_p95_s") is not None for r in rows)
     head = (["conc."] if has_levels else []) + [
-        "target", "agg tok/s", "x base", "x base paired", "TTFT p50 ms", "TTFT p95 ms", "p95 x base", "TTFT p99 ms",
+        "target", "agg tok/s", "x base", "x base paired", "repeats' range", "TTFT p50 ms", "TTFT p95 ms", "p95 x base", "TTFT p99 ms",
         "ITL p50 ms", "stream tok/s p50", "acceptance"]
     if has_arrivals:
         head += ["arrivals TTFT p95 ms", "x base", "lone stream tok/s"]
@@ -54,7 +68,7 @@ def results_table(results: dict) -> str:
         vs = r["vs_baseline"]
         cells = ([str(r["level"])] if has_levels else []) + [
             r["target"], fmt(r["aggregate_tok_per_s"], ".1f"), times(vs["aggregate_tok_per_s"]),
-            times(paired(r, "aggregate_tok_per_s")),
+            times(paired(r, "aggregate_tok_per_s")), span(paired_range(r, "aggregate_tok_per_s")),
             ms(r["ttft_p50_s"]), ms(r["ttft_p95_s"]), times(vs["ttft_p95_s"]), ms(r["ttft_p99_s"]),
             fmt(None if r["itl_p50_s"] is None else r["itl_p50_s"] * 1000, ".1f"),
             fmt(r["stream_tok_per_s_p50"], ".1f"), fmt(r["acceptance_rate"], ".2f")]
