@@ -93,10 +93,12 @@ def test_gated_rounds_rest_every_row_but_the_scored_one():
     from gmlx.spec import depth
 
     policy = DepthPolicy(k_max=3, table=SYNTHETIC)
+    counts = {"rests": [0.0, 0.0], "scored": [0.0, 0.0]}  # decayed accepted, tried
     for _ in range(6):
-        policy.observe("rests", 3, 3)
-        policy.observe("scored", 3, 0)
-    counts = {r: [policy._rows[r].num_accepted, policy._rows[r].num_tried] for r in ("rests", "scored")}
+        policy.observe("rests", 3, 3)  # three accepted of three tried
+        policy.observe("scored", 3, 0)  # the first rejected: one tried
+        counts["rests"] = [n * depth._DECAY + 3 for n in counts["rests"]]
+        counts["scored"] = [counts["scored"][0] * depth._DECAY, counts["scored"][1] * depth._DECAY + 1]
     for _ in range(5):
         policy.rest("scored")
         policy.observe("scored", 1, 1)
