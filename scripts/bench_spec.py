@@ -41,7 +41,7 @@ ensure_fast_blas()  # the fast BLAS before mlx is first imported
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import speculative_generate_step  # noqa: E402
 
-from ab import median_ratio  # noqa: E402
+from ab import alternate, median_ratio  # noqa: E402
 from bench_models import decode_tok_per_s, forward_ms, grow_inert, heldout_prompts, heldout_text_prompts  # noqa: E402
 from gmlx.config import BUILTIN_DRAFT_DIR, BUILTIN_MTP_DIR, EngineConfig, env_overrides  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
@@ -198,14 +198,12 @@ def bench_gated(target, drafter_spec, prompts, params, repeats, widths=(4,)):
     with env_overrides({"GMLX_MTP_WIDTH_CAP": "1"}):  # every round at these widths is gated
         for width in widths:
             batch = [prompts[i % len(prompts)] for i in range(width)]
-            pairs = []
-            for rep in range(repeats):
-                runs = {}
-                for name in (("gated", "plain") if rep % 2 == 0 else ("plain", "gated")):
-                    runs[name] = decode_tok_per_s(gated_engine if name == "gated" else plain_engine, batch, params)
-                assert runs["gated"][1]["num_spec_rounds"] == 0 and runs["gated"][1]["num_gated_rounds"] > 0
-                pairs.append((runs["plain"][0], runs["gated"][0]))  # time per gated round / per plain round
-            out.append(dict(width=width, drafter=drafter_spec, cost_ratio=median_ratio(pairs)))
+            engines = {"gated": gated_engine, "plain": plain_engine}
+            runs = alternate(engines, repeats, lambda name: decode_tok_per_s(engines[name], batch, params))
+            assert all(delta["num_spec_rounds"] == 0 and delta["num_gated_rounds"] > 0 for _, delta in runs["gated"])
+            # time per gated round / per plain round
+            cost_ratio = median_ratio((plain, gated) for (plain, _), (gated, _) in zip(runs["plain"], runs["gated"]))
+            out.append(dict(width=width, drafter=drafter_spec, cost_ratio=cost_ratio))
     return out
 
 
