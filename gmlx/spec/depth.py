@@ -179,12 +179,10 @@ class DepthPolicy:
     def rest(self, scored_id: str | None = None) -> None:
         """After a plain round of a gated batch: every row's evidence fades slowly toward the
         prior, but the scored row's (observed for this round instead, when not None)."""
-        if scored_id is None:
-            self._num_rests += 1
-            return
-        self._current(scored_id)
+        scored = self._current(scored_id) if scored_id is not None else None  # earlier rests applied
         self._num_rests += 1
-        self._rows[scored_id].num_rests_applied = self._num_rests
+        if scored is not None:
+            scored.num_rests_applied = self._num_rests  # this round's skipped
 
     def forget(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
