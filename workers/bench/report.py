@@ -3,6 +3,8 @@ medians, and paired: the median of each repeat's own ratio)."""
 
 from __future__ import annotations
 
+import statistics
+
 
 def fmt(value, spec: str = ".2f", unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
@@ -20,10 +22,7 @@ def paired(row: dict, key: str) -> float | None:
     """The median of each repeat's own ratio to the baseline's same repeat (the repeats take turns,
     so each pair saw the same minutes of a noisy box)."""
     values = _per_repeat(row, key)
-    if not values:
-        return None
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+    return statistics.median(values) if values else None
 
 
 def paired_range(row: dict, key: str) -> tuple[float, float] | None:
