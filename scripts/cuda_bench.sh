@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# gmlx on an NVIDIA GPU (mlx's CUDA backend), for a machine with no package index.
+#
+#   bash scripts/cuda_bench.sh prepare          # here: wheels for Python 3.12 into .cuda1/ .cuda2/
+#   bash scripts/cuda_bench.sh stage            # there, first: keep .cuda1/'s half of mlx-cuda
+#   OUT=dir bash scripts/cuda_bench.sh run      # there, next: install, then tests and benchmarks
+#
+# mlx-cuda's wheel is ~90 MB, more than one transfer of 64 MiB beside the tree, so its files
+# travel xz-packed in two halves; the rest of the wheels ride with the second half. The run
+# writes its logs and the bench JSON under $OUT.
+set -uo pipefail
+
+MLX_VERSION=0.32.4
+STAGE=/tmp/gmlx_cuda_stage
+SITE=/tmp/gmlx_cuda_site
+PY_TAGS=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
+         --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64
+         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+prepare() {
+    local work
+    work=$(mktemp -d)
+    mkdir -p .cuda1 .cuda2
+    python3 -m pip download -q "${PY_TAGS[@]}" -d "$work" "mlx-cuda-13==$MLX_VERSION" || exit 1
+    python3 -m pip download -q "${PY_TAGS[@]}" -d .cuda2 "mlx==$MLX_VERSION" mlx-lm==0.32.2 pyzmq msgspec gguf || exit 1
+    mkdir -p "$work/x" && (cd "$work/x" && unzip -q ../mlx_cuda_13-*.whl) || exit 1
+    tar -C "$work/x" -cf - . | xz -T0 -6 > "$work/mlx_cuda.tar.xz" || exit 1
+    split -b 40000000 -d "$work/mlx_cuda.tar.xz" "$work/mlx_cuda.tar.xz.part"
+    mv "$work/mlx_cuda.tar.xz.part00" .cuda1/ && mv "$work"/mlx_cuda.tar.xz.part0[1-9] .cuda2/
+    rm -rf "$work"
+    du -sh .cuda1 .cuda2
+}
+
+stage() {
+    mkdir -p "$STAGE" && cp .cuda1/* "$STAGE/" && ls -la "$STAGE"
+}
+
+install() {
+    rm -rf "$SITE" && mkdir -p "$SITE"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .cuda2/*.whl || return 1
+    # After pip: pip --target would replace the mlx folder the CUDA library lands in.
+    cat "$STAGE"/mlx_cuda.tar.xz.part* .cuda2/mlx_cuda.tar.xz.part* | xz -d | tar -C "$SITE" -xf - || return 1
+    # libmlx's rpath looks for the CUDA libraries in site-packages/nvidia beside it.
+    local nvidia
+    nvidia=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])") || return 1
+    ln -sfn "$nvidia" "$SITE/nvidia"
+}
+
+run() {
+    : "${OUT:?OUT names the folder for logs}"
+    install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+    export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+    local gmlx=(python3 -m workers.cli)
+    { nvidia-smi -L; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+      "${gmlx[@]}" doctor; } > "$OUT/env.txt" 2>&1
+    cat "$OUT/env.txt"
+    # The built-in model, in-process: plain, the default (adaptive) and fixed-depth speculation.
+    timeout 120 "${gmlx[@]}" bench --quiet --concurrency 1,2,4,8,16,32 --requests-per-client 2 \
+        --max-tokens 64 --repeats 2 --out "$OUT/bench_engine.json" \
+        --target engine:drafter=none,label=plain --target engine:label=default \
+        --target engine:adaptive=0,label=fixed > "$OUT/bench_engine.log" 2>&1
+    echo "bench engine rc=$?"; tail -n 30 "$OUT/bench_engine.log"
+    # Speculative and batched output against plain decoding, on the GPU's own kernels.
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_speculative.py \
+        tests/test_engine.py::test_staggered_batch_equals_alone > "$OUT/tests.log" 2>&1
+    echo "tests rc=$?"; tail -n 25 "$OUT/tests.log"
+    timeout 110 "${gmlx[@]}" bench --quiet --concurrency 1,4,16 --requests-per-client 2 --max-tokens 64 \
+        --out "$OUT/bench_server.json" --target server:drafter=none,label=plain \
+        --target server:label=default > "$OUT/bench_server.log" 2>&1
+    echo "bench server rc=$?"; tail -n 15 "$OUT/bench_server.log"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    stage) stage ;;
+    run) run ;;
+    *) echo "usage: $0 prepare|stage|run" >&2; exit 2 ;;
+esac
