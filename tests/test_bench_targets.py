@@ -152,3 +152,17 @@ def test_llama_server_target_streams_the_workload_on_smollm2():
         expected = 6 if stream["finish_reason"] == "length" else sum(stream["chunk_tokens"])
         assert sum(stream["chunk_tokens"]) == expected <= 6
         assert stream["chunk_times_s"] == sorted(stream["chunk_times_s"])
+
+
+def test_restart_per_repeat_serves_each_repeat_from_new_processes(tmp_path):
+    """Two repeats over two levels: each repeat's levels run together, on a gmlx server started
+    for that repeat (its own log), and every request of every run is answered."""
+    options = WorkloadOptions(kind="closed", num_requests=2, concurrency=1, prompt_tokens="uniform:8,24",
+                              max_tokens="6", seed=5)
+    results = run_benchmark(options, [parse_target("server:drafter=none")], concurrencies=[1, 2], repeats=2,
+                            is_warmup=False, is_progress=False, timeout_s=120.0, workdir=tmp_path,
+                            restart_per_repeat=True)
+    assert [(r["repeat"], r["level"]) for r in results["runs"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(r["summary"]["num_completed"] == 2 and not r["summary"]["num_errors"] for r in results["runs"])
+    assert len(list(tmp_path.glob("gmlx-serve-*.log"))) == 2
+    assert results["workload"]["restart_per_repeat"] is True

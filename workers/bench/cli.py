@@ -79,6 +79,9 @@ def _parse_levels(ctx, param, value):
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs per target and level; ratios are medians of per-repeat ratios.")
+@click.option("--restart-per-repeat", is_flag=True,
+              help="Start every target afresh for each repeat (repeats outermost): a process's own speed, "
+                   "which can differ from an identical one's by ~8%, then averages out over repeats.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--timeout-s", type=click.FloatRange(min=1), default=600.0, show_default=True,
@@ -91,8 +94,8 @@ def _parse_levels(ctx, param, value):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens, load_kind, concurrency,
           num_requests, requests_per_client, rate, burst_size, burst_interval_s, long_max_tokens, arrival_delay_s,
-          arrival_interval_s, prompt_source, prompt_tokens, max_tokens, temperature, repeats, warmup, seed, timeout_s,
-          baseline, out, plots_dir, as_json, quiet) -> None:
+          arrival_interval_s, prompt_source, prompt_tokens, max_tokens, temperature, repeats, restart_per_repeat, warmup, seed,
+          timeout_s, baseline, out, plots_dir, as_json, quiet) -> None:
     """Benchmark gmlx (in-process engine or server), mlx_lm.server and llama.cpp's llama-server under the
     same load.
 
@@ -136,7 +139,8 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
     command = "gmlx bench " + " ".join(shlex.quote(a) for a in sys.argv[_first_arg_index():])
     try:
         results = run_benchmark(options, specs, concurrencies=concurrency, repeats=repeats, is_warmup=warmup,
-                                timeout_s=timeout_s, is_progress=not quiet, baseline=baseline, command=command)
+                                timeout_s=timeout_s, is_progress=not quiet, baseline=baseline, command=command,
+                                restart_per_repeat=restart_per_repeat)
     except (ValueError, RuntimeError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -104,7 +104,7 @@ class GmlxServerTarget:
 
     def start(self) -> None:
         _wait_for_client_library()
-        if self.address is not None:
+        if self.spec.address is not None:  # a server started elsewhere: used as it is
             return
         port = servers.free_port()
         self.address = f"tcp://{servers.LOOPBACK}:{port}"
@@ -167,6 +167,7 @@ class MlxLmTarget:
         from gmlx.drafters import parse_drafter
 
         kind, draft_path = parse_drafter(self.spec.drafter)
+        self.formats = []  # a restart copies (finds) the same folders again
         self.model_dir = self._copy(model_files.mlx_lm_folder(self.spec.model))
         if kind == "draft":
             self.draft_dir = self._copy(model_files.mlx_lm_folder(draft_path or str(BUILTIN_DRAFT_DIR)))

@@ -6,6 +6,11 @@ repeats) and run against every target in turn, alternating the order between rep
 a drift in machine load does not always favour the same side. Each figure is the median
 over repeats, and each ratio is between two such medians; the per-repeat ratios are kept
 in the results too.
+
+A process's own speed can differ from an identical one's for its whole life (two plain
+SmolLM2 servers, 16 clients, six repeats: 1.08x apart), and repeats do not average that out.
+With restart_per_repeat every target is started afresh for each repeat (repeats then run
+outermost, every level inside one process), so each repeat's ratio draws new processes.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def wait_for_model(folder: Path, timeout_s: float = 1800.0) -> None:
 
 def run_benchmark(options: WorkloadOptions, specs: list[TargetSpec], *, concurrencies: list[int] | None = None,
                   repeats: int = 1, is_warmup: bool = True, timeout_s: float = 600.0, is_progress: bool = True,
-                  baseline: str | None = None, workdir: Path | None = None, command: str | None = None) -> dict:
+                  baseline: str | None = None, workdir: Path | None = None, command: str | None = None,
+                  restart_per_repeat: bool = False) -> dict:
     """Run the workload against every target; returns the results document (JSON-ready)."""
     if not specs:
         raise ValueError("targets: give at least one")
@@ -97,14 +103,19 @@ def run_benchmark(options: WorkloadOptions, specs: list[TargetSpec], *, concurre
             started.append(target)
             if is_warmup:
                 _warm_up(target, options, tokenizer_file, timeout_s)
-        for level in levels:
-            for repeat in range(repeats):
-                level_options = options if level is None else replace(options, concurrency=level)
-                workload = make_workload(replace(level_options, seed=options.seed + repeat), tokenizer_file)
-                workload_notes = workload_notes or workload.describe()
-                order = targets if repeat % 2 == 0 else targets[::-1]
-                for target in order:
-                    runs.append(_run_one(target, workload, level, repeat, timeout_s, is_progress))
+        for repeat, level in _schedule(levels, repeats, restart_per_repeat):
+            if restart_per_repeat and repeat and level == levels[0]:
+                for target in targets:
+                    target.stop()
+                    target.start()
+                    if is_warmup:
+                        _warm_up(target, options, tokenizer_file, timeout_s)
+            level_options = options if level is None else replace(options, concurrency=level)
+            workload = make_workload(replace(level_options, seed=options.seed + repeat), tokenizer_file)
+            workload_notes = workload_notes or workload.describe()
+            order = targets if repeat % 2 == 0 else targets[::-1]
+            for target in order:
+                runs.append(_run_one(target, workload, level, repeat, timeout_s, is_progress))
         described = [t.describe() for t in targets]
     except BaseException:
         logger.error("server logs kept in %s", workdir)
@@ -124,12 +135,21 @@ def run_benchmark(options: WorkloadOptions, specs: list[TargetSpec], *, concurre
         "wall_s": time.perf_counter() - start_s,
         "machine": notes,
         "model": identity,
-        "workload": {**(workload_notes or {}), "concurrency_levels": levels, "repeats": repeats},
+        "workload": {**(workload_notes or {}), "concurrency_levels": levels, "repeats": repeats,
+                     "restart_per_repeat": restart_per_repeat},
         "targets": described,
         "baseline": base,
         "runs": runs,
         "table": make_table(runs, names, levels, base),
     }
+
+
+def _schedule(levels: list, repeats: int, restart_per_repeat: bool) -> list[tuple[int, object]]:
+    """(repeat, level) in run order: each level's repeats together, or, restarting, each
+    repeat's levels together (one set of processes serves a whole repeat)."""
+    if restart_per_repeat:
+        return [(repeat, level) for repeat in range(repeats) for level in levels]
+    return [(repeat, level) for level in levels for repeat in range(repeats)]
 
 
 def _warm_up(target, options: WorkloadOptions, tokenizer_file: Path, timeout_s: float) -> None:
