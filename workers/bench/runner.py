@@ -98,18 +98,19 @@ def run_benchmark(options: WorkloadOptions, specs: list[TargetSpec], *, concurre
     notes, identity = machine_notes(), model_files.model_identity(source)
     started_unix_s, start_s = time.time(), time.perf_counter()
     try:
-        for target in targets:
+        def bring_up(target) -> None:
             target.start()
-            started.append(target)
             if is_warmup:
                 _warm_up(target, options, tokenizer_file, timeout_s)
+
+        for target in targets:
+            started.append(target)  # stopped at the end even if its start fails half way (stop is idempotent)
+            bring_up(target)
         for repeat, level in _schedule(levels, repeats, restart_per_repeat):
             if restart_per_repeat and repeat and level == levels[0]:
                 for target in targets:
                     target.stop()
-                    target.start()
-                    if is_warmup:
-                        _warm_up(target, options, tokenizer_file, timeout_s)
+                    bring_up(target)
             level_options = options if level is None else replace(options, concurrency=level)
             workload = make_workload(replace(level_options, seed=options.seed + repeat), tokenizer_file)
             workload_notes = workload_notes or workload.describe()
