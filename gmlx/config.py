@@ -200,6 +200,28 @@ def is_quad_layout_enabled() -> bool:
     return _env_flag("GMLX_CPU_QUAD_LAYOUT", True)
 
 
+ROW_INVARIANCE_MODES = ("auto", "1", "0")
+
+
+def row_invariance_mode() -> str:
+    """GMLX_ROW_INVARIANCE: auto (default) makes every product run on a fixed row count and
+    attention one query a call on a GPU, where a row's bits otherwise depend on the batch (measured
+    on CUDA: gmlx/platform/gpu_rows.py); 1 does it on the CPU too (tests, A/B); 0 never."""
+    raw = os.environ.get("GMLX_ROW_INVARIANCE", "").strip().lower() or "auto"
+    if raw not in ROW_INVARIANCE_MODES:
+        raise ValueError(f"GMLX_ROW_INVARIANCE={raw!r}: expected one of {', '.join(ROW_INVARIANCE_MODES)}")
+    return raw
+
+
+def product_block_rows() -> int:
+    """GMLX_PRODUCT_BLOCK_ROWS (default 32): the one row count every product runs on under row
+    invariance; inputs are cut into blocks of this many rows, the last padded with zeros."""
+    value = _env_int("GMLX_PRODUCT_BLOCK_ROWS")
+    if value == 0:
+        raise ValueError("GMLX_PRODUCT_BLOCK_ROWS=0: must be >= 1")
+    return 32 if value is None else value
+
+
 def cpu_tile_layout() -> bool | None:
     """GMLX_CPU_TILE_LAYOUT: 1 packs the one-stream layout as 16-output tiles, 0 as quads;
     unset, the kernels choose (tiles where the CPU has AVX-512 VNNI and runs it). Same bits."""

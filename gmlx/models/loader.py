@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_float_kernels_enabled, is_cpu_fusion_enabled,
-                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled)
+                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled, product_block_rows)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.packed import use_packed_attention
@@ -29,6 +29,7 @@ from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.platform.cpu_layers import use_fused_layers
 from gmlx.platform.cpu_quantized import use_cpu_kernels
+from gmlx.platform.row_invariance import is_row_invariance_wanted, use_block_row_products
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,15 @@ def load_model(path: str | Path | None) -> LoadedModel:
     is_tied = getattr(model, "lm_head", None) is None or config.get("tie_word_embeddings", False)
     if mx.default_device() == mx.cpu:
         _prepare_for_cpu(model, str(source), is_tied)
-    is_packable = use_packed_attention(model)
+    is_row_invariant = is_row_invariance_wanted()
+    if is_row_invariant:
+        num_swapped = use_block_row_products(model)
+        logger.info("model %s: %d products run on blocks of %d rows (row invariance)",
+                    source, num_swapped, product_block_rows())
+    is_packable = use_packed_attention(model, is_row_invariant)
+    if is_row_invariant and not is_packable:
+        logger.warning("model %s: its attention class is not one gmlx mirrors, so on this device a row's "
+                       "attention may round differently in a batch or a verify than alone", source)
     mx.eval(model.parameters())
     body = model.model
     head = body.embed_tokens.as_linear if is_tied else model.lm_head

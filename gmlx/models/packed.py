@@ -21,6 +21,7 @@ from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import _KernelAttention
 from gmlx.platform.cpu_quantized import project
+from gmlx.platform.row_invariance import attend_one_query_a_call
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the attention classes whose layout this mirrors
 
@@ -51,9 +52,15 @@ class _PackedAttention:
     """Mixed into an attention class: a PackedLayerCache runs the projections once over
     every segment, then each segment's attention as the class would run it alone."""
 
+    is_row_invariant = False  # attention one query a call (gmlx/platform/row_invariance.py)
+
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if self.is_row_invariant and isinstance(cache, RaggedKVCache):
+            cache = PackedLayerCache([(cache, x.shape[0], x.shape[1])])  # one segment: the same attention
         if not isinstance(cache, PackedLayerCache):
             return super().__call__(x, mask, cache)
+        shape = x.shape  # (1, N, D) packed; (B, T, D) for a lone cache's forward
+        x = x.reshape(1, -1, shape[-1])
         queries, keys, values = project(x, (self.q_proj, self.k_proj, self.v_proj))  # (1, N, *)
         outputs, start = [], 0
         for segment_cache, num_rows, num_tokens in cache.segments:
@@ -65,7 +72,8 @@ class _PackedAttention:
             out = self._attend_segment(rows(queries), rows(keys), rows(values), segment_cache)
             outputs.append(out.reshape(1, end - start, -1))
             start = end
-        return self.o_proj(mx.concatenate(outputs, axis=1))
+        out = self.o_proj(mx.concatenate(outputs, axis=1))
+        return out.reshape(*shape[:-1], out.shape[-1])
 
     def _attend_segment(self, queries, keys, values, cache: RaggedKVCache) -> mx.array:
         """(B, T, Hq * D) for one segment: mlx-lm's attention body (or gmlx's kernel) after the projections."""
@@ -83,7 +91,10 @@ class _PackedAttention:
             return cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, self.scale)
         mask = cache.make_mask(num_new)  # before the write, as mlx-lm's model builds it
         keys, values = cache.update_and_fetch(keys, values)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        if self.is_row_invariant:
+            out = attend_one_query_a_call(queries, keys, values, self.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(num_rows, num_new, -1)
 
 
@@ -95,9 +106,10 @@ _BASES = _attention_classes()
 _PACKED: dict[type, type] = {}
 
 
-def use_packed_attention(model: nn.Module) -> bool:
-    """Let the model's attention take PackedLayerCache; False (model untouched) when some
-    attention module is of a class this does not mirror."""
+def use_packed_attention(model: nn.Module, is_row_invariant: bool = False) -> bool:
+    """Let the model's attention take PackedLayerCache (and, row invariant, run every forward
+    that way, one query a call); False (model untouched) when some attention module is of a
+    class this does not mirror."""
     modules = [getattr(layer, "self_attn", None) for layer in model.model.layers]
     if not modules or not all(isinstance(m, _BASES) for m in modules):
         return False
@@ -107,6 +119,7 @@ def use_packed_attention(model: nn.Module) -> bool:
             if cls not in _PACKED:
                 _PACKED[cls] = type(f"Packed{cls.__name__}", (_PackedAttention, cls), {})
             module.__class__ = _PACKED[cls]
+        module.is_row_invariant = is_row_invariant
     return True
 
 

@@ -1,6 +1,6 @@
 """`gmlx doctor`: what this machine runs gmlx with, in words: the CPU, the BLAS and the
 core OpenBLAS runs (detected, chosen, why, measured), the interposer, the MLX device, the
-CPU kernel extension and transparent huge pages.
+CPU kernel extension, transparent huge pages and row invariance.
 This module must not import mlx at import time.
 """
 
@@ -33,6 +33,9 @@ def describe_platform(measure: bool = True) -> dict:
     from gmlx.platform.memory import huge_pages_status
 
     d["huge_pages"] = huge_pages_status()
+    from gmlx.platform.row_invariance import describe_row_invariance
+
+    d["row_invariance"] = describe_row_invariance()
     return d
 
 
@@ -45,7 +48,8 @@ def format_report(d: dict) -> str:
     return "\n".join(lines + [format_blas_report(d), cpu_kernels.format_status(d["cpu_kernels"]),
                               f"quantized models on CPU compute in: {d['cpu_compute_format']} "
                               f"({d['cpu_compute_format_reason']})",
-                              f"transparent huge pages: {d['huge_pages']}"])
+                              f"transparent huge pages: {d['huge_pages']}",
+                              f"row invariance: {d['row_invariance']}"])
 
 
 def format_blas_report(d: dict) -> str:

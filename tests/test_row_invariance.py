@@ -1,0 +1,96 @@
+"""Row invariance (the GPU rules, gmlx/platform/row_invariance.py) run on the CPU: fixed-row
+products and one-query attention compute what mlx's own ops compute, and the engine with both
+on still gives every stream its plain decoding. Whether they fix a GPU's bits is measured on
+one (scripts/row_bits_probe.py, scripts/cuda_bench.sh, BENCHMARKS.md); here mlx's CPU ops are row-invariant already."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gmlx.config import EngineConfig, env_overrides
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.models.loader import load_model
+from gmlx.platform.row_invariance import attend_one_query_a_call, in_fixed_blocks
+from gmlx.request import SamplingParams
+from schedules import SoloReference, check_schedule, make_schedule
+
+# mlx's own ops on the CPU (gmlx's kernels, fused ops and weight layouts off), rules on or off.
+_MLX_OPS = {"GMLX_CPU_KERNELS": "0", "GMLX_FUSE_CPU_OPS": "0", "GMLX_INPUT_MAJOR_WEIGHTS": "0"}
+
+
+def _load(mode: str):
+    with env_overrides({**_MLX_OPS, "GMLX_ROW_INVARIANCE": mode, "GMLX_PRODUCT_BLOCK_ROWS": "8"}):
+        return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def invariant_target():
+    return _load("1")
+
+
+@pytest.fixture(scope="module")
+def mlx_ops_target():
+    return _load("0")
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 8, 9, 20])
+def test_fixed_blocks_compute_the_product(num_rows):
+    weight = mx.random.normal((48, 40), key=mx.random.key(num_rows))
+    x = mx.random.normal((2, num_rows, 40), key=mx.random.key(100 + num_rows))
+    calls = []
+
+    def product(block):
+        calls.append(block.shape)
+        return block @ weight.T
+
+    y = in_fixed_blocks(product, x, 8)
+    assert y.shape == (2, num_rows, 48)
+    assert all(shape == (8, 40) for shape in calls), calls  # every call on exactly 8 rows
+    assert len(calls) == -(-2 * num_rows // 8)
+    np.testing.assert_allclose(np.array(y), np.array(x @ weight.T), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "ragged"])
+def test_one_query_attention_computes_attention(mask_kind):
+    num_rows, num_new, num_keys = (1, 1, 12) if mask_kind == "none" else (3, 4, 12)
+    keys = [mx.random.normal((num_rows, 2, num_keys, 16), key=mx.random.key(s)) for s in (1, 2, 3)]
+    queries, k, v = mx.random.normal((num_rows, 4, num_new, 16), key=mx.random.key(4)), keys[0], keys[1]
+    if mask_kind == "none":
+        mask = None
+    elif mask_kind == "causal":
+        mask = "causal"
+    else:  # rows of lengths 5, 8 and 8 before the write, as RaggedKVCache.make_mask builds it
+        ends = mx.array([5, 8, 8])[:, None] + mx.arange(num_new)[None]
+        mask = (mx.arange(num_keys)[None, None] <= ends[:, :, None])[:, None]
+    want = mx.fast.scaled_dot_product_attention(queries, k, v, scale=0.25, mask=mask)
+    got = attend_one_query_a_call(queries, k, v, 0.25, mask)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_rules_are_on_where_asked(invariant_target, mlx_ops_target):
+    attention = invariant_target.model.model.layers[0].self_attn
+    assert attention.is_row_invariant and type(attention.q_proj).__name__ == "BlockRowsLinear"
+    assert type(invariant_target.model.model.embed_tokens).__name__.startswith("BlockRows")
+    assert not mlx_ops_target.model.model.layers[0].self_attn.is_row_invariant
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="mlx's own ops are row-invariant on the CPU only")
+def test_rules_change_no_token_where_mlx_is_invariant(invariant_target, mlx_ops_target, code_prompts):
+    on, off = SoloReference(invariant_target), SoloReference(mlx_ops_target)
+    for i, prompt in enumerate(code_prompts[:3]):
+        params = SamplingParams(max_tokens=24, temperature=0.0 if i < 2 else 0.8, seed=i)
+        assert on.tokens(prompt, params) == off.tokens(prompt, params)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "ngram"])
+def test_random_schedules_equal_plain_with_the_rules_on(kind, invariant_target, code_prompts):
+    """Verify forwards, batches, packed prefill and transitions through the rules' paths."""
+    engine = Engine(invariant_target, make_drafter(kind, invariant_target), EngineConfig())
+    reference = SoloReference(invariant_target)
+    num_spec_rounds = 0
+    for i in range(3):
+        schedule = make_schedule(7000 + 10 * len(kind) + i, invariant_target.vocab_size, code_prompts, max_requests=5)
+        num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
+    assert num_spec_rounds > 0
