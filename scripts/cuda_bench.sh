@@ -4,6 +4,7 @@
 #   bash scripts/cuda_bench.sh prepare          # here: wheels for Python 3.12 into .cuda1/ .cuda2/
 #   bash scripts/cuda_bench.sh stage            # there, first: keep .cuda1/'s half of mlx-cuda
 #   OUT=dir bash scripts/cuda_bench.sh run      # there, next: install, then tests and benchmarks
+#   bash scripts/cuda_bench.sh probe scripts/row_bits_probe.py   # there: one script on the stack
 #
 # mlx-cuda's wheel is ~90 MB, more than one transfer of 64 MiB beside the tree, so its files
 # travel xz-packed in two halves; the rest of the wheels ride with the second half. The run
@@ -61,18 +62,30 @@ run() {
         --target engine:adaptive=0,label=fixed > "$OUT/bench_engine.log" 2>&1
     echo "bench engine rc=$?"; tail -n 30 "$OUT/bench_engine.log"
     # Speculative and batched output against plain decoding, on the GPU's own kernels.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_speculative.py \
-        tests/test_engine.py::test_staggered_batch_equals_alone > "$OUT/tests.log" 2>&1
+    # Row invariance on (auto on a GPU), then off: without it 3 of 25 failed on an H200.
+    local tests=(tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" tests/test_row_invariance.py \
+        > "$OUT/tests.log" 2>&1
     echo "tests rc=$?"; tail -n 25 "$OUT/tests.log"
+    GMLX_ROW_INVARIANCE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" \
+        > "$OUT/tests_rules_off.log" 2>&1
+    echo "tests, row invariance off: rc=$?"; tail -n 6 "$OUT/tests_rules_off.log"
     timeout 110 "${gmlx[@]}" bench --quiet --concurrency 1,4,16 --requests-per-client 2 --max-tokens 64 \
         --out "$OUT/bench_server.json" --target server:drafter=none,label=plain \
         --target server:label=default > "$OUT/bench_server.log" 2>&1
     echo "bench server rc=$?"; tail -n 15 "$OUT/bench_server.log"
 }
 
+# One script on the installed stack, for a probe between full runs (`probe scripts/x.py`).
+probe() {
+    [ -d "$SITE/mlx" ] || install || exit 1
+    PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 python3 "$@"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     stage) stage ;;
     run) run ;;
-    *) echo "usage: $0 prepare|stage|run" >&2; exit 2 ;;
+    probe) shift; probe "$@" ;;
+    *) echo "usage: $0 prepare|stage|run|probe script.py" >&2; exit 2 ;;
 esac
