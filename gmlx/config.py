@@ -206,7 +206,7 @@ ROW_INVARIANCE_MODES = ("auto", "1", "0")
 def row_invariance_mode() -> str:
     """GMLX_ROW_INVARIANCE: auto (default) makes every product run on a fixed row count and
     attention one query a call on a GPU, where a row's bits otherwise depend on the batch (measured
-    on CUDA: gmlx/platform/gpu_rows.py); 1 does it on the CPU too (tests, A/B); 0 never."""
+    on CUDA: gmlx/platform/row_invariance.py); 1 does it on the CPU too (tests, A/B); 0 never."""
     raw = os.environ.get("GMLX_ROW_INVARIANCE", "").strip().lower() or "auto"
     if raw not in ROW_INVARIANCE_MODES:
         raise ValueError(f"GMLX_ROW_INVARIANCE={raw!r}: expected one of {', '.join(ROW_INVARIANCE_MODES)}")
