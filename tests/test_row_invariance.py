@@ -4,6 +4,7 @@ on still gives every stream its plain decoding. Whether they fix a GPU's bits is
 one (scripts/row_bits_probe.py, scripts/cuda_bench.sh, BENCHMARKS.md); here mlx's CPU ops are row-invariant already."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -94,3 +95,30 @@ def test_random_schedules_equal_plain_with_the_rules_on(kind, invariant_target, 
         schedule = make_schedule(7000 + 10 * len(kind) + i, invariant_target.vocab_size, code_prompts, max_requests=5)
         num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
     assert num_spec_rounds > 0
+
+
+def test_every_product_and_attention_call_takes_the_rules_shape(invariant_target, code_prompts, monkeypatch):
+    """On the CPU the bits cannot show a call that slipped past the rules, so count the calls:
+    through batches, verifies and packed prefill, every target product runs on exactly 8 rows
+    and every attention call on one query with an array mask."""
+    target_modules = {id(m) for _, m in invariant_target.model.named_modules()}
+    product_rows, attention_calls = [], []
+    linear_call, sdpa = nn.Linear.__call__, mx.fast.scaled_dot_product_attention
+
+    def counting_linear(self, x):
+        if id(self) in target_modules:
+            product_rows.append(x.shape[0] if x.ndim == 2 else -1)
+        return linear_call(self, x)
+
+    def counting_sdpa(queries, keys, values, *, scale, mask=None, **kwargs):
+        attention_calls.append((queries.shape[-2], isinstance(mask, mx.array)))
+        return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
+
+    monkeypatch.setattr(nn.Linear, "__call__", counting_linear)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counting_sdpa)
+    engine = Engine(invariant_target, make_drafter("ngram", invariant_target), EngineConfig())  # no model drafts
+    schedule = make_schedule(7100, invariant_target.vocab_size, code_prompts, max_requests=5)
+    result = check_schedule(engine, SoloReference(invariant_target), schedule)
+    assert result.counters["num_spec_rounds"] > 0
+    assert product_rows and set(product_rows) == {8}
+    assert attention_calls and set(attention_calls) == {(1, True)}
