@@ -42,6 +42,7 @@ def in_fixed_blocks(product, x: mx.array, block_rows: int) -> mx.array:
     leading, num_inputs = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, num_inputs)
     num_rows = rows.shape[0]
+    assert num_rows > 0, x.shape
     outputs = []
     for start in range(0, num_rows, block_rows):
         block = rows[start:start + block_rows]
