@@ -83,11 +83,12 @@ def attention() -> None:
                        (mx.arange(NUM_KEYS + pad) <= last)[None])[0, :, 0], alone(last))) for pad in (1, 3, 16, 64)]
             head = []
             for pad in (1, 3, 16, 64):
-                k = mx.concatenate([mx.random.normal((1, KV_HEADS, pad, HEAD_DIM)).astype(dtype), keys[:, :, :NUM_KEYS]], 2)
-                v = mx.concatenate([mx.random.normal((1, KV_HEADS, pad, HEAD_DIM)).astype(dtype), values[:, :, :NUM_KEYS]], 2)
+                k, v = (mx.concatenate([mx.random.normal((1, KV_HEADS, pad, HEAD_DIM)).astype(dtype),
+                                        a[:, :, :NUM_KEYS]], axis=2) for a in (keys, values))
                 out = attend(queries[:, :, last:last + 1], k, v, (mx.arange(pad + NUM_KEYS) >= pad)[None])[0, :, 0]
                 head.append(int(not np.array_equal(out, alone(last))))
-            batch_q = mx.concatenate([queries[:, :, last:last + 1], mx.random.normal((2, HEADS, 1, HEAD_DIM)).astype(dtype)])
+            batch_q = mx.concatenate([queries[:, :, last:last + 1],
+                                      mx.random.normal((2, HEADS, 1, HEAD_DIM)).astype(dtype)])
             batch_kv = [mx.concatenate([a[:, :, :NUM_KEYS]] * 3) for a in (keys, values)]
             batch_mask = mx.ones((3, 1, 1, NUM_KEYS), dtype=mx.bool_) if is_masked else None
             is_batch_same = np.array_equal(attend(batch_q, *batch_kv, batch_mask)[0, :, 0], alone(last))
@@ -97,7 +98,8 @@ def attention() -> None:
         full = attend(queries[:, :, -1:], keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS], None)[0, :, 0]
         all_true = attend(queries[:, :, -1:], keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS],
                           mx.ones((1, NUM_KEYS), dtype=mx.bool_))[0, :, 0]
-        print(f"attention {dtype}: an all-true mask against none: {'same' if np.array_equal(full, all_true) else 'differs'}")
+        is_same = np.array_equal(full, all_true)
+        print(f"attention {dtype}: an all-true mask against none: {'same' if is_same else 'differs'}")
 
 
 if __name__ == "__main__":
