@@ -56,11 +56,18 @@ run() {
       "${gmlx[@]}" doctor; } > "$OUT/env.txt" 2>&1
     cat "$OUT/env.txt"
     # The built-in model, in-process: plain, the default (adaptive) and fixed-depth speculation.
-    timeout 120 "${gmlx[@]}" bench --quiet --concurrency 1,2,4,8,16,32 --requests-per-client 2 \
+    # The last two targets: what the row-invariance rules cost (on by default on a GPU).
+    timeout 150 "${gmlx[@]}" bench --quiet --concurrency 1,2,4,8,16,32 --requests-per-client 2 \
         --max-tokens 64 --repeats 2 --out "$OUT/bench_engine.json" \
         --target engine:drafter=none,label=plain --target engine:label=default \
-        --target engine:adaptive=0,label=fixed > "$OUT/bench_engine.log" 2>&1
-    echo "bench engine rc=$?"; tail -n 30 "$OUT/bench_engine.log"
+        --target engine:adaptive=0,label=fixed --target "engine:drafter=none,row_invariance=0,label=plain rules off" \
+        --target "engine:row_invariance=0,label=default rules off" > "$OUT/bench_engine.log" 2>&1
+    echo "bench engine rc=$?"; tail -n 40 "$OUT/bench_engine.log"
+    # Prefill under the rules (one attention call a query): time to first token on long prompts.
+    timeout 90 "${gmlx[@]}" bench --quiet --concurrency 1 --requests-per-client 3 --prompt-tokens 400 \
+        --max-tokens 8 --repeats 2 --out "$OUT/bench_prefill.json" --target engine:drafter=none,label=plain \
+        --target "engine:drafter=none,row_invariance=0,label=plain rules off" > "$OUT/bench_prefill.log" 2>&1
+    echo "bench prefill rc=$?"; tail -n 8 "$OUT/bench_prefill.log"
     # Speculative and batched output against plain decoding, on the GPU's own kernels.
     # Row invariance on (auto on a GPU), then off: without it 3 of 25 failed on an H200.
     local tests=(tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone)

@@ -137,3 +137,19 @@ def test_requests_per_client_sizes_every_level_of_a_sweep():
     results = json.loads(result.output.strip().splitlines()[-1])
     assert {run["level"]: run["summary"]["num_requests"] for run in results["runs"]} == {1: 3, 2: 6}
     assert all(isinstance(run["calibration"], list) for run in results["runs"])
+
+
+def test_row_invariance_is_a_load_time_knob_of_gmlx_targets():
+    """`engine:row_invariance=1` loads its model under the GPU rules (here on the CPU), side by side
+    with a target that does not; mlx-lm takes no gmlx knob."""
+    from workers.bench.engine_target import EngineTarget
+
+    spec = parse_target("engine:drafter=none,row_invariance=1")
+    assert spec.gmlx_env() == {"GMLX_ROW_INVARIANCE": "1"} and spec.name == "engine drafter=none row_invariance=1"
+    with pytest.raises(ValueError, match="gmlx knobs"):
+        parse_target("mlx-lm:row_invariance=0")
+    targets = {value: EngineTarget(parse_target(f"engine:drafter=none,row_invariance={value}")) for value in "10"}
+    for value, target in targets.items():
+        target.start()
+        assert target.engine.target.model.model.layers[0].self_attn.is_row_invariant == (value == "1")
+        target.stop()

@@ -31,8 +31,9 @@ class EngineTarget:
         from gmlx.engine import Engine
 
         drafter = {"drafter": self.spec.drafter} if self.spec.drafter else {}  # none given: the engine's default
-        self.engine = Engine.load(EngineConfig(model_path=self.spec.model, **drafter,
-                                               num_draft_tokens=self.spec.num_draft_tokens))
+        with env_overrides(self.spec.gmlx_env()):  # the load-time knobs (row invariance) too
+            self.engine = Engine.load(EngineConfig(model_path=self.spec.model, **drafter,
+                                                   num_draft_tokens=self.spec.num_draft_tokens))
 
     def stop(self) -> None:
         self.engine = None

@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
-_BOOL_KEYS = ("preempt", "resume", "adaptive")
+_BOOL_KEYS = ("preempt", "resume", "adaptive", "row_invariance")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
 _STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
 MLX_LM_FORMATS = ("auto", "float32", "quantized")
+_GMLX_KNOBS = ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens", "row_invariance")
 DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
@@ -39,6 +40,7 @@ class TargetSpec:
     resume: bool | None = None
     adaptive: bool | None = None  # GMLX_ADAPTIVE_DEPTH; None = the engine default (on)
     width_cap: int | None = None  # GMLX_MTP_WIDTH_CAP; None = the model's cap
+    row_invariance: bool | None = None  # GMLX_ROW_INVARIANCE at load; None = auto (on a GPU only)
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
@@ -57,7 +59,7 @@ class TargetSpec:
             return " ".join(parts + ([f"gguf={Path(self.gguf).name}"] if self.gguf else []))
         shown_drafter = self.drafter or ("none" if self.kind == "mlx-lm" else "default")
         parts = [self.kind, f"drafter={shown_drafter}"]
-        for key in ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens"):
+        for key in _GMLX_KNOBS:
             value = getattr(self, key)
             if value is not None:
                 parts.append(f"{key}={int(value)}")
@@ -68,7 +70,7 @@ class TargetSpec:
         return " ".join(parts)
 
     def gmlx_env(self) -> dict[str, str]:
-        """The GMLX_* knobs this target sets (A/B switches read by the engine every round)."""
+        """The GMLX_* knobs this target sets (A/B switches the engine reads every round, and at load)."""
         env = {}
         if self.preempt is not None:
             env["GMLX_MTP_PREEMPT"] = "1" if self.preempt else "0"
@@ -78,6 +80,8 @@ class TargetSpec:
             env["GMLX_ADAPTIVE_DEPTH"] = "1" if self.adaptive else "0"
         if self.width_cap is not None:
             env["GMLX_MTP_WIDTH_CAP"] = str(self.width_cap)
+        if self.row_invariance is not None:
+            env["GMLX_ROW_INVARIANCE"] = "1" if self.row_invariance else "0"
         return env
 
     def describe(self) -> dict:
@@ -124,7 +128,7 @@ def _check(text: str, spec: TargetSpec) -> None:
         if kind not in ("none", "draft"):
             raise ValueError(f"target {text!r}: mlx-lm drafts only with a draft model (drafter=draft[:PATH])")
         if _gmlx_knobs(spec) - {"num_draft_tokens"}:
-            raise ValueError(f"target {text!r}: preempt, resume, adaptive and width_cap are gmlx knobs")
+            raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap and row_invariance are gmlx knobs")
         if spec.blas not in ("same", "bundled"):
             raise ValueError(f"target {text!r}: blas must be same or bundled")
     if spec.kind != "mlx-lm" and (spec.blas != "same" or spec.format != "auto"):
@@ -140,8 +144,7 @@ def _check(text: str, spec: TargetSpec) -> None:
 
 def _gmlx_knobs(spec: TargetSpec) -> set[str]:
     """The engine knobs a target sets: only gmlx's own targets take them."""
-    return {key for key in ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens")
-            if getattr(spec, key) is not None}
+    return {key for key in _GMLX_KNOBS if getattr(spec, key) is not None}
 
 
 def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
@@ -154,7 +157,8 @@ def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
     if drafter_kind != "none":
         raise ValueError(f"target {text!r}: llama-server runs without a drafter here (drafter=none)")
     if _gmlx_knobs(spec):
-        raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap and num_draft_tokens are gmlx knobs")
+        raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap, num_draft_tokens and row_invariance "
+                         "are gmlx knobs")
     if spec.gguf is not None and not spec.gguf.lower().endswith(".gguf"):
         raise ValueError(f"target {text!r}: gguf must name a .gguf file, got {spec.gguf!r}")
     if spec.num_slots == 0 or spec.slot_context_tokens == 0:
