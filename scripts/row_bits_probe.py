@@ -2,8 +2,9 @@
 
 For mlx's products and attention, prints which row counts give a row the same bits, whether a
 row's bits survive moving it in a fixed-size block among other rows, and for attention whether a
-query's bits change with the query count, masked keys before or after its own, an all-true mask
-and batch rows. These are the facts gmlx/platform/row_invariance.py's rules rest on. Run on a GPU
+query's bits change with the query count, masked keys before or after its own, an all-true mask,
+batch rows and its slot in a fixed 16-query block (if that holds, attention could take fixed query
+blocks as products take fixed row blocks, instead of one query a call). These are the facts gmlx/platform/row_invariance.py's rules rest on. Run on a GPU
 through `bash scripts/cuda_bench.sh probe scripts/row_bits_probe.py`; on the CPU every answer is
 "same" (BENCHMARKS.md has the H200's).
 """
@@ -15,6 +16,7 @@ BLOCK_ROWS = 32
 ROW_COUNTS = [*range(1, 10), 16, 17, 31, 32, 33, 64, 128, 160]
 SHAPES = [(576, 576), (1536, 576), (49152, 576), (4096, 4096)]  # SmolLM2's products and a 7B's
 HEADS, KV_HEADS, HEAD_DIM, NUM_KEYS = 9, 3, 64, 100
+QUERY_BLOCK = 16
 
 
 def as_np(a: mx.array) -> np.ndarray:
@@ -95,6 +97,19 @@ def attention() -> None:
             print(f"attention {dtype}, the alone call {'masked' if is_masked else 'unmasked'}: queries differing "
                   f"at 2,3,4,8,16 queries a call: {by_queries}; masked keys after it (1,3,16,64): {tail}; "
                   f"before it (1,3,16,64): {head}; in a batch of 3: {'same' if is_batch_same else 'differs'}")
+        # A cheaper rule than one query a call, if this holds: fixed blocks of queries, like products.
+        block_keys, block_values = keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS]
+        target_q, target_pos = queries[:, :, last - 7:last - 6], last - 7
+        slots = []
+        for slot in (0, 3, QUERY_BLOCK - 1):
+            others = mx.random.normal((1, HEADS, QUERY_BLOCK, HEAD_DIM)).astype(dtype)
+            block_q = mx.concatenate([others[:, :, :slot], target_q, others[:, :, slot + 1:]], axis=2)
+            positions = mx.array([target_pos if i == slot else 20 + 5 * i for i in range(QUERY_BLOCK)])
+            mask = mx.arange(NUM_KEYS)[None] <= positions[:, None]
+            slots.append(attend(block_q, block_keys, block_values, mask)[0, :, slot])
+        is_slot_same = all(np.array_equal(slots[0], other) for other in slots[1:])
+        print(f"attention {dtype}: in a masked {QUERY_BLOCK}-query call, a query moved among new queries: "
+              f"{'same' if is_slot_same else 'differs'}")
         full = attend(queries[:, :, -1:], keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS], None)[0, :, 0]
         all_true = attend(queries[:, :, -1:], keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS],
                           mx.ones((1, NUM_KEYS), dtype=mx.bool_))[0, :, 0]
