@@ -4,9 +4,9 @@ For mlx's products and attention, prints which row counts give a row the same bi
 row's bits survive moving it in a fixed-size block among other rows, and for attention whether a
 query's bits change with the query count, masked keys before or after its own, an all-true mask,
 batch rows and its slot in a fixed 16-query block (if that holds, attention could take fixed query
-blocks as products take fixed row blocks, instead of one query a call). These are the facts gmlx/platform/row_invariance.py's rules rest on. Run on a GPU
-through `bash scripts/cuda_bench.sh probe scripts/row_bits_probe.py`; on the CPU every answer is
-"same" (BENCHMARKS.md has the H200's).
+blocks as products take fixed row blocks, instead of one query a call). These are the facts
+gmlx/platform/row_invariance.py's rules rest on. Run on a GPU through `bash scripts/cuda_bench.sh
+probe scripts/row_bits_probe.py`; on the CPU every answer is "same" (BENCHMARKS.md has the H200's).
 """
 
 import mlx.core as mx
