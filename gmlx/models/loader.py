@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_float_kernels_enabled, is_cpu_fusion_enabled,
-                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled, product_block_rows)
+                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.packed import use_packed_attention
@@ -71,9 +71,7 @@ def load_model(path: str | Path | None) -> LoadedModel:
         _prepare_for_cpu(model, str(source), is_tied)
     is_row_invariant = is_row_invariance_wanted()
     if is_row_invariant:
-        num_swapped = use_block_row_products(model)
-        logger.info("model %s: %d products run on blocks of %d rows (row invariance)",
-                    source, num_swapped, product_block_rows())
+        use_block_row_products(model, str(source))
     is_packable = use_packed_attention(model, is_row_invariant)
     if is_row_invariant and not is_packable:
         logger.warning("model %s: its attention class is not one gmlx mirrors, so on this device a row's "

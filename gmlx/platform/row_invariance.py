@@ -17,10 +17,14 @@ Metal is unmeasured; the rules assume nothing CUDA-specific, so they apply to ev
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from gmlx.config import product_block_rows, row_invariance_mode
+
+logger = logging.getLogger(__name__)
 
 
 def is_row_invariance_wanted() -> bool:
@@ -77,7 +81,7 @@ _MIXINS = {nn.Linear: _BlockRowsProduct, nn.QuantizedLinear: _BlockRowsProduct,
 _SWAPPED: dict[type, type] = {}
 
 
-def use_block_row_products(model: nn.Module) -> int:
+def use_block_row_products(model: nn.Module, source: str) -> int:
     """Every plain mlx product module of the model runs on fixed row blocks; the number swapped.
     Exact types only: gmlx's own CPU kernel modules keep their fixed orders."""
     block_rows = product_block_rows()
@@ -91,6 +95,7 @@ def use_block_row_products(model: nn.Module) -> int:
         module.__class__ = _SWAPPED[cls]
         module.block_rows = block_rows
         num_swapped += 1
+    logger.info("model %s: %d products run on blocks of %d rows (row invariance)", source, num_swapped, block_rows)
     return num_swapped
 
 

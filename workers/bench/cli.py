@@ -41,8 +41,7 @@ def _parse_levels(ctx, param, value):
 @click.option("--target", "targets", multiple=True, default=("engine",), show_default=True,
               help="KIND[:key=value,...]; KIND is engine, server, mlx-lm or llama-server; keys: drafter, model, "
                    "preempt, resume, adaptive, width_cap, num_draft_tokens, row_invariance (0|1, at load), address, blas, "
-                   "format (mlx-lm: "
-                   "auto|float32|quantized), gguf, np, ctx (llama-server: the GGUF, slots, context per slot), label. Repeat "
+                   "format (mlx-lm: auto|float32|quantized), gguf, np, ctx (llama-server: the GGUF, slots, context per slot), label. Repeat "
                    "to compare side by side.")
 @click.option("--model", default=None,
               help="Model for every target: a folder, a .gguf file or smollm2 (default: the built-in model).")
