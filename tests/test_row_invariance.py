@@ -8,10 +8,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from gmlx.cache.ragged import RaggedKVCache
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.models.loader import load_model
+from gmlx.platform import row_invariance
 from gmlx.platform.row_invariance import attend_one_query_a_call, in_fixed_blocks
 from gmlx.request import SamplingParams
 from schedules import SoloReference, check_schedule, make_schedule
@@ -52,18 +54,16 @@ def test_fixed_blocks_compute_the_product(num_rows):
     np.testing.assert_allclose(np.array(y), np.array(x @ weight.T), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "ragged"])
-def test_one_query_attention_computes_attention(mask_kind):
-    num_rows, num_new, num_keys = (1, 1, 12) if mask_kind == "none" else (3, 4, 12)
-    keys = [mx.random.normal((num_rows, 2, num_keys, 16), key=mx.random.key(s)) for s in (1, 2, 3)]
-    queries, k, v = mx.random.normal((num_rows, 4, num_new, 16), key=mx.random.key(4)), keys[0], keys[1]
-    if mask_kind == "none":
-        mask = None
-    elif mask_kind == "causal":
-        mask = "causal"
-    else:  # rows of lengths 5, 8 and 8 before the write, as RaggedKVCache.make_mask builds it
-        ends = mx.array([5, 8, 8])[:, None] + mx.arange(num_new)[None]
-        mask = (mx.arange(num_keys)[None, None] <= ends[:, :, None])[:, None]
+@pytest.mark.parametrize("lengths,num_new", [([11], 1), ([8, 8, 8], 4), ([5, 8, 8], 4), ([2, 9], 1)])
+def test_one_query_attention_computes_attention(lengths, num_new):
+    """Against one call over every query, with the mask a RaggedKVCache builds for rows of these
+    lengths before the write (uniform or ragged, one new token or several)."""
+    cache = RaggedKVCache(len(lengths))
+    cache.lengths = list(lengths)
+    mask = cache.make_mask(num_new, return_array=True)  # (B, 1, T, S)
+    num_rows, num_keys = len(lengths), mask.shape[-1]
+    k, v = (mx.random.normal((num_rows, 2, num_keys, 16), key=mx.random.key(s)) for s in (1, 2))
+    queries = mx.random.normal((num_rows, 4, num_new, 16), key=mx.random.key(4))
     want = mx.fast.scaled_dot_product_attention(queries, k, v, scale=0.25, mask=mask)
     got = attend_one_query_a_call(queries, k, v, 0.25, mask)
     assert got.shape == want.shape
@@ -99,8 +99,8 @@ def test_random_schedules_equal_plain_with_the_rules_on(kind, invariant_target, 
 
 def test_every_product_and_attention_call_takes_the_rules_shape(invariant_target, code_prompts, monkeypatch):
     """On the CPU the bits cannot show a call that slipped past the rules, so count the calls:
-    through batches, verifies and packed prefill, every target product runs on exactly 8 rows
-    and every attention call on one query with an array mask."""
+    through batches, verifies and packed prefill, every target product runs on exactly 8 rows,
+    every attention call on one query with an array mask, and no body product pads its input."""
     target_modules = {id(m) for _, m in invariant_target.model.named_modules()}
     product_rows, attention_calls = [], []
     linear_call, sdpa = nn.Linear.__call__, mx.fast.scaled_dot_product_attention
@@ -114,11 +114,24 @@ def test_every_product_and_attention_call_takes_the_rules_shape(invariant_target
         attention_calls.append((queries.shape[-2], isinstance(mask, mx.array)))
         return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
 
+    head = invariant_target.model.model.embed_tokens
+    padded_elsewhere = []  # (module, rows) for products whose input was not whole blocks
+    blocks = row_invariance.in_fixed_blocks
+
+    def counting_blocks(product, x, block_rows):
+        num_rows = x.size // x.shape[-1]
+        if num_rows % block_rows and product.__self__ is not head:
+            padded_elsewhere.append((type(product.__self__).__name__, num_rows))
+        return blocks(product, x, block_rows)
+
     monkeypatch.setattr(nn.Linear, "__call__", counting_linear)
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(row_invariance, "in_fixed_blocks", counting_blocks)
     engine = Engine(invariant_target, make_drafter("ngram", invariant_target), EngineConfig())  # no model drafts
     schedule = make_schedule(7100, invariant_target.vocab_size, code_prompts, max_requests=5)
     result = check_schedule(engine, SoloReference(invariant_target), schedule)
     assert result.counters["num_spec_rounds"] > 0
     assert product_rows and set(product_rows) == {8}
     assert attention_calls and set(attention_calls) == {(1, True)}
+    # The body pads each forward's tokens to whole blocks once; only the tied head pads its own.
+    assert not padded_elsewhere, padded_elsewhere[:5]

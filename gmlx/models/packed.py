@@ -41,8 +41,11 @@ class Segment:
 class PackedLayerCache:
     """One layer's caches for a packed forward; the model sees it as its layer cache."""
 
-    def __init__(self, segments: list[tuple[RaggedKVCache, int, int]]):
+    def __init__(self, segments: list[tuple[RaggedKVCache, int, int]], masks: list[mx.array] | None = None):
         self.segments = segments  # (cache, num_rows, num_tokens) in packing order
+        # Row invariance: each segment's array mask, built once for every layer (a segment's layer
+        # caches share their lengths). Past the segments the packed axis may hold padding rows.
+        self.masks = masks
 
     def make_mask(self, *_args, **_kwargs):
         return None  # each segment builds its own mask from its cache
@@ -63,20 +66,26 @@ class _PackedAttention:
         x = x.reshape(1, -1, shape[-1])
         queries, keys, values = project(x, (self.q_proj, self.k_proj, self.v_proj))  # (1, N, *)
         outputs, start = [], 0
-        for segment_cache, num_rows, num_tokens in cache.segments:
+        for i, (segment_cache, num_rows, num_tokens) in enumerate(cache.segments):
             end = start + num_rows * num_tokens
 
             def rows(a, start=start, end=end, num_rows=num_rows, num_tokens=num_tokens):
                 return a[0, start:end].reshape(num_rows, num_tokens, -1)
 
-            out = self._attend_segment(rows(queries), rows(keys), rows(values), segment_cache)
+            mask = cache.masks[i] if cache.masks else None
+            out = self._attend_segment(rows(queries), rows(keys), rows(values), segment_cache, mask)
             outputs.append(out.reshape(1, end - start, -1))
             start = end
-        out = self.o_proj(mx.concatenate(outputs, axis=1))
+        if start < x.shape[1]:
+            # Padding rows attend to nothing and nothing reads them: their own queries (the width
+            # of attention's output) fill their place in o_proj's block without a kernel to fill it.
+            outputs.append(queries[:, start:])
+        out = self.o_proj(outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1))
         return out.reshape(*shape[:-1], out.shape[-1])
 
-    def _attend_segment(self, queries, keys, values, cache: RaggedKVCache) -> mx.array:
-        """(B, T, Hq * D) for one segment: mlx-lm's attention body (or gmlx's kernel) after the projections."""
+    def _attend_segment(self, queries, keys, values, cache: RaggedKVCache, shared_mask=None) -> mx.array:
+        """(B, T, Hq * D) for one segment: mlx-lm's attention body (or gmlx's kernel) after the
+        projections. shared_mask: the segment's array mask when the forward built it once."""
         num_rows, num_new, _ = queries.shape
         queries = queries.reshape(num_rows, num_new, self.n_heads, -1)
         keys = keys.reshape(num_rows, num_new, self.n_kv_heads, -1)
@@ -89,7 +98,9 @@ class _PackedAttention:
         if isinstance(self, _KernelAttention):
             cache.update_and_fetch(keys, values)
             return cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, self.scale)
-        mask = cache.make_mask(num_new)  # before the write, as mlx-lm's model builds it
+        mask = shared_mask
+        if mask is None:  # before the write, as mlx-lm's model builds it
+            mask = cache.make_mask(num_new, return_array=self.is_row_invariant)
         keys, values = cache.update_and_fetch(keys, values)
         if self.is_row_invariant:
             out = attend_one_query_a_call(queries, keys, values, self.scale, mask)
@@ -102,14 +113,39 @@ def _attention_classes() -> tuple[type, ...]:
     return tuple(importlib.import_module(f"mlx_lm.models.{name}").Attention for name in _ARCHITECTURES)
 
 
+class _BlockPaddedBody:
+    """Mixed into the model's body under row invariance: every forward over ragged caches runs
+    packed, its tokens padded to whole product blocks. Each product then runs on its input as
+    it comes, a block at a time, instead of padding a block of its own (ops a GPU pays for)."""
+
+    block_rows: int
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
+        if input_embeddings is not None or not cache:
+            return super().__call__(inputs, cache, input_embeddings)
+        if isinstance(cache[0], RaggedKVCache):  # a lone batch's forward: one segment
+            segments = [Segment(inputs, cache)]
+            return unpack(packed_body(self, segments), segments)[0]
+        if not isinstance(cache[0], PackedLayerCache) or cache[0].masks is not None:
+            return super().__call__(inputs, cache, input_embeddings)
+        num_tokens = inputs.shape[1]
+        num_padding = -num_tokens % self.block_rows
+        if num_padding:
+            inputs = mx.concatenate([inputs, mx.zeros((1, num_padding), dtype=inputs.dtype)], axis=1)
+        masks = [c.make_mask(n, return_array=True) for c, _, n in cache[0].segments]
+        hidden = super().__call__(inputs, [PackedLayerCache(c.segments, masks) for c in cache])
+        return hidden[:, :num_tokens] if num_padding else hidden
+
+
 _BASES = _attention_classes()
 _PACKED: dict[type, type] = {}
 
 
-def use_packed_attention(model: nn.Module, is_row_invariant: bool = False) -> bool:
-    """Let the model's attention take PackedLayerCache (and, row invariant, run every forward
-    that way, one query a call); False (model untouched) when some attention module is of a
-    class this does not mirror."""
+def use_packed_attention(model: nn.Module, block_rows: int = 0) -> bool:
+    """Let the model's attention take PackedLayerCache; False (model untouched) when some
+    attention module is of a class this does not mirror. block_rows > 0 (row invariance):
+    every forward runs packed, padded to whole blocks of block_rows tokens, and its attention
+    one query a call."""
     modules = [getattr(layer, "self_attn", None) for layer in model.model.layers]
     if not modules or not all(isinstance(m, _BASES) for m in modules):
         return False
@@ -119,7 +155,14 @@ def use_packed_attention(model: nn.Module, is_row_invariant: bool = False) -> bo
             if cls not in _PACKED:
                 _PACKED[cls] = type(f"Packed{cls.__name__}", (_PackedAttention, cls), {})
             module.__class__ = _PACKED[cls]
-        module.is_row_invariant = is_row_invariant
+        module.is_row_invariant = block_rows > 0
+    body = model.model
+    if block_rows:
+        cls = type(body)
+        if cls not in _PACKED:
+            _PACKED[cls] = type(f"BlockPadded{cls.__name__}", (_BlockPaddedBody, cls), {})
+        body.__class__ = _PACKED[cls]
+        body.block_rows = block_rows
     return True
 
 

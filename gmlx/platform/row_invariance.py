@@ -47,6 +47,8 @@ def in_fixed_blocks(product, x: mx.array, block_rows: int) -> mx.array:
     rows = x.reshape(-1, num_inputs)
     num_rows = rows.shape[0]
     assert num_rows > 0, x.shape
+    if num_rows == block_rows:  # a block-padded body's forward (models/packed.py): no ops of our own
+        return product(rows).reshape(*leading, -1)
     outputs = []
     for start in range(0, num_rows, block_rows):
         block = rows[start:start + block_rows]
@@ -81,10 +83,9 @@ _MIXINS = {nn.Linear: _BlockRowsProduct, nn.QuantizedLinear: _BlockRowsProduct,
 _SWAPPED: dict[type, type] = {}
 
 
-def use_block_row_products(model: nn.Module, source: str) -> int:
+def use_block_row_products(model: nn.Module, source: str, block_rows: int) -> int:
     """Every plain mlx product module of the model runs on fixed row blocks; the number swapped.
     Exact types only: gmlx's own CPU kernel modules keep their fixed orders."""
-    block_rows = product_block_rows()
     num_swapped = 0
     for _, module in model.named_modules():
         cls = type(module)
@@ -99,14 +100,14 @@ def use_block_row_products(model: nn.Module, source: str) -> int:
     return num_swapped
 
 
-def attend_one_query_a_call(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
-    """mx.fast.scaled_dot_product_attention for (B, H, T, D) queries, as T one-query calls with
-    array masks. mask is a RaggedKVCache's: None (one new token), "causal", or (B, 1, T, S) bool."""
-    num_new, num_keys = queries.shape[-2], keys.shape[-2]
-    if mask is None or isinstance(mask, str):
-        assert mask in (None, "causal"), mask
-        # The new tokens are the last num_new keys: query i sees keys up to num_keys - num_new + i.
-        mask = mx.arange(num_keys)[None] <= mx.arange(num_new)[:, None] + (num_keys - num_new)
+def attend_one_query_a_call(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                            mask: mx.array) -> mx.array:
+    """mx.fast.scaled_dot_product_attention for (B, H, T, D) queries, as T one-query calls;
+    mask: (B, 1, T, S) bool, as RaggedKVCache.make_mask(T, return_array=True) builds it."""
+    num_new = queries.shape[-2]
+    assert isinstance(mask, mx.array) and mask.shape[-2] == num_new, mask
+    if num_new == 1:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     outputs = [mx.fast.scaled_dot_product_attention(queries[..., i:i + 1, :], keys, values, scale=scale,
                                                     mask=mask[..., i:i + 1, :]) for i in range(num_new)]
-    return outputs[0] if num_new == 1 else mx.concatenate(outputs, axis=-2)
+    return mx.concatenate(outputs, axis=-2)
