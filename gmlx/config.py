@@ -222,6 +222,19 @@ def product_block_rows() -> int:
     return 32 if value is None else value
 
 
+ROW_ATTENTION_RULES = ("masked", "unmasked")
+
+
+def row_attention_rule() -> str:
+    """GMLX_ROW_ATTENTION, attention's rule under row invariance: masked (default, validated on an
+    H200) runs one query a call with an array mask; unmasked runs one row and one query a call
+    with no mask over exactly the keys the query sees, the call a lone row's plain step makes."""
+    raw = os.environ.get("GMLX_ROW_ATTENTION", "").strip().lower() or "masked"
+    if raw not in ROW_ATTENTION_RULES:
+        raise ValueError(f"GMLX_ROW_ATTENTION={raw!r}: expected one of {', '.join(ROW_ATTENTION_RULES)}")
+    return raw
+
+
 def cpu_tile_layout() -> bool | None:
     """GMLX_CPU_TILE_LAYOUT: 1 packs the one-stream layout as 16-output tiles, 0 as quads;
     unset, the kernels choose (tiles where the CPU has AVX-512 VNNI and runs it). Same bits."""
@@ -310,7 +323,7 @@ def validate_settings() -> None:
     for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
-                 is_fused_layers_enabled):
+                 is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule):
         read()
 
 

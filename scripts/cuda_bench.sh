@@ -4,6 +4,7 @@
 #   bash scripts/cuda_bench.sh prepare          # here: wheels for Python 3.12 into .cuda1/ .cuda2/
 #   bash scripts/cuda_bench.sh stage            # there, first: keep .cuda1/'s half of mlx-cuda
 #   OUT=dir bash scripts/cuda_bench.sh run      # there, next: install, then tests and benchmarks
+#   OUT=dir bash scripts/cuda_bench.sh check    # there, instead of run: the rules' tests and cost
 #   bash scripts/cuda_bench.sh probe scripts/row_bits_probe.py   # there: one script on the stack
 #
 # mlx-cuda's wheel is ~90 MB, more than one transfer of 64 MiB beside the tree, so its files
@@ -55,6 +56,12 @@ run() {
     { nvidia-smi -L; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
       "${gmlx[@]}" doctor; } > "$OUT/env.txt" 2>&1
     cat "$OUT/env.txt"
+    # Speculative and batched output against plain decoding, on the GPU's own kernels.
+    # Row invariance on (auto on a GPU), then off: without it 3 of 25 failed on an H200.
+    local tests=(tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" tests/test_row_invariance.py \
+        > "$OUT/tests.log" 2>&1
+    echo "tests rc=$?"; tail -n 25 "$OUT/tests.log"
     # The built-in model, in-process: plain, the default (adaptive) and fixed-depth speculation.
     # The last two targets: what the row-invariance rules cost (on by default on a GPU).
     timeout 150 "${gmlx[@]}" bench --quiet --concurrency 1,2,4,8,16,32 --requests-per-client 2 \
@@ -68,12 +75,9 @@ run() {
         --max-tokens 8 --repeats 2 --out "$OUT/bench_prefill.json" --target engine:drafter=none,label=plain \
         --target "engine:drafter=none,row_invariance=0,label=plain rules off" > "$OUT/bench_prefill.log" 2>&1
     echo "bench prefill rc=$?"; tail -n 8 "$OUT/bench_prefill.log"
-    # Speculative and batched output against plain decoding, on the GPU's own kernels.
-    # Row invariance on (auto on a GPU), then off: without it 3 of 25 failed on an H200.
-    local tests=(tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" tests/test_row_invariance.py \
-        > "$OUT/tests.log" 2>&1
-    echo "tests rc=$?"; tail -n 25 "$OUT/tests.log"
+    # Whether a cheaper attention rule (fixed 16-query masked calls) would keep rows' bits.
+    timeout 45 python3 scripts/row_bits_probe.py > "$OUT/probe.log" 2>&1
+    echo "probe rc=$?"; tail -n 30 "$OUT/probe.log"
     GMLX_ROW_INVARIANCE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" \
         > "$OUT/tests_rules_off.log" 2>&1
     echo "tests, row invariance off: rc=$?"; tail -n 6 "$OUT/tests_rules_off.log"
@@ -81,6 +85,35 @@ run() {
         --out "$OUT/bench_server.json" --target server:drafter=none,label=plain \
         --target server:label=default > "$OUT/bench_server.log" 2>&1
     echo "bench server rc=$?"; tail -n 15 "$OUT/bench_server.log"
+}
+
+# After a change to the row-invariance rules, a shorter run (~5 minutes): their identity tests
+# on this GPU under each attention rule, then what they cost in decode and prefill, side by side
+# with the rules off.
+check() {
+    : "${OUT:?OUT names the folder for logs}"
+    install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+    export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+    local gmlx=(python3 -m workers.cli)
+    python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_speculative.py \
+        tests/test_engine.py::test_staggered_batch_equals_alone tests/test_row_invariance.py > "$OUT/tests.log" 2>&1
+    echo "tests rc=$?"; tail -n 12 "$OUT/tests.log"
+    GMLX_ROW_ATTENTION=unmasked timeout 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" \
+        tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone > "$OUT/tests_unmasked.log" 2>&1
+    echo "tests, unmasked attention rule: rc=$?"; tail -n 6 "$OUT/tests_unmasked.log"
+    timeout 150 "${gmlx[@]}" bench --quiet --concurrency 1,4,16,32 --requests-per-client 2 --max-tokens 64 \
+        --repeats 2 --out "$OUT/bench_engine.json" --target engine:drafter=none,label=plain \
+        --target "engine:drafter=none,row_attention=unmasked,label=plain unmasked" \
+        --target "engine:drafter=none,row_invariance=0,label=plain rules off" --target engine:label=default \
+        --target "engine:row_attention=unmasked,label=default unmasked" \
+        --target "engine:row_invariance=0,label=default rules off" > "$OUT/bench_engine.log" 2>&1
+    echo "bench engine rc=$?"; grep -E '^\| (conc|[0-9])' "$OUT/bench_engine.log" | cut -d'|' -f2-8,12
+    timeout 60 "${gmlx[@]}" bench --quiet --concurrency 1 --requests-per-client 3 --prompt-tokens 400 \
+        --max-tokens 8 --repeats 2 --out "$OUT/bench_prefill.json" --target engine:drafter=none,label=plain \
+        --target "engine:drafter=none,row_attention=unmasked,label=plain unmasked" \
+        --target "engine:drafter=none,row_invariance=0,label=plain rules off" > "$OUT/bench_prefill.log" 2>&1
+    echo "bench prefill rc=$?"; grep -E '^\| (conc|[0-9])' "$OUT/bench_prefill.log" | cut -d'|' -f2-8,12
 }
 
 # One script on the installed stack, for a probe between full runs (`probe scripts/x.py`).
@@ -93,6 +126,7 @@ case "${1:-}" in
     prepare) prepare ;;
     stage) stage ;;
     run) run ;;
+    check) check ;;
     probe) shift; probe "$@" ;;
-    *) echo "usage: $0 prepare|stage|run|probe script.py" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|stage|run|check|probe script.py" >&2; exit 2 ;;
 esac

@@ -148,6 +148,10 @@ def test_row_invariance_is_a_load_time_knob_of_gmlx_targets():
     assert spec.gmlx_env() == {"GMLX_ROW_INVARIANCE": "1"} and spec.name == "engine drafter=none row_invariance=1"
     with pytest.raises(ValueError, match="gmlx knobs"):
         parse_target("mlx-lm:row_invariance=0")
+    rule = parse_target("engine:row_invariance=1,row_attention=unmasked")
+    assert rule.gmlx_env()["GMLX_ROW_ATTENTION"] == "unmasked" and rule.name.endswith("row_attention=unmasked")
+    with pytest.raises(ValueError, match="row_attention must be one of"):
+        parse_target("engine:row_attention=sometimes")
     targets = {value: EngineTarget(parse_target(f"engine:drafter=none,row_invariance={value}")) for value in "10"}
     for value, target in targets.items():
         target.start()

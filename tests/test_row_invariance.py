@@ -14,7 +14,7 @@ from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.models.loader import load_model
 from gmlx.platform import row_invariance
-from gmlx.platform.row_invariance import attend_one_query_a_call, in_fixed_blocks
+from gmlx.platform.row_invariance import attend_each_query_alone, attend_one_query_a_call, in_fixed_blocks
 from gmlx.request import SamplingParams
 from schedules import SoloReference, check_schedule, make_schedule
 
@@ -22,14 +22,15 @@ from schedules import SoloReference, check_schedule, make_schedule
 _MLX_OPS = {"GMLX_CPU_KERNELS": "0", "GMLX_FUSE_CPU_OPS": "0", "GMLX_INPUT_MAJOR_WEIGHTS": "0"}
 
 
-def _load(mode: str):
-    with env_overrides({**_MLX_OPS, "GMLX_ROW_INVARIANCE": mode, "GMLX_PRODUCT_BLOCK_ROWS": "8"}):
+def _load(mode: str, attention: str = "masked"):
+    with env_overrides({**_MLX_OPS, "GMLX_ROW_INVARIANCE": mode, "GMLX_PRODUCT_BLOCK_ROWS": "8",
+                        "GMLX_ROW_ATTENTION": attention}):
         return load_model(None)
 
 
-@pytest.fixture(scope="module")
-def invariant_target():
-    return _load("1")
+@pytest.fixture(scope="module", params=["masked", "unmasked"])
+def invariant_target(request):
+    return _load("1", request.param)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +66,10 @@ def test_one_query_attention_computes_attention(lengths, num_new):
     k, v = (mx.random.normal((num_rows, 2, num_keys, 16), key=mx.random.key(s)) for s in (1, 2))
     queries = mx.random.normal((num_rows, 4, num_new, 16), key=mx.random.key(4))
     want = mx.fast.scaled_dot_product_attention(queries, k, v, scale=0.25, mask=mask)
-    got = attend_one_query_a_call(queries, k, v, 0.25, mask)
-    assert got.shape == want.shape
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    for got in (attend_one_query_a_call(queries, k, v, 0.25, mask),
+                attend_each_query_alone(queries, k, v, 0.25, lengths)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
 def test_the_rules_are_on_where_asked(invariant_target, mlx_ops_target):
@@ -100,7 +102,7 @@ def test_random_schedules_equal_plain_with_the_rules_on(kind, invariant_target, 
 def test_every_product_and_attention_call_takes_the_rules_shape(invariant_target, code_prompts, monkeypatch):
     """On the CPU the bits cannot show a call that slipped past the rules, so count the calls:
     through batches, verifies and packed prefill, every target product runs on exactly 8 rows,
-    every attention call on one query with an array mask, and no body product pads its input."""
+    every attention call takes its rule's shape, and no body product pads its input."""
     target_modules = {id(m) for _, m in invariant_target.model.named_modules()}
     product_rows, attention_calls = [], []
     linear_call, sdpa = nn.Linear.__call__, mx.fast.scaled_dot_product_attention
@@ -111,7 +113,7 @@ def test_every_product_and_attention_call_takes_the_rules_shape(invariant_target
         return linear_call(self, x)
 
     def counting_sdpa(queries, keys, values, *, scale, mask=None, **kwargs):
-        attention_calls.append((queries.shape[-2], isinstance(mask, mx.array)))
+        attention_calls.append((queries.shape[-2], isinstance(mask, mx.array), queries.shape[0]))
         return sdpa(queries, keys, values, scale=scale, mask=mask, **kwargs)
 
     head = invariant_target.model.model.embed_tokens
@@ -132,6 +134,9 @@ def test_every_product_and_attention_call_takes_the_rules_shape(invariant_target
     result = check_schedule(engine, SoloReference(invariant_target), schedule)
     assert result.counters["num_spec_rounds"] > 0
     assert product_rows and set(product_rows) == {8}
-    assert attention_calls and set(attention_calls) == {(1, True)}
+    if invariant_target.model.model.row_rules.attention == "masked":  # one query a call, any rows
+        assert attention_calls and {call[:2] for call in attention_calls} == {(1, True)}
+    else:  # a lone plain step's call: one row, one query, no mask
+        assert attention_calls and set(attention_calls) == {(1, False, 1)}
     # The body pads each forward's tokens to whole blocks once; only the tied head pads its own.
     assert not padded_elsewhere, padded_elsewhere[:5]

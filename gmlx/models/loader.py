@@ -18,8 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_float_kernels_enabled, is_cpu_fusion_enabled,
-                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled,
-                         product_block_rows)
+                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.packed import use_packed_attention
@@ -30,7 +29,7 @@ from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.platform.cpu_layers import use_fused_layers
 from gmlx.platform.cpu_quantized import use_cpu_kernels
-from gmlx.platform.row_invariance import is_row_invariance_wanted, use_block_row_products
+from gmlx.platform.row_invariance import use_block_row_products, wanted_row_rules
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +69,11 @@ def load_model(path: str | Path | None) -> LoadedModel:
     is_tied = getattr(model, "lm_head", None) is None or config.get("tie_word_embeddings", False)
     if mx.default_device() == mx.cpu:
         _prepare_for_cpu(model, str(source), is_tied)
-    block_rows = product_block_rows() if is_row_invariance_wanted() else 0
-    if block_rows:
-        use_block_row_products(model, str(source), block_rows)
-    is_packable = use_packed_attention(model, block_rows)
-    if block_rows and not is_packable:
+    row_rules = wanted_row_rules()
+    if row_rules:
+        use_block_row_products(model, str(source), row_rules.block_rows)
+    is_packable = use_packed_attention(model, row_rules)
+    if row_rules and not is_packable:
         logger.warning("model %s: its attention class is not one gmlx mirrors, so on this device a row's "
                        "attention may round differently in a batch or a verify than alone", source)
     mx.eval(model.parameters())

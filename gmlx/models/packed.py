@@ -21,7 +21,7 @@ from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import _KernelAttention
 from gmlx.platform.cpu_quantized import project
-from gmlx.platform.row_invariance import attend_one_query_a_call
+from gmlx.platform.row_invariance import RowRules, attend_each_query_alone, attend_one_query_a_call
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")  # the attention classes whose layout this mirrors
 
@@ -41,11 +41,13 @@ class Segment:
 class PackedLayerCache:
     """One layer's caches for a packed forward; the model sees it as its layer cache."""
 
-    def __init__(self, segments: list[tuple[RaggedKVCache, int, int]], masks: list[mx.array] | None = None):
+    def __init__(self, segments: list[tuple[RaggedKVCache, int, int]], masks: list[mx.array] | None = None,
+                 is_padded: bool = False):
         self.segments = segments  # (cache, num_rows, num_tokens) in packing order
-        # Row invariance: each segment's array mask, built once for every layer (a segment's layer
-        # caches share their lengths). Past the segments the packed axis may hold padding rows.
+        # Row invariance: the packed axis may end in padding rows past the segments, and under the
+        # masked rule each segment's array mask is built once for every layer (its caches share lengths).
         self.masks = masks
+        self.is_padded = is_padded
 
     def make_mask(self, *_args, **_kwargs):
         return None  # each segment builds its own mask from its cache
@@ -55,7 +57,11 @@ class _PackedAttention:
     """Mixed into an attention class: a PackedLayerCache runs the projections once over
     every segment, then each segment's attention as the class would run it alone."""
 
-    is_row_invariant = False  # attention one query a call (gmlx/platform/row_invariance.py)
+    row_attention: str | None = None  # under row invariance, its attention rule (gmlx/platform/row_invariance.py)
+
+    @property
+    def is_row_invariant(self) -> bool:
+        return self.row_attention is not None
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if self.is_row_invariant and isinstance(cache, RaggedKVCache):
@@ -98,6 +104,11 @@ class _PackedAttention:
         if isinstance(self, _KernelAttention):
             cache.update_and_fetch(keys, values)
             return cpu_kernels.ragged_attention(queries, cache.keys, cache.values, offset, self.scale)
+        if self.row_attention == "unmasked":
+            lengths = cache.lengths  # before the write
+            keys, values = cache.update_and_fetch(keys, values)
+            out = attend_each_query_alone(queries, keys, values, self.scale, lengths)
+            return out.transpose(0, 2, 1, 3).reshape(num_rows, num_new, -1)
         mask = shared_mask
         if mask is None:  # before the write, as mlx-lm's model builds it
             mask = cache.make_mask(num_new, return_array=self.is_row_invariant)
@@ -118,7 +129,7 @@ class _BlockPaddedBody:
     packed, its tokens padded to whole product blocks. Each product then runs on its input as
     it comes, a block at a time, instead of padding a block of its own (ops a GPU pays for)."""
 
-    block_rows: int
+    row_rules: RowRules
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         if input_embeddings is not None or not cache:
@@ -126,14 +137,16 @@ class _BlockPaddedBody:
         if isinstance(cache[0], RaggedKVCache):  # a lone batch's forward: one segment
             segments = [Segment(inputs, cache)]
             return unpack(packed_body(self, segments), segments)[0]
-        if not isinstance(cache[0], PackedLayerCache) or cache[0].masks is not None:
+        if not isinstance(cache[0], PackedLayerCache) or cache[0].is_padded:
             return super().__call__(inputs, cache, input_embeddings)
         num_tokens = inputs.shape[1]
-        num_padding = -num_tokens % self.block_rows
+        num_padding = -num_tokens % self.row_rules.block_rows
         if num_padding:
             inputs = mx.concatenate([inputs, mx.zeros((1, num_padding), dtype=inputs.dtype)], axis=1)
-        masks = [c.make_mask(n, return_array=True) for c, _, n in cache[0].segments]
-        hidden = super().__call__(inputs, [PackedLayerCache(c.segments, masks) for c in cache])
+        masks = None
+        if self.row_rules.attention == "masked":
+            masks = [c.make_mask(n, return_array=True) for c, _, n in cache[0].segments]
+        hidden = super().__call__(inputs, [PackedLayerCache(c.segments, masks, is_padded=True) for c in cache])
         return hidden[:, :num_tokens] if num_padding else hidden
 
 
@@ -141,11 +154,10 @@ _BASES = _attention_classes()
 _PACKED: dict[type, type] = {}
 
 
-def use_packed_attention(model: nn.Module, block_rows: int = 0) -> bool:
+def use_packed_attention(model: nn.Module, row_rules: RowRules | None = None) -> bool:
     """Let the model's attention take PackedLayerCache; False (model untouched) when some
-    attention module is of a class this does not mirror. block_rows > 0 (row invariance):
-    every forward runs packed, padded to whole blocks of block_rows tokens, and its attention
-    one query a call."""
+    attention module is of a class this does not mirror. With row rules every forward runs
+    packed, padded to whole product blocks, and its attention by the rules' attention rule."""
     modules = [getattr(layer, "self_attn", None) for layer in model.model.layers]
     if not modules or not all(isinstance(m, _BASES) for m in modules):
         return False
@@ -155,14 +167,14 @@ def use_packed_attention(model: nn.Module, block_rows: int = 0) -> bool:
             if cls not in _PACKED:
                 _PACKED[cls] = type(f"Packed{cls.__name__}", (_PackedAttention, cls), {})
             module.__class__ = _PACKED[cls]
-        module.is_row_invariant = block_rows > 0
+        module.row_attention = row_rules.attention if row_rules else None
     body = model.model
-    if block_rows:
+    if row_rules:
         cls = type(body)
         if cls not in _PACKED:
             _PACKED[cls] = type(f"BlockPadded{cls.__name__}", (_BlockPaddedBody, cls), {})
         body.__class__ = _PACKED[cls]
-        body.block_rows = block_rows
+        body.row_rules = row_rules
     return True
 
 

@@ -18,24 +18,40 @@ Metal is unmeasured; the rules assume nothing CUDA-specific, so they apply to ev
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.config import product_block_rows, row_invariance_mode
+from gmlx.config import product_block_rows, row_attention_rule, row_invariance_mode
 
 logger = logging.getLogger(__name__)
 
+_ATTENTION_RULES = {"masked": "attention one query a call with an array mask",
+                    "unmasked": "attention one row and one query a call, unmasked, over the keys it sees"}
 
-def is_row_invariance_wanted() -> bool:
+
+@dataclass(frozen=True, slots=True)
+class RowRules:
+    """The rules a model loads under, read once from the settings."""
+
+    block_rows: int  # every product runs on blocks of exactly this many rows
+    attention: str  # "masked" or "unmasked" (config.row_attention_rule)
+
+
+def wanted_row_rules() -> RowRules | None:
+    """The rules for this device and settings; None when off."""
     mode = row_invariance_mode()
-    return mode == "1" or (mode == "auto" and mx.default_device() != mx.cpu)
+    if mode == "0" or (mode == "auto" and mx.default_device() == mx.cpu):
+        return None
+    return RowRules(product_block_rows(), row_attention_rule())
 
 
 def describe_row_invariance() -> str:
-    if is_row_invariance_wanted():
-        return (f"on (GMLX_ROW_INVARIANCE={row_invariance_mode()}): products on blocks of {product_block_rows()} "
-                "rows, attention one query a call, so speculative and batched rows round as plain decoding")
+    rules = wanted_row_rules()
+    if rules:
+        return (f"on (GMLX_ROW_INVARIANCE={row_invariance_mode()}): products on blocks of {rules.block_rows} rows, "
+                f"{_ATTENTION_RULES[rules.attention]}, so speculative and batched rows round as plain decoding")
     if mx.default_device() == mx.cpu:
         return "off on the CPU, where gmlx's kernels and sgemm interposer fix each row's summation order"
     return "off (GMLX_ROW_INVARIANCE=0): speculative output may differ from plain decoding at near-ties"
@@ -111,3 +127,19 @@ def attend_one_query_a_call(queries: mx.array, keys: mx.array, values: mx.array,
     outputs = [mx.fast.scaled_dot_product_attention(queries[..., i:i + 1, :], keys, values, scale=scale,
                                                     mask=mask[..., i:i + 1, :]) for i in range(num_new)]
     return mx.concatenate(outputs, axis=-2)
+
+
+def attend_each_query_alone(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                            lengths: list[int]) -> mx.array:
+    """mx.fast.scaled_dot_product_attention for (B, H, T, D) queries, as B x T unmasked one-query
+    calls, each over exactly the keys its query sees: the call a lone row's plain step makes, so
+    a row's bits cannot depend on its batch or verify depth. lengths: each row's keys before this
+    forward's T (RaggedKVCache.lengths before the write); keys and values include the T."""
+    num_new = queries.shape[-2]
+    rows = []
+    for row, length in enumerate(lengths):
+        calls = [mx.fast.scaled_dot_product_attention(
+            queries[row:row + 1, :, i:i + 1], keys[row:row + 1, :, :length + i + 1],
+            values[row:row + 1, :, :length + i + 1], scale=scale) for i in range(num_new)]
+        rows.append(calls[0] if num_new == 1 else mx.concatenate(calls, axis=2))
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)

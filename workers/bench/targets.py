@@ -21,13 +21,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from gmlx.config import ROW_ATTENTION_RULES
+
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
 _BOOL_KEYS = ("preempt", "resume", "adaptive", "row_invariance")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
-_STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label")
+_STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
 MLX_LM_FORMATS = ("auto", "float32", "quantized")
-_GMLX_KNOBS = ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens", "row_invariance")
+_GMLX_KNOBS = ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens", "row_invariance", "row_attention")
 DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
@@ -41,6 +43,7 @@ class TargetSpec:
     adaptive: bool | None = None  # GMLX_ADAPTIVE_DEPTH; None = the engine default (on)
     width_cap: int | None = None  # GMLX_MTP_WIDTH_CAP; None = the model's cap
     row_invariance: bool | None = None  # GMLX_ROW_INVARIANCE at load; None = auto (on a GPU only)
+    row_attention: str | None = None  # GMLX_ROW_ATTENTION at load (masked|unmasked); None = masked
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
@@ -62,7 +65,7 @@ class TargetSpec:
         for key in _GMLX_KNOBS:
             value = getattr(self, key)
             if value is not None:
-                parts.append(f"{key}={int(value)}")
+                parts.append(f"{key}={value if isinstance(value, str) else int(value)}")
         if self.kind == "mlx-lm" and self.blas != "same":
             parts.append(f"blas={self.blas}")
         if self.kind == "mlx-lm" and self.format != "auto":
@@ -82,6 +85,8 @@ class TargetSpec:
             env["GMLX_MTP_WIDTH_CAP"] = str(self.width_cap)
         if self.row_invariance is not None:
             env["GMLX_ROW_INVARIANCE"] = "1" if self.row_invariance else "0"
+        if self.row_attention is not None:
+            env["GMLX_ROW_ATTENTION"] = self.row_attention
         return env
 
     def describe(self) -> dict:
@@ -128,11 +133,14 @@ def _check(text: str, spec: TargetSpec) -> None:
         if kind not in ("none", "draft"):
             raise ValueError(f"target {text!r}: mlx-lm drafts only with a draft model (drafter=draft[:PATH])")
         if _gmlx_knobs(spec) - {"num_draft_tokens"}:
-            raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap and row_invariance are gmlx knobs")
+            raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap, row_invariance and row_attention "
+                             "are gmlx knobs")
         if spec.blas not in ("same", "bundled"):
             raise ValueError(f"target {text!r}: blas must be same or bundled")
     if spec.kind != "mlx-lm" and (spec.blas != "same" or spec.format != "auto"):
         raise ValueError(f"target {text!r}: blas and format apply to mlx-lm targets only")
+    if spec.row_attention not in (None, *ROW_ATTENTION_RULES):
+        raise ValueError(f"target {text!r}: row_attention must be one of {', '.join(ROW_ATTENTION_RULES)}")
     if spec.format not in MLX_LM_FORMATS:
         raise ValueError(f"target {text!r}: format must be one of {', '.join(MLX_LM_FORMATS)}")
     _check_llama_server(text, spec, kind)
@@ -157,8 +165,8 @@ def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
     if drafter_kind != "none":
         raise ValueError(f"target {text!r}: llama-server runs without a drafter here (drafter=none)")
     if _gmlx_knobs(spec):
-        raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap, num_draft_tokens and row_invariance "
-                         "are gmlx knobs")
+        raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap, num_draft_tokens, row_invariance "
+                         "and row_attention are gmlx knobs")
     if spec.gguf is not None and not spec.gguf.lower().endswith(".gguf"):
         raise ValueError(f"target {text!r}: gguf must name a .gguf file, got {spec.gguf!r}")
     if spec.num_slots == 0 or spec.slot_context_tokens == 0:
