@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gmlx.cache.ragged import RaggedKVCache
-from gmlx.config import EngineConfig, env_overrides
+from gmlx.config import EngineConfig, env_overrides, validate_settings
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.models.loader import load_model
@@ -70,6 +70,13 @@ def test_one_query_attention_computes_attention(lengths, num_new):
                 attend_each_query_alone(queries, k, v, 0.25, lengths)):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,value", [("GMLX_ROW_INVARIANCE", "sometimes"), ("GMLX_PRODUCT_BLOCK_ROWS", "0"),
+                                        ("GMLX_ROW_ATTENTION", "masked-ish")])
+def test_a_malformed_row_setting_fails_start_up(name, value):
+    with env_overrides({name: value}), pytest.raises(ValueError, match=name):
+        validate_settings()
 
 
 def test_the_rules_are_on_where_asked(invariant_target, mlx_ops_target):

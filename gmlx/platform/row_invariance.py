@@ -13,6 +13,10 @@ test plugin; this module applies them at load):
 - attention runs one query a call, always with an array mask, over keys that start at
   position 0 (RaggedKVCache's layout): the bits then matched across batch rows and masked tails.
 Metal is unmeasured; the rules assume nothing CUDA-specific, so they apply to every GPU.
+Their cost there is extra calls: the model's body pads a forward's tokens to whole blocks once
+(models/packed.py), and a masked one-query call costs ~25x an unmasked one on the H200, so
+GMLX_ROW_ATTENTION=unmasked runs each row's query alone over exactly the keys it sees (the call a
+lone row's plain step makes), pending its identity tests on a GPU.
 """
 
 from __future__ import annotations
