@@ -102,6 +102,8 @@ check() {
     GMLX_ROW_ATTENTION=unmasked timeout 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" \
         tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone > "$OUT/tests_unmasked.log" 2>&1
     echo "tests, unmasked attention rule: rc=$?"; tail -n 6 "$OUT/tests_unmasked.log"
+    timeout 40 python3 scripts/row_bits_probe.py --attention-only > "$OUT/probe_attention.log" 2>&1
+    echo "attention probe rc=$?"; grep -E "unmasked|moved" "$OUT/probe_attention.log"
     timeout 150 "${gmlx[@]}" bench --quiet --concurrency 1,4,16,32 --requests-per-client 2 --max-tokens 64 \
         --repeats 2 --out "$OUT/bench_engine.json" --target engine:drafter=none,label=plain \
         --target "engine:drafter=none,row_attention=unmasked,label=plain unmasked" \

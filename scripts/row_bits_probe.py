@@ -6,8 +6,11 @@ query's bits change with the query count, masked keys before or after its own, a
 batch rows and its slot in a fixed 16-query block (if that holds, attention could take fixed query
 blocks as products take fixed row blocks, instead of one query a call). These are the facts
 gmlx/platform/row_invariance.py's rules rest on. Run on a GPU through `bash scripts/cuda_bench.sh
-probe scripts/row_bits_probe.py`; on the CPU every answer is "same" (BENCHMARKS.md has the H200's).
+probe scripts/row_bits_probe.py [--attention-only]`; on the CPU every answer is "same"
+(BENCHMARKS.md has the H200's).
 """
+
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -110,6 +113,19 @@ def attention() -> None:
         is_slot_same = all(np.array_equal(slots[0], other) for other in slots[1:])
         print(f"attention {dtype}: in a masked {QUERY_BLOCK}-query call, a query moved among new queries: "
               f"{'same' if is_slot_same else 'differs'}")
+        # GMLX_ROW_ATTENTION=unmasked's one assumption: the unmasked call over a query's own keys
+        # keeps its bits whichever buffer the keys sit in (a batch cache's row, another capacity).
+        alone_here = attend(queries[:, :, last:last + 1], keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS], None)
+        buffers = [mx.concatenate([mx.random.normal((1, KV_HEADS, 256, HEAD_DIM)).astype(dtype),
+                                   mx.pad(a[:, :, :NUM_KEYS], [(0, 0), (0, 0), (0, 256 - NUM_KEYS), (0, 0)]),
+                                   mx.random.normal((1, KV_HEADS, 256, HEAD_DIM)).astype(dtype)]) for a in (keys, values)]
+        in_batch = attend(queries[:, :, last:last + 1], buffers[0][1:2, :, :NUM_KEYS], buffers[1][1:2, :, :NUM_KEYS],
+                          None)
+        contiguous = attend(queries[:, :, last:last + 1], *(mx.contiguous(a[:, :, :NUM_KEYS]) for a in (keys, values)),
+                            None)
+        print(f"attention {dtype}, unmasked over its own keys: as row 1 of a 3-row, 256-capacity buffer "
+              f"{'same' if np.array_equal(in_batch, alone_here) else 'differs'}; from a contiguous copy "
+              f"{'same' if np.array_equal(contiguous, alone_here) else 'differs'}")
         full = attend(queries[:, :, -1:], keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS], None)[0, :, 0]
         all_true = attend(queries[:, :, -1:], keys[:, :, :NUM_KEYS], values[:, :, :NUM_KEYS],
                           mx.ones((1, NUM_KEYS), dtype=mx.bool_))[0, :, 0]
@@ -120,5 +136,6 @@ def attention() -> None:
 if __name__ == "__main__":
     mx.random.seed(0)
     print(mx.__version__, mx.default_device())
-    products()
+    if "--attention-only" not in sys.argv:  # the products' part alone took ~45 s on an H200
+        products()
     attention()
