@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # gmlx on an NVIDIA GPU (mlx's CUDA backend), for a machine with no package index.
 #
-#   bash scripts/cuda_bench.sh prepare          # here: wheels for Python 3.12 into .cuda1/ .cuda2/
-#   bash scripts/cuda_bench.sh stage            # there, first: keep .cuda1/'s half of mlx-cuda
+#   bash scripts/cuda_bench.sh prepare          # here: wheels for Python 3.12 into .cuda1/ .cuda2/,
+#                                               # SmolLM2's GGUF in thirds into .cuda3/ .cuda4/ .cuda5/
+#   bash scripts/cuda_bench.sh stage [DIR]      # there, first: keep .cuda1/ (then .cuda3-5/: optional)
 #   OUT=dir bash scripts/cuda_bench.sh run      # there, next: install, then tests and benchmarks
 #   OUT=dir bash scripts/cuda_bench.sh check    # there, instead of run: the rules' tests and cost
 #   bash scripts/cuda_bench.sh probe scripts/row_bits_probe.py   # there: one script on the stack
 #
-# mlx-cuda's wheel is ~90 MB, more than one transfer of 64 MiB beside the tree, so its files
-# travel xz-packed in two halves; the rest of the wheels ride with the second half. The run
+# mlx-cuda's wheel is ~90 MB, more than one transfer of 64 MiB beside the tree (~20 MB), so its
+# files travel xz-packed in two halves; the rest of the wheels ride with the second half. The
+# real model (98 MB) travels in thirds, each staged by its own call; without them the runs skip
+# its benchmark. Calls must follow each other within the machine's idle window (~30 s). The run
 # writes its logs and the bench JSON under $OUT.
 set -uo pipefail
 
 MLX_VERSION=0.32.4
 STAGE=/tmp/gmlx_cuda_stage
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 SITE=/tmp/gmlx_cuda_site
 PY_TAGS=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
          --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64
@@ -29,12 +33,36 @@ prepare() {
     tar -C "$work/x" -cf - . | xz -T0 -6 > "$work/mlx_cuda.tar.xz" || exit 1
     split -b 40000000 -d "$work/mlx_cuda.tar.xz" "$work/mlx_cuda.tar.xz.part"
     mv "$work/mlx_cuda.tar.xz.part00" .cuda1/ && mv "$work"/mlx_cuda.tar.xz.part0[1-9] .cuda2/
+    local gguf
+    gguf=$(python3 -c "from gmlx.models.source import resolve_model_path; print(resolve_model_path('smollm2'))") || exit 1
+    split -n 3 -d "$gguf" "$work/$GGUF_NAME.part"
+    for i in 0 1 2; do mkdir -p ".cuda$((i + 3))" && mv "$work/$GGUF_NAME.part0$i" ".cuda$((i + 3))/"; done
     rm -rf "$work"
-    du -sh .cuda1 .cuda2
+    du -sh .cuda1 .cuda2 .cuda3 .cuda4 .cuda5
 }
 
 stage() {
-    mkdir -p "$STAGE" && cp .cuda1/* "$STAGE/" && ls -la "$STAGE"
+    mkdir -p "$STAGE" && cp "${1:-.cuda1}"/* "$STAGE/" && ls -la "$STAGE"
+}
+
+# SmolLM2's GGUF put back together from the staged thirds; empty when they are not all there.
+real_model() {
+    [ "$(ls "$STAGE/$GGUF_NAME".part0* 2>/dev/null | wc -l)" = 3 ] || return 0
+    [ -f "$STAGE/$GGUF_NAME" ] || cat "$STAGE/$GGUF_NAME".part0* > "$STAGE/$GGUF_NAME"
+    echo "$STAGE/$GGUF_NAME"
+}
+
+# The real model on the GPU: plain and the default drafter, with each attention rule and the rules off.
+bench_real_model() {
+    local gguf
+    gguf=$(real_model)
+    [ -n "$gguf" ] || { echo "real model: not staged (stage .cuda3, .cuda4 and .cuda5 first)"; return 0; }
+    timeout 150 python3 -m workers.cli bench --quiet --model "$gguf" --concurrency 1,8 --requests-per-client 2 \
+        --max-tokens 64 --repeats 2 --out "$OUT/bench_smollm2.json" --target engine:drafter=none,label=plain \
+        --target engine:label=default --target "engine:row_attention=unmasked,label=default unmasked" \
+        --target "engine:drafter=none,row_invariance=0,label=plain rules off" \
+        --target "engine:row_invariance=0,label=default rules off" > "$OUT/bench_smollm2.log" 2>&1
+    echo "bench smollm2 rc=$?"; grep -E '^\| (conc|[0-9])' "$OUT/bench_smollm2.log" | cut -d'|' -f2-8,12,14
 }
 
 install() {
@@ -85,6 +113,7 @@ run() {
         --out "$OUT/bench_server.json" --target server:drafter=none,label=plain \
         --target server:label=default > "$OUT/bench_server.log" 2>&1
     echo "bench server rc=$?"; tail -n 15 "$OUT/bench_server.log"
+    bench_real_model
 }
 
 # After a change to the row-invariance rules, a shorter run (~5 minutes): their identity tests
@@ -116,6 +145,7 @@ check() {
         --target "engine:drafter=none,row_attention=unmasked,label=plain unmasked" \
         --target "engine:drafter=none,row_invariance=0,label=plain rules off" > "$OUT/bench_prefill.log" 2>&1
     echo "bench prefill rc=$?"; grep -E '^\| (conc|[0-9])' "$OUT/bench_prefill.log" | cut -d'|' -f2-8,12
+    bench_real_model
 }
 
 # One script on the installed stack, for a probe between full runs (`probe scripts/x.py`).
@@ -126,7 +156,7 @@ probe() {
 
 case "${1:-}" in
     prepare) prepare ;;
-    stage) stage ;;
+    stage) shift; stage "$@" ;;
     run) run ;;
     check) check ;;
     probe) shift; probe "$@" ;;
