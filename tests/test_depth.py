@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gmlx.config import EngineConfig
+from gmlx.config import EngineConfig, env_overrides
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.models.loader import load_model
@@ -220,6 +220,21 @@ def test_calibration_is_measured_again_when_a_cpu_kernel_switch_changes(tiny_tar
     calibration.load_or_measure(tiny_target, drafter, max_rows=2)
     monkeypatch.setenv("GMLX_CPU_FUSED_LAYERS", "0")
     calibration.load_or_measure(tiny_target, drafter, max_rows=2)
+    assert len(json.loads((tmp_path / "spec_calibration.json").read_text())) == 2
+
+
+def test_calibration_is_measured_again_for_a_model_loaded_under_the_row_rules(tiny_target, tiny_llama_dir, tmp_path,
+                                                                              monkeypatch):
+    """A GPU's round costs change with the row-invariance rules (2-3x on an H200), so the rules a
+    model was loaded under are part of its table's key; the settings read later are not."""
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(timing, "MAX_OTHER_LOAD", 1.0)
+    monkeypatch.setenv("GMLX_CALIBRATE", "auto")
+    with env_overrides({"GMLX_ROW_INVARIANCE": "1", "GMLX_PRODUCT_BLOCK_ROWS": "8"}):
+        ruled = load_model(tiny_llama_dir)
+    assert ruled.body.row_rules is not None
+    for target in (tiny_target, ruled, tiny_target):  # the last reads the first's entry back
+        calibration.load_or_measure(target, make_drafter("ngram", target), max_rows=2)
     assert len(json.loads((tmp_path / "spec_calibration.json").read_text())) == 2
 
 

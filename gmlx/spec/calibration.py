@@ -242,7 +242,11 @@ def _cache_key(target, drafter, max_rows: int) -> str:
              str(drafter.num_draft_tokens), str(min(max_rows, _MAX_WIDTH)), os.environ.get("OPENBLAS_CORETYPE", ""),
              str(getattr(drafter, "path", ""))]
     # The CPU kernels' switches and build set the costs too: a rebuilt (faster) extension re-measures.
-    parts += [f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("GMLX_CPU_")]
+    # So do the graph's switches, the device, and the row-invariance rules the model was loaded
+    # under (they cost a GPU 2-3x): a table measured with them is not read without them.
+    parts += [f"{name}={value}" for name, value in sorted(os.environ.items())
+              if name.startswith(("GMLX_CPU_", "GMLX_FUSE_CPU_OPS", "GMLX_INPUT_MAJOR_WEIGHTS"))]
+    parts += [str(mx.default_device()), repr(getattr(target.body, "row_rules", None))]
     # The weights too: a model folder's safetensors and config, or the GGUF file itself.
     source = Path(target.path)
     weights = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
