@@ -18,6 +18,8 @@ set -uo pipefail
 MLX_VERSION=0.32.4
 STAGE=/tmp/gmlx_cuda_stage
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+# Speculative and batched output against plain decoding, on the GPU's own kernels.
+IDENTITY_TESTS=(tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone)
 SITE=/tmp/gmlx_cuda_site
 PY_TAGS=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
          --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64
@@ -62,7 +64,12 @@ bench_real_model() {
         --target engine:label=default --target "engine:row_attention=unmasked,label=default unmasked" \
         --target "engine:drafter=none,row_invariance=0,label=plain rules off" \
         --target "engine:row_invariance=0,label=default rules off" > "$OUT/bench_smollm2.log" 2>&1
-    echo "bench smollm2 rc=$?"; grep -E '^\| (conc|[0-9])' "$OUT/bench_smollm2.log" | cut -d'|' -f2-8,12,14
+    echo "bench smollm2 rc=$?"; show_table "$OUT/bench_smollm2.log" 2-8,12,14
+}
+
+# A bench log's table, the columns worth reading in a terminal.
+show_table() {
+    grep -E '^\| (conc|[0-9])' "$1" | cut -d'|' -f"$2"
 }
 
 install() {
@@ -76,18 +83,30 @@ install() {
     ln -sfn "$nvidia" "$SITE/nvidia"
 }
 
-run() {
+# Install, then run everything after this on the installed stack.
+start() {
     : "${OUT:?OUT names the folder for logs}"
     install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
     export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+}
+
+# Prefill under the rules (one attention call a query): time to first token on long prompts.
+bench_prefill() {
+    timeout "$1" python3 -m workers.cli bench --quiet --concurrency 1 --requests-per-client 3 --prompt-tokens 400 \
+        --max-tokens 8 --repeats 2 --out "$OUT/bench_prefill.json" --target engine:drafter=none,label=plain \
+        --target "engine:drafter=none,row_attention=unmasked,label=plain unmasked" \
+        --target "engine:drafter=none,row_invariance=0,label=plain rules off" > "$OUT/bench_prefill.log" 2>&1
+    echo "bench prefill rc=$?"; show_table "$OUT/bench_prefill.log" 2-8,12
+}
+
+run() {
+    start
     local gmlx=(python3 -m workers.cli)
     { nvidia-smi -L; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
       "${gmlx[@]}" doctor; } > "$OUT/env.txt" 2>&1
     cat "$OUT/env.txt"
-    # Speculative and batched output against plain decoding, on the GPU's own kernels.
     # Row invariance on (auto on a GPU), then off: without it 3 of 25 failed on an H200.
-    local tests=(tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" tests/test_row_invariance.py \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${IDENTITY_TESTS[@]}" tests/test_row_invariance.py \
         > "$OUT/tests.log" 2>&1
     echo "tests rc=$?"; tail -n 25 "$OUT/tests.log"
     # The built-in model, in-process: plain, the default (adaptive) and fixed-depth speculation.
@@ -98,15 +117,11 @@ run() {
         --target engine:adaptive=0,label=fixed --target "engine:drafter=none,row_invariance=0,label=plain rules off" \
         --target "engine:row_invariance=0,label=default rules off" > "$OUT/bench_engine.log" 2>&1
     echo "bench engine rc=$?"; tail -n 40 "$OUT/bench_engine.log"
-    # Prefill under the rules (one attention call a query): time to first token on long prompts.
-    timeout 90 "${gmlx[@]}" bench --quiet --concurrency 1 --requests-per-client 3 --prompt-tokens 400 \
-        --max-tokens 8 --repeats 2 --out "$OUT/bench_prefill.json" --target engine:drafter=none,label=plain \
-        --target "engine:drafter=none,row_invariance=0,label=plain rules off" > "$OUT/bench_prefill.log" 2>&1
-    echo "bench prefill rc=$?"; tail -n 8 "$OUT/bench_prefill.log"
+    bench_prefill 90
     # Whether a cheaper attention rule (fixed 16-query masked calls) would keep rows' bits.
     timeout 45 python3 scripts/row_bits_probe.py > "$OUT/probe.log" 2>&1
     echo "probe rc=$?"; tail -n 30 "$OUT/probe.log"
-    GMLX_ROW_INVARIANCE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" \
+    GMLX_ROW_INVARIANCE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${IDENTITY_TESTS[@]}" \
         > "$OUT/tests_rules_off.log" 2>&1
     echo "tests, row invariance off: rc=$?"; tail -n 6 "$OUT/tests_rules_off.log"
     timeout 110 "${gmlx[@]}" bench --quiet --concurrency 1,4,16 --requests-per-client 2 --max-tokens 64 \
@@ -120,16 +135,14 @@ run() {
 # on this GPU under each attention rule, then what they cost in decode and prefill, side by side
 # with the rules off.
 check() {
-    : "${OUT:?OUT names the folder for logs}"
-    install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-    export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+    start
     local gmlx=(python3 -m workers.cli)
     python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_speculative.py \
-        tests/test_engine.py::test_staggered_batch_equals_alone tests/test_row_invariance.py > "$OUT/tests.log" 2>&1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" "${IDENTITY_TESTS[@]}" \
+        tests/test_row_invariance.py > "$OUT/tests.log" 2>&1
     echo "tests rc=$?"; tail -n 12 "$OUT/tests.log"
     GMLX_ROW_ATTENTION=unmasked timeout 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" \
-        tests/test_speculative.py tests/test_engine.py::test_staggered_batch_equals_alone > "$OUT/tests_unmasked.log" 2>&1
+        "${IDENTITY_TESTS[@]}" > "$OUT/tests_unmasked.log" 2>&1
     echo "tests, unmasked attention rule: rc=$?"; tail -n 6 "$OUT/tests_unmasked.log"
     timeout 40 python3 scripts/row_bits_probe.py --attention-only > "$OUT/probe_attention.log" 2>&1
     echo "attention probe rc=$?"; grep -E "unmasked|moved" "$OUT/probe_attention.log"
@@ -139,12 +152,8 @@ check() {
         --target "engine:drafter=none,row_invariance=0,label=plain rules off" --target engine:label=default \
         --target "engine:row_attention=unmasked,label=default unmasked" \
         --target "engine:row_invariance=0,label=default rules off" > "$OUT/bench_engine.log" 2>&1
-    echo "bench engine rc=$?"; grep -E '^\| (conc|[0-9])' "$OUT/bench_engine.log" | cut -d'|' -f2-8,12
-    timeout 60 "${gmlx[@]}" bench --quiet --concurrency 1 --requests-per-client 3 --prompt-tokens 400 \
-        --max-tokens 8 --repeats 2 --out "$OUT/bench_prefill.json" --target engine:drafter=none,label=plain \
-        --target "engine:drafter=none,row_attention=unmasked,label=plain unmasked" \
-        --target "engine:drafter=none,row_invariance=0,label=plain rules off" > "$OUT/bench_prefill.log" 2>&1
-    echo "bench prefill rc=$?"; grep -E '^\| (conc|[0-9])' "$OUT/bench_prefill.log" | cut -d'|' -f2-8,12
+    echo "bench engine rc=$?"; show_table "$OUT/bench_engine.log" 2-8,12
+    bench_prefill 60
     bench_real_model
 }
 
