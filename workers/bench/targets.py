@@ -133,7 +133,7 @@ def _check(text: str, spec: TargetSpec) -> None:
         if kind not in ("none", "draft"):
             raise ValueError(f"target {text!r}: mlx-lm drafts only with a draft model (drafter=draft[:PATH])")
         if _gmlx_knobs(spec) - {"num_draft_tokens"}:
-            raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap, row_invariance and row_attention "
+            raise ValueError(f"target {text!r}: {', '.join(k for k in _GMLX_KNOBS if k != 'num_draft_tokens')} "
                              "are gmlx knobs")
         if spec.blas not in ("same", "bundled"):
             raise ValueError(f"target {text!r}: blas must be same or bundled")
@@ -165,8 +165,7 @@ def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
     if drafter_kind != "none":
         raise ValueError(f"target {text!r}: llama-server runs without a drafter here (drafter=none)")
     if _gmlx_knobs(spec):
-        raise ValueError(f"target {text!r}: preempt, resume, adaptive, width_cap, num_draft_tokens, row_invariance "
-                         "and row_attention are gmlx knobs")
+        raise ValueError(f"target {text!r}: {', '.join(_GMLX_KNOBS)} are gmlx knobs")
     if spec.gguf is not None and not spec.gguf.lower().endswith(".gguf"):
         raise ValueError(f"target {text!r}: gguf must name a .gguf file, got {spec.gguf!r}")
     if spec.num_slots == 0 or spec.slot_context_tokens == 0:
