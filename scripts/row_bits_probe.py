@@ -39,19 +39,25 @@ def classes(results: dict) -> str:
     return " | ".join(",".join(map(str, members)) for members, _ in groups)
 
 
+def num_moved_differing(weight: mx.array, block: mx.array, places) -> int:
+    """Of these places in a block-sized call, at how many block's row 0 gets other bits than in
+    the block itself when it sits there among new rows."""
+    want = as_np(block @ weight.T)[0]
+    num_differing = 0
+    for place in places:
+        others = mx.random.normal(block.shape).astype(block.dtype)
+        shuffled = mx.concatenate([others[:place], block[:1], others[place + 1:]])
+        num_differing += not np.array_equal(as_np(shuffled @ weight.T)[place], want)
+    return num_differing
+
+
 def products() -> None:
     for dtype in (mx.float32, mx.bfloat16):
         for num_outputs, num_inputs in SHAPES:
             weight = (mx.random.normal((num_outputs, num_inputs)) * 0.05).astype(dtype)
             x = mx.random.normal((max(ROW_COUNTS), num_inputs)).astype(dtype)
             row0 = {m: as_np(x[:m] @ weight.T)[0] for m in ROW_COUNTS}
-            block = x[:BLOCK_ROWS]
-            want = as_np(block @ weight.T)[0]
-            moved = 0
-            for place in (1, 5, 17, BLOCK_ROWS - 1):  # row 0 moved to `place`, every other row new
-                others = mx.random.normal((BLOCK_ROWS, num_inputs)).astype(dtype)
-                shuffled = mx.concatenate([others[:place], block[:1], others[place + 1:]])
-                moved += not np.array_equal(as_np(shuffled @ weight.T)[place], want)
+            moved = num_moved_differing(weight, x[:BLOCK_ROWS], (1, 5, 17, BLOCK_ROWS - 1))
             print(f"product {dtype} {num_outputs}x{num_inputs}: row 0's bits by row count: {classes(row0)}; "
                   f"in a {BLOCK_ROWS}-row block, moved among new rows: {moved}/4 differ")
     weight = mx.random.normal((1536, 576)) * 0.05

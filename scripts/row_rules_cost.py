@@ -17,6 +17,7 @@ import numpy as np
 from gmlx.cache.ragged import make_ragged_cache
 from gmlx.config import ROW_ATTENTION_RULES, env_overrides
 from gmlx.models.loader import load_model
+from row_bits_probe import num_moved_differing  # scripts/, beside this one
 
 BLOCK_SIZES = (8, 16, 32)
 PRODUCT_SHAPES = [(256, 256), (768, 256), (256, 768), (2048, 256), (576, 576), (1536, 576), (49152, 576)]
@@ -67,16 +68,8 @@ def products() -> None:
             xs = [mx.random.normal((num_rows, num_inputs), key=mx.random.key(i)) for i in range(8)]
             mx.eval(weight, xs)
             cells.append(f"{num_rows}: {batch_us(lambda n: [xs[i % 8] @ weight.T for i in range(n)]):.1f} us")
-        moved = []
-        for block_rows in BLOCK_SIZES:
-            block = mx.random.normal((block_rows, num_inputs))
-            want = np.array(block @ weight.T)[0]
-            num_differ = 0
-            for place in (1, block_rows // 2, block_rows - 1):
-                others = mx.random.normal((block_rows, num_inputs))
-                shuffled = mx.concatenate([others[:place], block[:1], others[place + 1:]])
-                num_differ += not np.array_equal(np.array(shuffled @ weight.T)[place], want)
-            moved.append(f"{block_rows} rows {num_differ}/3")
+        moved = [f"{b} rows {num_moved_differing(weight, mx.random.normal((b, num_inputs)), (1, b // 2, b - 1))}/3"
+                 for b in BLOCK_SIZES]
         print(f"product {num_outputs}x{num_inputs} float32: " + ", ".join(cells) + "; moved among new rows, differ: "
               + ", ".join(moved))
 
