@@ -317,13 +317,21 @@ def log_level() -> str:
     return level
 
 
+def is_drafter_quantized() -> bool:
+    """GMLX_CPU_DRAFTER_QUANTIZED (default on): on the CPU, a quantized target's MTP head and
+    draft-vocabulary products are quantized to the target's bits in its kernels
+    (gmlx/platform/cpu_drafter_products.py); 0 keeps them float32 (A/B runs)."""
+    return _env_flag("GMLX_CPU_DRAFTER_QUANTIZED", True)
+
+
 def validate_settings() -> None:
     """Read every GMLX_* setting once, so a malformed one fails start-up (ValueError naming
     it) instead of the first round that reads it."""
     for read in (is_preempt_enabled, is_resume_enabled, width_cap_override, resume_min_budget, blas_lib_override,
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
-                 is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule):
+                 is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule,
+                 is_drafter_quantized):
         read()
 
 

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from gmlx.config import env_overrides  # noqa: E402
 from gmlx.drafters.ngram import NgramDrafter, scan_lookup  # noqa: E402
+from gmlx.models.draft_vocab import make_draft_vocab_head  # noqa: E402
 from gmlx.models.head_registry import SHIPPED_HEADS_DIR, file_sha256  # noqa: E402
 from gmlx.models.loader import load_model  # noqa: E402
 from gmlx.models.mtp_head import MTPHead, MTPHeadArgs, load_mtp_head, save_mtp_head  # noqa: E402
@@ -88,6 +89,11 @@ def parse_args():
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the head drafts from: the target's most frequent greedy choices on the "
+                        "train windows (0: the whole vocabulary)")
+    p.add_argument("--from-head", type=Path, default=None,
+                   help="skip training: give this head a draft vocabulary and score it")
     return p.parse_args()
 
 
@@ -228,9 +234,20 @@ def ngram_first_hits(data: dict) -> tuple[int, int]:
     return hits, total
 
 
-def agreement(head, target, data: dict, batch: int = 4) -> dict:
+def choose_draft_vocab(data: dict, size: int) -> mx.array | None:
+    """The `size` tokens the target chose greedily most often on the train windows, as
+    increasing ids (ties: the smaller id), or None for the whole vocabulary."""
+    if size <= 0:
+        return None
+    ids, counts = np.unique(data["greedy"], return_counts=True)
+    chosen = ids[np.lexsort((ids, -counts))[:size]]
+    return mx.array(np.sort(chosen).astype(np.int32))
+
+
+def agreement(head, target, data: dict, output_head, batch: int = 4) -> dict:
     """First-draft agreement: the head's top-1 from (h_t, x_{t+1}) through the target's
-    lm_head, against the target's own greedy token for x_{t+2}, over the full vocabulary."""
+    lm_head, against the target's own greedy token for x_{t+2}, over the full vocabulary,
+    and through `output_head` (the draft vocabulary's product) as the drafter picks it."""
     tally, embed = Tally(), target.body.embed_tokens
     for i in range(0, len(data["tokens"]), batch):
         tokens = mx.array(data["tokens"][i:i + batch])
@@ -239,6 +256,8 @@ def agreement(head, target, data: dict, batch: int = 4) -> dict:
         first = head(hidden[:, :-1], tokens[:, 1:], embed)
         first_hit = target.head(first).argmax(-1) == greedy[:, 1:]
         tally.add("first", first_hit.sum(), first_hit.size)
+        drafted_hit = output_head.greedy(first) == greedy[:, 1:]
+        tally.add("first_drafted", drafted_hit.sum(), drafted_hit.size)
         # Greedy decoding only feeds the head the target's own choice: where the text agrees.
         on_path = tokens[:, 1:] == greedy[:, :-1]
         tally.add("first_on_greedy_path", (first_hit & on_path).sum(), on_path.sum().item())
@@ -248,7 +267,11 @@ def agreement(head, target, data: dict, batch: int = 4) -> dict:
         accepted = first_hit[:, :-1] & (tokens[:, 2:] == greedy[:, 1:-1])
         tally.add("second_given_first", (second_hit & accepted).sum(), accepted.sum().item())
     tally.add("ngram_first", *ngram_first_hits(data))
+    ids = getattr(output_head, "ids", None)
+    in_vocab = 1.0 if ids is None else float(np.isin(data["greedy"], np.array(ids)).mean())
     return {"mtp_first_draft_agreement": tally.mean("first"),
+            "mtp_first_draft_agreement_in_draft_vocab": tally.mean("first_drafted"),
+            "greedy_tokens_in_draft_vocab": in_vocab,
             "mtp_first_draft_agreement_on_greedy_path": tally.mean("first_on_greedy_path"),
             "mtp_second_draft_agreement_given_first": tally.mean("second_given_first"),
             "ngram_first_draft_agreement": tally.mean("ngram_first"),
@@ -299,20 +322,28 @@ def main():
                             intermediate_size=args.intermediate,
                             rms_norm_eps=float(getattr(target.model.args, "rms_norm_eps", 1e-6)),
                             target_sha256=checksum, target_name=gguf_path.name)
-    head = MTPHead(head_args)
-    mx.eval(head.parameters())
-    train_s = train(head, target, sets["train"], args, rng)
-    save_mtp_head(head, head_args, out_dir)
+    if args.from_head is None:
+        head = MTPHead(head_args)
+        mx.eval(head.parameters())
+        train_s = train(head, target, sets["train"], args, rng)
+    else:
+        head, train_s = load_mtp_head(args.from_head), None
+        head_args = head.args
+    draft_token_ids = choose_draft_vocab(sets["train"], args.draft_vocab)
+    save_mtp_head(head, head_args, out_dir, draft_token_ids)
     head = load_mtp_head(out_dir)  # score the head as shipped: float16 on disk
+    output_head = make_draft_vocab_head(target, draft_token_ids)
 
     metrics = {"target": gguf_path.name, "target_sha256": checksum, "argv": sys.argv[1:],
                "train_windows": len(sets["train"]["tokens"]),
                "train_positions": int(sets["train"]["tokens"].size),
                "collect_seconds": None if collect_s is None else round(collect_s, 1),
-               "is_collection_reused": is_reused, "train_seconds": round(train_s, 1),
+               "is_collection_reused": is_reused,
+               "train_seconds": None if train_s is None else round(train_s, 1),
+               "draft_vocab_size": head_args.draft_vocab_size,
                "weights_bytes": (out_dir / "model.safetensors").stat().st_size}
     for kind in KINDS:
-        metrics[f"heldout_{kind}"] = agreement(head, target, sets[f"heldout_{kind}"])
+        metrics[f"heldout_{kind}"] = agreement(head, target, sets[f"heldout_{kind}"], output_head)
     metrics["script_seconds"] = round(time.perf_counter() - script_start_s, 1)
     (out_dir / "training.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics, indent=2), flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import mlx.core as mx
@@ -19,6 +20,11 @@ class ModelDrafter:
 
     def would_have_drafted(self, request) -> bool | None:
         return None  # a draft would need a forward
+
+    def weight_files(self) -> list[Path]:
+        """The files its weights come from: a retrained head in the same folder re-calibrates."""
+        folder = Path(self.path)
+        return sorted(folder.glob("*.safetensors")) + [folder / "config.json"]
 
 
 class Drafter(Protocol):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 
 from gmlx.drafters.base import ModelDrafter
 from gmlx.sampling import probabilities, sample
+
+logger = logging.getLogger(__name__)
 
 
 class MTPDrafter(ModelDrafter):
@@ -13,18 +17,25 @@ class MTPDrafter(ModelDrafter):
     needs_hidden = True
 
     def __init__(self, path, target, num_draft_tokens: int | None = None):
+        from gmlx.models.draft_vocab import make_draft_vocab_head
         from gmlx.models.head_registry import check_head_fits_target, read_head_identity
         from gmlx.models.mtp_head import load_mtp_head
+        from gmlx.platform.cpu_drafter_products import quantized_format
 
         # Before the shape check: "distilled from another model" is the message that helps.
         check_head_fits_target(path, *read_head_identity(path), target.path)
-        self.head = load_mtp_head(path)
+        self.head = load_mtp_head(path, quantized_format(target.body.layers[0]))
         if self.head.args.hidden_size != target.hidden_size or self.head.args.vocab_size != target.vocab_size:
             raise ValueError(
                 f"drafter mtp:{path}: head is for hidden {self.head.args.hidden_size} / vocab "
                 f"{self.head.args.vocab_size}, target has {target.hidden_size} / {target.vocab_size}"
             )
         self.target = target
+        ids = self.head.draft_token_ids
+        # The target's output product, over the head's draft vocabulary when it ships one.
+        self.output_head = make_draft_vocab_head(target, None if ids is None else mx.array(ids))
+        logger.info("MTP head %s: products %s; drafts from %s tokens", path, self.head.layout,
+                    target.vocab_size if ids is None else ids.size)
         self.path = str(path)  # part of the calibration's cache key
         self.num_draft_tokens = num_draft_tokens or 3
         self.hidden: mx.array | None = None  # (B, 1, D): each row's hidden behind its pending token
@@ -55,8 +66,11 @@ class MTPDrafter(ModelDrafter):
         drafts, probs = [], []
         for j in range(num_tokens):
             hidden = self.head(hidden, token, embed)
-            logits = self.target.head(hidden)  # (B, 1, V)
-            token = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
+            if batch.draft_sampling.is_all_greedy and not with_probs:
+                token = self.output_head.greedy(hidden)  # (B, 1): no full-vocabulary logits
+            else:
+                logits = self.output_head(hidden)  # (B, 1, V)
+                token = sample(logits, batch.draft_sampling, positions[:, j : j + 1])
             drafts.append(token)
             if with_probs:
                 probs.append(probabilities(logits, batch.draft_sampling))

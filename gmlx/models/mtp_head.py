@@ -21,10 +21,11 @@ from typing import Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from gmlx.config import is_input_major_enabled
-from gmlx.platform.cpu_layout import store_weights_input_major
+from gmlx.models.draft_vocab import DRAFT_VOCAB_KEY, check_draft_vocab
+from gmlx.platform.cpu_drafter_products import prepare_drafter_products
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,6 +43,8 @@ class MTPHeadArgs:
     # target of its shape); the drafter refuses it for any other file.
     target_sha256: str | None = None
     target_name: str | None = None
+    # How many tokens the head drafts from (gmlx/models/draft_vocab.py); None: all of them.
+    draft_vocab_size: int | None = None
 
 
 class MTPHead(nn.Module):
@@ -81,15 +84,21 @@ class MTPHead(nn.Module):
         return self.final_norm(x)
 
 
-def save_mtp_head(head: MTPHead, args: MTPHeadArgs, path: Union[str, Path]) -> None:
-    """Write config.json and model.safetensors (float16, to keep the repository small)."""
+def save_mtp_head(head: MTPHead, args: MTPHeadArgs, path: Union[str, Path],
+                  draft_token_ids: mx.array | None = None) -> None:
+    """Write config.json and model.safetensors (float16, to keep the repository small), with the
+    head's draft vocabulary (int32 token ids) when it has one."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    args.draft_vocab_size = None if draft_token_ids is None else int(draft_token_ids.size)
     with open(path / CONFIG_FILE, "w") as f:
         json.dump(asdict(args), f, indent=2)
         f.write("\n")
     weights = dict(tree_flatten(head.parameters()))
     weights = {name: value.astype(mx.float16) for name, value in weights.items()}
+    if draft_token_ids is not None:
+        check_draft_vocab(draft_token_ids, args.vocab_size, f"MTP head at {path}")
+        weights[DRAFT_VOCAB_KEY] = draft_token_ids
     mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
 
 
@@ -114,8 +123,10 @@ def _read_args(path: Path) -> MTPHeadArgs:
         raise ValueError(f"MTP head at {path}: bad {CONFIG_FILE}: {e}") from e
 
 
-def load_mtp_head(path: Union[str, Path]) -> MTPHead:
-    """Load a head saved by save_mtp_head; parameters are float32 in memory.
+def load_mtp_head(path: Union[str, Path], target_format: tuple[int, int] | None = None) -> MTPHead:
+    """Load a head saved by save_mtp_head; parameters are float32 in memory, and on the CPU
+    quantized to target_format (bits, group_size) in the kernels when its target is quantized
+    (cpu_drafter_products). Its draft vocabulary, if any: `head.draft_token_ids`.
 
     Raises ValueError naming `path` when the folder, config or weights are missing or
     do not match each other.
@@ -130,6 +141,13 @@ def load_mtp_head(path: Union[str, Path]) -> MTPHead:
         weights = mx.load(str(weights_path))
     except Exception as e:  # mlx raises bare RuntimeError/ValueError for I/O and format
         raise ValueError(f"MTP head at {path}: cannot read {WEIGHTS_FILE}: {e}") from e
+    draft_token_ids = weights.pop(DRAFT_VOCAB_KEY, None)
+    if (draft_token_ids is None) != (args.draft_vocab_size is None) or (
+            draft_token_ids is not None and draft_token_ids.size != args.draft_vocab_size):
+        raise ValueError(f"MTP head at {path}: {CONFIG_FILE} says draft_vocab_size {args.draft_vocab_size}, "
+                         f"{WEIGHTS_FILE} holds {0 if draft_token_ids is None else draft_token_ids.size} draft ids")
+    if draft_token_ids is not None:
+        check_draft_vocab(draft_token_ids, args.vocab_size, f"MTP head at {path}")
     try:
         # strict: a missing, extra or mis-shaped tensor is a broken head, not a partial one.
         head.load_weights(list(weights.items()), strict=True)
@@ -137,7 +155,8 @@ def load_mtp_head(path: Union[str, Path]) -> MTPHead:
         raise ValueError(f"MTP head at {path}: weights do not match config: {e}") from e
     head.update(tree_map(lambda p: p.astype(mx.float32), head.parameters()))
     mx.eval(head.parameters())
-    if mx.default_device() == mx.cpu and is_input_major_enabled():
-        store_weights_input_major(head)  # its products are one-row decode products too
+    head.layout = prepare_drafter_products(head, target_format)  # one-row decode products too
+    # numpy, not mx: an mx array attribute would join the head's parameters (and its saves).
+    head.draft_token_ids = None if draft_token_ids is None else np.array(draft_token_ids)
     head.eval()
     return head

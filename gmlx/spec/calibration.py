@@ -250,7 +250,8 @@ def _cache_key(target, drafter, max_rows: int) -> str:
     # The weights too: a model folder's safetensors and config, or the GGUF file itself.
     source = Path(target.path)
     weights = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + [source / "config.json"]
-    files = weights + cpu_kernels.build_files()
+    drafter_files = drafter.weight_files() if hasattr(drafter, "weight_files") else []
+    files = weights + drafter_files + cpu_kernels.build_files()
     return machine_cache.cache_key(parts, files)
 
 

@@ -1,0 +1,114 @@
+"""A head's draft vocabulary: the tokens an MTP head may draft, and the output product over only them.
+
+An MTP draft ends in the target's output product over the whole vocabulary (SmolLM2: 49,152
+rows, the larger half of a draft's time at one row). The tokens a model emits are a small share
+of that, so a head trained for one model may ship the ids it drafts from, and the drafter
+computes logits for those rows only. Drafts are proposals the verify accepts or replaces, so a
+smaller draft vocabulary can make a draft impossible but never changes a decoded token.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from gmlx.platform.cpu_drafter_products import prepare_drafter_products
+
+logger = logging.getLogger(__name__)
+
+DRAFT_VOCAB_KEY = "draft_token_ids"  # its tensor in the head's safetensors file
+
+
+def check_draft_vocab(ids: mx.array, vocab_size: int, where: str) -> None:
+    """ValueError naming `where` unless ids are increasing int32 token ids in [0, vocab_size)."""
+    if ids.dtype != mx.int32 or ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"{where}: {DRAFT_VOCAB_KEY} must be a non-empty 1-D int32 array, "
+                         f"got shape {tuple(ids.shape)} {ids.dtype}")
+    # Increasing: no id twice, and a tie's first maximum is the same token over these rows as
+    # over the whole vocabulary.
+    if ids.size > 1 and not mx.all(ids[1:] > ids[:-1]).item():
+        raise ValueError(f"{where}: {DRAFT_VOCAB_KEY} must be increasing token ids")
+    if ids[0].item() < 0 or ids[-1].item() >= vocab_size:
+        raise ValueError(f"{where}: {DRAFT_VOCAB_KEY} holds ids outside the vocabulary [0, {vocab_size})")
+
+
+def output_rows(target, ids: mx.array) -> mx.array | None:
+    """The target's output-product rows (len(ids), D) for these tokens, in float32; None when
+    its head keeps them in a layout only its own product reads (it then drafts over everything)."""
+    body = target.body
+    head = target.head
+    if getattr(head, "__self__", None) is body.embed_tokens:  # tied: the token table's rows are the head's
+        return body.embed_tokens(ids).astype(mx.float32)
+    if type(head) is nn.Linear:
+        return head.weight[ids].astype(mx.float32)
+    if isinstance(head, nn.QuantizedLinear) and "weight" in head:
+        return mx.dequantize(head["weight"][ids], head["scales"][ids].astype(mx.float32),
+                             head["biases"][ids].astype(mx.float32), group_size=head.group_size,
+                             bits=head.bits)
+    return None
+
+
+def _head_format(target) -> tuple[int, int] | None:
+    """(bits, group_size) of the target's output product when it is quantized, else None."""
+    module = getattr(target.head, "__self__", target.head)
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return module.bits, module.group_size
+    return None
+
+
+class DraftVocabHead(nn.Module):
+    """hidden (B, T, D) -> logits (B, T, V): the target's logits on the draft vocabulary, -inf
+    elsewhere, so the samplers and the stochastic acceptance see a full-vocabulary distribution
+    that is the one the drafts were drawn from."""
+
+    def __init__(self, target, ids: mx.array, rows: mx.array):
+        super().__init__()
+        self.ids = ids
+        self.vocab_size = target.vocab_size
+        self.product = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+        self.product.weight = rows
+        # A quantized target's head: these rows at its bits in the same kernels.
+        self.layout = prepare_drafter_products(self, _head_format(target), is_head=True)
+        mx.eval(self.parameters())
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.size
+
+    def __call__(self, hidden: mx.array) -> mx.array:
+        scores = self.product(hidden)  # (B, T, n)
+        logits = mx.full((*scores.shape[:-1], self.vocab_size), -mx.inf, dtype=scores.dtype)
+        logits[..., self.ids] = scores
+        return logits
+
+    def greedy(self, hidden: mx.array) -> mx.array:
+        """The argmax of __call__'s logits, (B, T) int32, without spreading them over the vocabulary."""
+        return self.ids[mx.argmax(self.product(hidden), axis=-1)]
+
+
+class WholeVocabHead:
+    """The target's own output product, with the same two calls as DraftVocabHead."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def __call__(self, hidden: mx.array) -> mx.array:
+        return self.head(hidden)
+
+    def greedy(self, hidden: mx.array) -> mx.array:
+        return mx.argmax(self.head(hidden), axis=-1).astype(mx.int32)
+
+
+def make_draft_vocab_head(target, ids: mx.array | None):
+    """The drafter's output product: a DraftVocabHead over `ids`, or the target's whole head when
+    there are none or its rows cannot be read."""
+    if ids is None:
+        return WholeVocabHead(target.head)
+    rows = output_rows(target, ids)
+    if rows is None:
+        logger.warning("the target's output head keeps its weights in a layout gmlx cannot take rows of; "
+                       "the MTP head drafts over the whole vocabulary")
+        return WholeVocabHead(target.head)
+    return DraftVocabHead(target, ids, rows)
