@@ -9,6 +9,8 @@ from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.models.loader import load_model
+from gmlx.models.draft_vocab import DraftVocabHead
+from gmlx.models.mtp_head import MTPHead, MTPHeadArgs, save_mtp_head
 from gmlx.request import SamplingParams
 from schedules import SoloReference, check_schedule, make_schedule
 
@@ -42,12 +44,27 @@ def chi_square(counts, expected_probs, num):
     return sum((counts.get(k, 0) - num * p) ** 2 / (num * p) for k, p in expected_probs.items())
 
 
-@pytest.fixture(scope="module")
-def small_vocab_pair(tmp_path_factory):
+DRAFT_VOCAB = [0, 2, 3, 5, 8, 9, 11, 14]  # an MTP head's draft vocabulary: half of the 16 tokens
+
+
+def random_mtp_head_dir(folder, target):
+    """An untrained MTP head for the 16-token target, drafting from DRAFT_VOCAB only."""
+    args = MTPHeadArgs(hidden_size=target.hidden_size, vocab_size=target.vocab_size, intermediate_size=128)
+    mx.random.seed(3)
+    head = MTPHead(args)
+    mx.eval(head.parameters())
+    save_mtp_head(head, args, folder, mx.array(DRAFT_VOCAB, dtype=mx.int32))
+    return folder
+
+
+@pytest.fixture(scope="module", params=["draft", "mtp"])
+def small_vocab_pair(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vocab16")
     target = load_model(make_random_model_dir(folder / "target", seed=1, vocab_size=16))
-    drafter = make_drafter(f"draft:{make_random_model_dir(folder / 'draft', seed=2, vocab_size=16)}", target,
-                           num_draft_tokens=2)
+    weights = (make_random_model_dir(folder / "draft", seed=2, vocab_size=16) if request.param == "draft"
+               else random_mtp_head_dir(folder / "mtp", target))
+    drafter = make_drafter(f"{request.param}:{weights}", target, num_draft_tokens=2)
+    assert request.param == "draft" or isinstance(drafter.output_head, DraftVocabHead)
     return target, drafter
 
 
@@ -79,9 +96,14 @@ def test_stochastic_acceptance_samples_the_target_distribution(small_vocab_pair,
     p_second, p_third = marginals(target, eos_id, temperature)
     assert chi_square(seconds, p_second, NUM_SAMPLES) < CHI2_CRITICAL_16_DOF
     assert chi_square(thirds, p_third, NUM_SAMPLES) < CHI2_CRITICAL_16_DOF
-    # The test can fail: the same samples are far from what the draft model alone would give.
-    q_second, q_third = marginals(drafter.draft, eos_id, temperature)
-    assert chi_square(seconds, q_second, NUM_SAMPLES) > 3 * CHI2_CRITICAL_16_DOF
+    if drafter.kind == "draft":
+        # The test can fail: the same samples are far from what the draft model alone would give.
+        q_second, q_third = marginals(drafter.draft, eos_id, temperature)
+        assert chi_square(seconds, q_second, NUM_SAMPLES) > 3 * CHI2_CRITICAL_16_DOF
+    else:
+        # Tokens the head can never draft still come out at the target's rate: the residual carries them.
+        outside = [t for t in range(target.vocab_size) if t not in DRAFT_VOCAB and t != eos_id]
+        assert sum(seconds.get(t, 0) for t in outside) > 0.1 * NUM_SAMPLES
 
 
 def test_stochastic_acceptance_keeps_greedy_rows_exact(builtin_target, code_prompts):

@@ -63,7 +63,7 @@ def prepare_drafter_products(module: nn.Module, target_format: tuple[int, int] |
     if target_format is not None and config.is_cpu_kernels_enabled() and config.is_drafter_quantized():
         bits, group_size = target_format
         if _use_quantized_kernels(module, bits, group_size, is_head):
-            return f"{bits}-bit in the CPU kernels, like its target"
+            return f"{bits}-bit in the CPU kernels"
     if config.is_input_major_enabled() and store_weights_input_major(module):
         return "float32, input-major"
     return "float32"
