@@ -55,3 +55,17 @@ def test_doctor_shows_the_calibration_table(tmp_path):
     assert text.returncode == 0, text.stderr
     assert "| width | plain round ms | depth 0 ms" in text.stdout and "speculate up to width" in text.stdout
     assert "transparent huge pages: " in text.stdout
+
+
+def test_doctor_shows_how_an_mtp_head_runs():
+    env = {**os.environ, "GMLX_CALIBRATE": "off"}
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "mtp", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    described = json.loads(done.stdout)["drafter"]
+    # The built-in target is float32: its head stays float32, over the whole 2,048-token vocabulary.
+    assert described["kind"] == "mtp" and described["products"].startswith("float32")
+    assert described["draft_vocab_size"] == 2048
+    text = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "mtp"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert "MTP head " in text.stdout and "drafts from 2048 tokens" in text.stdout, text.stdout

@@ -139,6 +139,8 @@ def doctor(as_json, model, drafter) -> None:
             drafter_obj = make_drafter(drafter, target)
         except (ValueError, OSError) as exc:
             _fail(exc)
+        if hasattr(drafter_obj, "describe"):
+            report["drafter"] = drafter_obj.describe()
         max_rows = EngineConfig().max_num_rows
         table = load_or_measure(target, drafter_obj, max_rows)
         if table is None:
@@ -149,8 +151,12 @@ def doctor(as_json, model, drafter) -> None:
                            + format_table(table, PRIOR_ACCEPTANCE, max_rows))
     if as_json:
         click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(format_report(report) + (f"\n{calibration}" if calibration else ""))
+        return
+    if "drafter" in report:
+        described = report["drafter"]
+        calibration = (f"MTP head {described['path']}: products {described['products']}, drafts from "
+                       f"{described['draft_vocab_size']} tokens\n{calibration or ''}")
+    click.echo(format_report(report) + (f"\n{calibration}" if calibration else ""))
 
 
 @main.command()

@@ -34,11 +34,16 @@ class MTPDrafter(ModelDrafter):
         ids = self.head.draft_token_ids
         # The target's output product, over the head's draft vocabulary when it ships one.
         self.output_head = make_draft_vocab_head(target, None if ids is None else mx.array(ids))
-        logger.info("MTP head %s: products %s; drafts from %s tokens", path, self.head.layout,
-                    target.vocab_size if ids is None else ids.size)
         self.path = str(path)  # part of the calibration's cache key
+        logger.info("MTP head: %s", self.describe())
         self.num_draft_tokens = num_draft_tokens or 3
         self.hidden: mx.array | None = None  # (B, 1, D): each row's hidden behind its pending token
+
+    def describe(self) -> dict:
+        """What `gmlx doctor` shows of it: where the head is, how its products run, what it drafts from."""
+        ids = self.head.draft_token_ids
+        return {"kind": self.kind, "path": self.path, "products": self.head.layout,
+                "draft_vocab_size": self.target.vocab_size if ids is None else int(ids.size)}
 
     def reset(self) -> None:
         self.hidden = None
