@@ -68,6 +68,11 @@ def parse_args():
     p.add_argument("--window-tokens", type=int, default=256, help="tokens per collected window")
     p.add_argument("--train-windows", type=int, default=112, help="half prose, half code")
     p.add_argument("--heldout-windows", type=int, default=16, help="per kind (prose, code)")
+    p.add_argument("--greedy-windows", type=int, default=0,
+                   help="train windows more, each a prompt from a train file and the target's own greedy "
+                        "continuation (what the head sees when serving), half prose, half code; and as many "
+                        "held-out ones (heldout_greedy) as --heldout-windows")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens of a greedy window")
     p.add_argument("--collect-batch", type=int, default=4)
     p.add_argument("--top-k", type=int, default=16, help="teacher tokens kept per position")
     p.add_argument("--intermediate", type=int, default=1536, help="the head's SwiGLU width (size)")
@@ -144,6 +149,28 @@ def collect(target, windows: np.ndarray, batch: int, top_k: int, name: str) -> d
     return data
 
 
+def greedy_windows(gguf_path, prompts: np.ndarray, num_tokens: int) -> np.ndarray:
+    """Each prompt and the served target's greedy continuation to num_tokens in all, decoded
+    as a batch by gmlx's engine (the served format: its CPU kernels); rows that end early
+    (end of sequence) are left out."""
+    from gmlx.config import EngineConfig
+    from gmlx.engine import Engine
+    from gmlx.request import SamplingParams
+
+    served = load_model(gguf_path)
+    engine = Engine(served, None, EngineConfig(prompt_cache_bytes=0))
+    params = SamplingParams(max_tokens=num_tokens - prompts.shape[1])
+    start_s = time.perf_counter()
+    outputs = {engine.add_request(p.tolist(), params): list(p) for p in prompts}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id].extend(output.new_token_ids)
+    windows = [w for w in outputs.values() if len(w) == num_tokens]
+    print(f"[greedy] {len(windows)} of {len(prompts)} continuations full length, "
+          f"{len(prompts) * params.max_tokens / (time.perf_counter() - start_s):.0f} tok/s", flush=True)
+    return np.asarray(windows, dtype=np.int32).reshape(-1, num_tokens)
+
+
 def collect_all(target, args, rng) -> dict[str, dict]:
     prose_train, prose_heldout = split_prose_files()
     code_train, code_heldout = split_code_files()
@@ -158,6 +185,40 @@ def collect_all(target, args, rng) -> dict[str, dict]:
             "train": train}
     return {name: collect(target, windows, args.collect_batch, args.top_k, name)
             for name, windows in sets.items()}
+
+
+def collect_greedy(target, gguf_path, args) -> dict[str, dict]:
+    """train_greedy and heldout_greedy: prompts from train (held-out) files, each continued by the
+    target's own greedy decoding, half prose and half code; a generator of their own, so the text
+    windows stay the same with or without them."""
+    rng = np.random.default_rng(args.seed + 1)
+    (prose_train, prose_heldout), (code_train, code_heldout) = split_prose_files(), split_code_files()
+    tok, m, half = target.tokenizer, args.prompt_tokens, args.greedy_windows // 2
+    prompts = {"train_greedy": np.concatenate([cut_windows(tok, prose_train, half, m, rng),
+                                               cut_windows(tok, code_train, args.greedy_windows - half, m, rng)]),
+               "heldout_greedy": np.concatenate([cut_windows(tok, prose_heldout, args.heldout_windows // 2, m, rng),
+                                                 cut_windows(tok, code_heldout, args.heldout_windows // 2, m, rng)])}
+    return {name: collect(target, greedy_windows(gguf_path, p, args.window_tokens), args.collect_batch, args.top_k,
+                          name) for name, p in prompts.items()}
+
+
+def load_or_collect(path: Path, is_reused: bool, make) -> tuple[dict[str, dict], float | None]:
+    """Sets of collected arrays from an earlier run's file, or made now and saved there; and the
+    seconds the collecting run took."""
+    if is_reused and path.exists():
+        flat = np.load(path)
+        sets = {}
+        for key in (k for k in flat.files if "/" in k):
+            name, _, field = key.partition("/")
+            sets.setdefault(name, {})[field] = flat[key]
+        # The figure that counts is the run that collected them, not this load.
+        return sets, float(flat["collect_seconds"]) if "collect_seconds" in flat.files else None
+    start_s = time.perf_counter()
+    sets = make()
+    collect_s = time.perf_counter() - start_s
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, collect_seconds=np.array(collect_s), **{f"{n}/{f}": v for n, d in sets.items() for f, v in d.items()})
+    return sets, collect_s
 
 
 # ---------------------------------------------------------------- training
@@ -300,23 +361,15 @@ def main():
 
     rng = np.random.default_rng(args.seed)
     mx.random.seed(args.seed)
-    cache_path = args.work_dir / f"collected-{checksum[:16]}.npz"
-    start_s = time.perf_counter()
-    is_reused = args.reuse_collected and cache_path.exists()
-    if is_reused:
-        flat = np.load(cache_path)
-        sets = {}
-        for key in (k for k in flat.files if "/" in k):
-            name, _, field = key.partition("/")
-            sets.setdefault(name, {})[field] = flat[key]
-        # The figure that counts is the run that collected them, not this load.
-        collect_s = float(flat["collect_seconds"]) if "collect_seconds" in flat.files else None
-    else:
-        sets = collect_all(target, args, rng)
-        collect_s = time.perf_counter() - start_s
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-        np.savez(cache_path, collect_seconds=np.array(collect_s),
-                 **{f"{n}/{f}": v for n, d in sets.items() for f, v in d.items()})
+    is_reused = args.reuse_collected
+    sets, collect_s = load_or_collect(args.work_dir / f"collected-{checksum[:16]}.npz", is_reused,
+                                      lambda: collect_all(target, args, rng))
+    if args.greedy_windows:
+        greedy, greedy_s = load_or_collect(args.work_dir / f"greedy-{checksum[:16]}-{args.greedy_windows}.npz",
+                                           is_reused, lambda: collect_greedy(target, gguf_path, args))
+        sets["heldout_greedy"] = greedy["heldout_greedy"]
+        sets["train"] = {f: np.concatenate([sets["train"][f], greedy["train_greedy"][f]]) for f in sets["train"]}
+        collect_s = None if collect_s is None or greedy_s is None else collect_s + greedy_s
 
     head_args = MTPHeadArgs(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                             intermediate_size=args.intermediate,
@@ -342,8 +395,8 @@ def main():
                "train_seconds": None if train_s is None else round(train_s, 1),
                "draft_vocab_size": head_args.draft_vocab_size,
                "weights_bytes": (out_dir / "model.safetensors").stat().st_size}
-    for kind in KINDS:
-        metrics[f"heldout_{kind}"] = agreement(head, target, sets[f"heldout_{kind}"], output_head)
+    for name in [f"heldout_{kind}" for kind in KINDS] + ["heldout_greedy"] * ("heldout_greedy" in sets):
+        metrics[name] = agreement(head, target, sets[name], output_head)
     metrics["script_seconds"] = round(time.perf_counter() - script_start_s, 1)
     (out_dir / "training.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics, indent=2), flush=True)

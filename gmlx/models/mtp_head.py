@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from gmlx.models.draft_vocab import DRAFT_VOCAB_KEY, check_draft_vocab
 from gmlx.platform.cpu_drafter_products import prepare_drafter_products
+from gmlx.platform.cpu_quantized import project
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -65,6 +66,8 @@ class MTPHead(nn.Module):
         # The target's hidden state is the output of its final RMSNorm; ending on a norm
         # puts the head's output on the same scale, so the target's lm_head applies.
         self.final_norm = nn.RMSNorm(dim, eps=eps)
+        # silu(gate) * up; on the CPU beside a quantized target, the kernels' one-node SwiGLU.
+        self.swiglu = swiglu
 
     def __call__(
         self, hidden: mx.array, next_tokens: mx.array, embed_tokens: nn.Embedding
@@ -80,8 +83,13 @@ class MTPHead(nn.Module):
             )
         )
         normed = self.mlp_norm(fused)
-        x = fused + self.down_proj(nn.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        gate, up = project(normed, (self.gate_proj, self.up_proj))  # one node in the kernels' quad layout
+        x = fused + self.down_proj(self.swiglu(gate, up))
         return self.final_norm(x)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
 
 
 def save_mtp_head(head: MTPHead, args: MTPHeadArgs, path: Union[str, Path],
