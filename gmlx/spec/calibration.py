@@ -27,7 +27,9 @@ from gmlx.spec.depth import expected_tokens
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: whole rounds (plain pipelined, speculative with its host work), not forwards
+# 2: whole rounds (plain pipelined, speculative with its host work), not forwards; 3: MTP heads
+# beside a quantized target draft in its kernels (2-3x cheaper drafts than the tables of 2 hold).
+CACHE_VERSION = 3
 _CONTEXT_TOKENS = 64  # KV each calibration row holds: a short-context decode
 _NUM_REPEATS = 3  # the fastest of this many timings: the box's noise only ever adds time
 _MAX_WIDTH = 16  # wider batches are extrapolated from the widest two measured
