@@ -11,6 +11,8 @@ separately (lift_prose, lift_code); its mtp drafter is the head shipped for that
 
 Sections:
   verify   a verify forward of 2-4 positions over a one-position step, interposer on and off
+  first    smollm2 only: each drafter's first drafts kept, served greedy at fixed depth 1 on held-out
+           prose and code (--repeats prompts of each, --tokens each)
   lift     decode tok/s at width 1, each drafter against plain, with acceptance; drafter engines
            as served (start-up cost table; --uncalibrated: without it, as before session 14)
   mlx_lm   gmlx's scalar loop as served (adaptive depth, calibrated) vs mlx_lm speculative_generate_step
@@ -110,6 +112,23 @@ def bench_lift(target, drafter_specs, prompts, params, repeats, is_calibrated=Tr
                         plain_tok_s=statistics.median(r[2] for r in mine),
                         acceptance=statistics.median(r[3] for r in mine),
                         tokens_per_round=statistics.median(r[4] for r in mine)))
+    return out
+
+
+def bench_first_drafts(target, drafter_specs, prompts, params):
+    """Each drafter's first drafts as served: fixed depth 1, each prompt alone, greedy unless
+    params say otherwise; the share of first drafts the target kept (no timing)."""
+    out = []
+    for spec in drafter_specs:
+        engine = Engine(target, make_drafter(spec, target, num_draft_tokens=1),
+                        EngineConfig(prompt_cache_bytes=0, is_adaptive_depth=False))
+        num_accepted = num_drafted = 0
+        for prompt in prompts:
+            _, delta = decode_tok_per_s(engine, [prompt], params)
+            num_accepted += delta["num_accepted"]
+            num_drafted += delta["num_drafted"]
+        out.append(dict(drafter=spec, first_draft_acceptance=round(num_accepted / max(num_drafted, 1), 3),
+                        num_drafted=num_drafted))
     return out
 
 
@@ -278,7 +297,12 @@ def main() -> None:
                 result[f"lift_{kind}"] = bench_lift(target, specs, kind_prompts, params, args.repeats,
                                                     not args.uncalibrated)
                 print(json.dumps({f"lift_{kind}": result[f"lift_{kind}"]}), flush=True)
-        elif "lift" in sections:
+        if "first" in sections and name == "smollm2":
+            for kind in ("prose", "code"):
+                kind_prompts = heldout_text_prompts(target.tokenizer, kind, args.repeats, 64)
+                result[f"first_{kind}"] = bench_first_drafts(target, specs, kind_prompts, params)
+                print(json.dumps({f"first_{kind}": result[f"first_{kind}"]}), flush=True)
+        if "lift" in sections and name != "smollm2":
             result["lift"] = bench_lift(target, specs, prompts, params, args.repeats, not args.uncalibrated)
         if "mlx_lm" in sections:
             result["mlx_lm"] = bench_vs_mlx_lm(target, prompts, params, args.repeats, args.k_max)
