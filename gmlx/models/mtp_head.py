@@ -97,6 +97,8 @@ def save_mtp_head(head: MTPHead, args: MTPHeadArgs, path: Union[str, Path],
     """Write config.json and model.safetensors (float16, to keep the repository small), with the
     head's draft vocabulary (int32 token ids) when it has one."""
     path = Path(path)
+    if draft_token_ids is not None:
+        check_draft_vocab(draft_token_ids, args.vocab_size, f"MTP head at {path}")
     path.mkdir(parents=True, exist_ok=True)
     args.draft_vocab_size = None if draft_token_ids is None else int(draft_token_ids.size)
     with open(path / CONFIG_FILE, "w") as f:
@@ -105,7 +107,6 @@ def save_mtp_head(head: MTPHead, args: MTPHeadArgs, path: Union[str, Path],
     weights = dict(tree_flatten(head.parameters()))
     weights = {name: value.astype(mx.float16) for name, value in weights.items()}
     if draft_token_ids is not None:
-        check_draft_vocab(draft_token_ids, args.vocab_size, f"MTP head at {path}")
         weights[DRAFT_VOCAB_KEY] = draft_token_ids
     mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
 
