@@ -46,9 +46,9 @@ DRAFT_GAIN_MARGIN = 0.1
 # rejected first draft stopped rows that accept a third of their drafts over a request.
 MIN_TRIES_TO_STOP = 3
 # How much better than the pooled acceptance a new row's may turn out: requests differ by
-# about this much (SmolLM2, shipped MTP head: prose 0.0, code 0.5). Where even that would
-# not pay (that head needs 0.8 at one row), a probe is only a cost: 4% of a lone stream's
-# tokens per second at 64 tokens a request.
+# about this much (SmolLM2, session 5's MTP head: prose 0.0, code 0.5). Where even that would
+# not pay (that head, whose drafts cost 40% of a step, needed 0.8 at one row), a probe is only
+# a cost: 4% of a lone stream's tokens per second at 64 tokens a request.
 PROBE_SPREAD = 0.25
 
 
