@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx.platform.cpu_drafter_products import prepare_drafter_products
+from gmlx.platform.cpu_drafter_products import prepare_drafter_products, quantized_format
 
 DRAFT_VOCAB_KEY = "draft_token_ids"  # its tensor in the head's safetensors file
 
@@ -30,14 +30,19 @@ def check_draft_vocab(ids: mx.array, vocab_size: int, where: str) -> None:
         raise ValueError(f"{where}: {DRAFT_VOCAB_KEY} holds ids outside the vocabulary [0, {vocab_size})")
 
 
+def _head_module(target) -> nn.Module:
+    """The module whose product gives the logits: a tied token table (target.head is its bound
+    as_linear) or the lm_head itself."""
+    return getattr(target.head, "__self__", target.head)
+
+
 def output_rows(target, ids: mx.array) -> mx.array:
     """The target's output-product rows (len(ids), D) for these tokens, in float32."""
-    body, head = target.body, target.head
-    if getattr(head, "__self__", None) is body.embed_tokens:  # tied: the token table's rows, as looked up
-        return body.embed_tokens(ids).astype(mx.float32)
+    if _head_module(target) is target.body.embed_tokens:  # tied: the token table's rows, as looked up
+        return target.body.embed_tokens(ids).astype(mx.float32)
     # Any other layout (panels, quads, mlx's own): the product of the identity is W.T, whatever
     # layout W is kept in; once, at load.
-    return head(mx.eye(target.hidden_size, dtype=mx.float32)).T[ids].astype(mx.float32)
+    return target.head(mx.eye(target.hidden_size, dtype=mx.float32)).T[ids].astype(mx.float32)
 
 
 def _rows_format(target) -> tuple[int, int] | None:
@@ -45,10 +50,8 @@ def _rows_format(target) -> tuple[int, int] | None:
     or more. Its rows come back as floats and are quantized again; at 4 bits the new grid can
     miss the old by half a step (4% of a logit on a test model), at 8 bits by 1/510 of a group's
     range."""
-    module = getattr(target.head, "__self__", target.head)
-    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return max(module.bits, 8), module.group_size
-    return None
+    head_format = quantized_format(_head_module(target))
+    return None if head_format is None else (max(head_format[0], 8), head_format[1])
 
 
 class DraftVocabHead(nn.Module):
@@ -65,10 +68,6 @@ class DraftVocabHead(nn.Module):
         # A quantized target's head: these rows quantized again, in the same kernels.
         self.layout = prepare_drafter_products(self, _rows_format(target), is_head=True)
         mx.eval(self.parameters())
-
-    @property
-    def num_tokens(self) -> int:
-        return self.ids.size
 
     def __call__(self, hidden: mx.array) -> mx.array:
         scores = self.product(hidden)  # (B, T, n)
