@@ -152,16 +152,12 @@ def collect(target, windows: np.ndarray, batch: int, top_k: int, name: str) -> d
     return data
 
 
-def greedy_windows(gguf_path, prompts: np.ndarray, num_tokens: int) -> np.ndarray:
+def greedy_windows(engine, prompts: np.ndarray, num_tokens: int) -> np.ndarray:
     """Each prompt and the served target's greedy continuation to num_tokens in all, decoded
-    as a batch by gmlx's engine (the served format: its CPU kernels); rows that end early
-    (end of sequence) are left out."""
-    from gmlx.config import EngineConfig
-    from gmlx.engine import Engine
+    as a batch by `engine` (plain, the served format); rows that end early (end of sequence)
+    are left out."""
     from gmlx.request import SamplingParams
 
-    served = load_model(gguf_path)
-    engine = Engine(served, None, EngineConfig(prompt_cache_bytes=0))
     params = SamplingParams(max_tokens=num_tokens - prompts.shape[1])
     start_s = time.perf_counter()
     outputs = {engine.add_request(p.tolist(), params): list(p) for p in prompts}
@@ -201,7 +197,12 @@ def collect_greedy(target, gguf_path, args) -> dict[str, dict]:
                                                cut_windows(tok, code_train, args.greedy_windows - half, m, rng)]),
                "heldout_greedy": np.concatenate([cut_windows(tok, prose_heldout, args.heldout_windows // 2, m, rng),
                                                  cut_windows(tok, code_heldout, args.heldout_windows // 2, m, rng)])}
-    return {name: collect(target, greedy_windows(gguf_path, p, args.window_tokens), args.collect_batch, args.top_k,
+    from gmlx.config import EngineConfig
+    from gmlx.engine import Engine
+
+    # The served format (its CPU kernels), loaded once for both sets.
+    engine = Engine(load_model(gguf_path), None, EngineConfig(prompt_cache_bytes=0))
+    return {name: collect(target, greedy_windows(engine, p, args.window_tokens), args.collect_batch, args.top_k,
                           name) for name, p in prompts.items()}
 
 
