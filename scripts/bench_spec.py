@@ -291,17 +291,15 @@ def main() -> None:
         result = {}
         if "verify" in sections:
             result["verify"] = bench_verify_cost(target, args.repeats)
-        if "lift" in sections and name == "smollm2":
+        text_sections = {  # smollm2: on held-out prose and code separately
+            "lift": lambda p: bench_lift(target, specs, p, params, args.repeats, not args.uncalibrated),
+            "first": lambda p: bench_first_drafts(target, specs, p, params)}
+        for section, bench in text_sections.items():
+            if section not in sections or name != "smollm2":
+                continue
             for kind in ("prose", "code"):
-                kind_prompts = heldout_text_prompts(target.tokenizer, kind, args.repeats, 64)
-                result[f"lift_{kind}"] = bench_lift(target, specs, kind_prompts, params, args.repeats,
-                                                    not args.uncalibrated)
-                print(json.dumps({f"lift_{kind}": result[f"lift_{kind}"]}), flush=True)
-        if "first" in sections and name == "smollm2":
-            for kind in ("prose", "code"):
-                kind_prompts = heldout_text_prompts(target.tokenizer, kind, args.repeats, 64)
-                result[f"first_{kind}"] = bench_first_drafts(target, specs, kind_prompts, params)
-                print(json.dumps({f"first_{kind}": result[f"first_{kind}"]}), flush=True)
+                result[f"{section}_{kind}"] = bench(heldout_text_prompts(target.tokenizer, kind, args.repeats, 64))
+                print(json.dumps({f"{section}_{kind}": result[f"{section}_{kind}"]}), flush=True)
         if "lift" in sections and name != "smollm2":
             result["lift"] = bench_lift(target, specs, prompts, params, args.repeats, not args.uncalibrated)
         if "mlx_lm" in sections:
