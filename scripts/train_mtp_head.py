@@ -294,7 +294,7 @@ def ngram_first_hits(data: dict) -> tuple[int, int]:
     max_ngram, hits, total = NgramDrafter().max_ngram, 0, 0  # the served drafter's n
     for tokens, greedy in zip(data["tokens"].tolist(), data["greedy"]):
         for t in range(len(tokens) - 1):
-            hits += scan_lookup(tokens[:t + 2], 1, max_ngram)[0] == greedy[t + 1]
+            hits += scan_lookup(tokens[:t + 2], 1, max_ngram)[0][0] == greedy[t + 1]
             total += 1
     return hits, total
 

@@ -13,6 +13,7 @@ import pytest
 
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.drafters import make_drafter
+from gmlx import engine as engine_module
 from gmlx.engine import Engine
 from gmlx.models.loader import load_model
 from gmlx.platform import timing
@@ -159,6 +160,90 @@ def test_a_round_drafts_one_depth_for_its_rows_summed_tokens():
 
     assert tokens_per_s(shared) > max(tokens_per_s(0), tokens_per_s(alone))  # the good row's own k gains less
     assert policy.pays_to_draft(["good", "bad"]) and not policy.pays_to_draft(["bad"], 3)
+
+
+# Costs that grow with the depth, a depth-0 verify dearer than a pipelined plain round (SmolLM2-like).
+GRADED = CostTable(widths=(1,), plain_s=(1.0,), spec_s=((1.2, 1.3, 1.4, 1.5),))
+
+
+def graded_policy() -> DepthPolicy:
+    """A policy that has seen drafts after 3-token matches kept and drafts after no match refused."""
+    policy = DepthPolicy(k_max=3, table=GRADED)
+    for _ in range(20):
+        policy.observe("earlier", 3, 3, evidence_class=3)
+        policy.observe("earlier", 3, 0, evidence_class=0)
+    return policy
+
+
+def test_evidence_sets_each_rounds_depth_and_a_bare_round_does_not_gate():
+    """Drafts on strong evidence verify deep; a round without evidence verifies at depth 0 (no
+    gate: the next round may match); the pooled classes serve a row that never drafted."""
+    policy = graded_policy()
+    assert policy.class_acceptance(3) > 0.9 and policy.class_acceptance(0) < 0.1
+    policy.observe("r", 3, 2)  # the row's own estimate says its drafts pay (no probe)
+    policy.observe("r", 3, 2)
+    assert policy.round_depths(["r"], 0, [3]) == [3]
+    assert policy.round_depths(["r"], 0, [0]) == [0]
+    assert policy.round_depths(["r"], 0) == policy.depths(["r"]) != [0]  # without evidence: the row's estimate
+    assert policy.round_depths(["new"], 0, [0]) == [0]  # the pooled prior pays: no probe, the class rules
+    # An evidence class observed once moves only its own estimate.
+    before = policy.class_acceptance(1)
+    policy.observe("r", 3, 0, evidence_class=1)
+    assert policy.class_acceptance(1) < before and policy.class_acceptance(3) > 0.9
+
+
+def test_a_probing_row_drafts_whatever_its_evidence():
+    """Where only a probe drafts (the pooled acceptance is low), the probe is not spent on
+    a depth-0 round: it drafts at least once, so the row's estimate is measured."""
+    policy = DepthPolicy(k_max=3, table=GRADED)
+    for _ in range(10):
+        policy.observe("earlier", 3, 0, evidence_class=0)
+    assert not policy.pays_to_draft(["new"])
+    assert policy.round_depths(["new"], 0, [0]) == [1]
+    for _ in range(MIN_TRIES_TO_STOP):
+        policy.observe("new", 1, 0, evidence_class=0)
+    assert policy.round_depths(["new"], 0, [0]) is None  # probed and refused: the batch gates
+
+
+def test_rounds_without_evidence_gate_the_batch_once_they_are_most_rounds():
+    """A row whose drafts pay when drafted, on a text that rarely matches: its depth-0 verifies
+    cost more than plain rounds, so the share of drafting rounds falls until the batch gates, and
+    gated evidence of matches raises it again."""
+    policy = graded_policy()
+    for _ in range(4):
+        policy.observe("r", 3, 2)
+    depths = [policy.round_depths(["r"], 0, [0]) for _ in range(80)]
+    gate = depths.index(None)
+    assert 10 < gate and depths[:gate] == [[0]] * gate  # bare rounds first, then the gate
+    assert not policy.pays_to_draft(["r"])
+    for _ in range(40):
+        policy.observe_share(3)
+    assert policy.pays_to_draft(["r"])
+
+
+def test_an_engine_learns_what_each_match_size_is_worth(builtin_target, code_prompts):
+    """n-gram drafts on code with the evidence on, each stream alone and greedy: exact, deeper
+    matches accepted more often than none, and rounds without a match verified at depth 0."""
+    reference = SoloReference(builtin_target)
+    engine = Engine(builtin_target, make_drafter("ngram", builtin_target, num_draft_tokens=GRADED.k_max),
+                    EngineConfig(is_served_costs=False), cost_table=GRADED)
+    depth_0_rounds = []
+    speculative_round = engine_module.speculative_round
+
+    def recording_round(target, batch, drafter, num_draft_by_row, *args, **kwargs):
+        depth_0_rounds.append(not any(num_draft_by_row))
+        return speculative_round(target, batch, drafter, num_draft_by_row, *args, **kwargs)
+
+    engine_module.speculative_round = recording_round
+    try:
+        params = SamplingParams(max_tokens=96)
+        for prompt in code_prompts[:6]:
+            assert run_alone(engine, prompt, params)[:2] == reference.tokens(prompt, params)
+    finally:
+        engine_module.speculative_round = speculative_round
+    classes = engine.stats()["draft_depth"]["class_acceptance"]
+    assert classes["3"] > classes["0"] + 0.3, classes
+    assert 0 < sum(depth_0_rounds) < len(depth_0_rounds)
 
 
 def test_engine_uses_the_table_and_settings_still_win(builtin_target, monkeypatch):

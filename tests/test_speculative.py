@@ -182,7 +182,8 @@ def test_random_schedules_with_opt_outs_equal_plain(kind, engines, reference, co
 class RandomDepths:
     """A depth policy drawing every row's k in 0..k_max at random each round, so verify rounds
     mix depths far more than live acceptance would; records the depths of each round. A round
-    where every row draws 0 gates the batch; a gated batch re-arms on a coin toss."""
+    where every row draws 0 gates the batch on a coin toss, else verifies at depth 0 (as an
+    evidence-graded round does); a gated batch re-arms on a coin toss."""
 
     def __init__(self, engine, k_max, seed):
         import random
@@ -190,13 +191,18 @@ class RandomDepths:
         self.engine, self.k_max, self.rng = engine, k_max, random.Random(seed)
         self.depths_by_round: dict[int, list[int]] = {}
 
-    def depths(self, request_ids, num_plain_rows):
+    def round_depths(self, request_ids, num_plain_rows, evidence=None):
         ks = [self.rng.randint(0, self.k_max) for _ in request_ids]
+        if not any(ks) and self.rng.random() < 0.5:
+            return None
         self.depths_by_round.setdefault(self.engine.counters["num_rounds"], []).extend(ks)
         return ks
 
-    def observe(self, request_id, num_drafted, num_accepted):
+    def observe(self, request_id, num_drafted, num_accepted, evidence_class=None):
         assert 0 <= num_accepted <= num_drafted <= self.k_max
+
+    def observe_share(self, evidence_class):
+        pass
 
     def pays_to_draft(self, request_ids, num_plain_rows):
         return self.rng.random() < 0.3
@@ -221,7 +227,8 @@ def test_ragged_depth_schedules_equal_plain(kind, builtin_target, reference, cod
                                  max_requests=8, opt_out_rate=0.2)
         check_schedule(engine, reference, schedule)
     num_ragged = sum(len(set(ks)) > 1 for ks in depths.depths_by_round.values())
-    assert num_ragged > 20 and engine.counters["num_accepted"] > 0
+    num_depth_0 = sum(not any(ks) for ks in depths.depths_by_round.values())
+    assert num_ragged > 20 and num_depth_0 >= 3 and engine.counters["num_accepted"] > 0
     assert engine.counters["num_depth_gates"] > 0 and engine.counters["num_resumes"] > 0
 
 
@@ -342,8 +349,13 @@ def test_ngram_index_drafts_what_the_scan_drafts():
             history = request.all_token_ids
             for _ in range(rng.randrange(1, 3)):  # both at one length: the score after a round's drafts
                 k = rng.randrange(1, 6)
-                if rng.random() < 0.3:
+                roll = rng.random()
+                if roll < 0.3:
                     assert drafter.would_have_drafted(request) == (
-                        scan_lookup(history[:-1], 1, drafter.max_ngram)[0] == history[-1])
+                        scan_lookup(history[:-1], 1, drafter.max_ngram)[0][0] == history[-1])
+                elif roll < 0.6:  # a round: the evidence, then the drafts, from one memoized lookup
+                    drafts, size = scan_lookup(history, k, drafter.max_ngram)
+                    assert drafter.draft_evidence([request]) == [size]
+                    assert drafter._current_lookup(request, k)[0][:k] == drafts  # what propose sends
                 else:
                     assert drafter._lookup(request, history, k) == scan_lookup(history, k, drafter.max_ngram)

@@ -1,4 +1,9 @@
-"""Prompt lookup: propose the tokens that followed the last occurrence of the current n-gram."""
+"""Prompt lookup: propose the tokens that followed the last occurrence of the current n-gram.
+
+The matched n-gram's size is the round's evidence (draft_evidence): on SmolLM2's held-out prose
+and code, greedy, first drafts were kept in 0% of rounds without a match, 23-34% after a 1-gram,
+51-63% after a 2-gram and 88-92% after a 3-gram (BENCHMARKS.md, session 28), so the depth policy
+weighs each row's drafts by its evidence class this round (spec/depth.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ class NgramDrafter:
     def __init__(self, num_draft_tokens: int | None = None, max_ngram: int = 3):
         self.num_draft_tokens = num_draft_tokens or 4
         self.max_ngram = max_ngram
+        self.num_evidence_classes = max_ngram + 1  # a match of 0..max_ngram tokens
 
     def reset(self) -> None:
         pass
@@ -30,15 +36,30 @@ class NgramDrafter:
         pass
 
     def propose(self, batch, num_tokens: int) -> mx.array:
-        drafts = [self._lookup(r, r.all_token_ids, num_tokens) for r in batch.requests]
+        drafts = [self._current_lookup(r, num_tokens)[0][:num_tokens] for r in batch.requests]
         return mx.array(drafts, dtype=mx.int32)  # (B, k)
+
+    def draft_evidence(self, requests) -> list[int]:
+        """Each row's evidence class this round: the size of the n-gram its drafts follow (0: none)."""
+        return [self._current_lookup(r, self.num_draft_tokens)[1] for r in requests]
 
     def would_have_drafted(self, request) -> bool | None:
         tokens = request.all_token_ids
-        return len(tokens) >= 2 and self._lookup(request, tokens[:-1], 1)[0] == tokens[-1]
+        return len(tokens) >= 2 and self._lookup(request, tokens[:-1], 1)[0][0] == tokens[-1]
 
-    def _lookup(self, request, tokens: list[int], num_tokens: int) -> list[int]:
-        """scan_lookup's drafts from the request's n-gram index, brought up to `tokens` first."""
+    def _current_lookup(self, request, num_tokens: int) -> tuple[list[int], int]:
+        """The lookup over the request's whole history, at least num_tokens drafts: made once a
+        round (the evidence asks before the drafts do); a padded lookup's prefix is the shorter one."""
+        tokens = request.all_token_ids
+        memo = getattr(request.drafter_memo, "last_lookup", None)
+        if memo is not None and memo[0] == len(tokens) and len(memo[1]) >= num_tokens:
+            return memo[1], memo[2]
+        drafts, size = self._lookup(request, tokens, max(num_tokens, self.num_draft_tokens))
+        request.drafter_memo.last_lookup = (len(tokens), drafts, size)  # histories only grow
+        return drafts, size
+
+    def _lookup(self, request, tokens: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """scan_lookup's drafts and match size from the request's n-gram index, brought up to `tokens` first."""
         index = request.drafter_memo
         if not isinstance(index, NgramIndex) or index.max_ngram != self.max_ngram:
             index = request.drafter_memo = NgramIndex(self.max_ngram)
@@ -47,17 +68,17 @@ class NgramDrafter:
         return index.lookup(tokens, num_tokens)
 
 
-def scan_lookup(tokens: list[int], num_tokens: int, max_ngram: int) -> list[int]:
+def scan_lookup(tokens: list[int], num_tokens: int, max_ngram: int) -> tuple[list[int], int]:
     """The drafts: what followed the last earlier occurrence of the longest suffix n-gram
     (n <= max_ngram) that occurred before, its last token repeated past the history's end;
-    without one, the last token repeated. Row histories are all delivered tokens; the last
-    one is the pending bonus."""
+    without one, the last token repeated. With them, that n-gram's size (0: none). Row histories
+    are all delivered tokens; the last one is the pending bonus."""
     for size in range(min(max_ngram, len(tokens) - 1), 0, -1):
         suffix = tokens[-size:]
         for start in range(len(tokens) - size - 1, -1, -1):
             if tokens[start : start + size] == suffix:
-                return _padded(tokens[start + size : start + size + num_tokens], num_tokens)
-    return [tokens[-1]] * num_tokens
+                return _padded(tokens[start + size : start + size + num_tokens], num_tokens), size
+    return [tokens[-1]] * num_tokens, 0
 
 
 def _padded(follow: list[int], num_tokens: int) -> list[int]:
@@ -70,10 +91,11 @@ class NgramIndex:
     history for each lookup, ~50 us at 200 tokens without a match: at 4-16 rows that was a
     tenth of a fast model's round."""
 
-    __slots__ = ("max_ngram", "_last_start", "_num_ends")
+    __slots__ = ("max_ngram", "_last_start", "_num_ends", "last_lookup")
 
     def __init__(self, max_ngram: int):
         self.max_ngram = max_ngram
+        self.last_lookup: tuple[int, list[int], int] | None = None  # (history length, drafts, size)
         self._last_start = [{} for _ in range(max_ngram + 1)]  # [n][n-gram] -> its last start
         self._num_ends = 0  # the n-grams ending before this position are in
 
@@ -82,7 +104,7 @@ class NgramIndex:
         token, and none ending there (the suffix itself): not one taken in for a longer one."""
         return num_tokens >= 1 and self._num_ends <= num_tokens - 1
 
-    def lookup(self, tokens: list[int], num_tokens: int) -> list[int]:
+    def lookup(self, tokens: list[int], num_tokens: int) -> tuple[list[int], int]:
         end = len(tokens) - 1
         for last in range(self._num_ends, end):  # n-grams ending at `last`, the latest start kept
             for size in range(1, min(self.max_ngram, last + 1) + 1):
@@ -91,5 +113,5 @@ class NgramIndex:
         for size in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
             start = self._last_start[size].get(tuple(tokens[-size:]))
             if start is not None:
-                return _padded(tokens[start + size : start + size + num_tokens], num_tokens)
-        return [tokens[-1]] * num_tokens
+                return _padded(tokens[start + size : start + size + num_tokens], num_tokens), size
+        return [tokens[-1]] * num_tokens, 0

@@ -78,6 +78,11 @@ class CostTable:
             return self._at(width, self.plain_s)
         return self._at(width, [row[depth] for row in self.spec_s])
 
+    def spec_round_s(self, width: int, depth: int) -> float:
+        """One speculative round at this width where every row drafts `depth`, depth 0 included
+        (the pending tokens verified alone: a plain round's forward without its pipelining)."""
+        return self._at(width, [row[depth] for row in self.spec_s])
+
     def tokens_per_s(self, width: int, depth: int, acceptance: float, spec_scale: float = 1.0) -> float:
         """spec_scale: a speculative round's served cost over this table's, relative to a plain
         round's (served_costs.py); 1.0 takes the table as it is."""

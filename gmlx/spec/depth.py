@@ -22,6 +22,13 @@ finds the texts a drafter suits, and costs only where none could. When a round's
 the engine gates the batch to pipelined plain rounds; it re-arms when the rows' estimates ask
 for drafts again (pays_to_draft; a gated n-gram row keeps score from its history, other rows
 rest toward the prior).
+
+A drafter may grade each row's drafts this round (its evidence class: the n-gram drafter's match
+size). Then the rows' estimates only decide whether the batch speculates, each round's depth is
+chosen from the acceptance of its rows' classes, pooled over every row, and a round whose
+classes ask for none runs at depth 0 without a gate (a gate and resume cost two unpipelined
+rounds, and the next round may match). Whether to speculate weighs the share of recent rounds
+that drafted: a depth-0 round costs more than a pipelined plain one.
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ MIN_TRIES_TO_STOP = 3
 # not pay (that head, whose drafts cost 40% of a step, needed 0.8 at one row), a probe is only
 # a cost: 4% of a lone stream's tokens per second at 64 tokens a request.
 PROBE_SPREAD = 0.25
+# Per observation of an evidence class: about the last fifty rounds of a class carry its estimate
+# (classes are the drafter's, not the text's: SmolLM2's prose and code agree within 0.12 per class).
+_CLASS_DECAY = 0.98
+# Per speculating round: about the last twenty rounds carry the share of rounds that drafted.
+_DRAFTING_SHARE_DECAY = 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +89,21 @@ class _RowEstimate:
     num_rests_applied: int = 0  # the policy's resting rounds already decayed into the counts
 
 
+@dataclass(slots=True)
+class _ClassEstimate:
+    num_accepted: float = 0.0  # decayed, pooled over every row that drafted in this class
+    num_tried: float = 0.0
+
+
 @dataclass
 class DepthPolicy:
     k_max: int
     costs: DraftCosts = field(default_factory=DraftCosts)
     table: object = None  # a calibration.CostTable: measured costs per width replace `costs`
     _rows: dict[str, _RowEstimate] = field(default_factory=dict)
+    _classes: dict[int, _ClassEstimate] = field(default_factory=dict)  # evidence class -> its estimate
+    # Of the recent speculating rounds with evidence, the share whose classes asked for drafts.
+    _drafting_share: float = 1.0
     _num_accepted: int = 0  # over every row: the prior of a new row
     _num_tried: int = 0
     # Gated rounds so far: a row's counts take their resting decay when next read, so a gated
@@ -115,11 +136,45 @@ class DepthPolicy:
     def depths(self, request_ids: list[str], num_plain_rows: int = 0) -> list[int]:
         """This round's k for each speculating row, beside num_plain_rows rows that decode plain
         (opted out) in the same verify: one k for all (the deepest row sets the round's cost)."""
+        return self.round_depths(request_ids, num_plain_rows) or [0] * len(request_ids)
+
+    def round_depths(self, request_ids: list[str], num_plain_rows: int = 0,
+                     evidence: list[int] | None = None) -> list[int] | None:
+        """depths(), or None where the batch should not speculate (the engine gates it); with
+        the rows' evidence classes this round, its depth from their classes' acceptance (0 allowed)."""
         k = self._round_depth(request_ids, num_plain_rows)
         # A row's first rounds draft once (acceptance measured, not assumed) where that could pay.
-        if k == 0 and self.k_max and self._is_probe_worth_it(request_ids, num_plain_rows):
+        is_probe = k == 0 and self.k_max and self._is_probe_worth_it(request_ids, num_plain_rows)
+        if is_probe:
             k = 1
+        if k == 0:
+            return None
+        if evidence is not None:
+            assert len(evidence) == len(request_ids)
+            k = self._class_depth([self.class_acceptance(c) for c in evidence], num_plain_rows)
+            k = max(k, 1) if is_probe else k  # a probe drafts whatever the evidence
+            self._drafting_share = self._drafting_share * _DRAFTING_SHARE_DECAY + (1 - _DRAFTING_SHARE_DECAY) * (k > 0)
         return [k] * len(request_ids)
+
+    def observe_share(self, evidence_class: int) -> None:
+        """A gated row's evidence this round: whether a lone row would draft on it moves the
+        share of drafting rounds, so a text that turns repetitive can re-arm the batch."""
+        is_drafting = self._class_depth([self.class_acceptance(evidence_class)], 0) > 0
+        self._drafting_share = self._drafting_share * _DRAFTING_SHARE_DECAY + (1 - _DRAFTING_SHARE_DECAY) * is_drafting
+
+    def class_acceptance(self, evidence_class: int) -> float:
+        """The pooled acceptance of drafts made on this evidence, the drafter's overall as prior."""
+        pooled = self._classes.get(evidence_class) or _ClassEstimate()
+        return (pooled.num_accepted + self.prior_acceptance * _PRIOR_WEIGHT) / (pooled.num_tried + _PRIOR_WEIGHT)
+
+    def _class_depth(self, acceptances: list[float], num_plain_rows: int) -> int:
+        """A speculating batch's depth this round for rows of these acceptances: 0 is a
+        verify of the pending tokens alone, at its own (unpipelined) cost."""
+        width = len(acceptances) + num_plain_rows
+        rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
+                for a in acceptances]
+        return max(range(self.k_max + 1), key=lambda k: ((sum(row[k] for row in rows) + num_plain_rows)
+                                                          / self._spec_round_cost(width, k), -k))
 
     def pays_to_draft(self, request_ids: list[str], num_plain_rows: int = 0) -> bool:
         """Whether the rows' estimates alone ask for drafts (no probe): what re-arms a batch
@@ -154,8 +209,12 @@ class DepthPolicy:
         # additions expected_tokens makes), not E(k) afresh for every k and every comparison.
         rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
                 for a in acceptances]
-        rates = [(sum(row[k] for row in rows) + num_plain_rows) / self._round_cost(width, k)
-                 for k in range(self.k_max + 1)]
+        # A share q of rounds drafts (evidence classes: the rest verify only the pending tokens).
+        q, num_spec = self._drafting_share, len(acceptances)
+        rates = [(num_spec + num_plain_rows) / self._round_cost(width, 0)]
+        rates += [(q * sum(row[k] for row in rows) + (1 - q) * num_spec + num_plain_rows)
+                  / (q * self._round_cost(width, k) + (1 - q) * self._spec_round_cost(width, 0))
+                  for k in range(1, self.k_max + 1)]
         best = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
         margin = DRAFT_GAIN_MARGIN if width > 1 else 0.0
         return best if rates[best] > (1 + margin) * rates[0] else 0
@@ -165,10 +224,23 @@ class DepthPolicy:
             return self.table.round_s(width, depth)
         return 1.0 + depth * self.costs.per_depth
 
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        """After a verify round; num_drafted = 0 for a row that decoded plain in it."""
+    def _spec_round_cost(self, width: int, depth: int) -> float:
+        """A speculative round's cost, depth 0 included (the defaults price it as a plain round)."""
+        if self.table is not None:
+            return self.table.spec_round_s(width, depth)
+        return self._round_cost(width, depth)
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int, evidence_class: int | None = None) -> None:
+        """After a verify round; num_drafted = 0 for a row that decoded plain in it; the row's
+        evidence class that round, where its drafter grades drafts."""
         assert 0 <= num_accepted <= num_drafted, (num_accepted, num_drafted)
         num_tried = num_accepted + (num_accepted < num_drafted)
+        if evidence_class is not None:
+            if not num_tried:
+                return  # its evidence asked for no drafts: the row's estimate is not due a probe
+            pooled = self._classes.setdefault(evidence_class, _ClassEstimate())
+            pooled.num_accepted = pooled.num_accepted * _CLASS_DECAY + num_accepted
+            pooled.num_tried = pooled.num_tried * _CLASS_DECAY + num_tried
         row = self._current(request_id)
         row.num_accepted = row.num_accepted * _DECAY + num_accepted
         row.num_tried = row.num_tried * _DECAY + num_tried
@@ -190,4 +262,6 @@ class DepthPolicy:
     def describe(self) -> dict:
         costs = {} if self.table is not None else {"verify_per_position": self.costs.verify_per_position,
                                                    "draft_per_token": self.costs.draft_per_token}
-        return {"k_max": self.k_max, "prior_acceptance": round(self.prior_acceptance, 4), **costs}
+        classes = {str(c): round(self.class_acceptance(c), 4) for c in sorted(self._classes)}
+        evidence = {"class_acceptance": classes, "drafting_share": round(self._drafting_share, 4)} if classes else {}
+        return {"k_max": self.k_max, "prior_acceptance": round(self.prior_acceptance, 4), **costs, **evidence}

@@ -123,6 +123,12 @@ class ServedCosts:
             return (table_s + excess_s) / plain[1]
         return table_s * self.spec_scale(width)
 
+    def spec_round_s(self, width: int, depth: int) -> float:
+        """round_s of a speculative round, depth 0 included: served as a depth-1 round is, against the table."""
+        if depth:
+            return self.round_s(width, depth)
+        return self.table.spec_round_s(width, 0) * self.round_s(width, 1) / self.table.round_s(width, 1)
+
     def width_cap(self, acceptance: float, max_rows: int) -> int:
         """The table's width cap under the served scales; recomputed only when one moves a step."""
         key = (round(acceptance, 2), max_rows, self._version)
