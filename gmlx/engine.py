@@ -6,6 +6,8 @@ picks the loop a round runs in (Loop):
   scalar  - one request speculating alone (no admission boundary: waiters preempt it)
   batch   - speculating rows within the width cap
   gated   - plain decode over the cap, next forward dispatched ahead (no drafter work)
+  bare    - an armed batch's round whose rows' evidence asks for no drafts: plain, next forward
+            dispatched ahead (a drafter that drafts_past_pending; no gate, no capture after)
   settle  - reads the dispatched-ahead lookahead without a successor (before a capture; a
             gated batch decides to resume once, before it pays for this round)
   capture - one-position verify with the hidden state kept; the drafter cold-starts from it
@@ -66,7 +68,7 @@ GATED_RECHECK_ROUNDS = 4
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
-    "num_batch_rounds", "num_gated_rounds", "num_plain_rounds", "num_settle_rounds",
+    "num_batch_rounds", "num_bare_rounds", "num_gated_rounds", "num_plain_rounds", "num_settle_rounds",
     "num_capture_rounds", "num_preempts", "num_resumes", "num_gates", "num_depth_gates", "num_drafted",
     "num_accepted", "num_packed_chunks",
 )
@@ -98,7 +100,8 @@ class Engine:
                              else None)
         self.round_costs = self.served_costs or cost_table
         # None: every speculating row drafts the drafter's k each round (fixed depth).
-        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens, table=self.round_costs)
+        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens, table=self.round_costs,
+                                         has_bare_rounds=drafter.drafts_past_pending)
                              if drafter is not None and engine_config.is_adaptive_depth else None)
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
@@ -484,6 +487,8 @@ class Engine:
         match batch.mode:
             case BatchMode.PLAIN:
                 loop, tokens = Loop.PLAIN, self._plain_round(dispatch_next=is_worth_lookahead)
+            case BatchMode.SCALAR | BatchMode.ARMED if not any(depths) and self.drafter.drafts_past_pending:
+                loop, tokens = Loop.BARE, self._plain_round(dispatch_next=is_worth_lookahead)
             case BatchMode.SCALAR | BatchMode.ARMED:
                 loop = Loop.SCALAR if batch.mode is BatchMode.SCALAR else Loop.BATCH
                 result = self._speculative_round(depths)
@@ -527,7 +532,7 @@ class Engine:
         if gated_policy is not None:
             self._observe_gated(gated_policy, scored_request)
         self._keep_rows(keep)
-        if loop is Loop.GATED:
+        if loop in (Loop.GATED, Loop.BARE):
             return 0
         return (max(depths) or None) if loop.is_speculative else None
 
@@ -553,7 +558,7 @@ class Engine:
         else:
             policy.rest(scored.request_id)
             policy.observe(scored.request_id, 1, int(would_match))
-            evidence = self._draft_evidence_of([scored])
+            evidence = self._draft_evidence_of([scored], [True])  # a resumed batch drafts settled
             if evidence is not None:
                 policy.observe_share(evidence[0])  # how often the text would give drafts to verify
 
@@ -583,22 +588,20 @@ class Engine:
         if policy is None:
             return [self.drafter.num_draft_tokens if r.params.speculate else 0 for r in batch.requests]
         request_ids, num_plain_rows = self._policy_rows()
-        evidence = self._draft_evidence()
-        depths = policy.round_depths(request_ids, num_plain_rows, evidence)
+        view = batch.draft_view
+        evidence = self._draft_evidence_of(view.requests, view.is_delivered)
+        depths = policy.round_depths(request_ids, num_plain_rows, evidence, is_pipelined=not batch.is_settled)
         if depths is None:
             return None
         self._round_evidence = dict(zip(request_ids, evidence)) if evidence is not None else {}
         drafted = iter(depths)
         return [next(drafted) if r.params.speculate else 0 for r in batch.requests]
 
-    def _draft_evidence(self) -> list[int] | None:
-        """The speculating rows' evidence classes this round, where the drafter grades its drafts."""
-        return self._draft_evidence_of(self.batch.draft_requests)
-
-    def _draft_evidence_of(self, requests: list[Request]) -> list[int] | None:
+    def _draft_evidence_of(self, requests: list[Request], is_delivered: list[bool]) -> list[int] | None:
+        """These rows' evidence classes this round, where the drafter grades its drafts."""
         grade = getattr(self.drafter, "draft_evidence", None)
         is_on = self.config.is_draft_evidence and config.is_draft_evidence_enabled()
-        return grade(requests) if grade is not None and is_on else None
+        return grade(requests, is_delivered) if grade is not None and is_on else None
 
     def _policy_rows(self) -> tuple[list[str], int]:
         """What the depth policy weighs: the speculating rows' ids, and how many rows decode plain beside them."""

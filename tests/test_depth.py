@@ -223,15 +223,16 @@ def test_rounds_without_evidence_gate_the_batch_once_they_are_most_rounds():
 
 def test_an_engine_learns_what_each_match_size_is_worth(builtin_target, code_prompts):
     """n-gram drafts on code with the evidence on, each stream alone and greedy: exact, deeper
-    matches accepted more often than none, and rounds without a match verified at depth 0."""
+    matches accepted more often than none, rounds without a match run bare (plain, pipelined) and
+    speculative rounds verify their lookahead (drafting past it, its own classes learned)."""
     reference = SoloReference(builtin_target)
     engine = Engine(builtin_target, make_drafter("ngram", builtin_target, num_draft_tokens=GRADED.k_max),
                     EngineConfig(is_served_costs=False), cost_table=GRADED)
-    depth_0_rounds = []
+    past_lookahead_rounds = []
     speculative_round = engine_module.speculative_round
 
     def recording_round(target, batch, drafter, num_draft_by_row, *args, **kwargs):
-        depth_0_rounds.append(not any(num_draft_by_row))
+        past_lookahead_rounds.append(not batch.is_settled)
         return speculative_round(target, batch, drafter, num_draft_by_row, *args, **kwargs)
 
     engine_module.speculative_round = recording_round
@@ -243,7 +244,8 @@ def test_an_engine_learns_what_each_match_size_is_worth(builtin_target, code_pro
         engine_module.speculative_round = speculative_round
     classes = engine.stats()["draft_depth"]["class_acceptance"]
     assert classes["3"] > classes["0"] + 0.3, classes
-    assert 0 < sum(depth_0_rounds) < len(depth_0_rounds)
+    assert engine.counters["num_bare_rounds"] > 0 and any(past_lookahead_rounds)
+    assert any(int(c) > 3 for c in classes), classes  # past a lookahead: classes of their own
 
 
 def test_engine_uses_the_table_and_settings_still_win(builtin_target, monkeypatch):

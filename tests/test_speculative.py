@@ -182,8 +182,9 @@ def test_random_schedules_with_opt_outs_equal_plain(kind, engines, reference, co
 class RandomDepths:
     """A depth policy drawing every row's k in 0..k_max at random each round, so verify rounds
     mix depths far more than live acceptance would; records the depths of each round. A round
-    where every row draws 0 gates the batch on a coin toss, else verifies at depth 0 (as an
-    evidence-graded round does); a gated batch re-arms on a coin toss."""
+    where every row draws 0 gates the batch on a coin toss, else runs at depth 0 (as an
+    evidence-graded round does: an n-gram batch's is a bare round, whose lookahead the next
+    speculative round verifies first); a gated batch re-arms on a coin toss."""
 
     def __init__(self, engine, k_max, seed):
         import random
@@ -191,7 +192,7 @@ class RandomDepths:
         self.engine, self.k_max, self.rng = engine, k_max, random.Random(seed)
         self.depths_by_round: dict[int, list[int]] = {}
 
-    def round_depths(self, request_ids, num_plain_rows, evidence=None):
+    def round_depths(self, request_ids, num_plain_rows, evidence=None, is_pipelined=False):
         ks = [self.rng.randint(0, self.k_max) for _ in request_ids]
         if not any(ks) and self.rng.random() < 0.5:
             return None
@@ -229,6 +230,7 @@ def test_ragged_depth_schedules_equal_plain(kind, builtin_target, reference, cod
     num_ragged = sum(len(set(ks)) > 1 for ks in depths.depths_by_round.values())
     num_depth_0 = sum(not any(ks) for ks in depths.depths_by_round.values())
     assert num_ragged > 20 and num_depth_0 >= 3 and engine.counters["num_accepted"] > 0
+    assert (engine.counters["num_bare_rounds"] > 0) == engine.drafter.drafts_past_pending
     assert engine.counters["num_depth_gates"] > 0 and engine.counters["num_resumes"] > 0
 
 
@@ -354,8 +356,10 @@ def test_ngram_index_drafts_what_the_scan_drafts():
                     assert drafter.would_have_drafted(request) == (
                         scan_lookup(history[:-1], 1, drafter.max_ngram)[0][0] == history[-1])
                 elif roll < 0.6:  # a round: the evidence, then the drafts, from one memoized lookup
-                    drafts, size = scan_lookup(history, k, drafter.max_ngram)
-                    assert drafter.draft_evidence([request]) == [size]
-                    assert drafter._current_lookup(request, k)[0][:k] == drafts  # what propose sends
+                    drafts, size = scan_lookup(history, k + 1, drafter.max_ngram)
+                    assert drafter.draft_evidence([request], [True]) == [size]
+                    assert drafter.draft_evidence([request], [False]) == [size + drafter.max_ngram + 1]
+                    assert drafter._current_lookup(request, k)[0][:k] == drafts[:k]  # what propose sends
+                    assert drafter._current_lookup(request, k + 1)[0][1 : k + 1] == drafts[1:]  # past a lookahead
                 else:
                     assert drafter._lookup(request, history, k) == scan_lookup(history, k, drafter.max_ngram)

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LOOPS = ("scalar", "batch", "gated", "plain", "settle", "capture")
+_LOOPS = ("scalar", "batch", "bare", "gated", "plain", "settle", "capture")
 # engine counter -> (metric name, help); each becomes a per-worker counter
 _ENGINE_COUNTERS = {
     "num_requests": ("gmlx_engine_requests", "requests the worker's engine admitted"),

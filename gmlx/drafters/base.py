@@ -17,6 +17,7 @@ class ModelDrafter:
 
     default_width_cap = DEFAULT_WIDTH_CAP
     has_distribution = True
+    drafts_past_pending = False  # a model drafts from its state after the last verified token
 
     def would_have_drafted(self, request) -> bool | None:
         return None  # a draft would need a forward
@@ -33,6 +34,9 @@ class Drafter(Protocol):
     default_width_cap: int  # speculate while at most this many rows decode (0 = uncapped)
     needs_hidden: bool  # wants the target's hidden state at each row's last verified position
     has_distribution: bool  # offers propose_with_probs (batch, k) -> (drafts (B, k), probs (B, k, V))
+    # Drafts from the delivered history alone: past a pending lookahead not yet delivered, it
+    # drafts what follows its guess of that token (the engine's bare rounds need this).
+    drafts_past_pending: bool
 
     def reset(self) -> None:
         """Forget every row (gate, preempt). Must do no MLX work."""

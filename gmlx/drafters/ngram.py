@@ -17,11 +17,13 @@ class NgramDrafter:
     default_width_cap = DEFAULT_WIDTH_CAP
     needs_hidden = False
     has_distribution = False  # point proposals: exact-match acceptance only
+    drafts_past_pending = True  # drafts from the delivered history alone, so bare rounds may run
 
     def __init__(self, num_draft_tokens: int | None = None, max_ngram: int = 3):
         self.num_draft_tokens = num_draft_tokens or 4
         self.max_ngram = max_ngram
-        self.num_evidence_classes = max_ngram + 1  # a match of 0..max_ngram tokens
+        # A match of 0..max_ngram tokens, drafting past a delivered or an undelivered pending token.
+        self.num_evidence_classes = 2 * (max_ngram + 1)
 
     def reset(self) -> None:
         pass
@@ -36,12 +38,18 @@ class NgramDrafter:
         pass
 
     def propose(self, batch, num_tokens: int) -> mx.array:
-        drafts = [self._current_lookup(r, num_tokens)[0][:num_tokens] for r in batch.requests]
+        # A row whose pending token is an undelivered lookahead: the lookup's first draft is the
+        # guess of that token, and its drafts are what follows the guess.
+        drafts = [self._current_lookup(r, num_tokens + 1)[0][skip : skip + num_tokens]
+                  for r, skip in zip(batch.requests, _num_guessed(batch.is_delivered))]
         return mx.array(drafts, dtype=mx.int32)  # (B, k)
 
-    def draft_evidence(self, requests) -> list[int]:
-        """Each row's evidence class this round: the size of the n-gram its drafts follow (0: none)."""
-        return [self._current_lookup(r, self.num_draft_tokens)[1] for r in requests]
+    def draft_evidence(self, requests, is_delivered: list[bool]) -> list[int]:
+        """Each row's evidence class this round: the size of the n-gram its drafts follow (0:
+        none); past an undelivered pending token, another class of the same size (those drafts
+        also need the guess of that token to be right)."""
+        return [self._current_lookup(r, self.num_draft_tokens + 1)[1] + skip * (self.max_ngram + 1)
+                for r, skip in zip(requests, _num_guessed(is_delivered))]
 
     def would_have_drafted(self, request) -> bool | None:
         tokens = request.all_token_ids
@@ -66,6 +74,11 @@ class NgramDrafter:
         if not index.can_answer(len(tokens)):
             return scan_lookup(tokens, num_tokens, self.max_ngram)
         return index.lookup(tokens, num_tokens)
+
+
+def _num_guessed(is_delivered: list[bool]) -> list[int]:
+    """Per row, how many of the lookup's drafts guess tokens already dispatched (1 past a lookahead)."""
+    return [0 if d else 1 for d in is_delivered]
 
 
 def scan_lookup(tokens: list[int], num_tokens: int, max_ngram: int) -> tuple[list[int], int]:

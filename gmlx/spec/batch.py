@@ -50,6 +50,9 @@ class Loop(enum.Enum):
     SCALAR = "scalar"  # a SCALAR batch's speculative round
     BATCH = "batch"  # an ARMED batch's speculative round
     GATED = "gated"  # plain, next forward dispatched ahead, no drafter work
+    # An armed batch's round whose rows' evidence asked for no drafts: plain, next forward
+    # dispatched ahead; the next speculative round verifies that lookahead first (no gate).
+    BARE = "bare"
     SETTLE = "settle"  # plain, reads the lookahead without a successor (before a capture)
     CAPTURE = "capture"  # one-position verify keeping the hidden state the drafter cold-starts from
     PLAIN = "plain"  # no drafter loaded
@@ -95,8 +98,9 @@ class DecodeBatch:
 
     def preempt(self) -> None:
         """SCALAR -> UNARMED: the lone stream becomes a batch-loop row; its drafter state is dropped."""
-        # The scalar round's verified tokens went out; only its delivered bonus is pending.
-        assert self.mode is BatchMode.SCALAR and self.is_settled
+        # The scalar round's verified tokens went out; what is pending is its delivered bonus,
+        # or a bare round's lookahead, which the settle round before the capture reads.
+        assert self.mode is BatchMode.SCALAR
         self.mode = BatchMode.UNARMED
 
     def gate(self) -> bool:
@@ -200,6 +204,11 @@ class DraftRows:
     @property
     def pending(self) -> mx.array:
         return self.batch.pending[self.index]  # (Bd,)
+
+    @property
+    def is_delivered(self) -> list[bool]:
+        is_delivered = self.batch.is_delivered
+        return [is_delivered[i] for i in self.rows]
 
     @property
     def lengths(self) -> list[int]:

@@ -27,8 +27,10 @@ A drafter may grade each row's drafts this round (its evidence class: the n-gram
 size). Then the rows' estimates only decide whether the batch speculates, each round's depth is
 chosen from the acceptance of its rows' classes, pooled over every row, and a round whose
 classes ask for none runs at depth 0 without a gate (a gate and resume cost two unpipelined
-rounds, and the next round may match). Whether to speculate weighs the share of recent rounds
-that drafted: a depth-0 round costs more than a pipelined plain one.
+rounds, and the next round may match): a verify of the pending tokens alone, or, where the
+drafter drafts past an undelivered lookahead (has_bare_rounds), a bare round, which is a
+pipelined plain round once one is in flight. Whether to speculate weighs the share of recent
+rounds that drafted, since a round without drafts may cost more than a gated plain one.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ class DepthPolicy:
     k_max: int
     costs: DraftCosts = field(default_factory=DraftCosts)
     table: object = None  # a calibration.CostTable: measured costs per width replace `costs`
+    # The engine runs a round whose rows draft nothing as a pipelined plain round (a bare round:
+    # the drafter drafts past an undelivered lookahead), not as a verify of the pending tokens.
+    has_bare_rounds: bool = False
     _rows: dict[str, _RowEstimate] = field(default_factory=dict)
     _classes: dict[int, _ClassEstimate] = field(default_factory=dict)  # evidence class -> its estimate
     # Of the recent speculating rounds with evidence, the share whose classes asked for drafts.
@@ -138,10 +143,12 @@ class DepthPolicy:
         (opted out) in the same verify: one k for all (the deepest row sets the round's cost)."""
         return self.round_depths(request_ids, num_plain_rows) or [0] * len(request_ids)
 
-    def round_depths(self, request_ids: list[str], num_plain_rows: int = 0,
-                     evidence: list[int] | None = None) -> list[int] | None:
+    def round_depths(self, request_ids: list[str], num_plain_rows: int = 0, evidence: list[int] | None = None,
+                     is_pipelined: bool = False) -> list[int] | None:
         """depths(), or None where the batch should not speculate (the engine gates it); with
-        the rows' evidence classes this round, its depth from their classes' acceptance (0 allowed)."""
+        the rows' evidence classes this round, its depth from their classes' acceptance (0 allowed).
+        is_pipelined: a lookahead is in flight (after a bare round), so a round at depth 0 is a
+        pipelined plain round's cost."""
         k = self._round_depth(request_ids, num_plain_rows)
         # A row's first rounds draft once (acceptance measured, not assumed) where that could pay.
         is_probe = k == 0 and self.k_max and self._is_probe_worth_it(request_ids, num_plain_rows)
@@ -151,7 +158,8 @@ class DepthPolicy:
             return None
         if evidence is not None:
             assert len(evidence) == len(request_ids)
-            k = self._class_depth([self.class_acceptance(c) for c in evidence], num_plain_rows)
+            k = self._class_depth([self.class_acceptance(c) for c in evidence], num_plain_rows,
+                                  is_pipelined and self.has_bare_rounds)
             k = max(k, 1) if is_probe else k  # a probe drafts whatever the evidence
             self._drafting_share = self._drafting_share * _DRAFTING_SHARE_DECAY + (1 - _DRAFTING_SHARE_DECAY) * (k > 0)
         return [k] * len(request_ids)
@@ -167,14 +175,16 @@ class DepthPolicy:
         pooled = self._classes.get(evidence_class) or _ClassEstimate()
         return (pooled.num_accepted + self.prior_acceptance * _PRIOR_WEIGHT) / (pooled.num_tried + _PRIOR_WEIGHT)
 
-    def _class_depth(self, acceptances: list[float], num_plain_rows: int) -> int:
-        """A speculating batch's depth this round for rows of these acceptances: 0 is a
-        verify of the pending tokens alone, at its own (unpipelined) cost."""
+    def _class_depth(self, acceptances: list[float], num_plain_rows: int, is_pipelined: bool = False) -> int:
+        """A speculating batch's depth this round for rows of these acceptances: 0 is a verify of
+        the pending tokens alone or a bare round from a settled batch, at an unpipelined round's
+        cost; a bare round with a lookahead in flight is a pipelined plain round."""
         width = len(acceptances) + num_plain_rows
         rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
                 for a in acceptances]
+        bare_s = self._round_cost(width, 0) if is_pipelined else self._spec_round_cost(width, 0)
         return max(range(self.k_max + 1), key=lambda k: ((sum(row[k] for row in rows) + num_plain_rows)
-                                                          / self._spec_round_cost(width, k), -k))
+                                                          / (self._spec_round_cost(width, k) if k else bare_s), -k))
 
     def pays_to_draft(self, request_ids: list[str], num_plain_rows: int = 0) -> bool:
         """Whether the rows' estimates alone ask for drafts (no probe): what re-arms a batch
@@ -209,11 +219,13 @@ class DepthPolicy:
         # additions expected_tokens makes), not E(k) afresh for every k and every comparison.
         rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
                 for a in acceptances]
-        # A share q of rounds drafts (evidence classes: the rest verify only the pending tokens).
+        # A share q of rounds drafts (evidence classes): the rest verify only the pending tokens,
+        # or with bare rounds run mostly as pipelined plain rounds.
         q, num_spec = self._drafting_share, len(acceptances)
+        idle_s = self._round_cost(width, 0) if self.has_bare_rounds else self._spec_round_cost(width, 0)
         rates = [(num_spec + num_plain_rows) / self._round_cost(width, 0)]
         rates += [(q * sum(row[k] for row in rows) + (1 - q) * num_spec + num_plain_rows)
-                  / (q * self._round_cost(width, k) + (1 - q) * self._spec_round_cost(width, 0))
+                  / (q * self._round_cost(width, k) + (1 - q) * idle_s)
                   for k in range(1, self.k_max + 1)]
         best = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
         margin = DRAFT_GAIN_MARGIN if width > 1 else 0.0

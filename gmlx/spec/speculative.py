@@ -38,8 +38,13 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
     of the fixed-k round. A row with k = 0 decodes plain (its bonus is the target's next token).
     is_stochastic: accept by rejection sampling (rejection.py) with a drafter that has_distribution.
     chunks: prompt chunks packed into the verify forward (models/packed.py).
+
+    A row whose pending token is a lookahead not yet delivered (after a bare round, engine.py)
+    verifies it first, with drafts of what follows it guessed from the delivered history alone
+    (a drafter that drafts_past_pending); the round emits it before the verified tokens.
     """
-    assert batch.is_settled and batch.mode.is_armed
+    assert batch.mode.is_armed
+    assert batch.is_settled or (drafter.drafts_past_pending and not is_stochastic), "a lookahead needs history drafts"
     assert len(num_draft_by_row) == batch.num_rows
     num_draft = max(num_draft_by_row, default=0)
     view = batch.draft_view
@@ -58,6 +63,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
         if is_stochastic:
             draft_probs = mx.zeros((batch.num_rows, num_draft, view_probs.shape[-1]), dtype=view_probs.dtype)
             draft_probs[view.index] = view_probs
+    lookahead = batch.pending  # the rows' pending tokens, some perhaps not yet delivered
     verify_in = mx.concatenate([batch.pending[:, None], drafts], axis=1)  # (B, k+1)
     positions = batch.positions(num_draft + 1, first_offset=1)
     hidden, logits, chunk_hidden = _forward(target, verify_in, batch.caches, chunks)  # (B, k+1, D), (B, k+1, V)
@@ -85,7 +91,11 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
         else:
             num_view_accepted = num_accepted
         drafter.on_verified(view, num_view_accepted, hidden if drafter.needs_hidden else None)
+    looked_ahead = [] if batch.is_settled else [[] if d else [t] for d, t in zip(batch.is_delivered, lookahead.tolist())]
+    batch.is_delivered = [True] * batch.num_rows
     tokens = [row[: a + 1] for row, a in zip(target_rows, num_accepted)]
+    if looked_ahead:
+        tokens = [ahead + row for ahead, row in zip(looked_ahead, tokens)]
     return VerifyResult(tokens, num_accepted, list(num_draft_by_row), chunk_hidden)
 
 

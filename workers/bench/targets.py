@@ -7,7 +7,8 @@
            streaming token-id prompts to /completion with plain http.client
 
 Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
-resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), width_cap (N), num_draft_tokens (N),
+resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), evidence (0|1: 0 sets depths without
+the drafter's per-round grades), width_cap (N), num_draft_tokens (N),
 address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
@@ -24,12 +25,13 @@ from pathlib import Path
 from gmlx.config import ROW_ATTENTION_RULES
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
-_BOOL_KEYS = ("preempt", "resume", "adaptive", "row_invariance")
+_BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
 _STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
 MLX_LM_FORMATS = ("auto", "float32", "quantized")
-_GMLX_KNOBS = ("preempt", "resume", "adaptive", "width_cap", "num_draft_tokens", "row_invariance", "row_attention")
+_GMLX_KNOBS = ("preempt", "resume", "adaptive", "evidence", "width_cap", "num_draft_tokens", "row_invariance",
+               "row_attention")
 DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
@@ -41,6 +43,7 @@ class TargetSpec:
     preempt: bool | None = None  # None = the engine default (on)
     resume: bool | None = None
     adaptive: bool | None = None  # GMLX_ADAPTIVE_DEPTH; None = the engine default (on)
+    evidence: bool | None = None  # GMLX_DRAFT_EVIDENCE; None = the engine default (on)
     width_cap: int | None = None  # GMLX_MTP_WIDTH_CAP; None = the model's cap
     row_invariance: bool | None = None  # GMLX_ROW_INVARIANCE at load; None = auto (on a GPU only)
     row_attention: str | None = None  # GMLX_ROW_ATTENTION at load (masked|unmasked); None = masked
@@ -81,6 +84,8 @@ class TargetSpec:
             env["GMLX_MTP_RESUME"] = "1" if self.resume else "0"
         if self.adaptive is not None:
             env["GMLX_ADAPTIVE_DEPTH"] = "1" if self.adaptive else "0"
+        if self.evidence is not None:
+            env["GMLX_DRAFT_EVIDENCE"] = "1" if self.evidence else "0"
         if self.width_cap is not None:
             env["GMLX_MTP_WIDTH_CAP"] = str(self.width_cap)
         if self.row_invariance is not None:
