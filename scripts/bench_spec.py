@@ -14,6 +14,8 @@ Sections:
   verify   a verify forward of 2-4 positions over a one-position step, interposer on and off
   first    smollm2 only: each drafter's first drafts kept, served greedy at fixed depth 1 on held-out
            prose and code (--repeats prompts of each, --tokens each)
+  grades   smollm2 only: the n-gram drafter's per-round grade (matched n-gram size) against its
+           drafts kept, fixed depth 4, held-out prose and code (what the depth policy's classes learn)
   lift     decode tok/s at width 1, each drafter against plain, with acceptance; drafter engines
            as served (start-up cost table; --uncalibrated: without it, as before session 14); a
            drafter named with /no-evidence runs without its per-round evidence (GMLX_DRAFT_EVIDENCE)
@@ -143,6 +145,35 @@ def bench_first_drafts(target, drafter_specs, prompts, params):
         out.append(dict(drafter=spec, first_draft_acceptance=round(num_accepted / max(num_drafted, 1), 3),
                         num_drafted=num_drafted))
     return out
+
+
+def bench_grades(target, prompts, params, num_draft_tokens: int = 4):
+    """What the n-gram drafter's per-round grade (its matched n-gram's size) says of its drafts:
+    each prompt alone, fixed depth, served greedy unless params say otherwise; per grade, its share
+    of rounds, the share of rounds whose first draft was kept and drafts kept per draft (no timing)."""
+    engine = Engine(target, make_drafter("ngram", target, num_draft_tokens=num_draft_tokens),
+                    EngineConfig(prompt_cache_bytes=0, is_adaptive_depth=False))
+    by_grade = {}  # grade -> [rounds, rounds whose first draft was kept, drafts kept, drafted]
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            batch = engine.batch
+            is_speculating = batch is not None and batch.mode.is_armed and batch.is_settled
+            grade = engine.drafter.draft_evidence(batch.requests, batch.is_delivered)[0] if is_speculating else None
+            before = dict(engine.counters)
+            engine.step()
+            if grade is None or engine.counters["num_spec_rounds"] == before["num_spec_rounds"]:
+                continue
+            num_accepted = engine.counters["num_accepted"] - before["num_accepted"]
+            counts = by_grade.setdefault(grade, [0, 0, 0, 0])
+            counts[0] += 1
+            counts[1] += num_accepted > 0
+            counts[2] += num_accepted
+            counts[3] += engine.counters["num_drafted"] - before["num_drafted"]
+    num_rounds = sum(c[0] for c in by_grade.values())
+    return [dict(grade=g, share_of_rounds=round(c[0] / num_rounds, 3), first_draft_kept=round(c[1] / c[0], 3),
+                 kept_per_draft=round(c[2] / max(c[3], 1), 3), num_rounds=c[0])
+            for g, c in sorted(by_grade.items())]
 
 
 def bench_vs_mlx_lm(target, prompts, params, repeats, k_max):
@@ -306,7 +337,8 @@ def main() -> None:
             result["verify"] = bench_verify_cost(target, args.repeats)
         text_sections = {  # smollm2: on held-out prose and code separately
             "lift": lambda p: bench_lift(target, specs, p, params, args.repeats, not args.uncalibrated),
-            "first": lambda p: bench_first_drafts(target, specs, p, params)}
+            "first": lambda p: bench_first_drafts(target, specs, p, params),
+            "grades": lambda p: bench_grades(target, p, params)}
         for section, bench in text_sections.items():
             if section not in sections or name != "smollm2":
                 continue
