@@ -22,8 +22,6 @@ class NgramDrafter:
     def __init__(self, num_draft_tokens: int | None = None, max_ngram: int = 3):
         self.num_draft_tokens = num_draft_tokens or 4
         self.max_ngram = max_ngram
-        # A match of 0..max_ngram tokens, drafting past a delivered or an undelivered pending token.
-        self.num_evidence_classes = 2 * (max_ngram + 1)
 
     def reset(self) -> None:
         pass
