@@ -67,6 +67,20 @@ void tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int
 
 // ---------------------------------------------------------------- AVX-512 VNNI
 
+// acc + dpbusd(w, four bytes of x broadcast): the broadcast as the instruction's memory operand,
+// one fused uop instead of a broadcast load and a dot (GCC does not fold it). Same bits.
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i dot_broadcast(__m512i acc, __m512i w,
+                                                                           const int8_t* four) {
+#if defined(__GNUC__)
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(four)));
+  return acc;
+#else
+  int32_t bytes;
+  std::memcpy(&bytes, four, sizeof(bytes));
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(bytes));
+#endif
+}
+
 // Block j of a tile for kRows rows into lane kLane of each row.
 template <int kBits, int kRows, int kLane>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
@@ -95,11 +109,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(co
     const int8_t* xq = x.q[r] + j * kInt8BlockInputs;
     __m512i partial[kChains];
     for (int c = 0; c < kChains; ++c) partial[c] = _mm512_setzero_si512();
-    for (int i = 0; i < kVectorsPerBlock; ++i) {
-      int32_t four;
-      std::memcpy(&four, xq + 4 * i, sizeof(four));
-      partial[i % kChains] = _mm512_dpbusd_epi32(partial[i % kChains], w[i], _mm512_set1_epi32(four));
-    }
+    for (int i = 0; i < kVectorsPerBlock; ++i) partial[i % kChains] = dot_broadcast(partial[i % kChains], w[i], xq + 4 * i);
     __m512i isum = partial[0];  // integer adds: exact in any order
     for (int c = 1; c < kChains; ++c) isum = _mm512_add_epi32(isum, partial[c]);
     const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isum));
