@@ -476,7 +476,9 @@ class Engine:
         if held is not None:
             is_over_cap = held
         else:
-            is_over_cap = (batch.mode is not BatchMode.PLAIN
+            # A cap is 0 (none) or at least one row: a lone speculating row is within it, and its
+            # rounds skip the cap's model (~70 us whenever the acceptance prior moves a step).
+            is_over_cap = (batch.mode is not BatchMode.PLAIN and batch.num_draft_rows > 1
                            and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
         depths = self._draft_depths() if batch.mode.is_armed and not is_over_cap else None
         if is_over_cap or (batch.mode.is_armed and depths is None):
