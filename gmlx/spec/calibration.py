@@ -76,7 +76,7 @@ class CostTable:
         because a batch whose rows all draft nothing decodes plain (engine: the depth gate)."""
         if depth == 0:
             return self._at(width, self.plain_s)
-        return self._at(width, [row[depth] for row in self.spec_s])
+        return self.spec_round_s(width, depth)
 
     def spec_round_s(self, width: int, depth: int) -> float:
         """One speculative round at this width where every row drafts `depth`, depth 0 included

@@ -151,7 +151,7 @@ class DepthPolicy:
         pipelined plain round's cost."""
         k = self._round_depth(request_ids, num_plain_rows)
         # A row's first rounds draft once (acceptance measured, not assumed) where that could pay.
-        is_probe = k == 0 and self.k_max and self._is_probe_worth_it(request_ids, num_plain_rows)
+        is_probe = k == 0 and self.k_max > 0 and self._is_probe_worth_it(request_ids, num_plain_rows)
         if is_probe:
             k = 1
         if k == 0:
@@ -161,13 +161,15 @@ class DepthPolicy:
             k = self._class_depth([self.class_acceptance(c) for c in evidence], num_plain_rows,
                                   is_pipelined and self.has_bare_rounds)
             k = max(k, 1) if is_probe else k  # a probe drafts whatever the evidence
-            self._drafting_share = self._drafting_share * _DRAFTING_SHARE_DECAY + (1 - _DRAFTING_SHARE_DECAY) * (k > 0)
+            self._note_drafting(k > 0)
         return [k] * len(request_ids)
 
     def observe_share(self, evidence_class: int) -> None:
         """A gated row's evidence this round: whether a lone row would draft on it moves the
         share of drafting rounds, so a text that turns repetitive can re-arm the batch."""
-        is_drafting = self._class_depth([self.class_acceptance(evidence_class)], 0) > 0
+        self._note_drafting(self._class_depth([self.class_acceptance(evidence_class)], 0) > 0)
+
+    def _note_drafting(self, is_drafting: bool) -> None:
         self._drafting_share = self._drafting_share * _DRAFTING_SHARE_DECAY + (1 - _DRAFTING_SHARE_DECAY) * is_drafting
 
     def class_acceptance(self, evidence_class: int) -> float:
@@ -179,9 +181,7 @@ class DepthPolicy:
         """A speculating batch's depth this round for rows of these acceptances: 0 is a verify of
         the pending tokens alone or a bare round from a settled batch, at an unpipelined round's
         cost; a bare round with a lookahead in flight is a pipelined plain round."""
-        width = len(acceptances) + num_plain_rows
-        rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
-                for a in acceptances]
+        width, rows = len(acceptances) + num_plain_rows, self._expected_tokens_by_depth(acceptances)
         bare_s = self._round_cost(width, 0) if is_pipelined else self._spec_round_cost(width, 0)
         return max(range(self.k_max + 1), key=lambda k: ((sum(row[k] for row in rows) + num_plain_rows)
                                                           / (self._spec_round_cost(width, k) if k else bare_s), -k))
@@ -214,11 +214,7 @@ class DepthPolicy:
             return 0
         if not self.k_max:
             return 0
-        width = len(acceptances) + num_plain_rows
-        # Asked every gated round: each row's E(0..k_max) once, as running sums (the very
-        # additions expected_tokens makes), not E(k) afresh for every k and every comparison.
-        rows = [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
-                for a in acceptances]
+        width, rows = len(acceptances) + num_plain_rows, self._expected_tokens_by_depth(acceptances)
         # A share q of rounds drafts (evidence classes): the rest verify only the pending tokens,
         # or with bare rounds run mostly as pipelined plain rounds.
         q, num_spec = self._drafting_share, len(acceptances)
@@ -230,6 +226,12 @@ class DepthPolicy:
         best = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
         margin = DRAFT_GAIN_MARGIN if width > 1 else 0.0
         return best if rates[best] > (1 + margin) * rates[0] else 0
+
+    def _expected_tokens_by_depth(self, acceptances: list[float]) -> list[list[float]]:
+        """Per row, E(0..k_max). Asked every gated round: running sums (the very additions
+        expected_tokens makes), not E(k) afresh for every k and every comparison."""
+        return [list(itertools.accumulate((a**j for j in range(self.k_max + 1)), initial=0))[1:]
+                for a in acceptances]
 
     def _round_cost(self, width: int, depth: int) -> float:
         if self.table is not None:
