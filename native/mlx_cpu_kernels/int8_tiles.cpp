@@ -81,37 +81,53 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i dot_broadcast(__m
 #endif
 }
 
-// Block j of a tile for kRows rows into lane kLane of each row.
+// Vector i of a block's weights (16 outputs x 4 inputs as bytes): at 4 bits the low then the
+// high nibbles of each 64 bytes, at 8 bits the 64 bytes as they are. It pairs with x's bytes 4i..4i+3.
+template <int kBits>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_vectors(const uint8_t* block, int t,
+                                                                        __m512i* pair) {
+  const __m512i v = _mm512_loadu_si512(block + 64 * t);
+  if constexpr (kBits == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    pair[0] = _mm512_and_si512(v, nibble);
+    pair[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  } else {
+    pair[0] = v;
+  }
+}
+
+// Block j of a tile for kRows rows into lane kLane of each row. Each weight vector is unpacked
+// just before every row's dot with it, so at four rows the sixteen lanes stay in registers
+// (holding the block's eight vectors for all rows spilled one to the stack).
 template <int kBits, int kRows, int kLane>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
                                                                             const RowsOf<kRows>& x,
                                                                             __m512 (*lanes)[kLanes]) {
   constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
-  // Vector i pairs with x's bytes 4i..4i+3 of the block: at 4 bits the low then the high
-  // nibbles of each 64 bytes, at 8 bits the 64 bytes as they are.
-  __m512i w[kVectorsPerBlock];
-  if constexpr (kBits == 4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int t = 0; t < kVectorsPerBlock / 2; ++t) {
-      const __m512i v = _mm512_loadu_si512(block + 64 * t);
-      w[2 * t] = _mm512_and_si512(v, nibble);
-      w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  constexpr int kPerLoad = kBits == 4 ? 2 : 1;  // weight vectors one 64-byte load holds
+  // Few rows leave vpdpbusd's latency exposed: split each row's sum over independent chains.
+  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  __m512i partial[kRows][kChains];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+  }
+  for (int t = 0; t < kVectorsPerBlock / kPerLoad; ++t) {
+    __m512i pair[kPerLoad];
+    block_vectors<kBits>(block, t, pair);
+    for (int r = 0; r < kRows; ++r) {
+      const int8_t* xq = x.q[r] + j * kInt8BlockInputs;
+      for (int h = 0; h < kPerLoad; ++h) {
+        const int i = kPerLoad * t + h;
+        partial[r][i % kChains] = dot_broadcast(partial[r][i % kChains], pair[h], xq + 4 * i);
+      }
     }
-  } else {
-    for (int t = 0; t < kVectorsPerBlock; ++t) w[t] = _mm512_loadu_si512(block + 64 * t);
   }
   const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
   const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
   const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
-  // Few rows leave vpdpbusd's latency exposed: split each row's sum over independent chains.
-  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
   for (int r = 0; r < kRows; ++r) {
-    const int8_t* xq = x.q[r] + j * kInt8BlockInputs;
-    __m512i partial[kChains];
-    for (int c = 0; c < kChains; ++c) partial[c] = _mm512_setzero_si512();
-    for (int i = 0; i < kVectorsPerBlock; ++i) partial[i % kChains] = dot_broadcast(partial[i % kChains], w[i], xq + 4 * i);
-    __m512i isum = partial[0];  // integer adds: exact in any order
-    for (int c = 1; c < kChains; ++c) isum = _mm512_add_epi32(isum, partial[c]);
+    __m512i isum = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isum = _mm512_add_epi32(isum, partial[r][c]);
     const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isum));
     __m512& lane = lanes[r][kLane];
     lane = _mm512_fmadd_ps(s, p, lane);
