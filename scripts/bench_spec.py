@@ -60,9 +60,9 @@ DRAFTERS = ("mtp", "draft", "ngram")
 NO_EVIDENCE = "/no-evidence"  # a --drafters suffix: that drafter with its per-round evidence off
 
 
-def engine_for(target, drafter_spec):
+def engine_for(target, drafter_spec, is_draft_evidence: bool = True):
     drafter = make_drafter(drafter_spec, target) if drafter_spec != "none" else None
-    return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0))
+    return Engine(target, drafter, EngineConfig(prompt_cache_bytes=0, is_draft_evidence=is_draft_evidence))
 
 
 def acceptance(delta: dict) -> float:
@@ -101,8 +101,7 @@ def lift_engine_for(target, spec: str, is_calibrated: bool):
     is_evidence = not spec.endswith(NO_EVIDENCE)
     drafter_spec = spec.removesuffix(NO_EVIDENCE)
     if not is_calibrated:
-        engine = engine_for(target, drafter_spec)
-        return Engine(target, engine.drafter, dataclasses.replace(engine.config, is_draft_evidence=is_evidence))
+        return engine_for(target, drafter_spec, is_evidence)
     return served_engine_for(target, make_drafter(drafter_spec, target), is_evidence)
 
 

@@ -221,7 +221,7 @@ def test_rounds_without_evidence_gate_the_batch_once_they_are_most_rounds():
     assert policy.pays_to_draft(["r"])
 
 
-def test_an_engine_learns_what_each_match_size_is_worth(builtin_target, code_prompts):
+def test_an_engine_learns_what_each_match_size_is_worth(builtin_target, code_prompts, monkeypatch):
     """n-gram drafts on code with the evidence on, each stream alone and greedy: exact, deeper
     matches accepted more often than none, rounds without a match run bare (plain, pipelined) and
     speculative rounds verify their lookahead (drafting past it, its own classes learned)."""
@@ -235,13 +235,10 @@ def test_an_engine_learns_what_each_match_size_is_worth(builtin_target, code_pro
         past_lookahead_rounds.append(not batch.is_settled)
         return speculative_round(target, batch, drafter, num_draft_by_row, *args, **kwargs)
 
-    engine_module.speculative_round = recording_round
-    try:
-        params = SamplingParams(max_tokens=96)
-        for prompt in code_prompts[:6]:
-            assert run_alone(engine, prompt, params)[:2] == reference.tokens(prompt, params)
-    finally:
-        engine_module.speculative_round = speculative_round
+    monkeypatch.setattr(engine_module, "speculative_round", recording_round)
+    params = SamplingParams(max_tokens=96)
+    for prompt in code_prompts[:6]:
+        assert run_alone(engine, prompt, params)[:2] == reference.tokens(prompt, params)
     classes = engine.stats()["draft_depth"]["class_acceptance"]
     assert classes["3"] > classes["0"] + 0.3, classes
     assert engine.counters["num_bare_rounds"] > 0 and any(past_lookahead_rounds)

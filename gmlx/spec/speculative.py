@@ -64,7 +64,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
             draft_probs = mx.zeros((batch.num_rows, num_draft, view_probs.shape[-1]), dtype=view_probs.dtype)
             draft_probs[view.index] = view_probs
     lookahead = batch.pending  # the rows' pending tokens, some perhaps not yet delivered
-    verify_in = mx.concatenate([batch.pending[:, None], drafts], axis=1)  # (B, k+1)
+    verify_in = mx.concatenate([lookahead[:, None], drafts], axis=1)  # (B, k+1)
     positions = batch.positions(num_draft + 1, first_offset=1)
     hidden, logits, chunk_hidden = _forward(target, verify_in, batch.caches, chunks)  # (B, k+1, D), (B, k+1, V)
     targets = sample(logits, batch.sampling, positions)  # (B, k+1)
