@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 # Largest |kernel - mx.fast| accepted at the probe. mlx computes RoPE angles in float32,
 # the kernel in double: at position p they differ by up to ~p * 2^-24 radians.
-_PROBE_ATOL = 1e-3
+PROBE_ATOL = 1e-3
 _PROBE_POSITIONS = (3, 70, 1100)  # one offset per probe row
 
 
@@ -77,7 +77,7 @@ def _use_kernel_mlps(model: nn.Module) -> int:
     probe = modules[0]
     x = mx.random.normal((2, 3, output_dims(probe.down_proj)), key=mx.random.key(2))  # (B, T, D)
     expected = type(probe).__call__(probe, x)
-    if not cpu_kernels.is_close_to(_MLP_SWAPS[type(probe)].__call__(probe, x), expected, _PROBE_ATOL):
+    if not cpu_kernels.is_close_to(_MLP_SWAPS[type(probe)].__call__(probe, x), expected, PROBE_ATOL):
         logger.warning("not using the CPU SwiGLU: the MLP disagrees with mlx's")
         return 0
     for module in modules:
@@ -104,7 +104,7 @@ def _is_close(module: nn.Module) -> bool:
     kernel = _SWAPS[type(module)]
     expected = _REFERENCES[kernel](module, x, *args)
     got = kernel.__call__(module, x, *args)
-    return cpu_kernels.is_close_to(got, expected, _PROBE_ATOL)
+    return cpu_kernels.is_close_to(got, expected, PROBE_ATOL)
 
 
 def _probe_key(module: nn.Module) -> tuple:

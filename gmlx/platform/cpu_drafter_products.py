@@ -18,10 +18,8 @@ from mlx.utils import tree_unflatten
 from gmlx import config
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_layout import store_weights_input_major
-from gmlx.platform.cpu_decode_ops import use_cpu_decode_ops
+from gmlx.platform.cpu_decode_ops import PROBE_ATOL, use_cpu_decode_ops
 from gmlx.platform.cpu_quantized import use_cpu_kernels
-
-_SWIGLU_ATOL = 1e-3  # the decode ops' probe tolerance
 
 
 def quantized_format(module: nn.Module) -> tuple[int, int] | None:
@@ -59,7 +57,7 @@ def _use_kernel_ops(module: nn.Module) -> None:
     if not config.is_cpu_decode_ops_enabled() or not use_cpu_decode_ops(module) or not hasattr(module, "swiglu"):
         return
     gate, up = mx.random.normal((2, 2, 64), key=mx.random.key(5))
-    if cpu_kernels.is_close_to(cpu_kernels.swiglu(gate, up), module.swiglu(gate, up), _SWIGLU_ATOL):
+    if cpu_kernels.is_close_to(cpu_kernels.swiglu(gate, up), module.swiglu(gate, up), PROBE_ATOL):
         module.swiglu = cpu_kernels.swiglu
 
 
