@@ -29,6 +29,8 @@ def test_llama_server_spec_keys_defaults_and_errors():
     assert (spec.num_slots, spec.slot_context_tokens, spec.gguf) == (8, 512, "/m/SmolLM2.F32.gguf")
     assert spec.name == "llama-server np=8 gguf=SmolLM2.F32.gguf"
     assert parse_target("llama-server:label=llama.cpp-q4").name == "llama.cpp-q4"
+    no_repack = parse_target("llama-server:np=8,repack=0")
+    assert no_repack.repack is False and no_repack.name == "llama-server np=8 repack=0"
     assert parse_target("mlx-lm:format=float32").name == "mlx-lm drafter=none format=float32"
     # No drafter named: gmlx serve (and the engine) keep their own default; mlx-lm decodes plain.
     assert parse_target("server").name == "server drafter=default" != parse_target("server:drafter=none").name
@@ -47,6 +49,8 @@ def test_llama_server_spec_keys_defaults_and_errors():
         "llama-server:np=0": ">= 1",
         "llama-server:np=two": "integer",
         "server:np=4": "llama-server targets only",
+        "server:repack=0": "llama-server targets only",
+        "llama-server:repack=no": "0 or 1",
         "mlx-lm:gguf=/m/a.gguf": "llama-server targets only",
         "server:format=float32": "mlx-lm targets only",
         "mlx-lm:format=int8": "format must be one of",
@@ -70,6 +74,9 @@ def test_llama_server_command_and_missing_pieces(tmp_path, monkeypatch):
     assert argv[argv.index("-np") + 1] == "8" and argv[argv.index("-c") + 1] == str(8 * 512)
     assert argv[argv.index("-t") + 1] == argv[argv.index("-tb") + 1] == "2"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--no-webui" in argv
+    assert not {"--repack", "--no-repack"} & set(argv)  # llama.cpp's own default unless the target says
+    assert llama_server_argv(tmp_path / "llama-server", tmp_path / "m.gguf", 4321, num_slots=8, slot_context_tokens=512,
+                             num_threads=2, repack=False)[-1] == "--no-repack"
     assert num_cpu_threads() >= 1
     assert LlamaServerTarget(parse_target("llama-server"), tmp_path, default_num_slots=6).num_slots == 6
     assert LlamaServerTarget(parse_target("llama-server:np=3"), tmp_path, default_num_slots=6).num_slots == 3
@@ -140,6 +147,7 @@ def test_llama_server_target_streams_the_workload_on_smollm2():
     results = json.loads(json.dumps(results))
     (target,) = results["targets"]
     assert target["num_slots"] == 2 and target["gguf"] == str(source) and "as stored" in target["format"]
+    assert target["repack"] in (None, False)  # False: it died with repacking on and ran with --no-repack
     (run,) = results["runs"]
     assert run["summary"]["num_errors"] == 0 and run["summary"]["num_completed"] == 3
     from gmlx.models.gguf_tokenizer import load_gguf_tokenizer

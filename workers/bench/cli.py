@@ -42,7 +42,8 @@ def _parse_levels(ctx, param, value):
               help="KIND[:key=value,...]; KIND is engine, server, mlx-lm or llama-server; keys: drafter, model, "
                    "preempt, resume, adaptive, width_cap, num_draft_tokens, row_invariance (0|1, at load), row_attention "
                    "(masked|unmasked, at load), address, blas, "
-                   "format (mlx-lm: auto|float32|quantized), gguf, np, ctx (llama-server: the GGUF, slots, context per slot), label. Repeat "
+                   "format (mlx-lm: auto|float32|quantized), gguf, np, ctx, repack (llama-server: the GGUF, slots, context per "
+                   "slot, 0 for --no-repack), label. Repeat "
                    "to compare side by side.")
 @click.option("--model", default=None,
               help="Model for every target: a folder, a .gguf file or smollm2 (default: the built-in model).")
@@ -108,7 +109,8 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
                     in the format gmlx computes in here (format=auto|float32|quantized)
       llama-server  llama.cpp's llama-server -np N (build: bash scripts/build_llama_cpp.sh;
                     LLAMA_CPP_CACHE overrides its folder) on the model's GGUF or gguf=PATH,
-                    np=N (default: the concurrency), ctx=N tokens per slot, threads = the cores
+                    np=N (default: the concurrency), ctx=N tokens per slot, threads = the cores,
+                    repack=0 for --no-repack (where llama-server dies at start with its AMX layouts)
 
     \b
     For example, SmolLM2 on three servers with 8 clients:

@@ -6,6 +6,9 @@ batching them continuously, on as many threads as gmlx uses (every CPU this proc
 Prompts go to /completion as the token ids of the GGUF's own tokenizer as gmlx builds it, so the
 three servers decode the same sequences. Like gmlx and mlx_lm.server (neither can ignore EOS),
 it stops at the model's end-of-generation token, which is not counted as an output token.
+Where llama-server dies by a signal at start with its weight repacking on (llama.cpp's default;
+seen with its AMX layouts on a 2-core Sapphire Rapids-class VM, where llama-bench runs with it), the
+target starts it again with --no-repack, logs so, and describe() says which ran (`repack`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 BUILD_COMMAND = "bash scripts/build_llama_cpp.sh"
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length"}  # llama.cpp stop_type -> ours
+
+
+class _DiedAtStart(RuntimeError):
+    """llama-server killed by a signal while starting with llama.cpp's default repacking."""
 
 
 def llama_cpp_bin_dir() -> Path:
@@ -58,10 +65,11 @@ def gguf_path(spec: TargetSpec) -> Path:
 
 
 def llama_server_argv(binary: Path, gguf: Path, port: int, num_slots: int, slot_context_tokens: int,
-                      num_threads: int) -> list[str]:
+                      num_threads: int, repack: bool | None = None) -> list[str]:
+    repack_flag = [] if repack is None else ["--repack" if repack else "--no-repack"]
     return [str(binary), "-m", str(gguf), "--host", servers.LOOPBACK, "--port", str(port),
             "-np", str(num_slots), "-c", str(num_slots * slot_context_tokens),
-            "-t", str(num_threads), "-tb", str(num_threads), "--no-webui"]
+            "-t", str(num_threads), "-tb", str(num_threads), "--no-webui", *repack_flag]
 
 
 class LlamaServerTarget:
@@ -74,6 +82,7 @@ class LlamaServerTarget:
         self.gguf: Path | None = None
         self.tokenizer = None
         self.server: servers.ServerProcess | None = None
+        self.repack = spec.repack  # what the running server was given (None: llama.cpp's default)
 
     def start(self) -> None:
         from gmlx.models.gguf_tokenizer import load_gguf_tokenizer  # no mlx
@@ -82,10 +91,27 @@ class LlamaServerTarget:
         self.gguf = gguf_path(self.spec)
         self.tokenizer = load_gguf_tokenizer(self.gguf)  # gmlx's tokenizer for this GGUF
         self.port = servers.free_port()
+        try:
+            self.server = self._start_server(binary, self.spec.repack)
+        except _DiedAtStart:
+            logger.warning("%s died by a signal at start with weight repacking on; starting it with --no-repack",
+                           self.spec.name)
+            self.repack = False
+            self.server = self._start_server(binary, False)
+
+    def _start_server(self, binary: Path, repack: bool | None) -> servers.ServerProcess:
         argv = llama_server_argv(binary, self.gguf, self.port, self.num_slots, self.spec.slot_context_tokens,
-                                 self.num_threads)
-        self.server = servers.start_http_server(self.spec.name, argv, self.port,
-                                                self.workdir / f"llama-server-{self.port}.log")
+                                 self.num_threads, repack)
+        server = servers.ServerProcess(self.spec.name, argv, servers.child_env({}),
+                                       self.workdir / f"llama-server-{self.port}.log", servers.make_health_check(self.port))
+        try:
+            server.start()
+        except RuntimeError as exc:
+            has_died_by_signal = server.proc is not None and (server.proc.returncode or 0) < 0
+            if repack is None and has_died_by_signal:
+                raise _DiedAtStart(str(exc)) from exc
+            raise
+        return server
 
     def stop(self) -> None:
         if self.server is not None:
@@ -93,7 +119,7 @@ class LlamaServerTarget:
 
     def describe(self) -> dict:
         return {**self.spec.describe(), "port": self.port, "gguf": None if self.gguf is None else str(self.gguf),
-                "num_slots": self.num_slots, "num_threads": self.num_threads,
+                "num_slots": self.num_slots, "num_threads": self.num_threads, "repack": self.repack,
                 "format": None if self.gguf is None else f"GGUF {self.gguf.name} as stored (llama.cpp's kernels)",
                 "command": None if self.server is None else " ".join(self.server.argv)}
 

@@ -12,7 +12,8 @@ the drafter's per-round grades), width_cap (N), num_draft_tokens (N),
 address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
-concurrency), ctx (llama-server: context tokens per slot), label. For example
+concurrency), ctx (llama-server: context tokens per slot), repack (llama-server: 0 runs it with
+--no-repack; default llama.cpp's, on), label. For example
   server:drafter=mtp,preempt=0     mlx-lm:drafter=draft     engine:drafter=none,label=plain
   llama-server:np=8,gguf=/tmp/SmolLM2-135M-Instruct.F32.gguf,label=llama.cpp-f32
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from gmlx.config import ROW_ATTENTION_RULES
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
-_BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance")
+_BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance", "repack")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
 _STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
@@ -54,6 +55,9 @@ class TargetSpec:
     gguf: str | None = None  # llama-server only: None = the model's GGUF
     num_slots: int | None = None  # llama-server only (-np): None = the workload's concurrency
     slot_context_tokens: int = DEFAULT_SLOT_CONTEXT_TOKENS  # llama-server only: -c is this x slots
+    # llama-server only: its weight repacking (AMX and other CPU layouts); None = llama.cpp's default.
+    # On some AMX boxes llama-server dies at start with it on, where llama-bench runs.
+    repack: bool | None = None
     label: str | None = None
 
     @property
@@ -62,6 +66,7 @@ class TargetSpec:
             return self.label
         if self.kind == "llama-server":
             parts = [self.kind] + ([f"np={self.num_slots}"] if self.num_slots is not None else [])
+            parts += [f"repack={int(self.repack)}"] if self.repack is not None else []
             return " ".join(parts + ([f"gguf={Path(self.gguf).name}"] if self.gguf else []))
         shown_drafter = self.drafter or ("none" if self.kind == "mlx-lm" else "default")
         parts = [self.kind, f"drafter={shown_drafter}"]
@@ -162,9 +167,9 @@ def _gmlx_knobs(spec: TargetSpec) -> set[str]:
 
 def _check_llama_server(text: str, spec: TargetSpec, drafter_kind: str) -> None:
     is_llama = spec.kind == "llama-server"
-    if not is_llama and (spec.gguf is not None or spec.num_slots is not None
+    if not is_llama and (spec.gguf is not None or spec.num_slots is not None or spec.repack is not None
                          or spec.slot_context_tokens != DEFAULT_SLOT_CONTEXT_TOKENS):
-        raise ValueError(f"target {text!r}: gguf, np and ctx apply to llama-server targets only")
+        raise ValueError(f"target {text!r}: gguf, np, ctx and repack apply to llama-server targets only")
     if not is_llama:
         return
     if drafter_kind != "none":
