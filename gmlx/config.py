@@ -248,6 +248,13 @@ def cpu_tile_layout() -> bool | None:
     return None if raw is None or raw.strip() == "" else _env_flag("GMLX_CPU_TILE_LAYOUT", True)
 
 
+def cpu_amx() -> bool | None:
+    """GMLX_CPU_AMX: 0 keeps the tiles' wide products (groups of 8-16 rows) on VNNI, 1 runs them on
+    AMX where the CPU and the OS allow it; unset, the same (on where allowed). Same bits."""
+    raw = os.environ.get("GMLX_CPU_AMX")
+    return None if raw is None or raw.strip() == "" else _env_flag("GMLX_CPU_AMX", True)
+
+
 def cpu_kernels_isa() -> str | None:
     raw = os.environ.get("GMLX_CPU_KERNELS_ISA")
     if raw is None or raw.strip() == "":
@@ -337,7 +344,7 @@ def validate_settings() -> None:
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
                  is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule,
-                 is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled):
+                 is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled, cpu_amx):
         read()
 
 

@@ -79,8 +79,20 @@ def verify_forwards(target, positions, num_kv_tokens: int = 160) -> dict:
     return {n: forward_fn(target, cache, n) for n in positions}
 
 
-def forward_fn(target, cache, num_positions: int):
-    tokens = mx.array([[7] * num_positions])  # (1, T)
+def batch_forwards(target, widths, num_kv_tokens: int = 160) -> dict:
+    """num_rows -> a forward_fn of one position for each of that many rows, each row's cache
+    prefilled with num_kv_tokens tokens (a wide plain decode step's shape)."""
+    prompt = mx.array([[(11 * i) % 1000 + 5 for i in range(num_kv_tokens)]])
+    forwards = {}
+    for num_rows in widths:
+        cache = make_ragged_cache(target.num_layers, num_rows)
+        mx.eval(target.forward(mx.repeat(prompt, num_rows, axis=0), cache)[1])
+        forwards[num_rows] = forward_fn(target, cache, 1, num_rows)
+    return forwards
+
+
+def forward_fn(target, cache, num_positions: int, num_rows: int = 1):
+    tokens = mx.array([[7] * num_positions] * num_rows)  # (B, T)
 
     def run():
         _, logits = target.forward(tokens, cache)

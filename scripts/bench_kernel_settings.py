@@ -12,6 +12,10 @@ issue 17) and each count's cost over one. `default` is the setting's default (th
     python3 scripts/bench_kernel_settings.py min_pool_macs 262144,65536,600000 --reps 6
     python3 scripts/bench_kernel_settings.py num_threads 2,1 --format float32
     python3 scripts/bench_kernel_settings.py prefetch_chunks default,0,8 --measure forwards --reps 10
+    python3 scripts/bench_kernel_settings.py amx 0,1 --measure batch --widths 8,16,32 --reps 8
+
+--measure batch times a forward of one position for each of B rows (B from --widths; a wide
+plain decode step) at 160 KV tokens a row, best of 10.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ SETTERS = {
     "min_pool_macs": "set_min_pool_macs",  # smallest product handed to the pool
     "num_threads": "set_num_threads",
     "panel_prefetch_bytes": "set_panel_prefetch_bytes",  # float32 panels' software prefetch distance
+    "amx": "set_amx",  # the tiles' groups of 8-16 rows on AMX (1) or VNNI (0)
 }
 
 
@@ -56,8 +61,10 @@ def main() -> None:
     parser.add_argument("--format", default="quantized", help="GMLX_CPU_COMPUTE_FORMAT (quantized, float32)")
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--measure", choices=("decode", "forwards"), default="decode",
-                        help="decode: width-1 tok/s; forwards: a forward of 1-4 positions, ms")
+    parser.add_argument("--measure", choices=("decode", "forwards", "batch"), default="decode",
+                        help="decode: width-1 tok/s; forwards: a forward of 1-4 positions, ms; batch: a forward "
+                             "of one position for each of --widths rows, ms")
+    parser.add_argument("--widths", default="8,16,32", help="rows of the batch forwards (--measure batch)")
     args = parser.parse_args()
     try:
         values = [-1 if v == "default" else int(v) for v in args.values.split(",")]
@@ -71,7 +78,12 @@ def main() -> None:
         engine = Engine.load(EngineConfig(model_path=str(resolve_model_path(args.model)), prompt_cache_bytes=0))
     setter = getattr(cpu_kernels.extension(), SETTERS[args.setting])
     gmlx_tok_per_s(engine, 32)  # warm: first-use allocations and the KV heap
-    measure = decode_measure(engine, args.tokens) if args.measure == "decode" else forwards_measure(engine)
+    if args.measure == "decode":
+        measure = decode_measure(engine, args.tokens)
+    elif args.measure == "forwards":
+        measure = forwards_measure(engine)
+    else:
+        measure = batch_measure(engine, [int(w) for w in args.widths.split(",")])
 
     def run(mode: str) -> dict[str, float]:
         setter(int(mode))
@@ -93,6 +105,12 @@ def forwards_measure(engine: Engine):
     """A forward of 1-4 positions (ms, best of 10) over a 160-token KV, each one trimmed after."""
     forwards = bench_decode_ops.verify_forwards(engine.target, POSITIONS)
     return lambda: {f"forward {n} ms": 1e3 * best_of_s(fn, 10) for n, fn in forwards.items()}
+
+
+def batch_measure(engine: Engine, widths: list[int]):
+    """A forward of one position for each of B rows (ms, best of 10) over 160-token KVs."""
+    forwards = bench_decode_ops.batch_forwards(engine.target, widths)
+    return lambda: {f"{n} rows ms": 1e3 * best_of_s(fn, 10) for n, fn in forwards.items()}
 
 
 def report(setting: str, runs: dict[str, list[dict[str, float]]], base: str) -> None:

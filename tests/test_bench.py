@@ -157,3 +157,31 @@ def test_row_invariance_is_a_load_time_knob_of_gmlx_targets():
         target.start()
         assert target.engine.target.model.model.layers[0].self_attn.is_row_invariant == (value == "1")
         target.stop()
+
+
+def test_amx_knob_switches_the_kernels_around_an_in_process_targets_run(monkeypatch):
+    """`engine:amx=0` runs its steps with the kernels' AMX switch off (the extension reads
+    GMLX_CPU_AMX once, at load) and puts the process's setting back after; a server target gets it
+    as GMLX_CPU_AMX."""
+    from gmlx.platform import cpu_kernels
+    from workers.bench import model_files
+    from workers.bench.engine_target import EngineTarget
+    from workers.bench.progress import Progress
+    from workers.bench.workload import make_workload
+
+    if not cpu_kernels.is_built():
+        pytest.skip("the CPU kernels are not built here")
+    ext = cpu_kernels.extension()
+    assert parse_target("server:amx=1").gmlx_env() == {"GMLX_CPU_AMX": "1"}
+    target = EngineTarget(parse_target("engine:drafter=none,amx=0"))
+    target.start()
+    settings_seen = []
+    step = target.engine.step
+    monkeypatch.setattr(target.engine, "step", lambda: settings_seen.append(ext.amx_setting()) or step())
+    before = ext.amx_setting()
+    options = WorkloadOptions(kind="closed", num_requests=2, concurrency=2, **TINY)
+    workload = make_workload(options, model_files.mlx_lm_folder(None) / "tokenizer.json")
+    result = target.run(workload, Progress(2, "amx=0", is_enabled=False), timeout_s=60.0)
+    assert settings_seen and set(settings_seen) == {0}
+    assert ext.amx_setting() == before and len(result["records"]) == 2
+    target.stop()

@@ -38,6 +38,8 @@ def test_llama_server_spec_keys_defaults_and_errors():
     assert parse_target("mlx-lm").name == "mlx-lm drafter=none"
     fixed = parse_target("server:drafter=ngram,adaptive=0")  # fixed depth: the engine reads the switch
     assert fixed.gmlx_env() == {"GMLX_ADAPTIVE_DEPTH": "0"} and fixed.name == "server drafter=ngram adaptive=0"
+    no_amx = parse_target("engine:amx=0")  # the CPU kernels' wide products on VNNI
+    assert no_amx.gmlx_env() == {"GMLX_CPU_AMX": "0"} and no_amx.name == "engine drafter=default amx=0"
     graded = parse_target("server:drafter=ngram,evidence=0")  # the drafter's per-round grades off
     assert graded.gmlx_env() == {"GMLX_DRAFT_EVIDENCE": "0"} and graded.name == "server drafter=ngram evidence=0"
     bad = {

@@ -216,6 +216,44 @@ def test_tile_layout_setting_is_read_or_refused(monkeypatch):
         config.cpu_tile_layout()
 
 
+def test_amx_setting_is_read_or_refused(monkeypatch):
+    monkeypatch.delenv("GMLX_CPU_AMX", raising=False)
+    assert config.cpu_amx() is None  # the kernels choose: on where the CPU and the OS allow it
+    for raw, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("GMLX_CPU_AMX", raw)
+        assert config.cpu_amx() is expected
+    monkeypatch.setenv("GMLX_CPU_AMX", "auto")
+    with pytest.raises(ValueError, match="GMLX_CPU_AMX='auto'"):
+        config.validate_settings()
+
+
+@pytest.mark.parametrize("bits, num_outputs, num_inputs", [(4, 1536, 576), (4, 40, 1536), (8, 576, 576)])
+def test_amx_row_groups_give_the_vnni_bits(bits, num_outputs, num_inputs, ext):
+    """A wide product's row groups of 8-16 on AMX (integer block sums from tdpbsud, then the VNNI
+    path's float steps): every row count around the groups' edges, both thread counts, the same bits
+    as VNNI and as each row alone. Runs where the CPU and the OS allow AMX."""
+    if not ext.has_amx():
+        pytest.skip("no AMX-INT8 here (or the OS does not grant its state)")
+    ext.set_isa("avx512")
+    ext.set_tile_layout(True)
+    w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, 32, seed=num_outputs)
+    quads = cpu_kernels.pack_quads(w, scales, biases, 32, bits)
+    x = 3.0 * mx.random.normal((40, num_inputs), key=mx.random.key(bits))
+    ext.set_amx(1)
+    assert ext.is_amx_enabled()
+    alone = mx.concatenate([cpu_kernels.quantized_matmul_quads(x[r : r + 1], quads, num_outputs, bits)
+                            for r in range(40)])
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        for num_rows in (7, 8, 9, 15, 16, 17, 23, 24, 31, 33, 40):
+            got = {}
+            for amx in (0, 1):
+                ext.set_amx(amx)
+                got[amx] = cpu_kernels.quantized_matmul_quads(x[:num_rows], quads, num_outputs, bits)
+            assert mx.array_equal(got[1], got[0]).item(), (num_threads, num_rows)
+            assert mx.array_equal(got[1], alone[:num_rows]).item(), (num_threads, num_rows)
+
+
 def test_read_bandwidth_is_positive(ext):
     assert cpu_kernels.read_bandwidth_gbs(16 << 20, 2) > 0.1
 
@@ -417,17 +455,19 @@ def half_exact_weights(num_outputs, num_inputs, bits, group_size, seed):
     prefetch_chunks=st.sampled_from([-1, 0, 1, 8]),
     half_tails=st.booleans(),
     tiles=st.booleans(),
+    amx=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_quad_layout_gives_the_plain_rows_bits(bits, group_size, num_inputs_in_32s, num_outputs, num_rows,
-                                               prefetch_chunks, half_tails, tiles, seed, ext):
+                                               prefetch_chunks, half_tails, tiles, amx, seed, ext):
     """The one-stream layout, quads or tiles, is a reordering: every row, thread count, ISA,
-    pool split, prefetch distance and last chunk (half or padded whole) gives the int8 path's
-    bits over the plain rows."""
+    pool split, prefetch distance, last chunk (half or padded whole) and, on a CPU with AMX, row
+    groups on AMX or VNNI gives the int8 path's bits over the plain rows."""
     num_inputs = max(group_size, num_inputs_in_32s * 32 // group_size * group_size)
     w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed)
     ext.set_half_tails(half_tails)
     ext.set_tile_layout(tiles)
+    ext.set_amx(int(amx))
     quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
     assert quads.size == ext.quad_layout_bytes(num_outputs, num_inputs, bits)
     x = 3.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
@@ -656,6 +696,10 @@ def test_doctor_line_names_the_layout_and_the_fused_layers(ext):
         cpu_kernels.status())
     ext.set_tile_layout(True)
     assert "16-output tiles" in cpu_kernels.format_status(cpu_kernels.status())
+    ext.set_amx(1)
+    assert ("wide products on AMX (GMLX_CPU_AMX)" in cpu_kernels.format_status(cpu_kernels.status())) == ext.has_amx()
+    ext.set_amx(0)
+    assert ("AMX off (GMLX_CPU_AMX=0)" in cpu_kernels.format_status(cpu_kernels.status())) == ext.has_amx()
     assert "fused llama layers" in cpu_kernels.format_status(cpu_kernels.status())
     ext.set_prefetch_chunks(3)  # the tile prefetch the kernels run with is the one reported
     assert "16-output tiles (GMLX_CPU_TILE_LAYOUT), prefetched 3 blocks ahead" in cpu_kernels.format_status(

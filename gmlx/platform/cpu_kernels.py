@@ -72,6 +72,9 @@ def _load() -> tuple[ModuleType | None, str]:
     tiles = config.cpu_tile_layout()
     if tiles is not None or (isa is not None and isa != "avx512"):
         ext.set_tile_layout(bool(tiles))  # tiles run fast on VNNI only; a forced ISA keeps quads
+    amx = config.cpu_amx()
+    if amx is not None and hasattr(ext, "set_amx"):
+        ext.set_amx(int(amx))
     num_threads = config.cpu_kernels_threads()
     if num_threads is not None:
         ext.set_num_threads(num_threads)
@@ -331,6 +334,8 @@ def status() -> dict:
                       decode_ops=config.is_cpu_decode_ops_enabled() and hasattr(ext, "ragged_attention"),
                       quant_activations=config.cpu_quant_activations() if hasattr(ext, "has_avx512_vnni") else "float",
                       has_vnni=hasattr(ext, "has_avx512_vnni") and ext.has_avx512_vnni(),
+                      has_amx=hasattr(ext, "has_amx") and ext.has_amx(),
+                      amx=hasattr(ext, "is_amx_enabled") and ext.is_amx_enabled(),
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
@@ -353,6 +358,8 @@ def format_status(report: dict) -> str:
         ahead = report.get("tile_prefetch_blocks", 0)
         layout = ("one-stream layout as 16-output tiles (GMLX_CPU_TILE_LAYOUT), "
                   + (f"prefetched {ahead} blocks ahead" if ahead else "no software prefetch"))
+        if report.get("has_amx"):
+            layout += ", wide products on AMX (GMLX_CPU_AMX)" if report.get("amx") else ", AMX off (GMLX_CPU_AMX=0)"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"

@@ -62,6 +62,11 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_tile_layout", &gmlx_kernels::set_tile_layout, "is_enabled"_a,
         "Whether one-stream layouts packed from now on are 16-output tiles (default: VNNI CPUs) or quads");
   m.def("tile_layout", &gmlx_kernels::tile_layout);
+  m.def("has_amx", &gmlx_kernels::has_amx);
+  m.def("set_amx", &gmlx_kernels::set_amx, "setting"_a,
+        "AMX for the tiles' groups of 8-16 rows: 0 off, 1 on where has_amx(), -1 the default (on where it is)");
+  m.def("amx_setting", &gmlx_kernels::amx_setting);
+  m.def("is_amx_enabled", &gmlx_kernels::is_amx_enabled);
   m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,

@@ -106,6 +106,13 @@ constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockI
 // Whether layouts packed from now on are tiles (default: where the CPU has VNNI) or quads.
 // Kernels and lookups read a layout under the setting it was packed under.
 void set_tile_layout(bool is_enabled);
+// AMX for the tiles' groups of 8-16 rows (a wide batch's products; same bits: the same integer
+// block sums, the same float steps): where the CPU has AMX-INT8 and the OS grants its state
+// (has_amx), on by default. set_amx: 0 off, 1 on where has_amx(), -1 the default.
+bool has_amx();
+void set_amx(int setting);
+int amx_setting();
+bool is_amx_enabled();
 bool tile_layout();
 // Outputs [begin, end) (begin a multiple of 16) of every row over the tile layout; x
 // quantized in x's own order (quantize_rows with bits 8), whatever the weights' bits.

@@ -12,6 +12,14 @@
 #include "int8_walk.h"
 #include "isa_target.h"
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 namespace gmlx_kernels {
 
 namespace {
@@ -179,9 +187,209 @@ struct Avx512TileWalk {
   }
 };
 
+#if GMLX_HAS_AMX_BUILD
+
+// ---------------------------------------------------------------- AMX
+// A group of 8-16 rows: per block one tdpbsud sums every row's 32 x bytes against the block's
+// eight weight vectors (the layout's vectors are B's rows as they are), the very int32 block sums
+// the VNNI dots make, stored and read back for the VNNI path's float steps. Fewer rows lose to
+// VNNI: a block's tile loads and store cost ~40 ns however few rows share it (this box, 4 rows
+// 0.93x a forward; 16 rows 1.24x).
+
+constexpr int kAmxMaxRows = 16;  // a tile's rows
+constexpr int64_t kUnpackAhead = 4, kUnpackRing = 8;  // 4-bit blocks unpacked ahead, in a ring
+constexpr int64_t kSumsRing = 2 * kLanes;  // blocks whose sums wait for their float steps
+
+// ldtilecfg's 64-byte operand: palette 1, each tile register's rows and bytes a row.
+struct alignas(64) AmxConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// A 4-bit block's eight weight vectors as bytes (low then high nibbles of each 64), B's rows.
+GMLX_AMX inline __attribute__((always_inline)) void unpack_block(const uint8_t* block, uint8_t* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i v = _mm512_loadu_si512(block + 64 * t);
+    _mm512_store_si512(out + 128 * t, _mm512_and_si512(v, nibble));
+    _mm512_store_si512(out + 128 * t + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+  }
+}
+
+// Block j's sums for every row of the group into `sums` (kRows x 16 int32). Blocks alternate two
+// sets of tile registers (kSet). A tile load of bytes just stored waits for the store to land, so
+// 4-bit blocks are unpacked kUnpackAhead blocks ahead (block g of the call: ring slot g).
+template <int kBits, int kSet>
+GMLX_AMX inline __attribute__((always_inline)) void amx_block_sums(const uint8_t* block, int64_t j, const int8_t* x_q,
+                                                                 int64_t x_stride, uint8_t (*unpacked)[512], int64_t g,
+                                                                 const uint8_t* stream_end, int32_t* sums) {
+  const uint8_t* weights = block;
+  if constexpr (kBits == 4) {
+    const uint8_t* ahead = block + kUnpackAhead * tile_block_bytes(4);
+    if (ahead < stream_end) unpack_block(ahead, unpacked[(g + kUnpackAhead) % kUnpackRing]);
+    weights = unpacked[g % kUnpackRing];
+  }
+  const int8_t* x_block = x_q + j * kInt8BlockInputs;
+  // The intrinsics paste their tile numbers into the instruction: literals only.
+  if constexpr (kSet == 0) {
+    _tile_loadd(2, x_block, x_stride);
+    _tile_loadd(4, weights, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, sums, 64);
+  } else {
+    _tile_loadd(3, x_block, x_stride);
+    _tile_loadd(5, weights, 64);
+    _tile_zero(1);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(1, sums, 64);
+  }
+}
+
+// Block j's float steps for every row, from its stored sums, into lane kLane: tile_block_avx512's.
+template <int kBits, int kRows, int kLane>
+GMLX_AMX inline __attribute__((always_inline)) void amx_block_floats(const uint8_t* block, int64_t j,
+                                                                   const RowsOf<kRows>& x, const int32_t* sums,
+                                                                   __m512 (*lanes)[kLanes]) {
+  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
+  const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
+  for (int r = 0; r < kRows; ++r) {
+    const __m512i isum = _mm512_load_si512(sums + kTileOutputs * r);
+    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isum));
+    __m512& lane = lanes[r][kLane];
+    lane = _mm512_fmadd_ps(s, p, lane);
+    lane = _mm512_fmadd_ps(b, _mm512_set1_ps(x.xsd[r][j]), lane);
+  }
+}
+
+// The float steps of the four blocks from `first` (blocks j0..j0+3) whose sums sit in `sums`.
+template <int kBits, int kRows>
+GMLX_AMX inline __attribute__((always_inline)) void amx_four_floats(const uint8_t* first, int64_t j0,
+                                                                  const RowsOf<kRows>& x, const int32_t* sums,
+                                                                  __m512 (*lanes)[kLanes]) {
+  constexpr int64_t kBlockBytes = tile_block_bytes(kBits), kSumInts = kRows * kTileOutputs;
+  amx_block_floats<kBits, kRows, 0>(first, j0, x, sums, lanes);
+  amx_block_floats<kBits, kRows, 1>(first + kBlockBytes, j0 + 1, x, sums + kSumInts, lanes);
+  amx_block_floats<kBits, kRows, 2>(first + 2 * kBlockBytes, j0 + 2, x, sums + 2 * kSumInts, lanes);
+  amx_block_floats<kBits, kRows, 3>(first + 3 * kBlockBytes, j0 + 3, x, sums + 3 * kSumInts, lanes);
+}
+
+// Every tile of [begin, end) for rows [r0, r0 + kRows) on AMX. A block's float steps run four
+// blocks after its sums (they read the sums' store), so each tile ends with its last blocks'.
+template <int kBits, int kRows>
+GMLX_AMX void tiles_amx(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+  constexpr int64_t kBlockBytes = tile_block_bytes(kBits), kSumInts = kRows * kTileOutputs;
+  AmxConfig config;
+  for (int t = 0; t < 2; ++t) {
+    config.rows[t] = kRows, config.bytes_per_row[t] = 64;  // sums: kRows x 16 int32
+    config.rows[2 + t] = kRows, config.bytes_per_row[2 + t] = kInt8BlockInputs;  // x's bytes
+    config.rows[4 + t] = kVectorsPerBlock, config.bytes_per_row[4 + t] = 64;  // weight vectors
+  }
+  _tile_loadconfig(&config);
+  alignas(64) uint8_t unpacked[kUnpackRing][512];
+  alignas(64) int32_t sums[kSumsRing][kSumInts];
+  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
+  const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kBlockBytes : 0;
+  const RowsOf<kRows> rows(x, r0);
+  const int64_t x_stride = x.padded_inputs;
+  const uint8_t* block = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kBits);
+  const uint8_t* stream_end = a.quads + (end + kTileOutputs - 1) / kTileOutputs * tile_bytes(a.num_inputs, kBits);
+  if constexpr (kBits == 4) {
+    for (int64_t i = 0; i < kUnpackAhead && block + i * kBlockBytes < stream_end; ++i) {
+      unpack_block(block + i * kBlockBytes, unpacked[i]);
+    }
+  }
+  int64_t g = 0;  // blocks of this call so far: the unpack ring's index
+  for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+    __m512 lanes[kRows][kLanes];
+    for (int r = 0; r < kRows; ++r) {
+      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + kLanes <= num_blocks; j += kLanes, block += kLanes * kBlockBytes, g += kLanes) {
+      prefetch_ahead(block, kLanes * kBlockBytes, prefetch_bytes);
+      int32_t* now = sums[j / kLanes % 2 * kLanes];
+      amx_block_sums<kBits, 0>(block, j, rows.q[0], x_stride, unpacked, g, stream_end, now);
+      amx_block_sums<kBits, 1>(block + kBlockBytes, j + 1, rows.q[0], x_stride, unpacked, g + 1, stream_end,
+                               now + kSumInts);
+      amx_block_sums<kBits, 0>(block + 2 * kBlockBytes, j + 2, rows.q[0], x_stride, unpacked, g + 2, stream_end,
+                               now + 2 * kSumInts);
+      amx_block_sums<kBits, 1>(block + 3 * kBlockBytes, j + 3, rows.q[0], x_stride, unpacked, g + 3, stream_end,
+                               now + 3 * kSumInts);
+      if (j >= kLanes) {
+        amx_four_floats<kBits, kRows>(block - kLanes * kBlockBytes, j - kLanes, rows,
+                                      sums[(j / kLanes + 1) % 2 * kLanes], lanes);
+      }
+    }
+    const int64_t num_left = num_blocks - j;
+    int32_t* left = sums[j / kLanes % 2 * kLanes];
+    if (num_left > 0) amx_block_sums<kBits, 0>(block, j, rows.q[0], x_stride, unpacked, g, stream_end, left);
+    if (num_left > 1) {
+      amx_block_sums<kBits, 1>(block + kBlockBytes, j + 1, rows.q[0], x_stride, unpacked, g + 1, stream_end,
+                               left + kSumInts);
+    }
+    if (num_left > 2) {
+      amx_block_sums<kBits, 0>(block + 2 * kBlockBytes, j + 2, rows.q[0], x_stride, unpacked, g + 2, stream_end,
+                               left + 2 * kSumInts);
+    }
+    if (j >= kLanes) {
+      amx_four_floats<kBits, kRows>(block - kLanes * kBlockBytes, j - kLanes, rows, sums[(j / kLanes + 1) % 2 * kLanes],
+                                    lanes);
+    }
+    if (num_left > 0) amx_block_floats<kBits, kRows, 0>(block, j, rows, left, lanes);
+    if (num_left > 1) amx_block_floats<kBits, kRows, 1>(block + kBlockBytes, j + 1, rows, left + kSumInts, lanes);
+    if (num_left > 2) {
+      amx_block_floats<kBits, kRows, 2>(block + 2 * kBlockBytes, j + 2, rows, left + 2 * kSumInts, lanes);
+    }
+    block += num_left * kBlockBytes;
+    g += num_left;
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
+      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
+    }
+  }
+  _tile_release();  // the thread's tile state back to init: context switches save none of it
+}
+
+// Rows [0, num_amx_rows) in groups of 8-16 rows on AMX.
+template <int kBits>
+void amx_row_groups(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t num_amx_rows) {
+  for (int64_t r0 = 0; r0 < num_amx_rows; r0 += kAmxMaxRows) {
+    switch (std::min<int64_t>(kAmxMaxRows, num_amx_rows - r0)) {
+      case 8: tiles_amx<kBits, 8>(a, x, begin, end, r0); break;
+      case 9: tiles_amx<kBits, 9>(a, x, begin, end, r0); break;
+      case 10: tiles_amx<kBits, 10>(a, x, begin, end, r0); break;
+      case 11: tiles_amx<kBits, 11>(a, x, begin, end, r0); break;
+      case 12: tiles_amx<kBits, 12>(a, x, begin, end, r0); break;
+      case 13: tiles_amx<kBits, 13>(a, x, begin, end, r0); break;
+      case 14: tiles_amx<kBits, 14>(a, x, begin, end, r0); break;
+      case 15: tiles_amx<kBits, 15>(a, x, begin, end, r0); break;
+      case 16: tiles_amx<kBits, 16>(a, x, begin, end, r0); break;
+      default: assert(false && "an AMX group holds 8-16 rows");
+    }
+  }
+}
+
+#endif  // GMLX_HAS_AMX_BUILD
+
 #endif  // GMLX_X86
 
 std::atomic<int> g_tile_layout{-1};  // -1: not chosen yet (where the CPU has VNNI)
+std::atomic<int> g_amx{-1};  // set_amx's setting; -1: on where has_amx()
+
+// Rows of a call that go to AMX: whole groups of 8-16 (a remainder under 8 goes to VNNI).
+int64_t num_amx_rows(int64_t num_rows) {
+  constexpr int64_t kMinRows = 8;
+  if (num_rows < kMinRows) return 0;
+  const int64_t remainder = num_rows % 16;
+  return remainder != 0 && remainder < kMinRows ? num_rows - remainder : num_rows;
+}
 
 }  // namespace
 
@@ -189,6 +397,27 @@ int64_t tile_prefetch_blocks() {
   const int64_t setting = prefetch_chunks();
   return setting >= 0 ? setting : is_intel_cpu() ? kIntelPrefetchBlocks : 0;
 }
+
+bool has_amx() {
+#if GMLX_X86 && GMLX_HAS_AMX_BUILD && defined(__linux__)
+  static const bool is_usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!has_avx512_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool has_int8_tiles = ((edx >> 24) & 1) && ((edx >> 25) & 1);  // AMX-TILE, AMX-INT8
+    // Linux hands a process the tiles' state only on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
+    // XFEATURE_XTILEDATA), refused by kernels before 5.16 and where the hypervisor hides it.
+    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+    return has_int8_tiles && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return is_usable;
+#else
+  return false;
+#endif
+}
+
+void set_amx(int setting) { g_amx.store(setting < 0 ? -1 : setting > 0 ? 1 : 0); }
+int amx_setting() { return g_amx.load(); }
+bool is_amx_enabled() { return g_amx.load() != 0 && has_amx(); }
 
 void set_tile_layout(bool is_enabled) { g_tile_layout.store(is_enabled ? 1 : 0); }
 
@@ -206,8 +435,18 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
   assert(begin % kTileOutputs == 0);
 #if GMLX_X86
   if (isa == Isa::kAvx512 && has_avx512_vnni()) {
-    return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end)
-                        : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end);
+    int64_t first_vnni_row = 0;
+#if GMLX_HAS_AMX_BUILD
+    if (is_amx_enabled()) {
+      first_vnni_row = num_amx_rows(a.num_rows);
+      if (first_vnni_row > 0) {
+        a.bits == 4 ? amx_row_groups<4>(a, rows, begin, end, first_vnni_row)
+                    : amx_row_groups<8>(a, rows, begin, end, first_vnni_row);
+      }
+    }
+#endif
+    return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end, first_vnni_row)
+                        : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
 #endif
   (void)isa;

@@ -24,10 +24,11 @@ struct RowsOf {
   }
 };
 
-// Rows [0, num_rows) of a one-stream product through Walk<kBits, kRows>::run, up to kMaxRows a call.
+// Rows [first_row, num_rows) of a one-stream product through Walk<kBits, kRows>::run, up to
+// kMaxRows a call.
 template <template <int, int> class Walk, int kBits>
-void walk_by_rows(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
-  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kMaxRows) {
+void walk_by_rows(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t first_row = 0) {
+  for (int64_t r0 = first_row; r0 < a.num_rows; r0 += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, a.num_rows - r0)) {
       case 1: Walk<kBits, 1>::run(a, x, begin, end, r0); break;
       case 2: Walk<kBits, 2>::run(a, x, begin, end, r0); break;

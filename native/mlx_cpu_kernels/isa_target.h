@@ -11,4 +11,10 @@
 // half-precision scales converted with F16C (every AVX2 CPU has it; checked at dispatch).
 #define GMLX_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define GMLX_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+// The int8 tiles of many rows on AMX (int8_tiles.cpp): compilers from GCC 11 and Clang 12 know
+// its instructions; older ones build without that path.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define GMLX_HAS_AMX_BUILD 1
+#define GMLX_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#endif
 #endif

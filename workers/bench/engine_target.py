@@ -7,6 +7,7 @@ one step and time-stamps the tokens it returned.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -72,7 +73,7 @@ class EngineTarget:
                 progress.update(done=1)
 
         next_i = 0
-        with env_overrides(self.spec.gmlx_env()):
+        with env_overrides(self.spec.gmlx_env()), _kernel_settings(self.spec):
             while True:
                 if now_s() > timeout_s:
                     self._abort(by_request_id, now_s())
@@ -130,3 +131,21 @@ class EngineTarget:
 
 def _strip_events(stats: dict) -> dict:
     return {k: v for k, v in stats.items() if k != "events"}
+
+
+@contextlib.contextmanager
+def _kernel_settings(spec: TargetSpec):
+    """The CPU kernels' process-wide switches this target sets (the extension reads GMLX_CPU_AMX once,
+    at load, so in-process targets switch it here), restored after its run."""
+    from gmlx.platform import cpu_kernels
+
+    ext = cpu_kernels.extension() if spec.amx is not None and cpu_kernels.is_built() else None
+    if ext is None:
+        yield
+        return
+    setting = ext.amx_setting()
+    ext.set_amx(int(spec.amx))
+    try:
+        yield
+    finally:
+        ext.set_amx(setting)

@@ -8,7 +8,8 @@
 
 Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
 resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), evidence (0|1: 0 sets depths without
-the drafter's per-round grades), width_cap (N), num_draft_tokens (N),
+the drafter's per-round grades), amx (0|1: GMLX_CPU_AMX, the CPU kernels' wide products on AMX),
+width_cap (N), num_draft_tokens (N),
 address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
@@ -26,13 +27,13 @@ from pathlib import Path
 from gmlx.config import ROW_ATTENTION_RULES
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
-_BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance", "repack")
+_BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance", "repack", "amx")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
 _STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
 MLX_LM_FORMATS = ("auto", "float32", "quantized")
 _GMLX_KNOBS = ("preempt", "resume", "adaptive", "evidence", "width_cap", "num_draft_tokens", "row_invariance",
-               "row_attention")
+               "row_attention", "amx")
 DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
@@ -48,6 +49,7 @@ class TargetSpec:
     width_cap: int | None = None  # GMLX_MTP_WIDTH_CAP; None = the model's cap
     row_invariance: bool | None = None  # GMLX_ROW_INVARIANCE at load; None = auto (on a GPU only)
     row_attention: str | None = None  # GMLX_ROW_ATTENTION at load (masked|unmasked); None = masked
+    amx: bool | None = None  # GMLX_CPU_AMX; None = the kernels' default (on where the CPU allows)
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
@@ -97,6 +99,8 @@ class TargetSpec:
             env["GMLX_ROW_INVARIANCE"] = "1" if self.row_invariance else "0"
         if self.row_attention is not None:
             env["GMLX_ROW_ATTENTION"] = self.row_attention
+        if self.amx is not None:
+            env["GMLX_CPU_AMX"] = "1" if self.amx else "0"
         return env
 
     def describe(self) -> dict:
