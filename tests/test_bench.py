@@ -1,6 +1,7 @@
 """The load generator, run for real against the in-process engine with a tiny load."""
 
 import json
+import os
 import random
 
 import pytest
@@ -171,10 +172,18 @@ def test_amx_knob_switches_the_kernels_around_an_in_process_targets_run(monkeypa
 
     if not cpu_kernels.is_built():
         pytest.skip("the CPU kernels are not built here")
+    from gmlx.engine import Engine
+
     ext = cpu_kernels.extension()
     assert parse_target("server:amx=1").gmlx_env() == {"GMLX_CPU_AMX": "1"}
     target = EngineTarget(parse_target("engine:drafter=none,amx=0"))
+    # Not through the environment at load: the extension's first load would make it every target's.
+    load = Engine.load
+    env_at_load = []
+    monkeypatch.setattr(Engine, "load",
+                        lambda *a, **k: env_at_load.append(os.environ.get("GMLX_CPU_AMX")) or load(*a, **k))
     target.start()
+    assert env_at_load == [os.environ.get("GMLX_CPU_AMX")]
     settings_seen = []
     step = target.engine.step
     monkeypatch.setattr(target.engine, "step", lambda: settings_seen.append(ext.amx_setting()) or step())

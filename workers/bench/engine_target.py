@@ -18,6 +18,8 @@ from gmlx.config import env_overrides
 
 logger = logging.getLogger(__name__)
 
+_PROCESS_WIDE_ENV = ("GMLX_CPU_AMX",)  # set around each run instead (_kernel_settings)
+
 
 class EngineTarget:
     def __init__(self, spec: TargetSpec):
@@ -32,7 +34,10 @@ class EngineTarget:
         from gmlx.engine import Engine
 
         drafter = {"drafter": self.spec.drafter} if self.spec.drafter else {}  # none given: the engine's default
-        with env_overrides(self.spec.gmlx_env()):  # the load-time knobs (row invariance) too
+        # The load-time knobs (row invariance) too, but not the kernels' process-wide switches: the
+        # extension reads them once, at its first load, so one target's would become every target's.
+        load_env = {k: v for k, v in self.spec.gmlx_env().items() if k not in _PROCESS_WIDE_ENV}
+        with env_overrides(load_env):
             self.engine = Engine.load(EngineConfig(model_path=self.spec.model, **drafter,
                                                    num_draft_tokens=self.spec.num_draft_tokens))
 
@@ -135,8 +140,8 @@ def _strip_events(stats: dict) -> dict:
 
 @contextlib.contextmanager
 def _kernel_settings(spec: TargetSpec):
-    """The CPU kernels' process-wide switches this target sets (the extension reads GMLX_CPU_AMX once,
-    at load, so in-process targets switch it here), restored after its run."""
+    """The CPU kernels' process-wide switches this target sets, restored after its run (the extension
+    reads GMLX_CPU_AMX once, at load; a target without the knob runs under the process's setting)."""
     from gmlx.platform import cpu_kernels
 
     ext = cpu_kernels.extension() if spec.amx is not None and cpu_kernels.is_built() else None
