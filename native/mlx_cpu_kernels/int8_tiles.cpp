@@ -193,8 +193,8 @@ struct Avx512TileWalk {
 // A group of 8-16 rows: per block one tdpbsud sums every row's 32 x bytes against the block's
 // eight weight vectors (the layout's vectors are B's rows as they are), the very int32 block sums
 // the VNNI dots make, stored and read back for the VNNI path's float steps. Fewer rows lose to
-// VNNI: a block's tile loads and store cost ~40 ns however few rows share it (this box, 4 rows
-// 0.93x a forward; 16 rows 1.24x).
+// VNNI: a block's tile loads and store cost ~40 ns however few rows share it (a 2-core Sapphire
+// Rapids-class VM: a SmolLM2 forward of 4 rows 0.93x on AMX; of 16 rows 1.19x, BENCHMARKS.md).
 
 constexpr int kAmxMaxRows = 16;  // a tile's rows
 constexpr int64_t kUnpackAhead = 4, kUnpackRing = 8;  // 4-bit blocks unpacked ahead, in a ring
@@ -383,13 +383,15 @@ void amx_row_groups(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int
 std::atomic<int> g_tile_layout{-1};  // -1: not chosen yet (where the CPU has VNNI)
 std::atomic<int> g_amx{-1};  // set_amx's setting; -1: on where has_amx()
 
+#if GMLX_HAS_AMX_BUILD
 // Rows of a call that go to AMX: whole groups of 8-16 (a remainder under 8 goes to VNNI).
 int64_t num_amx_rows(int64_t num_rows) {
   constexpr int64_t kMinRows = 8;
   if (num_rows < kMinRows) return 0;
-  const int64_t remainder = num_rows % 16;
+  const int64_t remainder = num_rows % kAmxMaxRows;
   return remainder != 0 && remainder < kMinRows ? num_rows - remainder : num_rows;
 }
+#endif
 
 }  // namespace
 
