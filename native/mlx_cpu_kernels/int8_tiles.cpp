@@ -409,7 +409,11 @@ bool has_amx() {
     // Linux hands a process the tiles' state only on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
     // XFEATURE_XTILEDATA), refused by kernels before 5.16 and where the hypervisor hides it.
     constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
-    return has_int8_tiles && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    if (!has_int8_tiles || syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) return false;
+    // And the OS has switched the tile state on (XCR0 bits 17-18), or the first tile instruction faults.
+    unsigned xcr0_low = 0, xcr0_high = 0;
+    asm volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+    return ((xcr0_low >> 17) & 3) == 3;
   }();
   return is_usable;
 #else
