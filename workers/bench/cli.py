@@ -40,12 +40,10 @@ def _parse_levels(ctx, param, value):
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", "targets", multiple=True, default=("engine",), show_default=True,
               help="KIND[:key=value,...]; KIND is engine, server, mlx-lm or llama-server; keys: drafter, model, "
-                   "preempt, resume, adaptive, evidence, amx (0|1: GMLX_CPU_AMX), width_cap, num_draft_tokens, row_invariance "
-                   "(0|1, at load), row_attention "
-                   "(masked|unmasked, at load), address, blas, "
-                   "format (mlx-lm: auto|float32|quantized), gguf, np, ctx, repack (llama-server: the GGUF, slots, context per "
-                   "slot, 0 for --no-repack), label. Repeat "
-                   "to compare side by side.")
+                   "preempt, resume, adaptive, evidence, amx (0|1: GMLX_CPU_AMX), width_cap, num_draft_tokens, "
+                   "row_invariance (0|1, at load), row_attention (masked|unmasked, at load), address, blas, "
+                   "format (mlx-lm: auto|float32|quantized), gguf, np, ctx, repack (llama-server: the GGUF, slots, "
+                   "context per slot, 0 for --no-repack), label. Repeat to compare side by side.")
 @click.option("--model", default=None,
               help="Model for every target: a folder, a .gguf file or smollm2 (default: the built-in model).")
 @click.option("--drafter", default=None, help="Drafter for targets that name none: none|mtp|draft[:PATH]|ngram.")
@@ -104,8 +102,9 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
 
     \b
     Targets (--target KIND[:key=value,...], repeat to compare side by side in one run):
-      engine        the in-process engine    } with no drafter= key (and no --drafter),
-      server        a `gmlx serve` process   } gmlx's own default drafter
+      engine        the in-process engine; with no drafter= key (and no --drafter) EngineConfig's
+                    default drafter: none (decodes plain)
+      server        a `gmlx serve` process; with no drafter= key gmlx serve's default, ngram
       mlx-lm        mlx_lm.server on loopback; a GGUF is converted once (gmlx convert) and copied
                     in the format gmlx computes in here (format=auto|float32|quantized)
       llama-server  llama.cpp's llama-server -np N (build: bash scripts/build_llama_cpp.sh;

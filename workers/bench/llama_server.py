@@ -102,8 +102,9 @@ class LlamaServerTarget:
     def _start_server(self, binary: Path, repack: bool | None) -> servers.ServerProcess:
         argv = llama_server_argv(binary, self.gguf, self.port, self.num_slots, self.spec.slot_context_tokens,
                                  self.num_threads, repack)
-        server = servers.ServerProcess(self.spec.name, argv, servers.child_env({}),
-                                       self.workdir / f"llama-server-{self.port}.log", servers.make_health_check(self.port))
+        log_path = self.workdir / f"llama-server-{self.port}.log"
+        server = servers.ServerProcess(self.spec.name, argv, servers.child_env({}), log_path,
+                                       servers.make_health_check(self.port))
         try:
             server.start()
         except RuntimeError as exc:

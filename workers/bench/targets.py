@@ -40,7 +40,7 @@ DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cach
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     kind: str
-    drafter: str | None = None  # None = gmlx's own default (engine, server); plain for mlx-lm
+    drafter: str | None = None  # None = the target's own default: engine none, server ngram; mlx-lm plain
     model: str | None = None  # None = the built-in model
     preempt: bool | None = None  # None = the engine default (on)
     resume: bool | None = None
