@@ -205,26 +205,22 @@ def test_forcing_an_unknown_isa_is_refused(ext, monkeypatch):
         config.cpu_kernels_isa()
 
 
-def test_tile_layout_setting_is_read_or_refused(monkeypatch):
-    monkeypatch.delenv("GMLX_CPU_TILE_LAYOUT", raising=False)
-    assert config.cpu_tile_layout() is None  # the kernels choose: tiles where the CPU has VNNI
+@pytest.mark.parametrize("name, read, bad", [("GMLX_CPU_TILE_LAYOUT", config.cpu_tile_layout, "tiles"),
+                                              ("GMLX_CPU_AMX", config.cpu_amx, "auto")])
+def test_kernel_layout_switches_are_read_or_refused(name, read, bad, monkeypatch):
+    """Unset, the kernels choose (tiles where the CPU has VNNI; AMX where the CPU and the OS allow
+    it); 1 or 0 force; anything else fails start-up naming the setting."""
+    monkeypatch.delenv(name, raising=False)
+    assert read() is None
     for raw, expected in (("1", True), ("0", False)):
-        monkeypatch.setenv("GMLX_CPU_TILE_LAYOUT", raw)
-        assert config.cpu_tile_layout() is expected
-    monkeypatch.setenv("GMLX_CPU_TILE_LAYOUT", "tiles")
-    with pytest.raises(ValueError, match="GMLX_CPU_TILE_LAYOUT='tiles'"):
-        config.cpu_tile_layout()
-
-
-def test_amx_setting_is_read_or_refused(monkeypatch):
-    monkeypatch.delenv("GMLX_CPU_AMX", raising=False)
-    assert config.cpu_amx() is None  # the kernels choose: on where the CPU and the OS allow it
-    for raw, expected in (("1", True), ("0", False)):
-        monkeypatch.setenv("GMLX_CPU_AMX", raw)
-        assert config.cpu_amx() is expected
-    monkeypatch.setenv("GMLX_CPU_AMX", "auto")
-    with pytest.raises(ValueError, match="GMLX_CPU_AMX='auto'"):
-        config.validate_settings()
+        monkeypatch.setenv(name, raw)
+        assert read() is expected
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+        read()
+    if name == "GMLX_CPU_AMX":  # read at start-up with the other settings
+        with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+            config.validate_settings()
 
 
 @pytest.mark.parametrize("bits, num_outputs, num_inputs", [(4, 1536, 576), (4, 40, 1536), (8, 576, 576)])
