@@ -104,6 +104,26 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_vectors(const 
   }
 }
 
+// Block j's float steps for kRows rows from their integer block sums, into lane kLane of each row:
+// p = d_j * float(isum), then fma(s, p, lane) and fma(b, xsd_j, lane). The VNNI and AMX walks both
+// run these, so their bits are one another's.
+template <int kBits, int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void add_block_floats(const uint8_t* block, int64_t j,
+                                                                           const RowsOf<kRows>& x,
+                                                                           const __m512i* isums,
+                                                                           __m512 (*lanes)[kLanes]) {
+  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
+  const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isums[r]));
+    __m512& lane = lanes[r][kLane];
+    lane = _mm512_fmadd_ps(s, p, lane);
+    lane = _mm512_fmadd_ps(b, _mm512_set1_ps(x.xsd[r][j]), lane);
+  }
+}
+
 // Block j of a tile for kRows rows into lane kLane of each row. Each weight vector is unpacked
 // just before every row's dot with it, so at four rows the sixteen lanes stay in registers
 // (holding the block's eight vectors for all rows spilled one to the stack).
@@ -111,7 +131,6 @@ template <int kBits, int kRows, int kLane>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
                                                                             const RowsOf<kRows>& x,
                                                                             __m512 (*lanes)[kLanes]) {
-  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
   constexpr int kPerLoad = kBits == 4 ? 2 : 1;  // weight vectors one 64-byte load holds
   // Few rows leave vpdpbusd's latency exposed: split each row's sum over independent chains.
   constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
@@ -130,17 +149,12 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(co
       }
     }
   }
-  const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
-  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
-  const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
+  __m512i isums[kRows];
   for (int r = 0; r < kRows; ++r) {
-    __m512i isum = partial[r][0];  // integer adds: exact in any order
-    for (int c = 1; c < kChains; ++c) isum = _mm512_add_epi32(isum, partial[r][c]);
-    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isum));
-    __m512& lane = lanes[r][kLane];
-    lane = _mm512_fmadd_ps(s, p, lane);
-    lane = _mm512_fmadd_ps(b, _mm512_set1_ps(x.xsd[r][j]), lane);
+    isums[r] = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
   }
+  add_block_floats<kBits, kRows, kLane>(block, j, x, isums, lanes);
 }
 
 // Every tile of [begin, end) for rows [r0, r0 + kRows), outputs written; one pointer walks
@@ -249,34 +263,31 @@ GMLX_AMX inline __attribute__((always_inline)) void amx_block_sums(const uint8_t
   }
 }
 
-// Block j's float steps for every row, from its stored sums, into lane kLane: tile_block_avx512's.
+// Block j's float steps for every row, from its stored sums, into lane kLane.
 template <int kBits, int kRows, int kLane>
 GMLX_AMX inline __attribute__((always_inline)) void amx_block_floats(const uint8_t* block, int64_t j,
                                                                    const RowsOf<kRows>& x, const int32_t* sums,
                                                                    __m512 (*lanes)[kLanes]) {
-  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
-  const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
-  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
-  const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
-  for (int r = 0; r < kRows; ++r) {
-    const __m512i isum = _mm512_load_si512(sums + kTileOutputs * r);
-    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isum));
-    __m512& lane = lanes[r][kLane];
-    lane = _mm512_fmadd_ps(s, p, lane);
-    lane = _mm512_fmadd_ps(b, _mm512_set1_ps(x.xsd[r][j]), lane);
-  }
+  __m512i isums[kRows];
+  for (int r = 0; r < kRows; ++r) isums[r] = _mm512_load_si512(sums + kTileOutputs * r);
+  add_block_floats<kBits, kRows, kLane>(block, j, x, isums, lanes);
 }
 
-// The float steps of the four blocks from `first` (blocks j0..j0+3) whose sums sit in `sums`.
+// The float steps of the four blocks before block j (j a multiple of four, `block` its start),
+// whose sums sit in the half of `sums` the blocks from j are not using; none before the first four.
 template <int kBits, int kRows>
-GMLX_AMX inline __attribute__((always_inline)) void amx_four_floats(const uint8_t* first, int64_t j0,
-                                                                  const RowsOf<kRows>& x, const int32_t* sums,
-                                                                  __m512 (*lanes)[kLanes]) {
+GMLX_AMX inline __attribute__((always_inline)) void amx_floats_of_previous_four(const uint8_t* block, int64_t j,
+                                                                              const RowsOf<kRows>& x,
+                                                                              int32_t (*sums)[kRows * kTileOutputs],
+                                                                              __m512 (*lanes)[kLanes]) {
   constexpr int64_t kBlockBytes = tile_block_bytes(kBits), kSumInts = kRows * kTileOutputs;
-  amx_block_floats<kBits, kRows, 0>(first, j0, x, sums, lanes);
-  amx_block_floats<kBits, kRows, 1>(first + kBlockBytes, j0 + 1, x, sums + kSumInts, lanes);
-  amx_block_floats<kBits, kRows, 2>(first + 2 * kBlockBytes, j0 + 2, x, sums + 2 * kSumInts, lanes);
-  amx_block_floats<kBits, kRows, 3>(first + 3 * kBlockBytes, j0 + 3, x, sums + 3 * kSumInts, lanes);
+  if (j < kLanes) return;
+  const uint8_t* first = block - kLanes * kBlockBytes;
+  const int32_t* before = sums[(j / kLanes + 1) % 2 * kLanes];
+  amx_block_floats<kBits, kRows, 0>(first, j - kLanes, x, before, lanes);
+  amx_block_floats<kBits, kRows, 1>(first + kBlockBytes, j - kLanes + 1, x, before + kSumInts, lanes);
+  amx_block_floats<kBits, kRows, 2>(first + 2 * kBlockBytes, j - kLanes + 2, x, before + 2 * kSumInts, lanes);
+  amx_block_floats<kBits, kRows, 3>(first + 3 * kBlockBytes, j - kLanes + 3, x, before + 3 * kSumInts, lanes);
 }
 
 // Every tile of [begin, end) for rows [r0, r0 + kRows) on AMX. A block's float steps run four
@@ -321,10 +332,7 @@ GMLX_AMX void tiles_amx(const QmmArgs& a, const QuantizedRows& x, int64_t begin,
                                now + 2 * kSumInts);
       amx_block_sums<kBits, 1>(block + 3 * kBlockBytes, j + 3, rows.q[0], x_stride, unpacked, g + 3, stream_end,
                                now + 3 * kSumInts);
-      if (j >= kLanes) {
-        amx_four_floats<kBits, kRows>(block - kLanes * kBlockBytes, j - kLanes, rows,
-                                      sums[(j / kLanes + 1) % 2 * kLanes], lanes);
-      }
+      amx_floats_of_previous_four<kBits, kRows>(block, j, rows, sums, lanes);
     }
     const int64_t num_left = num_blocks - j;
     int32_t* left = sums[j / kLanes % 2 * kLanes];
@@ -337,10 +345,7 @@ GMLX_AMX void tiles_amx(const QmmArgs& a, const QuantizedRows& x, int64_t begin,
       amx_block_sums<kBits, 0>(block + 2 * kBlockBytes, j + 2, rows.q[0], x_stride, unpacked, g + 2, stream_end,
                                left + 2 * kSumInts);
     }
-    if (j >= kLanes) {
-      amx_four_floats<kBits, kRows>(block - kLanes * kBlockBytes, j - kLanes, rows, sums[(j / kLanes + 1) % 2 * kLanes],
-                                    lanes);
-    }
+    amx_floats_of_previous_four<kBits, kRows>(block, j, rows, sums, lanes);
     if (num_left > 0) amx_block_floats<kBits, kRows, 0>(block, j, rows, left, lanes);
     if (num_left > 1) amx_block_floats<kBits, kRows, 1>(block + kBlockBytes, j + 1, rows, left + kSumInts, lanes);
     if (num_left > 2) {
