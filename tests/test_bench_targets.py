@@ -5,6 +5,8 @@ The end-to-end test runs llama.cpp's llama-server on the SmolLM2 GGUF when both 
 """
 
 import json
+import signal
+import sys
 
 import gguf
 import mlx.core as mx
@@ -15,7 +17,7 @@ from workers.bench import WorkloadOptions, model_files, parse_target, run_benchm
 from workers.bench.llama_server import (LlamaServerTarget, gguf_path, llama_server_argv, llama_server_binary,
                                         num_cpu_threads)
 from workers.bench.metrics import StreamRecord
-from workers.bench.servers import gmlx_serve_argv
+from workers.bench.servers import ServerExitedError, free_port, gmlx_serve_argv, start_http_server
 
 TEST_TIMEOUT_S = 300  # conftest: a hung server fails the run with tracebacks
 
@@ -82,6 +84,15 @@ def test_llama_server_command_and_missing_pieces(tmp_path, monkeypatch):
     assert num_cpu_threads() >= 1
     assert LlamaServerTarget(parse_target("llama-server"), tmp_path, default_num_slots=6).num_slots == 6
     assert LlamaServerTarget(parse_target("llama-server:np=3"), tmp_path, default_num_slots=6).num_slots == 3
+
+
+def test_a_server_killed_by_a_signal_at_start_says_which(tmp_path):
+    """What the llama-server target's --no-repack fallback reads: a child that dies while starting
+    raises ServerExitedError with its return code (a signal's negative), after the one retry."""
+    argv = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    with pytest.raises(ServerExitedError, match="exited with -11") as caught:
+        start_http_server("self-killing", argv, free_port(), tmp_path / "child.log")
+    assert caught.value.returncode == -signal.SIGSEGV
 
 
 def test_gguf_becomes_a_cached_mlx_lm_folder_and_copies_in_each_format(tiny_llama_dir, tmp_path):

@@ -29,10 +29,6 @@ BUILD_COMMAND = "bash scripts/build_llama_cpp.sh"
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length"}  # llama.cpp stop_type -> ours
 
 
-class _DiedAtStart(RuntimeError):
-    """llama-server killed by a signal while starting with llama.cpp's default repacking."""
-
-
 def llama_cpp_bin_dir() -> Path:
     """Where scripts/build_llama_cpp.sh puts the binaries (relative LLAMA_CPP_CACHE: from the repository)."""
     cache = Path(os.environ.get("LLAMA_CPP_CACHE") or ".cache/llama.cpp").expanduser()
@@ -93,7 +89,9 @@ class LlamaServerTarget:
         self.port = servers.free_port()
         try:
             self.server = self._start_server(binary, self.spec.repack)
-        except _DiedAtStart:
+        except servers.ServerExitedError as exc:
+            if self.spec.repack is not None or exc.returncode >= 0:
+                raise
             logger.warning("%s died by a signal at start with weight repacking on; starting it with --no-repack",
                            self.spec.name)
             self.repack = False
@@ -103,16 +101,7 @@ class LlamaServerTarget:
         argv = llama_server_argv(binary, self.gguf, self.port, self.num_slots, self.spec.slot_context_tokens,
                                  self.num_threads, repack)
         log_path = self.workdir / f"llama-server-{self.port}.log"
-        server = servers.ServerProcess(self.spec.name, argv, servers.child_env({}), log_path,
-                                       servers.make_health_check(self.port))
-        try:
-            server.start()
-        except RuntimeError as exc:
-            has_died_by_signal = server.proc is not None and (server.proc.returncode or 0) < 0
-            if repack is None and has_died_by_signal:
-                raise _DiedAtStart(str(exc)) from exc
-            raise
-        return server
+        return servers.start_http_server(self.spec.name, argv, self.port, log_path)
 
     def stop(self) -> None:
         if self.server is not None:

@@ -36,6 +36,14 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+class ServerExitedError(RuntimeError):
+    """A child that exited while starting; returncode < 0: killed by that signal."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 class ServerProcess:
     """One child process; `is_ready()` decides when it serves."""
 
@@ -71,7 +79,8 @@ class ServerProcess:
         deadline_s = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+                raise ServerExitedError(f"{self.name} exited with {self.proc.returncode} while starting:\n"
+                                        f"{self.log_tail()}", self.proc.returncode)
             if self.is_ready(self):
                 return
             time.sleep(0.2)
