@@ -74,21 +74,22 @@ CLOCK = time.perf_counter  # time.process_time with --cpu-time
 def verify_forwards(target, positions, num_kv_tokens: int = 160) -> dict:
     """num_positions -> a forward_fn of that many positions over one cache prefilled with
     num_kv_tokens tokens (a verify's shape; each forward trims its positions after)."""
-    cache = make_ragged_cache(target.num_layers)
-    mx.eval(target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(num_kv_tokens)]]), cache)[1])
+    cache = prefilled_cache(target, 1, num_kv_tokens)
     return {n: forward_fn(target, cache, n) for n in positions}
 
 
 def batch_forwards(target, widths, num_kv_tokens: int = 160) -> dict:
     """num_rows -> a forward_fn of one position for each of that many rows, each row's cache
     prefilled with num_kv_tokens tokens (a wide plain decode step's shape)."""
-    prompt = mx.array([[(11 * i) % 1000 + 5 for i in range(num_kv_tokens)]])
-    forwards = {}
-    for num_rows in widths:
-        cache = make_ragged_cache(target.num_layers, num_rows)
-        mx.eval(target.forward(mx.repeat(prompt, num_rows, axis=0), cache)[1])
-        forwards[num_rows] = forward_fn(target, cache, 1, num_rows)
-    return forwards
+    return {n: forward_fn(target, prefilled_cache(target, n, num_kv_tokens), 1, n) for n in widths}
+
+
+def prefilled_cache(target, num_rows: int, num_kv_tokens: int):
+    """A ragged cache of num_rows rows, each holding the same num_kv_tokens tokens."""
+    cache = make_ragged_cache(target.num_layers, num_rows)
+    prompt = mx.array([[(11 * i) % 1000 + 5 for i in range(num_kv_tokens)]] * num_rows)
+    mx.eval(target.forward(prompt, cache)[1])
+    return cache
 
 
 def forward_fn(target, cache, num_positions: int, num_rows: int = 1):
