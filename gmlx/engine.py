@@ -118,6 +118,7 @@ class Engine:
         self._staging: _StagedJoin | None = None
         self._gate_hold: _GateHold | None = None  # a gated batch's last resume check
         self._round_evidence: dict[str, int] = {}  # request id -> its evidence class this round
+        self._armed_since: tuple[int, int, int] | None = None  # (spec rounds, drafted, accepted) at the last capture
         is_packed = engine_config.is_prefill_packed
         self.is_prefill_packed = target.is_packable and (
             target.num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_packed is None else is_packed)
@@ -266,6 +267,7 @@ class Engine:
             first = 0
             if mode.is_armed:
                 self.drafter.reset()
+                self._mark_armed()
         else:
             first = self.batch.num_rows
             self.batch.append_rows(requests, merged, pending, is_staged=staged is not None)
@@ -420,7 +422,7 @@ class Engine:
         if is_new_gate:
             self.counters["num_gates"] += 1
             self.counters["num_depth_gates"] += is_depth
-            self._event("gate", reason="depth" if is_depth else "cap")
+            self._event("gate", reason="depth" if is_depth else "cap", **self._armed_stretch())
 
     def _arm(self) -> list[list[int]]:
         """A preempted batch's first round after the drain: capture, then speculate."""
@@ -433,8 +435,26 @@ class Engine:
         tokens = self._capture()
         self.batch.resume()
         self.counters["num_resumes"] += 1
-        self._event("resume")
+        policy = self._depth_policy()
+        self._event("resume", **({} if policy is None else
+                                 {"expected_gain": round(policy.expected_gain(*self._policy_rows()), 3)}))
         return tokens
+
+    def _mark_armed(self) -> None:
+        c = self.counters
+        self._armed_since = (c["num_spec_rounds"], c["num_drafted"], c["num_accepted"])
+
+    def _armed_stretch(self) -> dict:
+        """What the rounds since the last capture drafted and kept (a gate's event reports it
+        beside the resume's expected gain)."""
+        if self._armed_since is None:
+            return {}
+        c = self.counters
+        num_rounds, num_drafted, num_accepted = (c["num_spec_rounds"] - self._armed_since[0],
+                                                 c["num_drafted"] - self._armed_since[1],
+                                                 c["num_accepted"] - self._armed_since[2])
+        self._armed_since = None
+        return {"spec_rounds": num_rounds, "drafted": num_drafted, "accepted": num_accepted}
 
     def _capture(self) -> list[list[int]]:
         # The drafter's cold start needs fresh hidden state for every surviving row.
@@ -444,6 +464,7 @@ class Engine:
         if view.num_rows:
             hidden = hidden if view is self.batch else hidden[view.index]
             self.drafter.add_rows(view, list(range(view.num_rows)), hidden if self.drafter.needs_hidden else None)
+        self._mark_armed()
         self._event("capture")
         return tokens
 
@@ -497,7 +518,7 @@ class Engine:
                 tokens = result.tokens_by_row
                 self._count_verify(result)
             case BatchMode.GATED if (held is not None or is_over_cap or not admission.can_resume(batch.draft_requests)
-                                     or not self._drafting_pays()):
+                                     or self._waiters_go_over_cap() or not self._drafting_pays()):
                 if held is None:
                     self._gate_hold = _GateHold(_rows_key(batch), is_over_cap, GATED_RECHECK_ROUNDS - 1)
                 loop, tokens = Loop.GATED, self._plain_round(dispatch_next=is_worth_lookahead)
@@ -573,6 +594,16 @@ class Engine:
     def _depth_policy(self) -> DepthPolicy | None:
         """The live depth policy; None (every row drafts the fixed k) when GMLX_ADAPTIVE_DEPTH=0."""
         return self.depth_policy if config.is_adaptive_depth_enabled() else None
+
+    def _waiters_go_over_cap(self) -> bool:
+        """Whether the speculating prompts waiting to join would take the batch over the cap: a
+        resume now would pay its settle and capture rounds for a round or two of drafts (served
+        SmolLM2, 8 closed-loop clients: a wave's last rows resumed as the next wave queued)."""
+        batch = self.batch
+        num_waiting = (sum(p.request.params.speculate for p in self._ready)
+                       + sum(r.params.speculate for r in self.queue.waiting))
+        num_waiting = min(num_waiting, self.config.max_num_rows - batch.num_rows)
+        return num_waiting > 0 and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows + num_waiting)
 
     def _drafting_pays(self) -> bool:
         """Whether the speculating rows' estimates ask for drafts (always, with a fixed depth)."""

@@ -208,6 +208,9 @@ class RandomDepths:
     def pays_to_draft(self, request_ids, num_plain_rows):
         return self.rng.random() < 0.3
 
+    def expected_gain(self, request_ids, num_plain_rows):
+        return float("nan")  # no model of gain: it re-arms on a coin toss
+
     def rest(self, scored_id=None):
         pass
 

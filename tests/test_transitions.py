@@ -160,3 +160,38 @@ def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_at_once_when_ro
     assert engine.counters["num_resumes"] == 1
     for prompt, n, request_id in zip(code_prompts, budgets, ids):
         assert got[request_id] == reference.tokens(prompt, SamplingParams(max_tokens=n))[0]
+
+
+def test_a_gated_batch_does_not_resume_for_the_rounds_before_waiters_take_it_over_the_cap(
+        builtin_target, reference, code_prompts, monkeypatch):
+    # Cap 2, three rows: gated. The short row leaves as a fourth prompt arrives: back within the
+    # cap, but the waiter takes it over again a step later, so a resume would buy a settle and a
+    # capture for nothing. Once the waiter has joined and a row leaves, the batch resumes.
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
+    monkeypatch.setenv("GMLX_RESUME_MIN_BUDGET", "8")
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_chunk_tokens=4096))
+    budgets = [60, 40, 5, 50]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(code_prompts, budgets[:3])]
+    got = {i: [] for i in ids}
+    short_left_at = None
+    while engine.has_unfinished():
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+            if output.request_id == ids[2] and output.finish_reason:
+                short_left_at = engine.counters["num_rounds"]
+                ids.append(engine.add_request(code_prompts[3], SamplingParams(max_tokens=budgets[3])))
+                got[ids[3]] = []
+    events = engine.stats()["events"]
+    joined_at = max(e["round"] for e in events if e["kind"] == "admit")
+    assert short_left_at is not None and joined_at > short_left_at
+    resumes = [e["round"] for e in events if e["kind"] == "resume"]
+    assert resumes and not [r for r in resumes if short_left_at <= r <= joined_at], (short_left_at, joined_at, resumes)
+    assert engine.counters["num_settle_rounds"] == len(resumes)
+    # The events say why each resume came (the policy's expected gain over plain decoding) and
+    # what each armed stretch drafted and kept before its gate.
+    assert all(e["expected_gain"] > 1 for e in events if e["kind"] == "resume")
+    stretches = [e for e in events if e["kind"] == "gate" and "drafted" in e]
+    assert stretches and all(0 <= e["accepted"] <= e["drafted"] for e in stretches)
+    assert sum(e["drafted"] for e in stretches) <= engine.counters["num_drafted"]
+    for prompt, n, request_id in zip(code_prompts, budgets, ids):
+        assert got[request_id] == reference.tokens(prompt, SamplingParams(max_tokens=n))[0]

@@ -208,12 +208,26 @@ class DepthPolicy:
     def _round_depth(self, request_ids: list[str], num_plain_rows: int) -> int:
         return self._depth_for([self.acceptance(r) for r in request_ids], num_plain_rows)
 
+    def expected_gain(self, request_ids: list[str], num_plain_rows: int = 0) -> float:
+        """The rows' best expected tokens per unit of cost over plain decoding's (what a resume
+        and a gate weigh; the engine's transition events report it)."""
+        rates = self._rates([self.acceptance(r) for r in request_ids], num_plain_rows)
+        return max(rates[1:]) / rates[0] if len(rates) > 1 else 0.0
+
     def _depth_for(self, acceptances: list[float], num_plain_rows: int) -> int:
         """The round's depth for rows of these acceptances beside num_plain_rows plain rows."""
-        if not acceptances:
+        rates = self._rates(acceptances, num_plain_rows)
+        if len(rates) < 2:
             return 0
-        if not self.k_max:
-            return 0
+        best = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
+        margin = DRAFT_GAIN_MARGIN if len(acceptances) + num_plain_rows > 1 else 0.0
+        return best if rates[best] > (1 + margin) * rates[0] else 0
+
+    def _rates(self, acceptances: list[float], num_plain_rows: int) -> list[float]:
+        """Expected tokens per unit of round cost at each depth 0..k_max; none without
+        speculating rows or drafts."""
+        if not acceptances or not self.k_max:
+            return []
         width, rows = len(acceptances) + num_plain_rows, self._expected_tokens_by_depth(acceptances)
         # A share q of rounds drafts (evidence classes): the rest verify only the pending tokens,
         # or with bare rounds run mostly as pipelined plain rounds.
@@ -223,9 +237,7 @@ class DepthPolicy:
         rates += [(q * sum(row[k] for row in rows) + (1 - q) * num_spec + num_plain_rows)
                   / (q * self._round_cost(width, k) + (1 - q) * idle_s)
                   for k in range(1, self.k_max + 1)]
-        best = max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
-        margin = DRAFT_GAIN_MARGIN if width > 1 else 0.0
-        return best if rates[best] > (1 + margin) * rates[0] else 0
+        return rates
 
     def _expected_tokens_by_depth(self, acceptances: list[float]) -> list[list[float]]:
         """Per row, E(0..k_max). Asked every gated round: running sums (the very additions
