@@ -39,6 +39,9 @@ def test_closed_loop_against_engine_reports_every_metric():
     assert s["num_drafted"] > 0 and 0.0 <= s["acceptance_rate"] <= 1.0
     assert s["num_drafted"] == run["counters"]["num_drafted"]
     assert {"num_preempts", "num_resumes", "num_capture_rounds", "num_gated_rounds"} <= set(s["transitions"])
+    # The depth policy's ledger (over the engine's life, warm-up included) holds this run's kept drafts.
+    (policy,) = run["draft_depth"]
+    assert sum(kept for _, _, kept in policy["kept_vs_expected"].values()) >= s["num_accepted"]
     (row,) = results["table"]
     assert row["vs_baseline"]["aggregate_tok_per_s"] == pytest.approx(1.0)
     assert paired(row, "aggregate_tok_per_s") == pytest.approx(1.0)

@@ -192,6 +192,29 @@ def test_evidence_sets_each_rounds_depth_and_a_bare_round_does_not_gate():
     assert policy.class_acceptance(1) < before and policy.class_acceptance(3) > 0.9
 
 
+def test_the_ledger_sets_each_width_groups_kept_drafts_beside_the_models_expectation():
+    """Each drafting row-round adds a + ... + a^k (a: the acceptance its depth was chosen from)
+    to its width group's expectation and its kept drafts beside it; a round that did not draft adds nothing."""
+    policy = graded_policy()
+    a3 = policy.class_acceptance(3)
+    assert policy.round_depths(["x", "y"], 0, [3, 3]) == [3, 3]
+    policy.observe("x", 3, 3, evidence_class=3)
+    policy.observe("y", 3, 1, evidence_class=3)
+    rows = [f"r{i}" for i in range(5)]
+    k = policy.round_depths(rows, 0, [3] * 5)[0]
+    assert k > 0
+    a3_wide = policy.class_acceptance(3)  # moved by the first round's kept drafts
+    for row in rows:
+        policy.observe(row, k, 0, evidence_class=3)
+    policy.observe("z", 3, 2)  # no round chose its depth: not in the ledger
+    ledger = policy.describe()["kept_vs_expected"]
+    assert set(ledger) == {"2", "4"}
+    assert ledger["2"][0] == 2 and ledger["2"][2] == 4
+    assert ledger["2"][1] == pytest.approx(2 * (expected_tokens(a3, 3) - 1), abs=0.05)
+    assert ledger["4"][0] == 5 and ledger["4"][2] == 0
+    assert ledger["4"][1] == pytest.approx(5 * (expected_tokens(a3_wide, k) - 1), abs=0.05)
+
+
 def test_a_probing_row_drafts_whatever_its_evidence():
     """Where only a probe drafts (the pooled acceptance is low), the probe is not spent on
     a depth-0 round: it drafts at least once, so the row's estimate is measured."""

@@ -66,6 +66,11 @@ _CLASS_DECAY = 0.98
 _DRAFTING_SHARE_DECAY = 0.95
 
 
+# The ledger of drafts kept against the model's expectation groups rounds by width, from these
+# (describe()): where wide batches keep less than independent acceptance predicts, it shows there.
+_LEDGER_WIDTHS = (1, 2, 4, 8, 16)
+
+
 @dataclass(frozen=True, slots=True)
 class DraftCosts:
     """One round's cost terms, in units of a one-position target forward at the same width."""
@@ -92,6 +97,13 @@ class _RowEstimate:
 
 
 @dataclass(slots=True)
+class _LedgerEntry:
+    num_row_rounds: int = 0  # a row's drafting round each
+    num_expected: float = 0.0  # drafts the model expected kept: a + ... + a^k a row-round
+    num_kept: int = 0
+
+
+@dataclass(slots=True)
 class _ClassEstimate:
     num_accepted: float = 0.0  # decayed, pooled over every row that drafted in this class
     num_tried: float = 0.0
@@ -114,6 +126,9 @@ class DepthPolicy:
     # Gated rounds so far: a row's counts take their resting decay when next read, so a gated
     # round's bookkeeping does not grow with the width (it was 3 us at 8 rows, 11 us at 32).
     _num_rests: int = 0
+    # Per speculating row of the round in flight: (its ledger width, the drafts it is expected to keep).
+    _expected: dict[str, tuple[int, float]] = field(default_factory=dict)
+    _ledger: dict[int, _LedgerEntry] = field(default_factory=dict)
 
     def __post_init__(self):
         assert self.k_max >= 0, self.k_max
@@ -158,10 +173,16 @@ class DepthPolicy:
             return None
         if evidence is not None:
             assert len(evidence) == len(request_ids)
-            k = self._class_depth([self.class_acceptance(c) for c in evidence], num_plain_rows,
-                                  is_pipelined and self.has_bare_rounds)
+            acceptances = [self.class_acceptance(c) for c in evidence]
+            k = self._class_depth(acceptances, num_plain_rows, is_pipelined and self.has_bare_rounds)
             k = max(k, 1) if is_probe else k  # a probe drafts whatever the evidence
             self._note_drafting(k > 0)
+        else:
+            acceptances = [self.acceptance(r) for r in request_ids]
+        if k:
+            width = max(w for w in _LEDGER_WIDTHS if w <= len(request_ids) + num_plain_rows)
+            for request_id, a in zip(request_ids, acceptances):
+                self._expected[request_id] = (width, expected_tokens(a, k) - 1)
         return [k] * len(request_ids)
 
     def observe_share(self, evidence_class: int) -> None:
@@ -260,6 +281,12 @@ class DepthPolicy:
         """After a verify round; num_drafted = 0 for a row that decoded plain in it; the row's
         evidence class that round, where its drafter grades drafts."""
         assert 0 <= num_accepted <= num_drafted, (num_accepted, num_drafted)
+        expected = self._expected.pop(request_id, None)
+        if expected is not None and num_drafted:
+            entry = self._ledger.setdefault(expected[0], _LedgerEntry())
+            entry.num_row_rounds += 1
+            entry.num_expected += expected[1]
+            entry.num_kept += num_accepted
         num_tried = num_accepted + (num_accepted < num_drafted)
         if evidence_class is not None:
             if not num_tried:
@@ -284,10 +311,16 @@ class DepthPolicy:
 
     def forget(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
+        self._expected.pop(request_id, None)
 
     def describe(self) -> dict:
         costs = {} if self.table is not None else {"verify_per_position": self.costs.verify_per_position,
                                                    "draft_per_token": self.costs.draft_per_token}
         classes = {str(c): round(self.class_acceptance(c), 4) for c in sorted(self._classes)}
         evidence = {"class_acceptance": classes, "drafting_share": round(self._drafting_share, 4)} if classes else {}
-        return {"k_max": self.k_max, "prior_acceptance": round(self.prior_acceptance, 4), **costs, **evidence}
+        # Per width group (rows from that width to the next group's): drafting row-rounds, the
+        # drafts the model expected kept, and the drafts kept.
+        ledger = {str(w): [e.num_row_rounds, round(e.num_expected, 1), e.num_kept]
+                  for w, e in sorted(self._ledger.items())}
+        return {"k_max": self.k_max, "prior_acceptance": round(self.prior_acceptance, 4), **costs, **evidence,
+                **({"kept_vs_expected": ledger} if ledger else {})}

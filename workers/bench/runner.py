@@ -173,14 +173,16 @@ def _run_one(target, workload, level, repeat: int, timeout_s: float, is_progress
         first = next(r for r in records if r.error)
         logger.warning("%s: %d requests failed, first: %s", label, summary["num_errors"], first.error)
     return {"target": name, "level": level, "repeat": repeat, "summary": summary, "counters": out["counters"],
-            "events": out["events"], "calibration": _calibration(out.get("server_stats") or {}),
+            "events": out["events"], "calibration": _per_engine(out.get("server_stats") or {}, "calibration"),
+            "draft_depth": _per_engine(out.get("server_stats") or {}, "draft_depth"),
             "streams": [r.to_json() for r in sorted(records, key=lambda r: r.index)]}
 
 
-def _calibration(stats: dict) -> list:
-    """Each engine's cost table and served correction after the run (one per worker)."""
+def _per_engine(stats: dict, key: str) -> list:
+    """One entry of each engine's stats after the run (one per worker): `calibration` (its cost
+    table and served correction), `draft_depth` (its depth policy's estimates and ledger)."""
     engines = stats.get("workers") or [stats]
-    return [e["calibration"] for e in engines if e.get("calibration") is not None]
+    return [e[key] for e in engines if e.get(key) is not None]
 
 
 def _get(summary: dict, path: tuple[str, ...]):
