@@ -118,7 +118,8 @@ class Engine:
         self._staging: _StagedJoin | None = None
         self._gate_hold: _GateHold | None = None  # a gated batch's last resume check
         self._round_evidence: dict[str, int] = {}  # request id -> its evidence class this round
-        self._armed_since: tuple[int, int, int] | None = None  # (spec rounds, drafted, accepted) at the last capture
+        # (spec rounds, drafted, accepted) when the batch last armed (a capture, or forming armed)
+        self._armed_since: tuple[int, int, int] | None = None
         is_packed = engine_config.is_prefill_packed
         self.is_prefill_packed = target.is_packable and (
             target.num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_packed is None else is_packed)
@@ -445,7 +446,7 @@ class Engine:
         self._armed_since = (c["num_spec_rounds"], c["num_drafted"], c["num_accepted"])
 
     def _armed_stretch(self) -> dict:
-        """What the rounds since the last capture drafted and kept (a gate's event reports it
+        """What the rounds since the batch last armed drafted and kept (a gate's event reports it
         beside the resume's expected gain)."""
         if self._armed_since is None:
             return {}
