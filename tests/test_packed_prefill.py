@@ -2,6 +2,7 @@
 bits of a forward of its own, and every stream equals solo decoding while chunks ride the
 plain and gated rounds of random schedules."""
 
+import dataclasses
 import random
 
 import mlx.core as mx
@@ -86,14 +87,26 @@ def reference(builtin_target):
     return SoloReference(builtin_target)
 
 
+@pytest.mark.parametrize("is_layer_fused", [True, False])
 @pytest.mark.parametrize("drafter_kind", ["none", "mtp"])
-def test_streams_equal_solo_decoding_with_chunks_packed(builtin_target, reference, code_prompts, drafter_kind):
+def test_streams_equal_solo_decoding_with_chunks_packed(builtin_target, reference, code_prompts, drafter_kind,
+                                                        is_layer_fused, monkeypatch):
+    """Chunks ride the rounds either way: with fused layers each segment runs its own fused
+    forward in the round's graph (no packed body), else one packed forward runs them all."""
+    from gmlx.spec import speculative
+
+    assert builtin_target.is_layer_fused
+    target = dataclasses.replace(builtin_target, is_layer_fused=is_layer_fused)
+    num_packed_forwards = []
+    monkeypatch.setattr(speculative, "packed_body",
+                        lambda body, segments: num_packed_forwards.append(1) or packed_body(body, segments))
     # A 0.1 ms budget keeps every packed chunk at its floor, so prompts take several chunks.
-    drafter = make_drafter(drafter_kind, builtin_target)
-    engine = Engine(builtin_target, drafter, EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
+    drafter = make_drafter(drafter_kind, target)
+    engine = Engine(target, drafter, EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
     for seed in range(5):
-        check_schedule(engine, reference, make_schedule(100 + seed, builtin_target.vocab_size, code_prompts))
+        check_schedule(engine, reference, make_schedule(100 + seed, target.vocab_size, code_prompts))
     assert engine.counters["num_packed_chunks"] > 0
+    assert bool(num_packed_forwards) != is_layer_fused
 
 
 def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference, code_prompts):

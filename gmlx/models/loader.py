@@ -51,6 +51,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     # Attention takes a PackedLayerCache (models/packed.py): prefill chunks ride decode forwards.
     is_packable: bool = False
+    # Its layers run as fused kernel nodes over ragged caches (platform/cpu_layers.py), which a
+    # packed forward cannot use: a round with prompt chunks runs each segment's own forward.
+    is_layer_fused: bool = False
     kv_bytes_per_token: int = 0  # one row's keys and values for one token, every layer (float32)
     num_weight_bytes: int = 0  # what one forward reads of weights, as loaded
 
@@ -67,8 +70,7 @@ def load_model(path: str | Path | None) -> LoadedModel:
     else:
         model, tokenizer, config = _load_folder(source)
     is_tied = getattr(model, "lm_head", None) is None or config.get("tie_word_embeddings", False)
-    if mx.default_device() == mx.cpu:
-        _prepare_for_cpu(model, str(source), is_tied)
+    num_fused_layers = _prepare_for_cpu(model, str(source), is_tied) if mx.default_device() == mx.cpu else 0
     row_rules = wanted_row_rules()
     if row_rules:
         use_block_row_products(model, str(source), row_rules.block_rows)
@@ -96,6 +98,7 @@ def load_model(path: str | Path | None) -> LoadedModel:
         max_context_tokens=int(config.get("max_position_embeddings") or 4096),
         eos_token_ids=frozenset(eos),
         is_packable=is_packable,
+        is_layer_fused=num_fused_layers > 0 and not row_rules,  # row rules run every forward packed
         kv_bytes_per_token=_kv_bytes_per_token(config, len(body.layers)),
         num_weight_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     )
@@ -153,7 +156,8 @@ def _head_module(model: nn.Module, is_tied: bool) -> nn.Module:
     return model.model.embed_tokens if is_tied else model.lm_head
 
 
-def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> None:
+def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> int:
+    """The model's CPU compute format, kernels and fused ops; how many layers run fused."""
     is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
     # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
     model.set_dtype(mx.float32)
@@ -177,7 +181,8 @@ def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> None:
     if num_kernel_modules > 0 and is_cpu_decode_ops_enabled():
         use_cpu_decode_ops(model)  # off mlx's bits already: its small ops as one node each too
         if is_fused_layers_enabled():
-            use_fused_layers(model)  # and a layer whose products all have packed weights, one node
+            return use_fused_layers(model)  # and a layer whose products all have packed weights, one node
+    return 0
 
 
 def _check_model_type(source: Path, config: dict) -> None:

@@ -7,6 +7,10 @@ sequence axis (1, N): the projections, norms and MLP run once over all N tokens 
 product is row-independent, so each token's bits are those of its own forward), and only
 attention splits them back, each segment over its own cache, with the very ops the
 model's attention runs alone. So every row gets the bits a forward of its own would give.
+
+Where the target's layers are fused kernel nodes (platform/cpu_layers.py, the CPU default) a
+round with chunks runs each segment's own forward instead (spec/speculative.py `_forward`):
+the packed body is mlx-lm's ~20 nodes a layer, which cost more than the extra weight passes.
 """
 
 from __future__ import annotations

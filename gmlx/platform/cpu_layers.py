@@ -14,8 +14,9 @@ writes, ragged attention, project_add, mlp_block) mlx's dispatch took the Python
 ~11 us a node, ~2 ms of a SmolLM2 step. The one node writes the cache's buffers in place,
 which the cache hands over only when no other array shares them (RaggedKVCache.
 writable_buffers). Each stage runs the separate ops' code, so the bits are the separate
-graph's (a probe at load checks it); packed forwards and calls without a ragged cache run the
-layer as mlx-lm builds it.
+graph's (a probe at load checks it); calls without a ragged cache (a packed forward's
+PackedLayerCache) run the layer as mlx-lm builds it, so rounds with prompt chunks run each
+segment's own forward where layers are fused (LoadedModel.is_layer_fused).
 
 Where every layer of the model is such a one-node layer of one shape, a step runs them all as
 one node (decoder_stack) that holds their weights, instead of ~30 nodes of ~13 inputs each:

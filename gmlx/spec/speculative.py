@@ -80,7 +80,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
         matches = ((drafts == targets[:, :num_draft]) & is_own).astype(mx.int32)
         accepted = mx.cumprod(matches, axis=1).sum(axis=1)  # (B,)
         batch.pending, emitted = targets[rows, accepted], targets
-    mx.eval(emitted, accepted, batch.pending)
+    mx.eval(emitted, accepted, batch.pending, *chunk_hidden)  # chunks in forwards of their own too
     target_rows, num_accepted = emitted.tolist(), accepted.tolist()
     for cache in batch.caches:
         cache.trim_rows([num_draft - a for a in num_accepted])
@@ -100,9 +100,15 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
 
 
 def _forward(target: LoadedModel, tokens: mx.array, caches, chunks: tuple[Segment, ...]):
-    """hidden and logits of the batch's tokens; with chunks, packed with them (and their hidden)."""
+    """hidden and logits of the batch's tokens; with chunks, their hidden too: packed into one
+    forward, or where the target's layers are fused nodes, each segment's own forward in one
+    graph (SmolLM2, 8 rows beside a 16-256-token chunk: 0.64-0.86x the packed forward's time,
+    whose ~20 unfused nodes a layer cost more than a pass over the weights; BENCHMARKS.md)."""
     if not chunks:
         return (*target.forward(tokens, caches), ())
+    if target.is_layer_fused:
+        hidden, logits = target.forward(tokens, caches)
+        return hidden, logits, tuple(target.body(c.tokens, c.caches) for c in chunks)
     segments = [Segment(tokens, caches), *chunks]
     hidden, *chunk_hidden = unpack(packed_body(target.body, segments), segments)
     return hidden, target.head(hidden), tuple(chunk_hidden)
@@ -169,6 +175,6 @@ def _dispatch_plain(target: LoadedModel, batch: DecodeBatch, chunks: tuple[Segme
     positions = batch.positions(1, first_offset=1)
     _, logits, chunk_hidden = _forward(target, batch.pending[:, None], batch.caches, chunks)
     batch.pending = sample(logits, batch.sampling, positions)[:, 0]
-    mx.async_eval(batch.pending)
+    mx.async_eval(batch.pending, *chunk_hidden)  # chunks in forwards of their own run with it too
     batch.is_delivered = [False] * batch.num_rows
     return chunk_hidden
