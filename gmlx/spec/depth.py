@@ -164,7 +164,8 @@ class DepthPolicy:
         the rows' evidence classes this round, its depth from their classes' acceptance (0 allowed).
         is_pipelined: a lookahead is in flight (after a bare round), so a round at depth 0 is a
         pipelined plain round's cost."""
-        k = self._round_depth(request_ids, num_plain_rows)
+        row_acceptances = [self.acceptance(r) for r in request_ids]
+        k = self._depth_for(row_acceptances, num_plain_rows)
         # A row's first rounds draft once (acceptance measured, not assumed) where that could pay.
         is_probe = k == 0 and self.k_max > 0 and self._is_probe_worth_it(request_ids, num_plain_rows)
         if is_probe:
@@ -178,7 +179,7 @@ class DepthPolicy:
             k = max(k, 1) if is_probe else k  # a probe drafts whatever the evidence
             self._note_drafting(k > 0)
         else:
-            acceptances = [self.acceptance(r) for r in request_ids]
+            acceptances = row_acceptances
         if k:
             width = max(w for w in _LEDGER_WIDTHS if w <= len(request_ids) + num_plain_rows)
             for request_id, a in zip(request_ids, acceptances):
