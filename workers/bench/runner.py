@@ -172,9 +172,10 @@ def _run_one(target, workload, level, repeat: int, timeout_s: float, is_progress
     if summary["num_errors"]:
         first = next(r for r in records if r.error)
         logger.warning("%s: %d requests failed, first: %s", label, summary["num_errors"], first.error)
+    engine_stats = out.get("server_stats") or {}
     return {"target": name, "level": level, "repeat": repeat, "summary": summary, "counters": out["counters"],
-            "events": out["events"], "calibration": _per_engine(out.get("server_stats") or {}, "calibration"),
-            "draft_depth": _per_engine(out.get("server_stats") or {}, "draft_depth"),
+            "events": out["events"], "calibration": _per_engine(engine_stats, "calibration"),
+            "draft_depth": _per_engine(engine_stats, "draft_depth"),
             "streams": [r.to_json() for r in sorted(records, key=lambda r: r.index)]}
 
 
