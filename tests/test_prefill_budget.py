@@ -20,9 +20,9 @@ def reference(builtin_target):
     return SoloReference(builtin_target)
 
 
-# "auto" follows measured round times, so only its outputs are checked; under a 0.1 ms
-# budget every chunk runs over, so sizes halve down to the minimum on any CPU.
-@pytest.mark.parametrize("budget_s, is_chunk_bounded", [(None, False), (0.0001, True)])
+# "auto" follows measured round times, so only its outputs are checked; under a budget below the
+# least a chunk is taken to cost every chunk runs over, so sizes halve down to the minimum on any CPU.
+@pytest.mark.parametrize("budget_s, is_chunk_bounded", [(None, False), (admission.MIN_PACKED_CHUNK_S / 2, True)])
 @pytest.mark.parametrize("is_packed", [False, True])
 def test_a_long_arrival_is_prefilled_within_the_budget(builtin_target, reference, code_prompts, budget_s,
                                                        is_chunk_bounded, is_packed):

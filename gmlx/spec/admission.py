@@ -21,6 +21,9 @@ from gmlx.sampling import SamplingRows, sample
 
 MIN_CHUNK_TOKENS = 1  # a time budget never shrinks a chunk below this: prefill must progress
 FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
+# The least a packed chunk is taken to cost: a chunk riding a round's forward can cost less than
+# the round's own jitter (a few tokens beside the decode rows in one stack node).
+MIN_PACKED_CHUNK_S = 1e-4
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ class InjectionQueue:
 
     def measured_packed(self, num_tokens: int, extra_s: float) -> None:
         """A packed chunk's cost: what its forward took beyond a decode round."""
-        self._last_chunk = (num_tokens, max(extra_s, 1e-4))
+        self._last_chunk = (num_tokens, max(extra_s, MIN_PACKED_CHUNK_S))
 
     @staticmethod
     def land(chunk: PackedChunk) -> Prefilled:
