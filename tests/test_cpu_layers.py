@@ -15,7 +15,9 @@ from gmlx.cache.ragged import RaggedKVCache
 from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
-from gmlx.platform.cpu_layers import FusedLlamaBlock, FusedQwen3Block, StackedLlamaModel, StackedQwen3Model
+from gmlx.models.packed import Segment
+from gmlx.platform.cpu_layers import (FusedLlamaBlock, FusedQwen3Block, StackedLlamaModel, StackedQwen3Model,
+                                     segment_bodies)
 from kernel_support import requires_kernels
 
 pytestmark = requires_kernels
@@ -129,11 +131,22 @@ def test_the_layer_stack_refuses_bad_weights_and_buffers(fused_and_unfused):
     x = mx.zeros((1, 1, input_norm.shape[0]))
     heads, head_dim = call.kv_heads_and_dim
     buffer = mx.zeros((1, heads, 16, head_dim))
-    with pytest.raises(ValueError, match="one keys and one values buffer per layer"):
-        ext.decoder_stack(stack_call.stack, x, mx.array([0]), [buffer], [buffer])
     num_layers = stack_call.num_layers
+    with pytest.raises(ValueError, match="one keys and one values buffer per segment and layer"):
+        ext.decoder_stack(stack_call.stack, [x], [mx.array([0])], [buffer], [buffer])
+    with pytest.raises(ValueError, match="one keys and one values buffer per segment and layer"):
+        ext.decoder_stack(stack_call.stack, [x, x], [mx.array([0])] * 2, [buffer] * num_layers, [buffer] * num_layers)
+    with pytest.raises(ValueError, match="one offset per segment, at least one segment"):
+        ext.decoder_stack(stack_call.stack, [x, x], [mx.array([0])], [buffer] * num_layers, [buffer] * num_layers)
+    with pytest.raises(ValueError, match="one offset per segment, at least one segment"):
+        ext.decoder_stack(stack_call.stack, [], [], [], [])
     with pytest.raises(ValueError, match=r"\(B, Hkv, S, Dh\)"):
-        ext.decoder_stack(stack_call.stack, x, mx.array([0]), [buffer[:, :, :, :4]] * num_layers, [buffer] * num_layers)
+        ext.decoder_stack(stack_call.stack, [x], [mx.array([0])], [buffer[:, :, :, :4]] * num_layers,
+                          [buffer] * num_layers)
+    wide = mx.zeros((2, 1, input_norm.shape[0]))  # the second segment's buffers hold one row, not two
+    with pytest.raises(ValueError, match=r"\(B, Hkv, S, Dh\)"):
+        ext.decoder_stack(stack_call.stack, [x, wide], [mx.array([0]), mx.array([0, 0])], [buffer] * 2 * num_layers,
+                          [buffer] * 2 * num_layers)
 
 
 def _address(array: mx.array) -> int:
@@ -165,6 +178,28 @@ def test_a_decode_step_is_one_node_writing_the_kv_in_place(fused_and_unfused, tm
     assert "SliceUpdate" not in labels
     mx.eval(logits)
     assert [(_address(c.keys), _address(c.values)) for c in cache] == addresses
+
+
+def test_a_round_with_prompt_chunks_is_one_node_writing_every_kv_in_place(fused_and_unfused, tmp_path):
+    """A round's decode rows and the chunks it carries run as segments of one stack node, their
+    products sharing a pass over the weights; each segment's buffers stay where they are."""
+    target = fused_and_unfused[0]
+    num_layers = len(target.model.model.layers)
+    caches = [[RaggedKVCache(num_rows=n) for _ in range(num_layers)] for n in (2, 1, 1)]
+    for cache, prefix in zip(caches, ([[3, 4, 5], [6, 7, 8]], [[9, 10]], [[11]])):
+        mx.eval(target.body(mx.array(prefix), cache))
+    addresses = [(_address(c.keys), _address(c.values)) for cache in caches for c in cache]
+    segments = [Segment(mx.array([[12, 13], [14, 15]]), caches[0]), Segment(mx.array([[16, 17, 18]]), caches[1]),
+                Segment(mx.array([[19] * 5]), caches[2])]
+    hidden = segment_bodies(target.model.model, segments)
+    path = tmp_path / "round.dot"
+    mx.export_to_dot(str(path), *hidden)
+    labels = re.findall(r'label ="([^"]+)"', path.read_text())
+    assert labels.count("GmlxDecoderStackOp") == 1 and "GmlxDecoderLayerOp" not in labels
+    mx.eval(hidden)
+    assert [h.shape[:2] for h in hidden] == [(2, 2), (1, 3), (1, 5)]
+    assert [c.lengths for c in (cache[0] for cache in caches)] == [[5, 5], [5], [6]]
+    assert [(_address(c.keys), _address(c.values)) for cache in caches for c in cache] == addresses
 
 
 def test_buffers_shared_with_a_prompt_cache_entry_are_copied_before_a_write(fused_and_unfused):

@@ -14,10 +14,14 @@ from gmlx.drafters import make_drafter
 from gmlx import engine as engine_module
 from gmlx.engine import Engine
 from gmlx.models.packed import Segment, packed_body, unpack
-from gmlx.platform import cpu_kernels
+from gmlx.platform import cpu_kernels, cpu_layers
 from gmlx.request import SamplingParams
 from gmlx.spec import admission
 from schedules import SoloReference, check_schedule, make_schedule
+
+
+# A prefill budget every packed chunk runs over, however little it costs.
+_OVER_BUDGET_S = admission.MIN_PACKED_CHUNK_S / 2
 
 
 def _prefilled(target, num_tokens: int, rng: random.Random):
@@ -33,19 +37,28 @@ def _random_tokens(target, num_rows: int, num_tokens: int, rng: random.Random) -
                     dtype=mx.int32)
 
 
-def _separate_and_packed(target, rng: random.Random):
-    """One random case: decode rows and a prompt chunk, each run alone and packed together."""
+def _packed(target, segments):
+    return unpack(packed_body(target.body, segments), segments)
+
+
+def _stacked(target, segments):
+    return cpu_layers.segment_bodies(target.body, segments)
+
+
+def _separate_and_packed(target, rng: random.Random, together=_packed):
+    """One random case: decode rows (1-4 positions: a plain step or a verify) and one or two
+    prompt chunks, each run alone and together (packed, or as segments of one stack node)."""
     lengths = [rng.randint(1, 70) for _ in range(rng.randint(1, 3))]
     batch = concat_layer_caches([_prefilled(target, n, rng) for n in lengths])
-    arrival = _prefilled(target, rng.randint(1, 90), rng)
-    pending = _random_tokens(target, len(lengths), 1, rng)
-    chunk = _random_tokens(target, 1, rng.randint(1, 20), rng)
-    alone = {"batch": concat_layer_caches([batch]), "arrival": concat_layer_caches([arrival])}
+    arrivals = [_prefilled(target, rng.randint(1, 90), rng) for _ in range(rng.randint(1, 2))]
+    pending = _random_tokens(target, len(lengths), rng.randint(1, 4), rng)
+    chunks = [_random_tokens(target, 1, rng.randint(1, 20), rng) for _ in arrivals]
+    alone = {"batch": concat_layer_caches([batch]), **{i: concat_layer_caches([a]) for i, a in enumerate(arrivals)}}
     _, logits = target.forward(pending, alone["batch"])
-    chunk_hidden = target.body(chunk, alone["arrival"])
-    packed = {"batch": concat_layer_caches([batch]), "arrival": concat_layer_caches([arrival])}
-    segments = [Segment(pending, packed["batch"]), Segment(chunk, packed["arrival"])]
-    decode_hidden, packed_chunk_hidden = unpack(packed_body(target.body, segments), segments)
+    chunk_hidden = [target.body(chunk, alone[i]) for i, chunk in enumerate(chunks)]
+    packed = {"batch": concat_layer_caches([batch]), **{i: concat_layer_caches([a]) for i, a in enumerate(arrivals)}}
+    segments = [Segment(pending, packed["batch"]), *(Segment(c, packed[i]) for i, c in enumerate(chunks))]
+    decode_hidden, *packed_chunk_hidden = together(target, segments)
     packed_logits = target.head(decode_hidden)
     mx.eval(logits, chunk_hidden, packed_logits, packed_chunk_hidden)
     return (logits, chunk_hidden, alone), (packed_logits, packed_chunk_hidden, packed)
@@ -56,18 +69,28 @@ def _kv(caches) -> list[mx.array]:
 
 
 @pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx's CPU kernels are not built here")
-@pytest.mark.parametrize("which", ["tiny_quantized_target", "gguf_like_target"])
-def test_packed_forward_gives_every_segment_its_own_bits_on_the_kernels(which, request):
+@pytest.mark.parametrize("which,together", [("tiny_quantized_target", _packed), ("gguf_like_target", _packed),
+                                            ("tiny_target", _stacked), ("gguf_like_target", _stacked),
+                                            ("builtin_target", _stacked)])
+def test_packed_forward_gives_every_segment_its_own_bits_on_the_kernels(which, together, request, monkeypatch):
+    """Packed, or as the segments of one stack node (the fused layers' way: float32 panels too,
+    whose products are row-independent like the quads')."""
     target = request.getfixturevalue(which)
     assert target.is_packable
+    num_stacked, num_segments = [], []
+    forwards = cpu_layers._StackedModel.segment_forwards
+    monkeypatch.setattr(cpu_layers._StackedModel, "segment_forwards",
+                        lambda body, segments: num_stacked.append(len(segments)) or forwards(body, segments))
     rng = random.Random(7)
     for _ in range(6):
-        (logits, hidden, alone), (packed_logits, packed_hidden, packed) = _separate_and_packed(target, rng)
+        (logits, hidden, alone), (packed_logits, packed_hidden, packed) = _separate_and_packed(target, rng, together)
         assert mx.array_equal(packed_logits, logits).item()
-        assert mx.array_equal(packed_hidden, hidden).item()
+        assert all(mx.array_equal(p, h).item() for p, h in zip(packed_hidden, hidden, strict=True))
+        num_segments.append(len(alone))
         for name in alone:
             assert alone[name][0].lengths == packed[name][0].lengths
             assert all(mx.array_equal(a, b).item() for a, b in zip(_kv(alone[name]), _kv(packed[name])))
+    assert num_stacked == (num_segments if together is _stacked else [])
 
 
 def test_packed_forward_on_float32_stays_within_the_products_rounding(builtin_target):
@@ -78,7 +101,7 @@ def test_packed_forward_on_float32_stays_within_the_products_rounding(builtin_ta
     for _ in range(4):
         (logits, hidden, _), (packed_logits, packed_hidden, _) = _separate_and_packed(builtin_target, rng)
         assert mx.allclose(packed_logits, logits, atol=1e-4, rtol=1e-4).item()
-        assert mx.allclose(packed_hidden, hidden, atol=1e-4, rtol=1e-4).item()
+        assert all(mx.allclose(p, h, atol=1e-4, rtol=1e-4).item() for p, h in zip(packed_hidden, hidden, strict=True))
         assert mx.array_equal(packed_logits.argmax(-1), logits.argmax(-1)).item()
 
 
@@ -91,26 +114,31 @@ def reference(builtin_target):
 @pytest.mark.parametrize("drafter_kind", ["none", "mtp"])
 def test_streams_equal_solo_decoding_with_chunks_packed(builtin_target, reference, code_prompts, drafter_kind,
                                                         is_layer_fused, monkeypatch):
-    """Chunks ride the rounds either way: with fused layers each segment runs its own fused
-    forward in the round's graph (no packed body), else one packed forward runs them all."""
+    """Chunks ride the rounds either way: with fused layers the round's rows and chunks are
+    segments of one stack node (no packed body), else one packed forward runs them all."""
     from gmlx.spec import speculative
 
     assert builtin_target.is_layer_fused
     target = dataclasses.replace(builtin_target, is_layer_fused=is_layer_fused)
-    num_packed_forwards = []
+    num_packed_forwards, num_stacked = [], []
     monkeypatch.setattr(speculative, "packed_body",
                         lambda body, segments: num_packed_forwards.append(1) or packed_body(body, segments))
-    # A 0.1 ms budget keeps every packed chunk at its floor, so prompts take several chunks.
+    forwards = cpu_layers._StackedModel.segment_forwards
+    monkeypatch.setattr(cpu_layers._StackedModel, "segment_forwards",
+                        lambda body, segments: num_stacked.append(len(segments)) or forwards(body, segments))
+    # A budget below the least a chunk is taken to cost keeps every packed chunk at its floor, so
+    # prompts take several chunks.
     drafter = make_drafter(drafter_kind, target)
-    engine = Engine(target, drafter, EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
+    engine = Engine(target, drafter, EngineConfig(prefill_budget_s=_OVER_BUDGET_S, is_prefill_packed=True))
     for seed in range(5):
         check_schedule(engine, reference, make_schedule(100 + seed, target.vocab_size, code_prompts))
     assert engine.counters["num_packed_chunks"] > 0
     assert bool(num_packed_forwards) != is_layer_fused
+    assert bool(num_stacked) == is_layer_fused and all(n >= 2 for n in num_stacked)
 
 
 def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference, code_prompts):
-    engine = Engine(builtin_target, None, EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
+    engine = Engine(builtin_target, None, EngineConfig(prefill_budget_s=_OVER_BUDGET_S, is_prefill_packed=True))
     long_prompt = [t for p in code_prompts for t in p][:300]
     prompts = {"A": code_prompts[2], "B": long_prompt}
     params = {"A": SamplingParams(max_tokens=120), "B": SamplingParams(max_tokens=12, temperature=0.8, seed=4)}
@@ -132,7 +160,7 @@ def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference
         if not engine.has_unfinished():
             break
     assert len(chunk_sizes) >= 300 // admission.FIRST_BUDGETED_TOKENS, chunk_sizes
-    # Each chunk runs over a 0.1 ms budget: sizes halve to the floor and stay there.
+    # Each chunk runs over the budget: sizes halve to the floor and stay there.
     assert all(b <= a for a, b in zip(chunk_sizes, chunk_sizes[1:-1])), chunk_sizes
     assert chunk_sizes[-2] == admission.MIN_CHUNK_TOKENS, chunk_sizes
     # One round in PACKED_ROUNDS_PER_PLAIN runs plain, timing the yardstick a chunk is measured by.
@@ -190,7 +218,7 @@ def test_long_joiners_are_staged_over_steps_and_every_stream_stays_exact(builtin
     monkeypatch.setattr(RaggedKVCache, "fill_leading_rows", lambda self, source: (num_filled.append(1),
                                                                                    fill(self, source))[1])
     engine = Engine(builtin_target, make_drafter(drafter_kind, builtin_target),
-                    EngineConfig(prefill_budget_s=0.0001, is_prefill_packed=True))
+                    EngineConfig(prefill_budget_s=_OVER_BUDGET_S, is_prefill_packed=True))
     for seed in range(10):
         check_schedule(engine, reference, make_schedule(200 + seed, builtin_target.vocab_size, code_prompts))
     assert num_filled, "no join was staged"

@@ -9,8 +9,9 @@ attention splits them back, each segment over its own cache, with the very ops t
 model's attention runs alone. So every row gets the bits a forward of its own would give.
 
 Where the target's layers are fused kernel nodes (platform/cpu_layers.py, the CPU default) a
-round with chunks runs each segment's own forward instead (spec/speculative.py `_forward`):
-the packed body is mlx-lm's ~20 nodes a layer, which cost more than the extra weight passes.
+round with chunks runs them as segments of the fused stack's one node instead (spec/speculative.py
+`_forward`, cpu_layers.segment_bodies), which shares the weight pass the same way: the packed
+body is mlx-lm's ~20 nodes a layer, which cost more than a whole extra weight pass.
 """
 
 from __future__ import annotations

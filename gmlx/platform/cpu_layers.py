@@ -15,19 +15,22 @@ writes, ragged attention, project_add, mlp_block) mlx's dispatch took the Python
 which the cache hands over only when no other array shares them (RaggedKVCache.
 writable_buffers). Each stage runs the separate ops' code, so the bits are the separate
 graph's (a probe at load checks it); calls without a ragged cache (a packed forward's
-PackedLayerCache) run the layer as mlx-lm builds it, so rounds with prompt chunks run each
-segment's own forward where layers are fused (LoadedModel.is_layer_fused).
+PackedLayerCache) run the layer as mlx-lm builds it, so where layers are fused a round with
+prompt chunks does not pack (LoadedModel.is_layer_fused; segment_bodies below).
 
 Where every layer of the model is such a one-node layer of one shape, a step runs them all as
 one node (decoder_stack) that holds their weights, instead of ~30 nodes of ~13 inputs each:
 mlx's dispatch costs the Python thread per node and per input, and that thread shares the
 second core with the kernels' worker. The stack runs each layer's code, so the bits are the
-per-layer nodes'.
+per-layer nodes'. It takes several segments (rows of their own caches: a round's decode rows
+and the prompt chunks it carries), whose products share one pass over the weights, as a packed
+forward's do, with each segment's RoPE, KV write and attention over its own cache.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,6 +43,9 @@ from gmlx.platform.cpu_attention import _KernelAttention
 from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, _KernelMLP
 from gmlx.platform.cpu_float import KernelLinear
 from gmlx.platform.cpu_quantized import KernelQuantizedLinear
+
+if TYPE_CHECKING:
+    from gmlx.models.packed import Segment
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +96,24 @@ class LayerStackCall:
         self.kv_heads_and_dim = first.kv_heads_and_dim
         self.num_layers = len(calls)
 
-    def __call__(self, h: mx.array, caches: list[RaggedKVCache]) -> mx.array:
-        """Every layer over h (B, T, D), each cache's buffers written in place and advanced."""
-        first, num_new = caches[0], h.shape[1]
-        assert all(c.lengths == first.lengths for c in caches), "the layers' caches hold different rows"
-        buffers = [c.writable_buffers(num_new, *self.kv_heads_and_dim, mx.float32) for c in caches]
-        out = cpu_kernels.extension().decoder_stack(self.stack, h, first.offset, [k for k, _ in buffers],
-                                                    [v for _, v in buffers])
-        for cache, keys, values in zip(caches, out[1 : 1 + self.num_layers], out[1 + self.num_layers :]):
-            cache.wrote_in_place(keys, values, num_new)
-        return out[0]
+    def __call__(self, hs: list[mx.array], caches: list[list[RaggedKVCache]]) -> list[mx.array]:
+        """Every layer over each segment's h (B, T, D) and its layers' caches, whose buffers are
+        written in place and advanced; all segments' products share one pass over the weights."""
+        offsets, keys, values = [], [], []
+        for h, segment_caches in zip(hs, caches, strict=True):
+            first = segment_caches[0]
+            assert all(c.lengths == first.lengths for c in segment_caches), "the layers' caches hold different rows"
+            buffers = [c.writable_buffers(h.shape[1], *self.kv_heads_and_dim, mx.float32) for c in segment_caches]
+            offsets.append(first.offset)
+            keys += [k for k, _ in buffers]
+            values += [v for _, v in buffers]
+        out = cpu_kernels.extension().decoder_stack(self.stack, hs, offsets, keys, values)
+        num_segments, num_buffers = len(hs), len(keys)
+        new_keys, new_values = out[num_segments : num_segments + num_buffers], out[num_segments + num_buffers :]
+        written = zip((c for segment_caches in caches for c in segment_caches), new_keys, new_values)
+        for i, (cache, k, v) in enumerate(written):
+            cache.wrote_in_place(k, v, hs[i // self.num_layers].shape[1])
+        return out[:num_segments]
 
 
 def can_stack(calls: list) -> bool:
@@ -117,11 +131,19 @@ class _StackedModel:
     """Mixed into mlx-lm's LlamaModel or Qwen3Model whose layers make a LayerStackCall (use_fused_layers)."""
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
-        call = self.__dict__.get("_stack_call")
-        if (call is None or cache is None or input_embeddings is not None
-                or not all(isinstance(c, RaggedKVCache) for c in cache)):
+        if not self.is_stacked(cache) or input_embeddings is not None:
             return super().__call__(inputs, cache, input_embeddings)
-        return self.norm(call(self.embed_tokens(inputs), cache))
+        return self.norm(self._stack_call([self.embed_tokens(inputs)], [cache])[0])
+
+    def is_stacked(self, cache) -> bool:
+        """Does a forward over these layer caches run as the stack's one node?"""
+        return (self.__dict__.get("_stack_call") is not None and cache is not None
+                and all(isinstance(c, RaggedKVCache) for c in cache))
+
+    def segment_forwards(self, segments: list[Segment]) -> list[mx.array]:
+        """Each segment's hidden states (B, T, D), every segment stacked (is_stacked): one node."""
+        hs = self._stack_call([self.embed_tokens(s.tokens) for s in segments], [s.caches for s in segments])
+        return [self.norm(h) for h in hs]
 
 
 class StackedLlamaModel(_StackedModel, llama.LlamaModel):
@@ -133,6 +155,16 @@ class StackedQwen3Model(_StackedModel, qwen3.Qwen3Model):
 
 
 _STACKED_BODIES = {llama.LlamaModel: StackedLlamaModel, qwen3.Qwen3Model: StackedQwen3Model}
+
+
+def segment_bodies(body: nn.Module, segments: list[Segment]) -> list[mx.array]:
+    """Each segment's hidden states (B, T, D) from the body over its own caches: where the body
+    runs its layers as a stack, one node for all, whose products share one pass over the weights
+    (a round's decode rows and the prompt chunks it carries); else each segment's own forward.
+    Either way each row has the bits of its segment's forward alone."""
+    if isinstance(body, _StackedModel) and all(body.is_stacked(s.caches) for s in segments):
+        return body.segment_forwards(segments)
+    return [body(s.tokens, s.caches) for s in segments]
 
 
 def _is_packed(module: nn.Module) -> bool:

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from gmlx.models.loader import LoadedModel
 from gmlx.models.packed import Segment, packed_body, unpack
+from gmlx.platform.cpu_layers import segment_bodies
 from gmlx.sampling import sample
 from gmlx.spec.batch import DecodeBatch
 from gmlx.spec.rejection import stochastic_accept
@@ -80,7 +81,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
         matches = ((drafts == targets[:, :num_draft]) & is_own).astype(mx.int32)
         accepted = mx.cumprod(matches, axis=1).sum(axis=1)  # (B,)
         batch.pending, emitted = targets[rows, accepted], targets
-    mx.eval(emitted, accepted, batch.pending, *chunk_hidden)  # chunks in forwards of their own too
+    mx.eval(emitted, accepted, batch.pending, *chunk_hidden)  # the chunks' hidden: outputs of their own when fused
     target_rows, num_accepted = emitted.tolist(), accepted.tolist()
     for cache in batch.caches:
         cache.trim_rows([num_draft - a for a in num_accepted])
@@ -101,15 +102,15 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
 
 def _forward(target: LoadedModel, tokens: mx.array, caches, chunks: tuple[Segment, ...]):
     """hidden and logits of the batch's tokens; with chunks, their hidden too: packed into one
-    forward, or where the target's layers are fused nodes, each segment's own forward in one
-    graph (SmolLM2, 8 rows beside a 16-256-token chunk: 0.64-0.86x the packed forward's time,
-    whose ~20 unfused nodes a layer cost more than a pass over the weights; BENCHMARKS.md)."""
+    forward, or where the target's layers are fused nodes, the fused layers' own way (one stack
+    node for all segments, else each segment's forward; the packed body's ~20 unfused nodes a
+    layer cost more than a pass over the weights; BENCHMARKS.md, sessions 30-31)."""
     if not chunks:
         return (*target.forward(tokens, caches), ())
-    if target.is_layer_fused:
-        hidden, logits = target.forward(tokens, caches)
-        return hidden, logits, tuple(target.body(c.tokens, c.caches) for c in chunks)
     segments = [Segment(tokens, caches), *chunks]
+    if target.is_layer_fused:
+        hidden, *chunk_hidden = segment_bodies(target.body, segments)
+        return hidden, target.head(hidden), tuple(chunk_hidden)
     hidden, *chunk_hidden = unpack(packed_body(target.body, segments), segments)
     return hidden, target.head(hidden), tuple(chunk_hidden)
 
@@ -175,6 +176,6 @@ def _dispatch_plain(target: LoadedModel, batch: DecodeBatch, chunks: tuple[Segme
     positions = batch.positions(1, first_offset=1)
     _, logits, chunk_hidden = _forward(target, batch.pending[:, None], batch.caches, chunks)
     batch.pending = sample(logits, batch.sampling, positions)[:, 0]
-    mx.async_eval(batch.pending, *chunk_hidden)  # chunks in forwards of their own run with it too
+    mx.async_eval(batch.pending, *chunk_hidden)  # the chunks' hidden: outputs of their own when fused
     batch.is_delivered = [False] * batch.num_rows
     return chunk_hidden

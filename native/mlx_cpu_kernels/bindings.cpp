@@ -101,13 +101,15 @@ NB_MODULE(_cpu_kernels, m) {
       .def_prop_ro("num_layers", [](const LayerStackHandle& h) { return h.stack->num_layers(); });
   m.def(
       "decoder_stack",
-      [](const LayerStackHandle& h, const mlx::core::array& x, const mlx::core::array& offset,
-         const std::vector<mlx::core::array>& keys, const std::vector<mlx::core::array>& values) {
-        return gmlx_kernels::decoder_stack(h.stack, x, offset, keys, values);
+      [](const LayerStackHandle& h, const std::vector<mlx::core::array>& xs,
+         const std::vector<mlx::core::array>& offsets, const std::vector<mlx::core::array>& keys,
+         const std::vector<mlx::core::array>& values) {
+        return gmlx_kernels::decoder_stack(h.stack, xs, offsets, keys, values);
       },
-      "stack"_a, "x"_a, "offset"_a, "keys"_a, "values"_a,
-      "Every layer of the stack as one node, each as decoder_layer runs it: [h, keys..., values...], each "
-      "layer's KV buffers (no other array may share them) written in place");
+      "stack"_a, "xs"_a, "offsets"_a, "keys"_a, "values"_a,
+      "Every layer of the stack as one node, each as decoder_layer runs it, over segments of rows (one x and "
+      "offset each, their products sharing one pass over the weights): [each h, keys..., values...], keys and "
+      "values segment by segment, layer by layer, each buffer (no other array may share it) written in place");
   m.def("swiglu", &gmlx_kernels::swiglu, "gate"_a, "up"_a, "silu(gate) * up for float32 gate and up of one shape");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");

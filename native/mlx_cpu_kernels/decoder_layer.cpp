@@ -25,28 +25,52 @@ namespace {
 // the whole layer keeps its own intermediates in 4-8, a stack its layers' hidden states in 9-10.
 struct Scratch {
   std::vector<float> buffers[11];
-  RopeAngles angles;  // a step's rows' RoPE angles: one layer's, or all of a stack's
+  std::vector<RopeAngles> angles;  // each segment's rows' RoPE angles: one layer's, or all of a stack's
   float* get(int i, int64_t num_floats) {
     if (static_cast<int64_t>(buffers[i].size()) < num_floats) buffers[i].resize(num_floats);
     return buffers[i].data();
   }
+  RopeAngles& segment_angles(size_t segment) {
+    if (angles.size() <= segment) angles.resize(segment + 1);
+    return angles[segment];
+  }
 };
 
-// RoPE of rows (b, t) of a (B * T, H * Dh) buffer as (B, H, T, Dh), into y.
-RopeArgs head_rope_args(const float* x, int64_t num_b, int64_t num_heads, int64_t num_t, int64_t head_dim,
-                        const mx::array& offset, const RopeSpec& rope, float* y) {
+// Rows of one cache in a layer's call, B x T of them from first_row of the call's (rows, D)
+// hidden state. A stack runs several (a round's decode rows and the prompt chunks it carries):
+// the products of all of them share one pass over the weights, and each segment's RoPE, KV
+// write and attention read its own offsets and cache.
+struct SegmentRows {
+  int64_t first_row, num_b, num_t;
+  const int32_t* offsets;
+  int64_t offset_stride;  // 0: one offset for every row b
+  const RopeAngles* angles;  // fill_layer_angles
+  int64_t num_rows() const { return num_b * num_t; }
+};
+
+SegmentRows segment_rows(int64_t first_row, const mx::array& x, const mx::array& offset, const RopeAngles* angles) {
+  return {first_row, x.shape(0), x.shape(1), offset.data<int32_t>(), per_row_stride(offset), angles};
+}
+
+int64_t total_rows(const std::vector<SegmentRows>& segments) {
+  return segments.back().first_row + segments.back().num_rows();
+}
+
+// RoPE of a segment's rows (b, t) of a (B * T, H * Dh) buffer as (B, H, T, Dh), into y.
+RopeArgs head_rope_args(const float* x, const SegmentRows& rows, int64_t num_heads, int64_t head_dim,
+                        const RopeSpec& rope, float* y) {
   RopeArgs args;
   args.x = x;
-  args.num_b = num_b;
+  args.num_b = rows.num_b;
   args.num_m = num_heads;
-  args.num_t = num_t;
+  args.num_t = rows.num_t;
   args.num_d = head_dim;
-  args.stride_b = num_t * num_heads * head_dim;
+  args.stride_b = rows.num_t * num_heads * head_dim;
   args.stride_m = head_dim;
   args.stride_t = num_heads * head_dim;
   args.stride_d = 1;
-  args.offsets = offset.data<int32_t>();
-  args.offset_stride = per_row_stride(offset);
+  args.offsets = rows.offsets;
+  args.offset_stride = rows.offset_stride;
   args.y = y;
   args.dims = rope.dims;
   args.traditional = rope.traditional;
@@ -55,10 +79,9 @@ RopeArgs head_rope_args(const float* x, int64_t num_b, int64_t num_heads, int64_
   return args;
 }
 
-// The angles each row (b, t) of a layer's q and k turn by: the same for every layer of a step.
-void fill_layer_angles(const mx::array& offset, int64_t num_b, int64_t num_t, int64_t head_dim, const RopeSpec& rope,
-                       RopeAngles& angles) {
-  fill_rope_angles(head_rope_args(nullptr, num_b, 1, num_t, head_dim, offset, rope, nullptr), angles);
+// The angles each row (b, t) of a segment's q and k turn by: the same for every layer of a step.
+void fill_layer_angles(const SegmentRows& rows, int64_t head_dim, const RopeSpec& rope, RopeAngles& angles) {
+  fill_rope_angles(head_rope_args(nullptr, rows, 1, head_dim, rope, nullptr), angles);
 }
 
 // A layer's products over its weights' layout: float32 panels (bits kFloatBits) or quads.
@@ -151,14 +174,15 @@ LayerWeights layer_weights(const mx::array& input_norm, const mx::array& post_no
   return w;
 }
 
-// Norm, the q/k/v products, qwen3's per-head q and k norms where head_norms is not null (q's,
-// then k's), and RoPE by angles (fill_layer_angles): q into q_out (B, Hq, T, Dh), k and v into
-// k_out and v_out (B, Hkv, T, Dh). weights: q, k, v.
-void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t, int64_t num_inputs,
-                  const NormWeight& norm, float eps, const mx::array& offset, const void* const* weights, int bits,
-                  int num_q_heads, int num_kv_heads, int head_dim, const RopeSpec& rope, const RopeAngles& angles,
-                  const NormWeight* head_norms, float* q_out, float* k_out, float* v_out) {
-  const int64_t num_rows = num_b * num_t;
+// Norm, the q/k/v products and qwen3's per-head q and k norms (head_norms not null: q's, then
+// k's) over every segment's rows, then each segment's RoPE by its angles: q into q_out (B, Hq,
+// T, Dh), k and v into k_out and v_out (B, Hkv, T, Dh), a segment's block from its first row on.
+// weights: q, k, v.
+void inputs_stage(Scratch& scratch, const float* x, const std::vector<SegmentRows>& segments, int64_t num_inputs,
+                  const NormWeight& norm, float eps, const void* const* weights, int bits, int num_q_heads,
+                  int num_kv_heads, int head_dim, const RopeSpec& rope, const NormWeight* head_norms, float* q_out,
+                  float* k_out, float* v_out) {
+  const int64_t num_rows = total_rows(segments);
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
   const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
   float* normed = scratch.get(0, num_rows * num_inputs);
@@ -172,13 +196,18 @@ void inputs_stage(Scratch& scratch, const float* x, int64_t num_b, int64_t num_t
     normalize(q, head_norms[0].data, head_norms[0].stride, q, num_rows * num_q_heads, head_dim, eps);
     normalize(k, head_norms[1].data, head_norms[1].stride, k, num_rows * num_kv_heads, head_dim, eps);
   }
-  rotate_with(head_rope_args(q, num_b, num_q_heads, num_t, head_dim, offset, rope, q_out), angles);
-  rotate_with(head_rope_args(k, num_b, num_kv_heads, num_t, head_dim, offset, rope, k_out), angles);
-  for (int64_t b = 0; b < num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      for (int64_t t = 0; t < num_t; ++t) {
-        const float* src = v + (b * num_t + t) * kv_width + h * head_dim;
-        std::copy(src, src + head_dim, v_out + ((b * num_kv_heads + h) * num_t + t) * head_dim);
+  for (const auto& rows : segments) {
+    const int64_t q_start = rows.first_row * q_width, kv_start = rows.first_row * kv_width;
+    rotate_with(head_rope_args(q + q_start, rows, num_q_heads, head_dim, rope, q_out + q_start), *rows.angles);
+    rotate_with(head_rope_args(k + kv_start, rows, num_kv_heads, head_dim, rope, k_out + kv_start), *rows.angles);
+    const float* v_rows = v + kv_start;
+    float* v_rows_out = v_out + kv_start;
+    for (int64_t b = 0; b < rows.num_b; ++b) {  // v as (B, Hkv, T, Dh): the same floats, moved
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t t = 0; t < rows.num_t; ++t) {
+          const float* src = v_rows + (b * rows.num_t + t) * kv_width + h * head_dim;
+          std::copy(src, src + head_dim, v_rows_out + ((b * num_kv_heads + h) * rows.num_t + t) * head_dim);
+        }
       }
     }
   }
@@ -206,58 +235,68 @@ void mlp_stage(Scratch& scratch, const float* h, int64_t num_rows, int64_t num_i
 
 // Row b's T new keys or values (B, H, T, Dh) into a (B, H, S, Dh) buffer at positions offset[b] + t;
 // a position outside [0, S) is not written (the caller reserves room; this keeps memory safe).
-void write_new_positions(const float* fresh, const mx::array& offset, int64_t num_b, int64_t num_heads,
-                         int64_t num_t, int64_t head_dim, int64_t capacity, float* buffer) {
-  const int32_t* offsets = offset.data<int32_t>();
-  const int64_t offset_stride = per_row_stride(offset);
-  for (int64_t b = 0; b < num_b; ++b) {
-    const int64_t start = offsets[b * offset_stride];
+void write_new_positions(const float* fresh, const SegmentRows& rows, int64_t num_heads, int64_t head_dim,
+                         int64_t capacity, float* buffer) {
+  for (int64_t b = 0; b < rows.num_b; ++b) {
+    const int64_t start = rows.offsets[b * rows.offset_stride];
     for (int64_t h = 0; h < num_heads; ++h) {
-      for (int64_t t = 0; t < num_t; ++t) {
+      for (int64_t t = 0; t < rows.num_t; ++t) {
         if (start + t < 0 || start + t >= capacity) continue;
-        const float* src = fresh + ((b * num_heads + h) * num_t + t) * head_dim;
+        const float* src = fresh + ((b * num_heads + h) * rows.num_t + t) * head_dim;
         std::copy(src, src + head_dim, buffer + ((b * num_heads + h) * capacity + start + t) * head_dim);
       }
     }
   }
 }
 
-// One layer over x (B, T, D) into h_out, row b's new keys and values written at offset[b] into the
-// (B, Hkv, capacity, Dh) buffers: the code of the one-node layer and of each layer of a stack.
-// scratch.angles holds the rows' RoPE angles (fill_layer_angles).
-void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const mx::array& offset, int64_t num_b,
-               int64_t num_t, int64_t dims, float* keys, float* values, int64_t capacity, const LayerWeights& weights,
-               float* h_out) {
+// A segment's cache in one layer: its (B, Hkv, capacity, Dh) key and value buffers.
+struct SegmentCache {
+  float* keys;
+  float* values;
+  int64_t capacity;
+};
+
+// One layer over each segment's rows of x (rows, D) into h_out, segment s's new keys and values
+// written at its offsets into caches[s]: the code of the one-node layer (one segment) and of each
+// layer of a stack. Every row's bits are those of a call of its segment alone: the products are
+// row-independent, and the rest runs per row or per segment.
+void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const std::vector<SegmentRows>& segments,
+               const SegmentCache* caches, int64_t dims, const LayerWeights& weights, float* h_out) {
   const int64_t num_q_heads = shape.num_q_heads, num_kv_heads = shape.num_kv_heads, head_dim = shape.head_dim;
-  const int64_t num_rows = num_b * num_t;
+  const int64_t num_rows = total_rows(segments);
   const int64_t q_width = num_q_heads * head_dim;
-  const int64_t kv_size = num_rows * num_kv_heads * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim;
   float* q = scratch.get(4, num_rows * q_width);
-  float* k = scratch.get(5, kv_size);
-  float* v = scratch.get(6, kv_size);
+  float* k = scratch.get(5, num_rows * kv_width);
+  float* v = scratch.get(6, num_rows * kv_width);
   float* attended = scratch.get(7, num_rows * q_width);
   float* h = scratch.get(8, num_rows * dims);
-  inputs_stage(scratch, x, num_b, num_t, dims, weights.input_norm, shape.eps, offset, weights.products, shape.bits,
-               shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.rope, scratch.angles,
+  inputs_stage(scratch, x, segments, dims, weights.input_norm, shape.eps, weights.products, shape.bits,
+               shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.rope,
                weights.has_head_norms ? weights.head_norms : nullptr, q, k, v);
-  write_new_positions(k, offset, num_b, num_kv_heads, num_t, head_dim, capacity, keys);
-  write_new_positions(v, offset, num_b, num_kv_heads, num_t, head_dim, capacity, values);
-  AttentionJob job;
-  job.q = {q, num_q_heads * num_t * head_dim, num_t * head_dim, head_dim};
-  job.keys = {keys, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
-  job.values = {values, num_kv_heads * capacity * head_dim, capacity * head_dim, head_dim};
-  job.offsets = offset.data<int32_t>();
-  job.offset_stride = per_row_stride(offset);
-  job.out = attended;
-  job.num_b = num_b;
-  job.num_q_heads = num_q_heads;
-  job.num_t = num_t;
-  job.num_d = head_dim;
-  job.num_keys = capacity;
-  job.group = num_q_heads / num_kv_heads;
-  job.scale = shape.attention_scale;
-  job.isa = kernels_isa();
-  run_attention_job(job);
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const SegmentRows& rows = segments[s];
+    const SegmentCache& cache = caches[s];
+    const int64_t kv_start = rows.first_row * kv_width;
+    write_new_positions(k + kv_start, rows, num_kv_heads, head_dim, cache.capacity, cache.keys);
+    write_new_positions(v + kv_start, rows, num_kv_heads, head_dim, cache.capacity, cache.values);
+    AttentionJob job;
+    job.q = {q + rows.first_row * q_width, num_q_heads * rows.num_t * head_dim, rows.num_t * head_dim, head_dim};
+    job.keys = {cache.keys, num_kv_heads * cache.capacity * head_dim, cache.capacity * head_dim, head_dim};
+    job.values = {cache.values, num_kv_heads * cache.capacity * head_dim, cache.capacity * head_dim, head_dim};
+    job.offsets = rows.offsets;
+    job.offset_stride = rows.offset_stride;
+    job.out = attended + rows.first_row * q_width;
+    job.num_b = rows.num_b;
+    job.num_q_heads = num_q_heads;
+    job.num_t = rows.num_t;
+    job.num_d = head_dim;
+    job.num_keys = cache.capacity;
+    job.group = num_q_heads / num_kv_heads;
+    job.scale = shape.attention_scale;
+    job.isa = kernels_isa();
+    run_attention_job(job);
+  }
   project_add_stage(attended, num_rows, q_width, weights.products[3], dims, x, shape.bits, h);
   mlp_stage(scratch, h, num_rows, dims, weights.post_norm, shape.eps, &weights.products[4], shape.hidden_dims,
             shape.bits, h_out);
@@ -277,21 +316,22 @@ bool share_or_allocate(const mx::array& buffer, mx::array& output) {
   return true;
 }
 
-// A node that writes KV buffers in place: inputs [x, offset, num_buffers KV buffers, ...], outputs
-// [h, the same buffers]. Registers both with the encoder (h fresh, each buffer shared or, if
-// strided, fresh); returns the inputs' graph-detached copies and which buffers are fresh.
+// A node that writes KV buffers in place: inputs [num_segments x's, their offsets, the KV
+// buffers, ...], outputs [each segment's h, the same buffers]. Registers both with the encoder
+// (each h fresh, each buffer shared or, if strided, fresh); returns the inputs' graph-detached
+// copies and which buffers are fresh.
 struct InPlaceEncoded {
   std::vector<mx::array> inputs;
   std::vector<bool> is_copied;  // per buffer: the task fills it from its input (fill_copied)
 };
 
 InPlaceEncoded encode_in_place(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
-                               std::vector<mx::array>& outputs, int num_buffers) {
+                               std::vector<mx::array>& outputs, int num_segments, int num_buffers) {
   InPlaceEncoded encoded;
   for (int i = 0; i < num_buffers; ++i) {
-    encoded.is_copied.push_back(share_or_allocate(inputs[2 + i], outputs[1 + i]));
+    encoded.is_copied.push_back(share_or_allocate(inputs[2 * num_segments + i], outputs[num_segments + i]));
   }
-  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  for (int i = 0; i < num_segments; ++i) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
   for (const auto& a : inputs) {
     encoder.set_input_array(a);
     encoded.inputs.push_back(mx::array::unsafe_weak_copy(a));
@@ -422,10 +462,10 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       const void* products[3] = {in[3].data<void>(), in[4].data<void>(), in[5].data<void>()};
       NormWeight head_norms[2];
       if (in.size() == 8) head_norms[0] = norm_weight(in[6]), head_norms[1] = norm_weight(in[7]);
-      fill_layer_angles(in[2], in[0].shape(0), in[0].shape(1), head_dim, rope, scratch.angles);
-      inputs_stage(scratch, x, in[0].shape(0), in[0].shape(1), num_inputs, norm_weight(in[1]), eps, in[2], products,
-                   bits, num_q_heads, num_kv_heads, head_dim, rope, scratch.angles, in.size() == 8 ? head_norms : nullptr,
-                   y[0], y[1], y[2]);
+      const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[2], &scratch.segment_angles(0))};
+      fill_layer_angles(rows[0], head_dim, rope, scratch.segment_angles(0));
+      inputs_stage(scratch, x, rows, num_inputs, norm_weight(in[1]), eps, products, bits, num_q_heads, num_kv_heads,
+                   head_dim, rope, in.size() == 8 ? head_norms : nullptr, y[0], y[1], y[2]);
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
@@ -441,7 +481,7 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
 // qwen3's q and k head norms where the layer has them.
 void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 2);
+  InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 1, 2);
   encoder.dispatch([in = std::move(encoded.inputs), h_out = outputs[0].data<float>(), keys = outputs[1].data<float>(),
                     values = outputs[2].data<float>(), is_keys_copied = encoded.is_copied[0],
                     is_values_copied = encoded.is_copied[1],
@@ -452,8 +492,10 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     if (is_keys_copied) fill_copied(in[2], keys);
     if (is_values_copied) fill_copied(in[3], values);
     const float* x = row_major_data<float>(in[0], x_copy);
-    fill_layer_angles(in[1], in[0].shape(0), in[0].shape(1), shape.head_dim, shape.rope, scratch.angles);
-    run_layer(shape, scratch, x, in[1], in[0].shape(0), in[0].shape(1), in[0].shape(2), keys, values, in[2].shape(2),
+    const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[1], &scratch.segment_angles(0))};
+    fill_layer_angles(rows[0], shape.head_dim, shape.rope, scratch.segment_angles(0));
+    const SegmentCache cache = {keys, values, in[2].shape(2)};
+    run_layer(shape, scratch, x, rows, &cache, in[0].shape(2),
               layer_weights(in[4], in[5], &in[6], in.size() == 15 ? &in[13] : nullptr), h_out);
   });
 }
@@ -499,22 +541,34 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
   }
 }
 
-std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const mx::array& x,
-                                     const mx::array& offset, const std::vector<mx::array>& keys,
+std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const std::vector<mx::array>& xs,
+                                     const std::vector<mx::array>& offsets, const std::vector<mx::array>& keys,
                                      const std::vector<mx::array>& values) {
   if (!stack) throw std::invalid_argument("decoder_stack: no layer stack");
   const LayerShape& shape = stack->shape();
   const int num_layers = stack->num_layers();
-  if (x.ndim() != 3 || x.shape(2) != stack->dims()) throw std::invalid_argument("decoder_stack: x must be (B, T, D)");
-  if (static_cast<int>(keys.size()) != num_layers || static_cast<int>(values.size()) != num_layers) {
-    throw std::invalid_argument("decoder_stack: one keys and one values buffer per layer");
+  const int num_segments = static_cast<int>(xs.size());
+  if (xs.empty() || offsets.size() != xs.size()) {
+    throw std::invalid_argument("decoder_stack: one offset per segment, at least one segment");
   }
-  check_offset(offset, x, "decoder_stack");
+  if (keys.size() != xs.size() * num_layers || values.size() != xs.size() * num_layers) {
+    throw std::invalid_argument("decoder_stack: one keys and one values buffer per segment and layer");
+  }
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::Shape> shapes = {x.shape()};
-  std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)};
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::array> inputs;
+  for (int i = 0; i < num_segments; ++i) {
+    const mx::array& x = xs[i];
+    if (x.ndim() != 3 || x.shape(2) != stack->dims()) throw std::invalid_argument("decoder_stack: x must be (B, T, D)");
+    check_offset(offsets[i], x, "decoder_stack");
+    shapes.push_back(x.shape());
+    inputs.push_back(as_dtype(x, mx::float32, s));
+  }
+  for (const auto& offset : offsets) inputs.push_back(as_dtype(offset, mx::int32, s));
   for (const auto* buffers : {&keys, &values}) {
-    for (const auto& buffer : *buffers) {
+    for (size_t i = 0; i < buffers->size(); ++i) {
+      const mx::array& buffer = (*buffers)[i];
+      const mx::array& x = xs[i / num_layers];
       const mx::Shape kv_shape = {x.shape(0), shape.num_kv_heads, buffer.ndim() == 4 ? buffer.shape(2) : 0,
                                   shape.head_dim};
       if (buffer.shape() != kv_shape || buffer.shape(2) < x.shape(1)) {
@@ -525,34 +579,56 @@ std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, co
     }
   }
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32),
-                                std::make_shared<DecoderStackOp>(s, std::move(stack)), inputs);
+                                std::make_shared<DecoderStackOp>(s, std::move(stack), num_segments), inputs);
 }
 
-// Inputs: x, offset, keys of each layer, values of each layer; outputs: h, then the same buffers.
+// Inputs: each segment's x, each segment's offset, then keys and values, each segment's layers in
+// turn; outputs: each segment's h, then the same buffers.
 void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  const int num_layers = stack_->num_layers();
-  InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 2 * num_layers);
-  std::vector<float*> kv;
-  for (int i = 1; i <= 2 * num_layers; ++i) kv.push_back(outputs[i].data<float>());
+  const int num_buffers = 2 * num_segments_ * stack_->num_layers();
+  InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, num_segments_, num_buffers);
+  std::vector<float*> h_out, kv;
+  for (int i = 0; i < num_segments_; ++i) h_out.push_back(outputs[i].data<float>());
+  for (int i = 0; i < num_buffers; ++i) kv.push_back(outputs[num_segments_ + i].data<float>());
   encoder.dispatch([in = std::move(encoded.inputs), kv = std::move(kv), is_copied = std::move(encoded.is_copied),
-                    h_out = outputs[0].data<float>(), stack = stack_]() {
+                    h_out = std::move(h_out), stack = stack_, num_segments = num_segments_]() {
     thread_local Scratch scratch;
     const int num_layers = stack->num_layers();
-    for (int i = 0; i < 2 * num_layers; ++i) {
-      if (is_copied[i]) fill_copied(in[2 + i], kv[i]);
+    const int64_t dims = stack->dims();
+    const int64_t first_buffer = 2 * num_segments;
+    for (size_t i = 0; i < kv.size(); ++i) {
+      if (is_copied[i]) fill_copied(in[first_buffer + i], kv[i]);
     }
+    scratch.segment_angles(num_segments - 1);  // grown first: the pointers taken below stay valid
+    std::vector<SegmentRows> segments;
+    for (int i = 0; i < num_segments; ++i) {
+      const int64_t first_row = i == 0 ? 0 : total_rows(segments);
+      segments.push_back(segment_rows(first_row, in[i], in[num_segments + i], &scratch.angles[i]));
+      fill_layer_angles(segments[i], stack->shape().head_dim, stack->shape().rope, scratch.angles[i]);
+    }
+    // One segment's x is read where it lies and its last layer writes its h; several lie end to end.
+    const int64_t size = total_rows(segments) * dims;
     std::vector<float> x_copy;
-    const float* x = row_major_data<float>(in[0], x_copy);
-    const int64_t num_b = in[0].shape(0), num_t = in[0].shape(1);
-    const int64_t size = in[0].size();
-    fill_layer_angles(in[1], num_b, num_t, stack->shape().head_dim, stack->shape().rope, scratch.angles);
-    // The hidden state between layers alternates between two scratch buffers; the last layer writes h_out.
+    const float* x = num_segments == 1 ? row_major_data<float>(in[0], x_copy) : scratch.get(9, size);
+    for (int i = 0; num_segments > 1 && i < num_segments; ++i) {
+      const float* src = row_major_data<float>(in[i], x_copy);
+      std::copy(src, src + in[i].size(), scratch.get(9, size) + segments[i].first_row * dims);
+    }
+    std::vector<SegmentCache> caches(num_segments);
+    // The hidden state between layers alternates between two scratch buffers (x in 9 goes first to 10).
     for (int l = 0; l < num_layers; ++l) {
-      float* y = l + 1 == num_layers ? h_out : scratch.get(9 + l % 2, size);
-      run_layer(stack->shape(), scratch, x, in[1], num_b, num_t, in[0].shape(2), kv[l], kv[num_layers + l],
-                in[2 + l].shape(2), stack->layer(l), y);
+      for (int i = 0; i < num_segments; ++i) {
+        const int64_t b = static_cast<int64_t>(i) * num_layers + l;
+        caches[i] = {kv[b], kv[num_segments * num_layers + b], in[first_buffer + b].shape(2)};
+      }
+      float* y = l + 1 == num_layers && num_segments == 1 ? h_out[0] : scratch.get(9 + (l + 1) % 2, size);
+      run_layer(stack->shape(), scratch, x, segments, caches.data(), dims, stack->layer(l), y);
       x = y;
+    }
+    for (int i = 0; num_segments > 1 && i < num_segments; ++i) {
+      const float* src = x + segments[i].first_row * dims;
+      std::copy(src, src + segments[i].num_rows() * dims, h_out[i]);
     }
   });
 }

@@ -102,26 +102,30 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
                                      bool rope_traditional, float rope_base, float rope_scale);
 
-// Every layer of the stack in one node, each as decoder_layer runs it (the same bits): x (B, T, D),
-// keys[l] and values[l] layer l's (B, Hkv, S_l, Dh) float32 buffers, written in place as
-// decoder_layer's. Returns [h_out, keys..., values...], the buffers on the same memory.
-std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const mx::array& x,
-                                     const mx::array& offset, const std::vector<mx::array>& keys,
+// Every layer of the stack in one node, each as decoder_layer runs it (the same bits), over one or
+// more segments: rows of their own caches (a round's decode rows and the prompt chunks it carries)
+// whose products share one pass over the weights. Segment i: xs[i] (B_i, T_i, D) from offsets[i];
+// keys[i * L + l] and values[i * L + l] its layer l's (B_i, Hkv, S, Dh) float32 buffers, written in
+// place as decoder_layer's. Returns [each h_out, keys..., values...], the buffers on the same memory.
+std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const std::vector<mx::array>& xs,
+                                     const std::vector<mx::array>& offsets, const std::vector<mx::array>& keys,
                                      const std::vector<mx::array>& values);
 
 class DecoderStackOp : public mx::Primitive {
  public:
-  DecoderStackOp(mx::Stream stream, std::shared_ptr<const LayerStack> stack)
-      : mx::Primitive(stream), stack_(std::move(stack)) {}
+  DecoderStackOp(mx::Stream stream, std::shared_ptr<const LayerStack> stack, int num_segments)
+      : mx::Primitive(stream), stack_(std::move(stack)), num_segments_(num_segments) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "GmlxDecoderStackOp"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return stack_ == static_cast<const DecoderStackOp&>(other).stack_;
+    const auto& o = static_cast<const DecoderStackOp&>(other);
+    return stack_ == o.stack_ && num_segments_ == o.num_segments_;
   }
 
  private:
   std::shared_ptr<const LayerStack> stack_;
+  int num_segments_;
 };
 
 class DecoderLayerOp : public mx::Primitive {
