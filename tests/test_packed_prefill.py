@@ -45,6 +45,15 @@ def _stacked(target, segments):
     return cpu_layers.segment_bodies(target.body, segments)
 
 
+def _count_stacked(monkeypatch) -> list[int]:
+    """The segment count of every stacked forward over segments from now on."""
+    counts = []
+    forwards = cpu_layers._StackedModel.segment_forwards
+    monkeypatch.setattr(cpu_layers._StackedModel, "segment_forwards",
+                        lambda body, segments: counts.append(len(segments)) or forwards(body, segments))
+    return counts
+
+
 def _separate_and_packed(target, rng: random.Random, together=_packed):
     """One random case: decode rows (1-4 positions: a plain step or a verify) and one or two
     prompt chunks, each run alone and together (packed, or as segments of one stack node)."""
@@ -77,10 +86,7 @@ def test_packed_forward_gives_every_segment_its_own_bits_on_the_kernels(which, t
     whose products are row-independent like the quads')."""
     target = request.getfixturevalue(which)
     assert target.is_packable
-    num_stacked, num_segments = [], []
-    forwards = cpu_layers._StackedModel.segment_forwards
-    monkeypatch.setattr(cpu_layers._StackedModel, "segment_forwards",
-                        lambda body, segments: num_stacked.append(len(segments)) or forwards(body, segments))
+    num_stacked, num_segments = _count_stacked(monkeypatch), []
     rng = random.Random(7)
     for _ in range(6):
         (logits, hidden, alone), (packed_logits, packed_hidden, packed) = _separate_and_packed(target, rng, together)
@@ -120,12 +126,9 @@ def test_streams_equal_solo_decoding_with_chunks_packed(builtin_target, referenc
 
     assert builtin_target.is_layer_fused
     target = dataclasses.replace(builtin_target, is_layer_fused=is_layer_fused)
-    num_packed_forwards, num_stacked = [], []
+    num_packed_forwards, num_stacked = [], _count_stacked(monkeypatch)
     monkeypatch.setattr(speculative, "packed_body",
                         lambda body, segments: num_packed_forwards.append(1) or packed_body(body, segments))
-    forwards = cpu_layers._StackedModel.segment_forwards
-    monkeypatch.setattr(cpu_layers._StackedModel, "segment_forwards",
-                        lambda body, segments: num_stacked.append(len(segments)) or forwards(body, segments))
     # A budget below the least a chunk is taken to cost keeps every packed chunk at its floor, so
     # prompts take several chunks.
     drafter = make_drafter(drafter_kind, target)
