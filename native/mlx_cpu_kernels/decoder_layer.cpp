@@ -30,9 +30,10 @@ struct Scratch {
     if (static_cast<int64_t>(buffers[i].size()) < num_floats) buffers[i].resize(num_floats);
     return buffers[i].data();
   }
-  RopeAngles& segment_angles(size_t segment) {
-    if (angles.size() <= segment) angles.resize(segment + 1);
-    return angles[segment];
+  // Room for num_segments segments' angles; the pointer holds until the next call.
+  RopeAngles* segment_angles(size_t num_segments) {
+    if (angles.size() < num_segments) angles.resize(num_segments);
+    return angles.data();
   }
 };
 
@@ -462,8 +463,9 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       const void* products[3] = {in[3].data<void>(), in[4].data<void>(), in[5].data<void>()};
       NormWeight head_norms[2];
       if (in.size() == 8) head_norms[0] = norm_weight(in[6]), head_norms[1] = norm_weight(in[7]);
-      const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[2], &scratch.segment_angles(0))};
-      fill_layer_angles(rows[0], head_dim, rope, scratch.segment_angles(0));
+      RopeAngles* angles = scratch.segment_angles(1);
+      const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[2], angles)};
+      fill_layer_angles(rows[0], head_dim, rope, *angles);
       inputs_stage(scratch, x, rows, num_inputs, norm_weight(in[1]), eps, products, bits, num_q_heads, num_kv_heads,
                    head_dim, rope, in.size() == 8 ? head_norms : nullptr, y[0], y[1], y[2]);
     } else if (kind == Kind::kProjectAdd) {
@@ -492,8 +494,9 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     if (is_keys_copied) fill_copied(in[2], keys);
     if (is_values_copied) fill_copied(in[3], values);
     const float* x = row_major_data<float>(in[0], x_copy);
-    const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[1], &scratch.segment_angles(0))};
-    fill_layer_angles(rows[0], shape.head_dim, shape.rope, scratch.segment_angles(0));
+    RopeAngles* angles = scratch.segment_angles(1);
+    const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[1], angles)};
+    fill_layer_angles(rows[0], shape.head_dim, shape.rope, *angles);
     const SegmentCache cache = {keys, values, in[2].shape(2)};
     run_layer(shape, scratch, x, rows, &cache, in[0].shape(2),
               layer_weights(in[4], in[5], &in[6], in.size() == 15 ? &in[13] : nullptr), h_out);
@@ -600,20 +603,26 @@ void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     for (size_t i = 0; i < kv.size(); ++i) {
       if (is_copied[i]) fill_copied(in[first_buffer + i], kv[i]);
     }
-    scratch.segment_angles(num_segments - 1);  // grown first: the pointers taken below stay valid
+    RopeAngles* angles = scratch.segment_angles(num_segments);
     std::vector<SegmentRows> segments;
     for (int i = 0; i < num_segments; ++i) {
       const int64_t first_row = i == 0 ? 0 : total_rows(segments);
-      segments.push_back(segment_rows(first_row, in[i], in[num_segments + i], &scratch.angles[i]));
-      fill_layer_angles(segments[i], stack->shape().head_dim, stack->shape().rope, scratch.angles[i]);
+      segments.push_back(segment_rows(first_row, in[i], in[num_segments + i], &angles[i]));
+      fill_layer_angles(segments[i], stack->shape().head_dim, stack->shape().rope, angles[i]);
     }
     // One segment's x is read where it lies and its last layer writes its h; several lie end to end.
     const int64_t size = total_rows(segments) * dims;
     std::vector<float> x_copy;
-    const float* x = num_segments == 1 ? row_major_data<float>(in[0], x_copy) : scratch.get(9, size);
-    for (int i = 0; num_segments > 1 && i < num_segments; ++i) {
-      const float* src = row_major_data<float>(in[i], x_copy);
-      std::copy(src, src + in[i].size(), scratch.get(9, size) + segments[i].first_row * dims);
+    const float* x = nullptr;
+    if (num_segments == 1) {
+      x = row_major_data<float>(in[0], x_copy);
+    } else {
+      float* gathered = scratch.get(9, size);
+      for (int i = 0; i < num_segments; ++i) {
+        const float* src = row_major_data<float>(in[i], x_copy);
+        std::copy(src, src + in[i].size(), gathered + segments[i].first_row * dims);
+      }
+      x = gathered;
     }
     std::vector<SegmentCache> caches(num_segments);
     // The hidden state between layers alternates between two scratch buffers (x in 9 goes first to 10).
@@ -626,9 +635,11 @@ void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       run_layer(stack->shape(), scratch, x, segments, caches.data(), dims, stack->layer(l), y);
       x = y;
     }
-    for (int i = 0; num_segments > 1 && i < num_segments; ++i) {
-      const float* src = x + segments[i].first_row * dims;
-      std::copy(src, src + segments[i].num_rows() * dims, h_out[i]);
+    if (num_segments > 1) {
+      for (int i = 0; i < num_segments; ++i) {
+        const float* src = x + segments[i].first_row * dims;
+        std::copy(src, src + segments[i].num_rows() * dims, h_out[i]);
+      }
     }
   });
 }
