@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 
 # Packing a chunk saves a pass over the weights and adds ~20 small ops a layer: below this
 # the ops cost more (built-in model, 17 MB: 4.5 ms packed against 4.1 ms apart; SmolLM2 at
-# 4 bits, 100 MB: 55 against 70 ms). With fused layers a packed round runs each segment's own
-# forward (speculative._forward); the rounds still carry the chunks, which pays under load
-# (SmolLM2 in process, 4-8 clients: packing off 0.79-0.92x).
+# 4 bits, 100 MB: 55 against 70 ms). With fused layers a packed round runs its segments in the
+# stack's one node instead (speculative._forward), which pays under load (SmolLM2 in process,
+# 4-8 clients: packing off 0.79-0.92x); for smaller fused models not yet measured.
 PACKING_MIN_WEIGHT_BYTES = 64 << 20
 # A packed chunk's cost is its round's time beyond a plain round's: one round in this many
 # carries no chunk, so that yardstick follows the machine's load during a long prefill.

@@ -52,7 +52,8 @@ class LoadedModel:
     # Attention takes a PackedLayerCache (models/packed.py): prefill chunks ride decode forwards.
     is_packable: bool = False
     # Its layers run as fused kernel nodes over ragged caches (platform/cpu_layers.py), which a
-    # packed forward cannot use: a round with prompt chunks runs each segment's own forward.
+    # packed forward cannot use: a round with prompt chunks runs them the fused way instead
+    # (segments of the stack's one node, cpu_layers.segment_bodies).
     is_layer_fused: bool = False
     kv_bytes_per_token: int = 0  # one row's keys and values for one token, every layer (float32)
     num_weight_bytes: int = 0  # what one forward reads of weights, as loaded
