@@ -64,9 +64,14 @@ PACKED_BUDGET_ROUNDS = 0.5  # the auto prefill budget of a packed chunk, in deco
 STAGED_JOIN_MIN_BYTES = 16 << 20
 JOIN_STAGES = 3
 # A gated batch asks whether to resume on one round in this many while its rows stay the
-# same (a row joining or leaving asks at once): the question (width cap, resume budget, each
-# row's expected tokens at every depth) is ~50 us of Python, a tenth of a fast model's round.
+# same (a row joining asks at once): the question (width cap, resume budget, each row's
+# expected tokens at every depth) is ~50 us of Python, a tenth of a fast model's round.
 GATED_RECHECK_ROUNDS = 4
+# Rows leaving a batch that was over the cap: it waits this many rounds before it asks, since
+# their clients' next prompts may be on the way and would gate a resume again after its settle
+# and capture (served SmolLM2, 8 closed-loop clients: a wave's last two rows resumed at once,
+# and the returning six gated them 2-4 speculative rounds later, 6-12 times a run).
+RESUME_AFTER_LEAVE_ROUNDS = 4
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
@@ -497,13 +502,7 @@ class Engine:
         round that is neither (settle, capture, a batch without a drafter)."""
         batch = self.batch
         held = self._held_gate(batch)
-        if held is not None:
-            is_over_cap = held
-        else:
-            # A cap is 0 (none) or at least one row: a lone speculating row is within it, and its
-            # rounds skip the cap's model (~70 us whenever the acceptance prior moves a step).
-            is_over_cap = (batch.mode is not BatchMode.PLAIN and batch.num_draft_rows > 1
-                           and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
+        is_over_cap = held if held is not None else self._is_over_cap(batch)
         depths = self._draft_depths() if batch.mode.is_armed and not is_over_cap else None
         if is_over_cap or (batch.mode.is_armed and depths is None):
             # No row's drafts pay: a speculative round would be a plain one without its pipelining.
@@ -565,13 +564,24 @@ class Engine:
     def _held_gate(self, batch: DecodeBatch) -> bool | None:
         """Within a gated batch's hold (same rows, rounds left): whether it was over the cap at
         its last check, and one round of the hold spent; None where this round must check."""
-        hold = self._gate_hold
+        hold, rows = self._gate_hold, _rows_key(batch)
+        if batch.mode is BatchMode.GATED and hold is not None and hold.is_over_cap and set(rows) < set(hold.rows):
+            # Rows left a batch over the cap: hold again, asking what the rows left have.
+            is_over_cap = self._is_over_cap(batch)
+            self._gate_hold = _GateHold(rows, is_over_cap, RESUME_AFTER_LEAVE_ROUNDS - 1)
+            return is_over_cap
         if (batch.mode is not BatchMode.GATED or hold is None or not hold.num_rounds_left
-                or hold.rows != _rows_key(batch)):
+                or hold.rows != rows):
             self._gate_hold = None
             return None
         self._gate_hold = replace(hold, num_rounds_left=hold.num_rounds_left - 1)
         return hold.is_over_cap
+
+    def _is_over_cap(self, batch: DecodeBatch) -> bool:
+        # A cap is 0 (none) or at least one row: a lone speculating row is within it, and its
+        # rounds skip the cap's model (~70 us whenever the acceptance prior moves a step).
+        return (batch.mode is not BatchMode.PLAIN and batch.num_draft_rows > 1
+                and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
 
     def _observe_gated(self, policy: DepthPolicy, scored: Request | None) -> None:
         """A gated round's evidence: the speculating rows' estimates rest, but the scored row's

@@ -130,10 +130,11 @@ def test_repeated_prompt_skips_prefill_and_preempted_is_not_offered(builtin_targ
     assert engine.prompt_cache.stats()["prompt_cache_entries"] == entries + 1
 
 
-def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_at_once_when_rows_leave(
+def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_waits_for_leavers_to_return(
         builtin_target, reference, code_prompts, monkeypatch):
     # Cap 2, three rows: gated. With its rows unchanged the batch asks whether to resume on one
-    # round in GATED_RECHECK_ROUNDS; the round after the short row leaves it asks, and resumes.
+    # round in GATED_RECHECK_ROUNDS; once the short row leaves, it stays gated for
+    # RESUME_AFTER_LEAVE_ROUNDS (the leaver's client may send its next prompt), then resumes.
     from gmlx import engine as engine_module
 
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
@@ -156,8 +157,12 @@ def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_at_once_when_ro
     checked_while_gated = [r for r in gated if r in checks]
     assert len(checked_while_gated) <= len(gated) // engine_module.GATED_RECHECK_ROUNDS + 1, (gated, checks)
     first_two_rows = min(r for r, (num_rows, _) in rows_by_round.items() if num_rows == 2)
-    assert first_two_rows in checks  # the rows changed: asked at once
+    held = range(first_two_rows, first_two_rows + engine_module.RESUME_AFTER_LEAVE_ROUNDS)
+    assert [rows_by_round[r] for r in held] == [(2, "gated")] * len(held)
     assert engine.counters["num_resumes"] == 1
+    # Asked once the hold ran out: a settle round, then the capture that resumes.
+    resume = next(e for e in engine.stats()["events"] if e["kind"] == "resume")
+    assert resume["round"] == held.stop + 1, (first_two_rows, resume)
     for prompt, n, request_id in zip(code_prompts, budgets, ids):
         assert got[request_id] == reference.tokens(prompt, SamplingParams(max_tokens=n))[0]
 
