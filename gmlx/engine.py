@@ -564,14 +564,21 @@ class Engine:
     def _held_gate(self, batch: DecodeBatch) -> bool | None:
         """Within a gated batch's hold (same rows, rounds left): whether it was over the cap at
         its last check, and one round of the hold spent; None where this round must check."""
-        hold, rows = self._gate_hold, _rows_key(batch)
-        if batch.mode is BatchMode.GATED and hold is not None and hold.is_over_cap and set(rows) < set(hold.rows):
-            # Rows left a batch over the cap: hold again, asking what the rows left have.
-            is_over_cap = self._is_over_cap(batch)
-            self._gate_hold = _GateHold(rows, is_over_cap, RESUME_AFTER_LEAVE_ROUNDS - 1)
-            return is_over_cap
-        if (batch.mode is not BatchMode.GATED or hold is None or not hold.num_rounds_left
-                or hold.rows != rows):
+        hold = self._gate_hold
+        if batch.mode is not BatchMode.GATED or hold is None:
+            self._gate_hold = None
+            return None
+        rows = _rows_key(batch)
+        if rows != hold.rows:
+            self._gate_hold = None
+            if (hold.is_over_cap or hold.is_awaiting_leavers) and set(rows) < set(hold.rows):
+                # Rows left a batch over the cap (staggered leaves restart the wait): hold
+                # again, asking what the rows left have.
+                is_over_cap = self._is_over_cap(batch)
+                self._gate_hold = _GateHold(rows, is_over_cap, RESUME_AFTER_LEAVE_ROUNDS - 1, is_awaiting_leavers=True)
+                return is_over_cap
+            return None
+        if not hold.num_rounds_left:
             self._gate_hold = None
             return None
         self._gate_hold = replace(hold, num_rounds_left=hold.num_rounds_left - 1)
@@ -762,6 +769,7 @@ class _GateHold:
     rows: tuple[str, ...]  # the batch's request ids, in order
     is_over_cap: bool
     num_rounds_left: int  # rounds that reuse it before the batch asks again
+    is_awaiting_leavers: bool = False  # held since rows left a batch over the cap
 
 
 @dataclass

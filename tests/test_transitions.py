@@ -167,6 +167,36 @@ def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_waits_for_leave
         assert got[request_id] == reference.tokens(prompt, SamplingParams(max_tokens=n))[0]
 
 
+def test_staggered_leaves_from_a_batch_over_the_cap_restart_the_wait(builtin_target, reference, code_prompts,
+                                                                     monkeypatch):
+    # Cap 2, three rows: gated. Two short rows leave three rounds apart; the first brings the
+    # batch within the cap, and the second (the first one's wait not over) starts the wait
+    # again, so the batch resumes only RESUME_AFTER_LEAVE_ROUNDS after the last leaver.
+    from gmlx import engine as engine_module
+
+    monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
+    monkeypatch.setenv("GMLX_RESUME_MIN_BUDGET", "8")
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_chunk_tokens=4096))
+    budgets = [60, 14, 11]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(code_prompts, budgets)]
+    got = {i: [] for i in ids}
+    rows_by_round = {}
+    while engine.has_unfinished():
+        if engine.batch is not None:
+            rows_by_round[engine.counters["num_rounds"]] = (engine.batch.num_rows, engine.batch.mode.value)
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    resume = next(e for e in engine.stats()["events"] if e["kind"] == "resume")
+    leaves = [r for r in rows_by_round if r - 1 in rows_by_round and r < resume["round"]
+              and rows_by_round[r][0] < rows_by_round[r - 1][0]]
+    assert len(leaves) == 2 and leaves[1] - leaves[0] < engine_module.RESUME_AFTER_LEAVE_ROUNDS, leaves
+    assert resume["round"] == leaves[1] + engine_module.RESUME_AFTER_LEAVE_ROUNDS + 1, (leaves, resume)
+    assert all(rows_by_round[r][1] == "gated" for r in range(leaves[0], resume["round"] - 1))
+    assert engine.counters["num_resumes"] == 1
+    for prompt, n, request_id in zip(code_prompts, budgets, ids):
+        assert got[request_id] == reference.tokens(prompt, SamplingParams(max_tokens=n))[0]
+
+
 def test_a_gated_batch_does_not_resume_for_the_rounds_before_waiters_take_it_over_the_cap(
         builtin_target, reference, code_prompts, monkeypatch):
     # Cap 2, three rows: gated. The short row leaves as a fourth prompt arrives: back within the
