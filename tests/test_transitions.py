@@ -130,6 +130,19 @@ def test_repeated_prompt_skips_prefill_and_preempted_is_not_offered(builtin_targ
     assert engine.prompt_cache.stats()["prompt_cache_entries"] == entries + 1
 
 
+def _run_with_rows_by_round(engine, prompts, budgets):
+    """Runs one request a budget to the end: their ids, tokens by id, and each round's (rows, mode)."""
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, budgets)]
+    got = {i: [] for i in ids}
+    rows_by_round = {}
+    while engine.has_unfinished():
+        if engine.batch is not None:
+            rows_by_round[engine.counters["num_rounds"]] = (engine.batch.num_rows, engine.batch.mode.value)
+        for output in engine.step():
+            got[output.request_id].extend(output.new_token_ids)
+    return ids, got, rows_by_round
+
+
 def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_waits_for_leavers_to_return(
         builtin_target, reference, code_prompts, monkeypatch):
     # Cap 2, three rows: gated. With its rows unchanged the batch asks whether to resume on one
@@ -144,14 +157,7 @@ def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_waits_for_leave
     width_cap = engine._width_cap
     monkeypatch.setattr(engine, "_width_cap", lambda: checks.append(engine.counters["num_rounds"]) or width_cap())
     budgets = [60, 50, 12]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(code_prompts, budgets)]
-    got = {i: [] for i in ids}
-    rows_by_round = {}
-    while engine.has_unfinished():
-        if engine.batch is not None:
-            rows_by_round[engine.counters["num_rounds"]] = (engine.batch.num_rows, engine.batch.mode.value)
-        for output in engine.step():
-            got[output.request_id].extend(output.new_token_ids)
+    ids, got, rows_by_round = _run_with_rows_by_round(engine, code_prompts, budgets)
     gated = [r for r, (num_rows, mode) in rows_by_round.items() if mode == "gated" and num_rows == 3]
     assert len(gated) >= 2 * engine_module.GATED_RECHECK_ROUNDS
     checked_while_gated = [r for r in gated if r in checks]
@@ -178,14 +184,7 @@ def test_staggered_leaves_from_a_batch_over_the_cap_restart_the_wait(builtin_tar
     monkeypatch.setenv("GMLX_RESUME_MIN_BUDGET", "8")
     engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_chunk_tokens=4096))
     budgets = [60, 14, 11]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(code_prompts, budgets)]
-    got = {i: [] for i in ids}
-    rows_by_round = {}
-    while engine.has_unfinished():
-        if engine.batch is not None:
-            rows_by_round[engine.counters["num_rounds"]] = (engine.batch.num_rows, engine.batch.mode.value)
-        for output in engine.step():
-            got[output.request_id].extend(output.new_token_ids)
+    ids, got, rows_by_round = _run_with_rows_by_round(engine, code_prompts, budgets)
     resume = next(e for e in engine.stats()["events"] if e["kind"] == "resume")
     leaves = [r for r in rows_by_round if r - 1 in rows_by_round and r < resume["round"]
               and rows_by_round[r][0] < rows_by_round[r - 1][0]]
