@@ -563,7 +563,8 @@ class Engine:
 
     def _held_gate(self, batch: DecodeBatch) -> bool | None:
         """Within a gated batch's hold (same rows, rounds left): whether it was over the cap at
-        its last check, and one round of the hold spent; None where this round must check."""
+        its last check, and one round of the hold spent; rows leaving a batch over the cap start a
+        hold of RESUME_AFTER_LEAVE_ROUNDS. None where this round must check."""
         hold = self._gate_hold
         if batch.mode is not BatchMode.GATED or hold is None:
             self._gate_hold = None
