@@ -89,7 +89,9 @@ class ServedCosts:
 
         Both kinds' ratios move with the width, so the two are compared at one width where both
         have run; elsewhere each kind's nearest width stands in, and that guess may only make
-        drafting look dearer than the table says (a wrong guess toward drafting loses)."""
+        drafting look dearer than the table says (a wrong guess toward drafting loses). Believing
+        the nearest same-width pair either way (session 33) opened built-in batches of 3-8 to
+        resumes that joins gated three rounds later, and read no better in two sweeps."""
         scale = self._scales.get(width)
         if scale is None:
             spec, plain = self._nearest(self._spec, width), self._nearest(self._plain, width)
