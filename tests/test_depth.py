@@ -447,6 +447,25 @@ def test_served_costs_guess_only_toward_plain_where_one_kind_has_not_run():
     assert costs.spec_scale(2) == pytest.approx(2.0)  # the nearest pair
 
 
+def test_a_gated_width_takes_the_nearest_pairs_scale_and_the_cap_opens_one_row_past_the_table():
+    """A gated width serves no speculative round, so its own ratios never reopen it: the nearest
+    width that served both kinds prices its drafts, and the cap may open to it, one row past the
+    table's cap at most; once it drafts, its own ratios decide."""
+    costs = ServedCosts(SYNTHETIC)
+    now_s = _serve_rounds(costs, 1, 3, 1.0 * SYNTHETIC.round_s(1, 3), 20, 0.0)  # a lone stream drafting
+    now_s = _serve_rounds(costs, 1, 0, 2.0 * SYNTHETIC.round_s(1, 0), 20, now_s)  # and gated: width 1's pair, 0.5
+    now_s = _serve_rounds(costs, 4, 0, 1.5 * SYNTHETIC.round_s(4, 0), 20, now_s)  # a gated batch of four
+    assert costs.round_s(4, 1) == pytest.approx(0.5 * SYNTHETIC.round_s(4, 1))
+    assert costs.spec_scale(4) == 1.0  # the scale across kinds and widths stays one-sided
+    # The table drafts up to width 3 at 0.8; width 4 at half the cost pays (1.8 tokens for 1.05).
+    assert SYNTHETIC.width_cap(0.8, 64) == 3 and costs.width_cap(0.8, 64) == 4
+    # Width 4's own drafting, at twice plain's served ratio there, closes it again (and width 3,
+    # whose nearest pair it now is, with it).
+    _serve_rounds(costs, 4, 1, 3.0 * SYNTHETIC.round_s(4, 1), 20, now_s)
+    assert costs.round_s(4, 1) == pytest.approx(2.0 * SYNTHETIC.round_s(4, 1))
+    assert costs.width_cap(0.8, 64) == 2
+
+
 def test_before_any_speculative_round_is_served_it_pays_the_plain_rounds_served_excess():
     """A gated lone stream learns what a round costs served from its plain rounds alone: the
     same excess a round, added to a speculative round's table cost (COSTLY: 3 drafts at 3x)."""

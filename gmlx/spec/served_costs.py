@@ -8,7 +8,8 @@ served to table cost, measured from one round's start to the next step's start (
 and the worker's drain included, the next step's admission work not), and depths and the width
 cap weigh a speculative round by the ratio of the two ratios.
 
-Before any speculative round has been served, a depth's cost is its table cost plus what a
+A width that has served plain rounds but no speculative ones (a gated width) prices its drafts
+by the nearest width that served both kinds, or, before any did, at its table cost plus what a
 plain round at that width costs served beyond the table: publishing and the worker's drain are
 paid once a round by either kind. With the table alone a gated batch never learned otherwise
 (a lone built-in stream's table put a 4-draft round at 3.6x a plain one, served plain rounds
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gmlx.spec.calibration import CostTable
+from gmlx.spec.depth import expected_tokens
 
 _SMOOTHING = 0.05  # per round: about the last twenty rounds of a kind carry its ratio
 _MIN_SAMPLES = 8  # a width's ratio counts from this many rounds
@@ -53,6 +55,7 @@ class ServedCosts:
     _version: int = 0  # moves when a width's ratio moves a _SCALE_STEP: memoized scales expire
     _steps: dict[tuple[str, int], int | None] = field(default_factory=dict)  # (kind, width) -> ratio in steps
     _scales: dict[int, float] = field(default_factory=dict)  # width -> spec_scale, this version
+    _pair_scales: dict[int, float | None] = field(default_factory=dict)  # width -> its nearest pair's, this version
     _open: _Round | None = None  # a steady round whose period closes at the next step's start
     _last_shape: tuple[int, int] | None = None
     _cap_key: tuple | None = None
@@ -79,6 +82,7 @@ class ServedCosts:
             self._steps[(name, width)] = steps
             self._version += 1
             self._scales.clear()
+            self._pair_scales.clear()
 
     def interrupted(self) -> None:
         """The engine went idle: the next step's start says nothing about the last round."""
@@ -90,8 +94,9 @@ class ServedCosts:
         Both kinds' ratios move with the width, so the two are compared at one width where both
         have run; elsewhere each kind's nearest width stands in, and that guess may only make
         drafting look dearer than the table says (a wrong guess toward drafting loses). Believing
-        the nearest same-width pair either way (session 33) opened built-in batches of 3-8 to
-        resumes that joins gated three rounds later, and read no better in two sweeps."""
+        the nearest same-width pair either way here (session 33) opened built-in batches of 3-8
+        to resumes that joins gated three rounds later; round_s believes it for a gated width
+        only, and width_cap lets that open one row past the table's cap at most."""
         scale = self._scales.get(width)
         if scale is None:
             spec, plain = self._nearest(self._spec, width), self._nearest(self._plain, width)
@@ -120,10 +125,29 @@ class ServedCosts:
         if not depth:
             return table_s
         plain = self._nearest(self._plain, width)
-        if self._nearest(self._spec, width) is None and plain is not None and plain[0] == width and plain[1] > 1.0:
-            excess_s = self.table.round_s(width, 0) * (plain[1] - 1.0)  # what a round pays served, beyond the table
-            return (table_s + excess_s) / plain[1]
+        if not self._has_served(self._spec, width) and plain is not None and plain[0] == width:
+            scale = self._pair_scale(width)
+            if scale is not None:  # a gated width: the nearest width that ran both kinds speaks for it
+                return table_s * scale
+            if plain[1] > 1.0:
+                excess_s = self.table.round_s(width, 0) * (plain[1] - 1.0)  # what a round pays served, beyond the table
+                return (table_s + excess_s) / plain[1]
         return table_s * self.spec_scale(width)
+
+    def _pair_scale(self, width: int) -> float | None:
+        """The scale at the width nearest this one where both kinds have served their
+        _MIN_SAMPLES rounds (None: no such width), in _SCALE_STEP steps as spec_scale's."""
+        if width not in self._pair_scales:
+            paired = [w for w in self._spec.keys() & self._plain.keys()
+                      if self._has_served(self._spec, w) and self._has_served(self._plain, w)]
+            pair = min(paired, key=lambda w: (abs(w - width), w)) if paired else None
+            self._pair_scales[width] = (None if pair is None else
+                                        round(self._spec[pair].value / self._plain[pair].value / _SCALE_STEP) * _SCALE_STEP)
+        return self._pair_scales[width]
+
+    @staticmethod
+    def _has_served(kind: dict[int, _Ratio], width: int) -> bool:
+        return width in kind and kind[width].num_samples >= _MIN_SAMPLES
 
     def spec_round_s(self, width: int, depth: int) -> float:
         """round_s of a speculative round, depth 0 included: served as a depth-1 round is, against the table."""
@@ -132,11 +156,29 @@ class ServedCosts:
         return self.table.spec_round_s(width, 0) * self.round_s(width, 1) / self.table.round_s(width, 1)
 
     def width_cap(self, acceptance: float, max_rows: int) -> int:
-        """The table's width cap under the served scales; recomputed only when one moves a step."""
+        """The table's width cap under the served scales, or one row wider where that width has
+        served only plain rounds and drafting pays there at round_s; recomputed only when a
+        scale moves a step.
+
+        A gated width never serves a speculative round, so the scales alone never reopen it:
+        served built-in at 2 clients drafts at 1.2x of plain, yet the table and the one-sided
+        guess gated it in 5 of 11 server processes. One row past the table's own cap at most:
+        opened at 3-8 rows, closed-loop joins gated each resume again within a few rounds."""
         key = (round(acceptance, 2), max_rows, self._version)
         if key != self._cap_key:
-            self._cap_key, self._cap = key, self.table.width_cap(acceptance, max_rows, self.spec_scale)
+            cap = self.table.width_cap(acceptance, max_rows, self.spec_scale)
+            width = cap + 1
+            if (cap and width <= min(max_rows, self.table.width_cap(acceptance, max_rows) + 1)
+                    and not self._has_served(self._spec, width) and self._pays(width, acceptance)):
+                cap = width
+            self._cap_key, self._cap = key, cap
         return self._cap
+
+    def _pays(self, width: int, acceptance: float) -> bool:
+        """Whether some depth beats plain decoding at this width, each round at round_s."""
+        plain = 1.0 / self.round_s(width, 0)
+        return any(expected_tokens(acceptance, k) / self.round_s(width, k) > plain
+                   for k in range(1, self.table.k_max + 1))
 
     def describe(self, acceptance: float, max_rows: int) -> dict:
         def ratio(kind: dict[int, _Ratio], width: int) -> float | None:
@@ -144,6 +186,7 @@ class ServedCosts:
 
         return {
             **self.table.describe(acceptance, max_rows, self.spec_scale),
+            "width_cap": self.width_cap(acceptance, max_rows),  # with the one row a gated width may add
             "served": {str(w): {"plain_ratio": ratio(self._plain, w), "spec_ratio": ratio(self._spec, w),
                                 "spec_scale": self.spec_scale(w),
                                 "num_rounds": sum(k[w].num_samples for k in (self._plain, self._spec) if w in k)}
