@@ -162,7 +162,7 @@ class ServedCosts:
 
         A gated width never serves a speculative round, so the scales alone never reopen it:
         served built-in at 2 clients drafts at 1.2x of plain, yet the table and the one-sided
-        guess gated it in 5 of 11 server processes. One row past the table's own cap at most:
+        guess gated it in 5 of 14 server processes. One row past the table's own cap at most:
         opened at 3-8 rows, closed-loop joins gated each resume again within a few rounds."""
         key = (round(acceptance, 2), max_rows, self._version)
         if key != self._cap_key:
