@@ -112,7 +112,7 @@ class ServedCosts:
     @staticmethod
     def _nearest(kind: dict[int, _Ratio], width: int) -> tuple[int, float] | None:
         """(width, ratio) at the measured width nearest this one."""
-        measured = [w for w, ratio in kind.items() if ratio.num_samples >= _MIN_SAMPLES]
+        measured = [w for w in kind if ServedCosts._has_served(kind, w)]
         if not measured:
             return None
         nearest = min(measured, key=lambda w: (abs(w - width), w))
