@@ -124,14 +124,14 @@ class ServedCosts:
         table_s = self.table.round_s(width, depth)
         if not depth:
             return table_s
-        plain = self._nearest(self._plain, width)
-        if not self._has_served(self._spec, width) and plain is not None and plain[0] == width:
+        if not self._has_served(self._spec, width) and self._has_served(self._plain, width):
             scale = self._pair_scale(width)
             if scale is not None:  # a gated width: the nearest width that ran both kinds speaks for it
                 return table_s * scale
-            if plain[1] > 1.0:
-                excess_s = self.table.round_s(width, 0) * (plain[1] - 1.0)  # what a round pays served, beyond the table
-                return (table_s + excess_s) / plain[1]
+            plain_ratio = self._plain[width].value
+            if plain_ratio > 1.0:
+                excess_s = self.table.round_s(width, 0) * (plain_ratio - 1.0)  # what a round pays served, beyond the table
+                return (table_s + excess_s) / plain_ratio
         return table_s * self.spec_scale(width)
 
     def _pair_scale(self, width: int) -> float | None:
