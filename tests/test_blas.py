@@ -350,10 +350,16 @@ def test_startup_core_choice_is_measured_cached_and_inherited(loaded_blas, tmp_p
     from gmlx.platform.blas_select import cpu_flags
 
     env = {"GMLX_CACHE_DIR": str(tmp_path), "OPENBLAS_CORETYPE": "", "GMLX_BLAS_CORE_CHOSEN": ""}
-    first = json.loads(run_python(CORE, **env).stdout)
-    timings = first["core_timings"]
-    assert first["core_detected"] in timings and not first["core_timings_cached"]
-    assert (tmp_path / "blas_cores.json").exists()
+    for _ in range(3):  # timings taken while other processes were busy are not cached, and say so
+        done = run_python(CORE, **env)
+        first = json.loads(done.stdout)
+        timings = first["core_timings"]
+        assert first["core_detected"] in timings and not first["core_timings_cached"]
+        if (tmp_path / "blas_cores.json").exists():
+            break
+        assert "OpenBLAS core timings not cached: other processes used" in done.stderr, done.stderr
+    else:
+        pytest.skip("other processes kept the CPU busy through three timings of the cores")
     fastest = min(t["decode_ms"] for t in timings.values())
     running = first["openblas_corename"]
     assert timings[running]["decode_ms"] <= 1.031 * fastest, first["core_reason"]
