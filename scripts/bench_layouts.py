@@ -118,8 +118,8 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=8, help="calls: weights a shape (8 stay in cache, 160 do not)")
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
-    if not cpu_kernels.is_built() or not cpu_kernels.extension().has_avx512_vnni():
-        sys.exit("the tile layout's kernel needs the CPU kernels on a CPU with AVX-512 VNNI")
+    if not cpu_kernels.is_built() or cpu_kernels.extension().best_isa() == "portable":
+        sys.exit("the tile layout's kernels need the CPU kernels on an x86 CPU (AVX-512 VNNI or AVX2)")
     print(f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     default = cpu_kernels.extension().tile_layout()
     try:

@@ -660,15 +660,6 @@ struct Avx512Quad {
 };
 #endif
 
-bool has_f16c() {
-#if GMLX_X86
-  static const bool is_supported = __builtin_cpu_supports("f16c");
-  return is_supported;
-#else
-  return false;
-#endif
-}
-
 // One quad's rows [q.r0, q.r0 + num_rows) on an ISA, at kBits.
 template <int kBits>
 void run_quad(const QuadArgs& q, int num_rows, Isa isa) {
@@ -682,6 +673,15 @@ void run_quad(const QuadArgs& q, int num_rows, Isa isa) {
 }
 
 }  // namespace
+
+bool has_f16c() {
+#if GMLX_X86
+  static const bool is_supported = __builtin_cpu_supports("f16c");
+  return is_supported;
+#else
+  return false;
+#endif
+}
 
 bool has_avx512_vnni() {
 #if GMLX_X86
