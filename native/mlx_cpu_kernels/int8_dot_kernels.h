@@ -107,7 +107,8 @@ constexpr int64_t kTileOutputs = 16;
 constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockInputs * bits / 8 + 2 * kTileOutputs * 2; }
 // Whether layouts packed from now on are tiles (default: where the CPU has VNNI) or quads.
 // Kernels and lookups read a layout under the setting it was packed under.
-void set_tile_layout(bool is_enabled);// AMX for the tiles' groups of 8-16 rows (a wide batch's products; same bits: the same integer
+void set_tile_layout(bool is_enabled);
+// AMX for the tiles' groups of 8-16 rows (a wide batch's products; same bits: the same integer
 // block sums, the same float steps): where the CPU has AMX-INT8 and the OS grants its state
 // (has_amx), on by default. set_amx: 0 off, 1 on where has_amx(), -1 the default.
 bool has_amx();

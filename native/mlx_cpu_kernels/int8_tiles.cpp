@@ -549,8 +549,8 @@ bool is_amx_enabled() { return g_amx.load() != 0 && has_amx(); }
 
 void set_tile_layout(bool is_enabled) { g_tile_layout.store(is_enabled ? 1 : 0); }
 
-// Quads stay the default without VNNI: the AVX2 tile walk beats them at 3-16 rows (1.1-1.3x on
-// Zen 3) but loses plain decode's one row (a SmolLM2 step 0.86-0.94x), which matters more.
+// Quads stay the default without VNNI: the AVX2 tile walk beats them from 3-4 rows (1.04-1.17x a
+// product on Zen 3) but loses plain decode's one row (a SmolLM2 step 0.88x), which matters more.
 bool tile_layout() {
   int value = g_tile_layout.load();
   if (value < 0) {
