@@ -376,6 +376,27 @@ def test_startup_core_choice_is_measured_cached_and_inherited(loaded_blas, tmp_p
     assert not user["is_interposer_active"]  # Prescott's order is not reproduced: passes through
 
 
+def test_a_user_core_the_cpu_cannot_execute_is_ignored_not_loaded(loaded_blas, tmp_path):
+    """OpenBLAS forced onto kernels the CPU lacks dies of an illegal instruction as it loads
+    (SkylakeX on an AVX2 EPYC): gmlx drops such a setting, says so, and chooses as if unset."""
+    import platform
+
+    from gmlx.platform.blas_cores import X86_CORE_FLAGS, is_x86, unrunnable_reason
+    from gmlx.platform.blas_select import cpu_flags
+
+    if not is_x86(platform.machine()):
+        pytest.skip(f"OpenBLAS x86-64 cores do not apply on {platform.machine()}")
+    unrunnable = [core for core in X86_CORE_FLAGS if unrunnable_reason(core, cpu_flags())]
+    if not unrunnable:
+        pytest.skip("this CPU executes every OpenBLAS x86-64 core gmlx knows")
+    core = unrunnable[-1]
+    done = run_python(CORE, GMLX_CACHE_DIR=str(tmp_path), OPENBLAS_CORETYPE=core, GMLX_BLAS_CORE_CHOSEN="")
+    report = json.loads(done.stdout)
+    assert report["openblas_corename"] != core
+    assert report["core_reason"].startswith(f"OPENBLAS_CORETYPE={core} ignored (this CPU cannot execute")
+    assert f"OPENBLAS_CORETYPE={core} ignored" in done.stderr
+
+
 # OpenBLAS x86-64 cores whose kernels the BLAS-dependent tests run under, one process each.
 TESTED_CORES = ("Prescott", "Haswell", "Zen", "SkylakeX", "Cooperlake")
 BLAS_TEST_FILES = ("tests/test_blas.py", "tests/test_cpu_layout.py", "tests/test_cpu_graph.py")
@@ -388,16 +409,16 @@ def test_each_core(loaded_blas, core):
     exercises as many kernel paths (and interposer decisions) as it can."""
     import platform
 
-    from gmlx.platform.blas_cores import X86_CORE_FLAGS, is_x86
+    from gmlx.platform.blas_cores import is_x86, unrunnable_reason
     from gmlx.platform.blas_select import cpu_flags
 
     if os.environ.get("GMLX_TEST_CORE"):
         pytest.skip("already running under one forced core")
     if not is_x86(platform.machine()):
         pytest.skip(f"OpenBLAS x86-64 cores do not apply on {platform.machine()}")
-    missing = X86_CORE_FLAGS[core] - cpu_flags()
-    if missing:
-        pytest.skip(f"this CPU cannot execute OpenBLAS's {core} kernels (no {', '.join(sorted(missing))})")
+    refusal = unrunnable_reason(core, cpu_flags())
+    if refusal is not None:
+        pytest.skip(refusal)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *BLAS_TEST_FILES],
                          cwd=repo, capture_output=True, text=True, timeout=900,

@@ -4,7 +4,7 @@ timings), checked for the CPUs gmlx has met (AMD Zen 2-4, Intel Skylake-X to Eme
 import pytest
 
 from gmlx.platform.blas_cores import (CoreTiming, best_core, candidate_cores, choose_core, executable_cores,
-                                      is_fallback)
+                                      is_fallback, unrunnable_reason)
 
 BASE = frozenset({"pni", "ssse3", "sse4_2", "avx"})
 ZEN2 = BASE | {"avx2", "fma"}  # no AVX-512
@@ -29,6 +29,14 @@ def test_avx512_cores_need_every_avx512_flag():
     assert "SkylakeX" not in executable_cores(ZEN2 | {"avx512f"})
     assert "Cooperlake" not in executable_cores(SKYLAKEX)
     assert "SapphireRapids" not in executable_cores(ZEN4)
+
+
+def test_a_core_the_cpu_cannot_execute_is_named_with_the_flags_it_lacks():
+    assert unrunnable_reason("SkylakeX", ZEN2) == ("this CPU cannot execute OpenBLAS's SkylakeX kernels "
+                                                   "(no avx512bw, avx512cd, avx512dq, avx512f, avx512vl)")
+    assert unrunnable_reason("Cooperlake", SKYLAKEX).endswith("(no avx512_bf16)")
+    assert unrunnable_reason("SkylakeX", SKYLAKEX) is None and unrunnable_reason("Haswell", ZEN2) is None
+    assert unrunnable_reason("NotACore", SSE_ONLY) is None  # unknown names are OpenBLAS's to judge
 
 
 @pytest.mark.parametrize("flags, detected, expected", [

@@ -59,6 +59,15 @@ def executable_cores(flags: frozenset[str]) -> list[str]:
     return [core for core, needed in X86_CORE_FLAGS.items() if needed <= flags]
 
 
+def unrunnable_reason(core: str, flags: frozenset[str]) -> str | None:
+    """Why this CPU cannot execute a known x86-64 core's kernels (the flags it lacks), or None:
+    OpenBLAS 0.3.21 forced onto SkylakeX without AVX-512 dies of an illegal instruction."""
+    missing = X86_CORE_FLAGS.get(core, frozenset()) - flags
+    if not missing:
+        return None
+    return f"this CPU cannot execute OpenBLAS's {core} kernels (no {', '.join(sorted(missing))})"
+
+
 def best_core(flags: frozenset[str]) -> str | None:
     """The newest core the CPU can run (Zen and Haswell rank alike; Haswell is named)."""
     cores = [c for c in executable_cores(flags) if c != "Zen"]

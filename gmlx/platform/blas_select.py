@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gmlx import config
 from gmlx.platform import machine_cache
-from gmlx.platform.blas_cores import CoreChoice, CoreTiming, candidate_cores, choose_core, is_x86
+from gmlx.platform.blas_cores import CoreChoice, CoreTiming, candidate_cores, choose_core, is_x86, unrunnable_reason
 from gmlx.platform.timing import OtherLoad
 
 logger = logging.getLogger(__name__)
@@ -117,13 +117,35 @@ def measure_cores(blas_path: str, flags: frozenset[str]) -> tuple[str | None, di
     return detected, timings
 
 
+def _drop_unrunnable_user_core() -> str:
+    """Unset a user's OPENBLAS_CORETYPE naming kernels this CPU cannot execute (the BLAS would
+    die of an illegal instruction as it loads); what was dropped and why, or ""."""
+    user_core = config.user_blas_core()
+    if user_core is None or not is_x86(platform.machine()):
+        return ""
+    refusal = unrunnable_reason(user_core, cpu_flags())
+    if refusal is None:
+        return ""
+    logger.warning("OPENBLAS_CORETYPE=%s ignored: %s", user_core, refusal)
+    del os.environ["OPENBLAS_CORETYPE"]
+    return f"OPENBLAS_CORETYPE={user_core} ignored ({refusal}); "
+
+
 def select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
     """Decide OPENBLAS_CORETYPE for the BLAS about to load, and set it. Never raises
     for a slow or failing probe: the fallback is OpenBLAS's own detection."""
-    sel = CoreSelection()
     if not os.environ.get("OPENBLAS_CORETYPE", "x").strip():
         # Blank is unset to gmlx but set to OpenBLAS: on an AVX2 EPYC it then ran Haswell, not the Zen it detects.
         del os.environ["OPENBLAS_CORETYPE"]
+    dropped = _drop_unrunnable_user_core()
+    sel = _select_core(blas_path, interposer_path)
+    if dropped:
+        sel.choice = CoreChoice(sel.choice.core, dropped + sel.choice.reason)
+    return sel
+
+
+def _select_core(blas_path: str, interposer_path: Path) -> CoreSelection:
+    sel = CoreSelection()
     machine, flags = platform.machine(), cpu_flags()
     user_core = config.user_blas_core()
     inherited = os.environ.get("GMLX_BLAS_CORE_CHOSEN", "").strip() or None
