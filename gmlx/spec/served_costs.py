@@ -47,6 +47,11 @@ class _Round:
     depth: int  # 0: a pipelined plain round; else the deepest row's drafts
 
 
+def _nearest_width(widths: list[int], width: int) -> int | None:
+    """The one of `widths` nearest `width`, the narrower on a tie; None when there are none."""
+    return min(widths, key=lambda w: (abs(w - width), w)) if widths else None
+
+
 @dataclass
 class ServedCosts:
     table: CostTable
@@ -112,11 +117,8 @@ class ServedCosts:
     @staticmethod
     def _nearest(kind: dict[int, _Ratio], width: int) -> tuple[int, float] | None:
         """(width, ratio) at the measured width nearest this one."""
-        measured = [w for w in kind if ServedCosts._has_served(kind, w)]
-        if not measured:
-            return None
-        nearest = min(measured, key=lambda w: (abs(w - width), w))
-        return nearest, kind[nearest].value
+        nearest = _nearest_width([w for w in kind if ServedCosts._has_served(kind, w)], width)
+        return None if nearest is None else (nearest, kind[nearest].value)
 
     def round_s(self, width: int, depth: int) -> float:
         """The table's round at this width and depth, a speculative one weighed by the served scale
@@ -140,7 +142,7 @@ class ServedCosts:
         if width not in self._pair_scales:
             paired = [w for w in self._spec.keys() & self._plain.keys()
                       if self._has_served(self._spec, w) and self._has_served(self._plain, w)]
-            pair = min(paired, key=lambda w: (abs(w - width), w)) if paired else None
+            pair = _nearest_width(paired, width)
             self._pair_scales[width] = (None if pair is None else
                                         round(self._spec[pair].value / self._plain[pair].value / _SCALE_STEP) * _SCALE_STEP)
         return self._pair_scales[width]
