@@ -327,94 +327,116 @@ GMLX_AVX2_F16C inline __m256 lanes_plus(__m256 lanes, __m256i isum, __m256 s, __
   return _mm256_fmadd_ps(b, xsd, lanes);
 }
 
-// One chunk of the quad layout on AVX2 for rows [r0, r0 + kRows): a whole chunk, or a half
-// one (blocks 0-1; its blocks 2-3 count as zero weights, scales and biases, which keeps the
+// 4 bits: one chunk of the quad layout on AVX2 for rows [r0, r0 + kRows), a whole chunk or a
+// half one (blocks 0-1; blocks 2-3 count as zero weights, scales and biases). The integer
+// steps leave outputs 2h and 2h + 1's block sums in "sum order", [o0 j0, o0 j2, o1 j0, o1 j2 |
+// o0 j1, o0 j3, o1 j1, o1 j3], and y's lanes stay in that order through the chunks: the scales
+// and biases (shared by the rows) and d and xsd come to it by shuffles within 128 bits, and
+// the lanes go back to 4i + k once a quad. Per lane the float operations of quad_avx2, so the
+// same bits, without a lane-crossing permute per row (vpermd, slow on Zen 3).
+constexpr int kSumOrderToLanes[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // lane 4i + k's place in sum order
+template <int kRows, bool kHalf>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk4_avx2(const uint8_t* chunk, int64_t c,
+                                                                         const RowsOf<kRows>& x, __m256 (*y)[2]) {
+  constexpr int64_t kWeightBytes = kChunkWeightBytes<4> / (kHalf ? 2 : 1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Integers first, each output's nibbles unpacked once for all rows (its rows' partials held
+  // for the next output), then the float steps: 1.15-1.3x a chunk over one loop doing both.
+  alignas(32) int32_t isums[2][kRows][8];
+  for (int h = 0; h < 2; ++h) {
+    __m256i first[kRows];  // output 2h's partials per row
+    for (int o = 0; o < 2; ++o) {
+      const uint8_t* w = chunk + (2 * h + o) * kWeightBytes;
+      const __m256i v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i v23 = kHalf ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+      const __m256i lo01 = _mm256_and_si256(v01, nibble), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), nibble);
+      const __m256i lo23 = _mm256_and_si256(v23, nibble), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), nibble);
+      for (int r = 0; r < kRows; ++r) {
+        const auto* xr = reinterpret_cast<const __m256i*>(x.q[r] + c * kInt8ChunkInputs);
+        // u8 nibbles x s8: pairs at most 2 * 15 * 127, two of them 7620.
+        const __m256i d01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo01, _mm256_loadu_si256(xr)),
+                                             _mm256_maddubs_epi16(hi01, _mm256_loadu_si256(xr + 2)));
+        const __m256i d23 = _mm256_add_epi16(_mm256_maddubs_epi16(lo23, _mm256_loadu_si256(xr + 1)),
+                                             _mm256_maddubs_epi16(hi23, _mm256_loadu_si256(xr + 3)));
+        // A block's eight int16 partials to four (at most 15240): [j0, j2, j0, j2 | j1, j3, j1, j3] in pairs.
+        const __m256i part = _mm256_add_epi16(_mm256_unpacklo_epi32(d01, d23), _mm256_unpackhi_epi32(d01, d23));
+        if (o == 0) {
+          first[r] = part;
+          continue;
+        }
+        // Both outputs' to two (at most 30480), then one madd makes the int32 sums.
+        const __m256i pairs = _mm256_add_epi16(_mm256_unpacklo_epi64(first[r], part), _mm256_unpackhi_epi64(first[r], part));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(isums[h][r]), _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  const __m256i block_of_lane = _mm256_setr_epi32(0, 2, 0, 2, 1, 3, 1, 3);  // in sum order
+  const __m128i halves_to_sum_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  __m256 d[kRows], xsd[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    d[r] = _mm256_permutevar_ps(_mm256_broadcast_ps(reinterpret_cast<const __m128*>(x.d[r] + c * kBlocksPerChunk)),
+                                block_of_lane);
+    xsd[r] = _mm256_permutevar_ps(_mm256_broadcast_ps(reinterpret_cast<const __m128*>(x.xsd[r] + c * kBlocksPerChunk)),
+                                  block_of_lane);
+  }
+  const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 s = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128(halves + h), halves_to_sum_order));
+    const __m256 b = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128(halves + 2 + h), halves_to_sum_order));
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(isums[h][r])));
+      y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d[r], isum), y[r][h]);
+      y[r][h] = _mm256_fmadd_ps(b, xsd[r], y[r][h]);
+    }
+  }
+}
+
+// 8 bits: one chunk of the quad layout on AVX2 for rows [r0, r0 + kRows): a whole chunk, or a
+// half one (blocks 0-1; its blocks 2-3 count as zero weights, scales and biases, which keeps the
 // lanes as a padded whole chunk does). Per lane the float operations of quad_avx2 (so the
 // same bits), with a chunk's 16 scales and 16 biases two float16 loads each (lane 4i + k is
-// their order in the layout) and its weights unpacked once for all rows.
-template <int kBits, int kRows, bool kHalf>
-GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const uint8_t* chunk, int64_t c,
-                                                                        const RowsOf<kRows>& x, __m256 (*y)[2]) {
-  constexpr int64_t kWeightBytes = kChunkWeightBytes<kBits> / (kHalf ? 2 : 1);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+// their order in the layout). Each output's weights are widened to int16 once for all rows;
+// madd's int32 pair sums of byte x int8 products are exact (maddubs would need nibbles).
+template <int kRows, bool kHalf>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk8_avx2(const uint8_t* chunk, int64_t c,
+                                                                         const RowsOf<kRows>& x, __m256 (*y)[2]) {
+  constexpr int64_t kWeightBytes = kChunkWeightBytes<8> / (kHalf ? 2 : 1);
+  constexpr int kNumBlocks = kHalf ? 2 : kBlocksPerChunk;
   const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
-  // 8 bits: each row's 128 int8 inputs of the chunk as int16, shared by the four outputs.
-  __m256i x16[kBits == 8 ? kRows : 1][8];
-  if constexpr (kBits == 8) {
-    for (int r = 0; r < kRows; ++r) {
-      const int8_t* xr = x.q[r] + c * kInt8ChunkInputs;
-      for (int i = 0; i < (kHalf ? 4 : 8); ++i) {
-        x16[r][i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16 * i)));
-      }
+  // Each row's 128 int8 inputs of the chunk as int16, shared by the four outputs.
+  __m256i x16[kRows][8];
+  for (int r = 0; r < kRows; ++r) {
+    const int8_t* xr = x.q[r] + c * kInt8ChunkInputs;
+    for (int i = 0; i < 2 * kNumBlocks; ++i) {
+      x16[r][i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16 * i)));
     }
   }
   for (int h = 0; h < 2; ++h) {  // outputs 2h and 2h + 1: their lanes are y[r][h]
     const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
     const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h));
-    const uint8_t* w0 = chunk + 2 * h * kWeightBytes;
-    const uint8_t* w1 = w0 + kWeightBytes;
-    if constexpr (kBits == 4) {
-      // Each output's low and high nibbles of blocks 0-1 and 2-3, unpacked once for all rows.
-      __m256i lo[2][2], hi[2][2];
-      for (int o = 0; o < 2; ++o) {
-        const uint8_t* w = o == 0 ? w0 : w1;
+    __m128i blocks[kRows][2];  // per row, each output's four block sums
+    for (int o = 0; o < 2; ++o) {
+      const uint8_t* w = chunk + (2 * h + o) * kWeightBytes;
+      __m256i w16[kNumBlocks][2];
+      for (int k = 0; k < kNumBlocks; ++k) {
         for (int half = 0; half < 2; ++half) {
-          const __m256i v = kHalf && half == 1 ? _mm256_setzero_si256()
-                                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * half));
-          lo[o][half] = _mm256_and_si256(v, nibble);
-          hi[o][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          w16[k][half] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 16 * half)));
         }
       }
       for (int r = 0; r < kRows; ++r) {
-        const auto* xr = reinterpret_cast<const __m256i*>(x.q[r] + c * kInt8ChunkInputs);
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256i halves4[2];  // per output: int32 [j0 p, j2 p, j0 q, j2 q | j1 p, j3 p, j1 q, j3 q], p + q its block sum
-        for (int o = 0; o < 2; ++o) {
-          // u8 nibbles x s8: pairs at most 2 * 15 * 127, so the int16 sums never saturate.
-          const __m256i d01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][0], _mm256_loadu_si256(xr)),
-                                               _mm256_maddubs_epi16(hi[o][0], _mm256_loadu_si256(xr + 2)));
-          const __m256i d23 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[o][1], _mm256_loadu_si256(xr + 1)),
-                                               _mm256_maddubs_epi16(hi[o][1], _mm256_loadu_si256(xr + 3)));
-          // Half of each block's eight int16 sums onto the other half (at most 2 * 7620), then
-          // one madd for both blocks: shuffles and adds instead of madds and hadds (a 3-8 position
-          // SmolLM2 forward 1.01-1.02x on Zen 3, where madds share the one multiply pipe).
-          halves4[o] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi32(d01, d23), _mm256_unpackhi_epi32(d01, d23)),
-                                         ones);
+        __m256i parts[4];
+        for (int k = 0; k < 4; ++k) {
+          parts[k] = k < kNumBlocks ? _mm256_add_epi32(_mm256_madd_epi16(w16[k][0], x16[r][2 * k]),
+                                                       _mm256_madd_epi16(w16[k][1], x16[r][2 * k + 1]))
+                                    : _mm256_setzero_si256();
         }
-        const __m256i sums = _mm256_add_epi32(_mm256_unpacklo_epi64(halves4[0], halves4[1]),
-                                              _mm256_unpackhi_epi64(halves4[0], halves4[1]));
-        const __m256i isum = _mm256_permutevar8x32_epi32(sums, order);  // [o0 j0, o0 j2, o1 j0, o1 j2 | j1, j3 ..]
-        y[r][h] = lanes_plus(y[r][h], isum, s, b, x.d[r] + c * kBlocksPerChunk, x.xsd[r] + c * kBlocksPerChunk);
+        blocks[r][o] = blocks8_avx2(parts);
       }
-    } else {
-      // 8 bits: each output's weights widened to int16 once for all rows; madd's int32 pair
-      // sums of byte x int8 products are exact (maddubs would need the bytes split in nibbles).
-      constexpr int kNumBlocks = kHalf ? 2 : kBlocksPerChunk;
-      __m128i blocks[kRows][2];  // per row, each output's four block sums
-      for (int o = 0; o < 2; ++o) {
-        const uint8_t* w = o == 0 ? w0 : w1;
-        __m256i w16[kNumBlocks][2];
-        for (int k = 0; k < kNumBlocks; ++k) {
-          for (int half = 0; half < 2; ++half) {
-            const auto* bytes = reinterpret_cast<const __m128i*>(w + 32 * k + 16 * half);
-            w16[k][half] = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes));
-          }
-        }
-        for (int r = 0; r < kRows; ++r) {
-          __m256i parts[4];
-          for (int k = 0; k < 4; ++k) {
-            parts[k] = k < kNumBlocks ? _mm256_add_epi32(_mm256_madd_epi16(w16[k][0], x16[r][2 * k]),
-                                                         _mm256_madd_epi16(w16[k][1], x16[r][2 * k + 1]))
-                                      : _mm256_setzero_si256();
-          }
-          blocks[r][o] = blocks8_avx2(parts);
-        }
-      }
-      for (int r = 0; r < kRows; ++r) {
-        const __m256i isum = _mm256_set_m128i(blocks[r][1], blocks[r][0]);
-        y[r][h] = lanes_plus(y[r][h], isum, s, b, x.d[r] + c * kBlocksPerChunk, x.xsd[r] + c * kBlocksPerChunk);
-      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m256i isum = _mm256_set_m128i(blocks[r][1], blocks[r][0]);
+      y[r][h] = lanes_plus(y[r][h], isum, s, b, x.d[r] + c * kBlocksPerChunk, x.xsd[r] + c * kBlocksPerChunk);
     }
   }
 }
@@ -434,11 +456,25 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
     for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
       prefetch_ahead(chunk, kChunkBytes, prefetch_bytes);
-      quad_chunk_avx2<kBits, kRows, false>(chunk, c, rows, y);
+      if constexpr (kBits == 4) {
+        quad_chunk4_avx2<kRows, false>(chunk, c, rows, y);
+      } else {
+        quad_chunk8_avx2<kRows, false>(chunk, c, rows, y);
+      }
     }
     if (layout.has_half_chunk) {
-      quad_chunk_avx2<kBits, kRows, true>(chunk, layout.num_whole_chunks, rows, y);
+      if constexpr (kBits == 4) {
+        quad_chunk4_avx2<kRows, true>(chunk, layout.num_whole_chunks, rows, y);
+      } else {
+        quad_chunk8_avx2<kRows, true>(chunk, layout.num_whole_chunks, rows, y);
+      }
       chunk += layout.half_chunk_bytes;
+    }
+    if constexpr (kBits == 4) {  // sum order back to lanes 4i + k
+      const __m256i to_lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kSumOrderToLanes));
+      for (int r = 0; r < kRows; ++r) {
+        for (int h = 0; h < 2; ++h) y[r][h] = _mm256_permutevar8x32_ps(y[r][h], to_lanes);
+      }
     }
     // Output i = (lane 4i + lane 4i+1) + (lane 4i+2 + lane 4i+3), as the scalar sum does.
     const int num_valid = static_cast<int>(std::min<int64_t>(kQuadOutputs, end - n0));
