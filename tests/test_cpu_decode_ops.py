@@ -194,6 +194,30 @@ def test_swiglu_is_close_to_mlx_and_each_value_its_own(ext):
         cpu_kernels.swiglu(gate, up[:, :2])
 
 
+def test_swiglu_edge_values_have_the_portable_bits_on_every_isa(ext):
+    """The x86 loop runs exp_fixed eight values at a time: NaN, infinities, signed zeros,
+    subnormals, its clamps at -87 and 88 and its rounding edges take the scalar loop's bits,
+    in the vector lanes and in the tail alike."""
+    import numpy as np
+
+    ln2 = float(np.log(2.0))
+    edges = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 87.0, -87.0,
+             88.0, -88.0, 87.5, -87.5, 88.7, -88.7, 1e4, -1e4, 0.5 * ln2, -0.5 * ln2, 1.5 * ln2, -1.5 * ln2,
+             np.nextafter(np.float32(0.5 * ln2), np.float32(1.0)), 1e-3, -1e-3]
+    rng = np.random.default_rng(17)
+    gate = np.concatenate([np.array(edges, np.float32), rng.normal(0, 30, 8 * 40 + 5).astype(np.float32)])
+    up = rng.normal(0, 2, gate.size).astype(np.float32)
+    got = {}
+    for isa in supported_isas(ext):
+        ext.set_isa(isa)
+        for start in (0, 3):  # edges in the eight-value loop, then some in the tail
+            y = cpu_kernels.swiglu(mx.array(gate[start:]), mx.array(up[start:]))
+            got[isa, start] = np.array(y).view(np.uint32)
+    ext.set_isa(ext.best_isa())
+    for (isa, start), bits in got.items():
+        assert np.array_equal(bits, got["portable", start]), (isa, start)
+
+
 def test_rms_norm_refuses_a_mismatched_weight():
     with pytest.raises(ValueError, match="weight"):
         cpu_kernels.rms_norm(mx.zeros((2, 8)), mx.ones((7,)), 1e-5)
