@@ -397,13 +397,13 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk4_avx2(const
 // lanes as a padded whole chunk does). Per lane the float operations of quad_avx2 (so the
 // same bits), with a chunk's 16 scales and 16 biases two float16 loads each (lane 4i + k is
 // their order in the layout). Each output's weights are widened to int16 once for all rows;
-// madd's int32 pair sums of byte x int8 products are exact (maddubs would need nibbles).
+// madd's int32 pair sums of byte x int8 products are exact (maddubs would need nibbles). As
+// with 4 bits, the integer steps of all rows come first (1.06-1.15x a chunk on Zen 3).
 template <int kRows, bool kHalf>
 GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk8_avx2(const uint8_t* chunk, int64_t c,
                                                                          const RowsOf<kRows>& x, __m256 (*y)[2]) {
   constexpr int64_t kWeightBytes = kChunkWeightBytes<8> / (kHalf ? 2 : 1);
   constexpr int kNumBlocks = kHalf ? 2 : kBlocksPerChunk;
-  const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
   // Each row's 128 int8 inputs of the chunk as int16, shared by the four outputs.
   __m256i x16[kRows][8];
   for (int r = 0; r < kRows; ++r) {
@@ -412,10 +412,9 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk8_avx2(const
       x16[r][i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16 * i)));
     }
   }
-  for (int h = 0; h < 2; ++h) {  // outputs 2h and 2h + 1: their lanes are y[r][h]
-    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
-    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h));
-    __m128i blocks[kRows][2];  // per row, each output's four block sums
+  alignas(32) int32_t isums[2][kRows][8];  // lanes 4i + k of outputs 2h, 2h + 1
+  for (int h = 0; h < 2; ++h) {
+    __m256i first[kRows];  // output 2h's four block sums per row, in two halves' partials
     for (int o = 0; o < 2; ++o) {
       const uint8_t* w = chunk + (2 * h + o) * kWeightBytes;
       __m256i w16[kNumBlocks][2];
@@ -425,17 +424,32 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk8_avx2(const
         }
       }
       for (int r = 0; r < kRows; ++r) {
-        __m256i parts[4];
+        __m256i p[4];  // block k's eight int32 partials
         for (int k = 0; k < 4; ++k) {
-          parts[k] = k < kNumBlocks ? _mm256_add_epi32(_mm256_madd_epi16(w16[k][0], x16[r][2 * k]),
-                                                       _mm256_madd_epi16(w16[k][1], x16[r][2 * k + 1]))
-                                    : _mm256_setzero_si256();
+          p[k] = k < kNumBlocks ? _mm256_add_epi32(_mm256_madd_epi16(w16[k][0], x16[r][2 * k]),
+                                                   _mm256_madd_epi16(w16[k][1], x16[r][2 * k + 1]))
+                                : _mm256_setzero_si256();
         }
-        blocks[r][o] = blocks8_avx2(parts);
+        // Transposing adds, no hadd: [j0 j1 j0 j1], then [j0 j1 j2 j3] in each half.
+        const __m256i p01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+        const __m256i p23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+        const __m256i sums = _mm256_add_epi32(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
+        if (o == 0) {
+          first[r] = sums;
+          continue;
+        }
+        const __m256i lows = _mm256_permute2x128_si256(first[r], sums, 0x20);
+        const __m256i highs = _mm256_permute2x128_si256(first[r], sums, 0x31);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(isums[h][r]), _mm256_add_epi32(lows, highs));
       }
     }
+  }
+  const auto* halves = reinterpret_cast<const __m128i*>(chunk + kQuadOutputs * kWeightBytes);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h));
     for (int r = 0; r < kRows; ++r) {
-      const __m256i isum = _mm256_set_m128i(blocks[r][1], blocks[r][0]);
+      const __m256i isum = _mm256_load_si256(reinterpret_cast<const __m256i*>(isums[h][r]));
       y[r][h] = lanes_plus(y[r][h], isum, s, b, x.d[r] + c * kBlocksPerChunk, x.xsd[r] + c * kBlocksPerChunk);
     }
   }
