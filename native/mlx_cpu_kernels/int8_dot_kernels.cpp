@@ -366,7 +366,8 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk4_avx2(const
           continue;
         }
         // Both outputs' to two (at most 30480), then one madd makes the int32 sums.
-        const __m256i pairs = _mm256_add_epi16(_mm256_unpacklo_epi64(first[r], part), _mm256_unpackhi_epi64(first[r], part));
+        const __m256i pairs =
+            _mm256_add_epi16(_mm256_unpacklo_epi64(first[r], part), _mm256_unpackhi_epi64(first[r], part));
         _mm256_store_si256(reinterpret_cast<__m256i*>(isums[h][r]), _mm256_madd_epi16(pairs, ones));
       }
     }
@@ -420,7 +421,8 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk8_avx2(const
       __m256i w16[kNumBlocks][2];
       for (int k = 0; k < kNumBlocks; ++k) {
         for (int half = 0; half < 2; ++half) {
-          w16[k][half] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * k + 16 * half)));
+          const auto* bytes = reinterpret_cast<const __m128i*>(w + 32 * k + 16 * half);
+          w16[k][half] = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes));
         }
       }
       for (int r = 0; r < kRows; ++r) {
