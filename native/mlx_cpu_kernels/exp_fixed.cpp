@@ -1,6 +1,6 @@
-// The loops over exp_fixed: a portable one, and on x86 one that runs eight values at a time with
-// the same operations in the same order (so the same bits), for AVX2 and AVX-512 CPUs alike.
-// Compilers leave the portable loop scalar (rint and the NaN select keep it from vectorizing).
+// The loops over exp_fixed: the portable one, compiled again for AVX-512 (where compilers vectorize
+// it with masks), and for AVX2 a loop written eight values at a time, since compilers leave that
+// one scalar (vroundss, vdivss). The same operations in the same order everywhere, so the same bits.
 #include "exp_fixed.h"
 
 #include "isa_target.h"
@@ -21,6 +21,9 @@ inline void swiglu_values(const float* __restrict gate, const float* __restrict 
 }
 
 #if GMLX_X86
+GMLX_AVX512 void exp_shifted_avx512(float* score, int64_t n, float max) { exp_shifted_values(score, n, max); }
+GMLX_AVX512 void swiglu_avx512(const float* gate, const float* up, float* y, int64_t n) { swiglu_values(gate, up, y, n); }
+
 // exp_fixed of eight values: its operations one by one in its order (no FMA: the kernels build
 // with -ffp-contract=off), so each lane has the scalar's bits.
 GMLX_AVX2 inline __m256 exp_fixed8(__m256 x) {
@@ -41,14 +44,14 @@ GMLX_AVX2 inline __m256 exp_fixed8(__m256 x) {
   return _mm256_blendv_ps(_mm256_mul_ps(p, scale), x, is_nan);
 }
 
-GMLX_AVX2 void exp_shifted_x86(float* score, int64_t n, float max) {
+GMLX_AVX2 void exp_shifted_avx2(float* score, int64_t n, float max) {
   const __m256 shift = _mm256_set1_ps(max);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) _mm256_storeu_ps(score + j, exp_fixed8(_mm256_sub_ps(_mm256_loadu_ps(score + j), shift)));
   exp_shifted_values(score + j, n - j, max);
 }
 
-GMLX_AVX2 void swiglu_x86(const float* gate, const float* up, float* y, int64_t n) {
+GMLX_AVX2 void swiglu_avx2(const float* gate, const float* up, float* y, int64_t n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 one = _mm256_set1_ps(1.0f);
   int64_t i = 0;
@@ -65,7 +68,8 @@ GMLX_AVX2 void swiglu_x86(const float* gate, const float* up, float* y, int64_t 
 
 void exp_shifted(float* score, int64_t n, float max, Isa isa) {
 #if GMLX_X86
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx2) return exp_shifted_x86(score, n, max);
+  if (isa == Isa::kAvx512) return exp_shifted_avx512(score, n, max);
+  if (isa == Isa::kAvx2) return exp_shifted_avx2(score, n, max);
 #endif
   (void)isa;
   exp_shifted_values(score, n, max);
@@ -73,7 +77,8 @@ void exp_shifted(float* score, int64_t n, float max, Isa isa) {
 
 void swiglu_span(const float* gate, const float* up, float* y, int64_t n, Isa isa) {
 #if GMLX_X86
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx2) return swiglu_x86(gate, up, y, n);
+  if (isa == Isa::kAvx512) return swiglu_avx512(gate, up, y, n);
+  if (isa == Isa::kAvx2) return swiglu_avx2(gate, up, y, n);
 #endif
   (void)isa;
   swiglu_values(gate, up, y, n);

@@ -549,8 +549,8 @@ bool is_amx_enabled() { return g_amx.load() != 0 && has_amx(); }
 
 void set_tile_layout(bool is_enabled) { g_tile_layout.store(is_enabled ? 1 : 0); }
 
-// Quads stay the default without VNNI: the AVX2 tile walk beats them from 3-4 rows (1.04-1.17x a
-// product on Zen 3) but loses plain decode's one row (a SmolLM2 step 0.88x), which matters more.
+// Quads stay the default without VNNI: on Zen 3 the AVX2 tile walk gives 0.81x their SmolLM2 decode
+// and 0.84-0.87x their forwards of 1-16 positions (it beat them from 3 rows before session 35's quads).
 bool tile_layout() {
   int value = g_tile_layout.load();
   if (value < 0) {
