@@ -230,6 +230,13 @@ GMLX_AVX2_F16C inline __m128i blocks8_avx2(const __m256i* d) {
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+// The float steps of every AVX2 int8 kernel, lane by lane (so they all give the same bits):
+// fma(s, d * isum, lane), then fma(b, xsd, lane).
+GMLX_AVX2_F16C inline __m256 lanes_plus(__m256 lanes, __m256i isum, __m256 s, __m256 b, __m256 d, __m256 xsd) {
+  lanes = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), lanes);
+  return _mm256_fmadd_ps(b, xsd, lanes);
+}
+
 template <int kRows, bool kTail, int kBits>
 GMLX_AVX2_F16C inline __attribute__((always_inline)) void chunk_avx2(const QuadArgs& q, int64_t c, int num_valid,
                                                                const __m256* s, const __m256* b, __m256 (*y)[2]) {
@@ -277,11 +284,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void chunk_avx2(const QuadA
     const __m128 d4 = _mm_loadu_ps(q.x->d_row(q.r0 + r) + c * kBlocksPerChunk);
     const __m128 xsd4 = _mm_loadu_ps(q.x->xsd_row(q.r0 + r) + c * kBlocksPerChunk);
     const __m256 d = _mm256_set_m128(d4, d4), xsd = _mm256_set_m128(xsd4, xsd4);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 p = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[h]));
-      y[r][h] = _mm256_fmadd_ps(s[h], p, y[r][h]);
-      y[r][h] = _mm256_fmadd_ps(b[h], xsd, y[r][h]);
-    }
+    for (int h = 0; h < 2; ++h) y[r][h] = lanes_plus(y[r][h], isum[h], s[h], b[h], d, xsd);
   }
 }
 
@@ -317,14 +320,12 @@ GMLX_AVX2_F16C void quad_avx2(const QuadArgs& q) {
   }
 }
 
-// Lanes 4i + k of two outputs plus block k's terms: fma(s, d * isum, lane), then
-// fma(b, xsd, lane), with the row's d and xsd of the chunk's four blocks.
+// Lanes 4i + k of two outputs plus block k's terms, with the row's d and xsd of the chunk's four
+// blocks broadcast.
 GMLX_AVX2_F16C inline __m256 lanes_plus(__m256 lanes, __m256i isum, __m256 s, __m256 b, const float* d4,
                                         const float* xsd4) {
-  const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(d4));
-  const __m256 xsd = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd4));
-  lanes = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), lanes);
-  return _mm256_fmadd_ps(b, xsd, lanes);
+  return lanes_plus(lanes, isum, s, b, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(d4)),
+                    _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xsd4)));
 }
 
 // 4 bits: one chunk of the quad layout on AVX2 for rows [r0, r0 + kRows), a whole chunk or a
@@ -386,9 +387,8 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk4_avx2(const
     const __m256 s = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128(halves + h), halves_to_sum_order));
     const __m256 b = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128(halves + 2 + h), halves_to_sum_order));
     for (int r = 0; r < kRows; ++r) {
-      const __m256 isum = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(isums[h][r])));
-      y[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d[r], isum), y[r][h]);
-      y[r][h] = _mm256_fmadd_ps(b, xsd[r], y[r][h]);
+      const __m256i isum = _mm256_load_si256(reinterpret_cast<const __m256i*>(isums[h][r]));
+      y[r][h] = lanes_plus(y[r][h], isum, s, b, d[r], xsd[r]);
     }
   }
 }
