@@ -50,21 +50,47 @@ GMLX_AVX2 inline __attribute__((always_inline)) __m256 dot_block(const float* q,
   return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// One query's value sum (key order from 0, then / denominator), with the probabilities'.
+// Keys of a block whose values every query of a tile sums before the next block: the block's
+// rows (8-16 KB) come from memory once and stay in L1 for the other queries.
+constexpr int64_t kValueBlockKeys = 32;
+
+// The tile's value sums (key order from 0, then / denominator), with the probabilities',
+// block by block, one query at a time within a block (at D 128 its accumulators alone fill the
+// 16 registers): per lane the same adds in the same order as one query over all its keys, so
+// the same bits, with each value row read from memory once per tile, not once per query.
 template <int kChunks>
 GMLX_AVX2 inline __attribute__((always_inline)) void sum_values(const AttentionJob& job, int64_t b, int64_t kv_head,
-                                                                const TileQuery& query) {
-  __m256 acc[2 * kChunks];
-  for (int c = 0; c < 2 * kChunks; ++c) acc[c] = _mm256_setzero_ps();
-  float denominator = 0.0f;
-  for (int64_t j = 0; j < query.num_seen; ++j) {
-    const float* value = job.values.at(b, kv_head, j);
-    denominator += query.score[j];
-    const __m256 p = _mm256_set1_ps(query.score[j]);
-    for (int c = 0; c < 2 * kChunks; ++c) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(p, _mm256_loadu_ps(value + 8 * c)));
+                                                                const TileQuery* queries, int num_queries) {
+  constexpr int kAccumulators = 2 * kChunks;
+  alignas(32) float sums[kMaxAttentionTile][8 * kAccumulators] = {};
+  float denominators[kMaxAttentionTile] = {};
+  int64_t num_keys = 0;
+  for (int n = 0; n < num_queries; ++n) num_keys = std::max(num_keys, queries[n].num_seen);
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kValueBlockKeys) {
+    for (int n = 0; n < num_queries; ++n) {
+      const int64_t end = std::min(j0 + kValueBlockKeys, queries[n].num_seen);
+      if (end <= j0) continue;
+      __m256 acc[kAccumulators];
+      for (int c = 0; c < kAccumulators; ++c) acc[c] = _mm256_load_ps(sums[n] + 8 * c);
+      float denominator = denominators[n];
+      for (int64_t j = j0; j < end; ++j) {
+        const float* value = job.values.at(b, kv_head, j);
+        denominator += queries[n].score[j];
+        const __m256 p = _mm256_set1_ps(queries[n].score[j]);
+        for (int c = 0; c < kAccumulators; ++c) {
+          acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(p, _mm256_loadu_ps(value + 8 * c)));
+        }
+      }
+      for (int c = 0; c < kAccumulators; ++c) _mm256_store_ps(sums[n] + 8 * c, acc[c]);
+      denominators[n] = denominator;
+    }
   }
-  const __m256 sum = _mm256_set1_ps(denominator);
-  for (int c = 0; c < 2 * kChunks; ++c) _mm256_storeu_ps(query.out + 8 * c, _mm256_div_ps(acc[c], sum));
+  for (int n = 0; n < num_queries; ++n) {
+    const __m256 sum = _mm256_set1_ps(denominators[n]);
+    for (int c = 0; c < kAccumulators; ++c) {
+      _mm256_storeu_ps(queries[n].out + 8 * c, _mm256_div_ps(_mm256_load_ps(sums[n] + 8 * c), sum));
+    }
+  }
 }
 
 template <int kD>
@@ -105,14 +131,8 @@ GMLX_AVX2 float max_score_avx2(const float* score, int64_t num_seen) {
 
 GMLX_AVX2 void sum_values_avx2(const AttentionJob& job, int64_t b, int64_t kv_head, const TileQuery* queries,
                                int num_queries) {
-  // One query at a time: at D 128 its accumulators alone fill the 16 registers.
-  for (int n = 0; n < num_queries; ++n) {
-    if (job.num_d == 64) {
-      sum_values<4>(job, b, kv_head, queries[n]);
-    } else {
-      sum_values<8>(job, b, kv_head, queries[n]);
-    }
-  }
+  if (job.num_d == 64) return sum_values<4>(job, b, kv_head, queries, num_queries);
+  sum_values<8>(job, b, kv_head, queries, num_queries);
 }
 
 #endif
