@@ -13,9 +13,12 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
     python3 scripts/bench_compute_format.py --quant-activations float,int8 --no-mlx-lm
     python3 scripts/bench_compute_format.py --float-kernels 1,0 --no-mlx-lm   # float32 on panels vs the BLAS
     python3 scripts/bench_compute_format.py --model FOLDER --no-quantized --no-mlx-lm --float-kernels 1,0
+    python3 scripts/bench_compute_format.py --depth 2000 --no-mlx-lm --llama-bench .cache/llama.cpp/bin/llama-bench
 
 --quant-activations loads the quantized format once per GMLX_CPU_QUANT_ACTIVATIONS mode (float:
 float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
+--depth N decodes after about N tokens of context (real text before the question; llama-bench -d N),
+where the attention over the KV cache, not the weights, sets much of a step's cost.
 """
 
 from __future__ import annotations
@@ -52,23 +55,32 @@ from gmlx.request import SamplingParams  # noqa: E402
 QUESTION = "Write a long essay about the history of the Roman Empire, with many details."
 
 
-def prompt_ids(tokenizer) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:  # a random-weight folder: the plain text
-        return tokenizer.encode(QUESTION)
-    return tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": QUESTION}]))
+def prompt_ids(tokenizer, depth: int = 0) -> list[int]:
+    """The question, as a chat turn where the tokenizer has a template; with depth, after enough
+    real text (this Python's argparse source) that the prompt is about depth tokens long."""
+    def encode(question: str) -> list[int]:
+        if getattr(tokenizer, "chat_template", None) is None:  # a random-weight folder: the plain text
+            return tokenizer.encode(question)
+        return tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": question}]))
+
+    ids = encode(QUESTION)
+    if depth > len(ids):
+        context = tokenizer.encode(Path(argparse.__file__).read_text())[: depth - len(ids)]
+        ids = encode(tokenizer.decode(context) + "\n\n" + QUESTION)
+    return ids
 
 
-def gmlx_tok_per_s(engine: Engine, num_tokens: int) -> float:
+def gmlx_tok_per_s(engine: Engine, num_tokens: int, depth: int = 0) -> float:
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0)
     last = None
-    for last in stream_generate(engine, params=params, token_ids=prompt_ids(engine.tokenizer)):
+    for last in stream_generate(engine, params=params, token_ids=prompt_ids(engine.tokenizer, depth)):
         pass
     assert last.stats["generated_tokens"] > num_tokens // 2, last.stats  # a rate over a real run
     return last.stats["decode_tok_per_s"]
 
 
-def mlx_lm_tok_per_s(model, tokenizer, num_tokens: int) -> float:
-    prompt = mx.array(prompt_ids(tokenizer))
+def mlx_lm_tok_per_s(model, tokenizer, num_tokens: int, depth: int = 0) -> float:
+    prompt = mx.array(prompt_ids(tokenizer, depth))
     steps = generate_step(prompt, model, max_tokens=num_tokens)
     next(steps)  # the first token carries the prefill; time the decode only
     start = time.perf_counter()
@@ -76,10 +88,11 @@ def mlx_lm_tok_per_s(model, tokenizer, num_tokens: int) -> float:
     return num_decoded / (time.perf_counter() - start)
 
 
-def llama_bench_tok_per_s(binary: str, model: Path, num_tokens: int) -> float:
-    """llama.cpp's token generation rate (llama-bench tg, one repetition) on the same GGUF."""
-    command = [binary, "-m", str(model), "-p", "0", "-n", str(num_tokens), "-t", str(os.cpu_count()),
-               "-r", "1", "-o", "json"]
+def llama_bench_tok_per_s(binary: str, model: Path, num_tokens: int, depth: int = 0) -> float:
+    """llama.cpp's token generation rate (llama-bench tg, one repetition) on the same GGUF, after
+    depth tokens in its KV cache."""
+    command = [binary, "-m", str(model), "-p", "0", "-n", str(num_tokens), "-d", str(depth),
+               "-t", str(os.cpu_count()), "-r", "1", "-o", "json"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     if result.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {result.stderr[-2000:]}")
@@ -91,6 +104,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=0,
+                        help="tokens of context before the decode (real text before the question; llama-bench -d)")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baseline")
     parser.add_argument("--llama-bench", default=None,
                         help="path of llama.cpp's llama-bench (scripts/build_llama_cpp.sh) to add as a row")
@@ -146,11 +161,11 @@ def main() -> None:
     for _ in range(args.repeats):
         dram_gbs.append(read_bandwidth_gbs(512 << 20, 3) if is_kernels_built() else float("nan"))
         for name, engine in engines.items():
-            results[name].append(gmlx_tok_per_s(engine, args.tokens))
+            results[name].append(gmlx_tok_per_s(engine, args.tokens, args.depth))
         if baseline:
-            results["mlx-lm 4-bit"].append(mlx_lm_tok_per_s(*baseline, args.tokens))
+            results["mlx-lm 4-bit"].append(mlx_lm_tok_per_s(*baseline, args.tokens, args.depth))
         for name, path in llama_models.items():
-            results[name].append(llama_bench_tok_per_s(args.llama_bench, path, args.tokens))
+            results[name].append(llama_bench_tok_per_s(args.llama_bench, path, args.tokens, args.depth))
 
     medians = {name: statistics.median(values) for name, values in results.items()}
     reference = medians["gmlx float32"]
@@ -162,7 +177,9 @@ def main() -> None:
     # shared box, which a ratio of medians taken over different minutes does not see.
     paired = {f"{name} / {peer}": statistics.median(a / b for a, b in zip(results[name], results[peer]))
               for name in engines for peer in llama_models}
-    report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats,
+    num_prompt_tokens = len(prompt_ids(next(iter(engines.values())).tokenizer, args.depth)) if engines else None
+    report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats, "depth": args.depth,
+              "num_prompt_tokens": num_prompt_tokens,
               "cpu": platform.processor() or platform.machine(), "all_tok_per_s": results,
               "tok_per_s": medians, "ratio_to_gmlx_float32": {n: v / reference for n, v in medians.items()},
               "ratio_to_llama_cpp": {n: v / llama for n, v in medians.items()} if llama else None,
@@ -171,7 +188,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report))
         return
-    print(f"{source.name}, width 1, {args.tokens} tokens, median of {args.repeats}, "
+    context = f", after a {num_prompt_tokens}-token prompt (llama-bench -d {args.depth})" if args.depth else ""
+    print(f"{source.name}, width 1, {args.tokens} tokens{context}, median of {args.repeats}, "
           f"OpenBLAS threads {os.environ.get('OPENBLAS_NUM_THREADS')}, llama-bench -t {os.cpu_count()}")
     print(f"  DRAM read {dram:.1f} GB/s (median of {', '.join(f'{d:.1f}' for d in dram_gbs)})")
     for name, value in medians.items():
