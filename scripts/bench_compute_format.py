@@ -91,8 +91,8 @@ def mlx_lm_tok_per_s(model, tokenizer, num_tokens: int, depth: int = 0) -> float
 def llama_bench_tok_per_s(binary: str, model: Path, num_tokens: int, depth: int = 0) -> float:
     """llama.cpp's token generation rate (llama-bench tg, one repetition) on the same GGUF, after
     depth tokens in its KV cache."""
-    command = [binary, "-m", str(model), "-p", "0", "-n", str(num_tokens), "-d", str(depth),
-               "-t", str(os.cpu_count()), "-r", "1", "-o", "json"]
+    command = [binary, "-m", str(model), "-p", "0", "-n", str(num_tokens), "-t", str(os.cpu_count()),
+               "-r", "1", "-o", "json", *(["-d", str(depth)] if depth else [])]  # older builds lack -d
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     if result.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {result.stderr[-2000:]}")
