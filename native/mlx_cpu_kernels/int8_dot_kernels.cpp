@@ -457,6 +457,16 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk8_avx2(const
   }
 }
 
+template <int kBits, int kRows, bool kHalf>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void quad_chunk_avx2(const uint8_t* chunk, int64_t c,
+                                                                        const RowsOf<kRows>& x, __m256 (*y)[2]) {
+  if constexpr (kBits == 4) {
+    quad_chunk4_avx2<kRows, kHalf>(chunk, c, x, y);
+  } else {
+    quad_chunk8_avx2<kRows, kHalf>(chunk, c, x, y);
+  }
+}
+
 // The quad layout on AVX2: every quad of [begin, end) for rows [r0, r0 + kRows), outputs
 // written. One pointer walks the stream and the lane sums stay in registers up to the outputs.
 template <int kBits, int kRows>
@@ -472,18 +482,10 @@ GMLX_AVX2_F16C void quads_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
     for (int r = 0; r < kRows; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c, chunk += kChunkBytes) {
       prefetch_ahead(chunk, kChunkBytes, prefetch_bytes);
-      if constexpr (kBits == 4) {
-        quad_chunk4_avx2<kRows, false>(chunk, c, rows, y);
-      } else {
-        quad_chunk8_avx2<kRows, false>(chunk, c, rows, y);
-      }
+      quad_chunk_avx2<kBits, kRows, false>(chunk, c, rows, y);
     }
     if (layout.has_half_chunk) {
-      if constexpr (kBits == 4) {
-        quad_chunk4_avx2<kRows, true>(chunk, layout.num_whole_chunks, rows, y);
-      } else {
-        quad_chunk8_avx2<kRows, true>(chunk, layout.num_whole_chunks, rows, y);
-      }
+      quad_chunk_avx2<kBits, kRows, true>(chunk, layout.num_whole_chunks, rows, y);
       chunk += layout.half_chunk_bytes;
     }
     if constexpr (kBits == 4) {  // sum order back to lanes 4i + k
