@@ -177,7 +177,7 @@ def main() -> None:
     # shared box, which a ratio of medians taken over different minutes does not see.
     paired = {f"{name} / {peer}": statistics.median(a / b for a, b in zip(results[name], results[peer]))
               for name in engines for peer in llama_models}
-    num_prompt_tokens = len(prompt_ids(next(iter(engines.values())).tokenizer, args.depth)) if engines else None
+    num_prompt_tokens = len(prompt_ids(next(iter(engines.values())).tokenizer, args.depth))
     report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats, "depth": args.depth,
               "num_prompt_tokens": num_prompt_tokens,
               "cpu": platform.processor() or platform.machine(), "all_tok_per_s": results,
