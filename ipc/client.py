@@ -265,6 +265,9 @@ class AsyncClient:
         self.address = address
         self.timeout_s = timeout_s
         self._sock, self._monitor = _make_socket(zmq.asyncio.Context.instance(), address, curve_dir)
+        # The same socket without futures, to read what has already arrived at once: a future
+        # per message took the client from ~80 to ~100 us of CPU a token at 8 streams.
+        self._ready_sock = zmq.Socket.shadow(self._sock.underlying)
         self._router = _Router()
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -325,14 +328,21 @@ class AsyncClient:
 
     async def _read_forever(self) -> None:
         while True:
-            target, msg = self._router.route(await self._sock.recv_multipart())
-            if target is not None:
-                target.queue.put_nowait(msg)
+            frames = await self._sock.recv_multipart()
+            while frames is not None:  # then everything else that has arrived, whichever stream it is for
+                target, msg = self._router.route(frames)
+                if target is not None:
+                    target.queue.put_nowait(msg)
+                try:
+                    frames = self._ready_sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    frames = None
 
     async def _next(self, stream: _Stream):
-        if not stream.queue.empty():  # wait_for makes a task per call: skip it when a reply is waiting
+        if not stream.queue.empty():
             return stream.queue.get_nowait()
         try:
-            return await asyncio.wait_for(stream.queue.get(), self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):  # no task per wait, unlike wait_for
+                return await stream.queue.get()
+        except TimeoutError:
             raise TimeoutError(f"no reply from {self.address} within {self.timeout_s} s") from None

@@ -1,7 +1,8 @@
 """Faults on a live `gmlx serve`: the front-end killed (clients told, workers stop, the
 supervisor brings it back), a worker gone silent (found by heartbeat, its unstarted
-requests re-queued and served)."""
+requests re-queued and served); and a peer that takes requests and never answers."""
 
+import asyncio
 import os
 import signal
 import threading
@@ -9,9 +10,10 @@ import time
 
 import psutil
 import pytest
+import zmq
 
 from ipc.bus import list_segments, parse_owner
-from ipc.client import Client, ServerLostError
+from ipc.client import AsyncClient, Client, ServerLostError
 from serving_support import Server, model_dir
 
 TEST_TIMEOUT_S = 180
@@ -102,3 +104,30 @@ def test_a_silent_worker_is_replaced_and_its_unstarted_requests_served():
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+def test_both_clients_give_up_on_a_peer_that_never_answers():
+    # A real socket that holds the connection (libzmq answers the heartbeats) and reads requests.
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+
+    async def stream_async():
+        async with AsyncClient(address, timeout_s=1.0) as client:
+            return [c async for c in client.generate(token_ids=PROMPT_IDS, max_tokens=4)]
+
+    def stream_sync():
+        with Client(address, timeout_s=1.0) as client:
+            return list(client.generate(token_ids=PROMPT_IDS, max_tokens=4))
+
+    try:
+        # The outer 10 s bound ends the test with another message should the client's own fail.
+        for run in (lambda: asyncio.run(asyncio.wait_for(stream_async(), 10.0)), stream_sync):
+            start_s = time.monotonic()
+            with pytest.raises(TimeoutError, match=f"no reply from {address} within 1.0 s"):
+                run()
+            assert time.monotonic() - start_s >= 1.0
+        assert silent.poll(1000) and silent.recv_multipart()  # the requests did arrive
+    finally:
+        silent.close()
