@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -28,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from ipc import messages as m
 from ipc.auth import secure_client_socket
+from ipc.sockets import recv_all
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +136,13 @@ class _Router:
         else:
             stream = self._by_ref.get(getattr(msg, "ref", None))
         return stream, msg
+
+    def route_all(self, replies) -> Iterator[tuple[_Stream, object]]:
+        """(stream, message) for each reply that belongs to an open stream."""
+        for frames in replies:
+            stream, msg = self.route(frames)
+            if stream is not None:
+                yield stream, msg
 
 
 def _to_chunk(msg: m.Chunk) -> Chunk:
@@ -247,14 +256,9 @@ class Client:
                 recv_monitor_message(self._monitor)  # only EVENT_DISCONNECTED is subscribed
                 for target, lost in self._router.fail_all(_lost_message(self.address)):
                     target.inbox.append(lost)
-            while True:  # everything that has arrived, whichever stream it is for
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                target, msg = self._router.route(frames)
-                if target is not None:
-                    target.inbox.append(msg)
+            # Everything that has arrived, whichever stream it is for.
+            for target, msg in self._router.route_all(recv_all(self._sock)):
+                target.inbox.append(msg)
         return stream.inbox.popleft()
 
 
@@ -328,15 +332,10 @@ class AsyncClient:
 
     async def _read_forever(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
-            while frames is not None:  # then everything else that has arrived, whichever stream it is for
-                target, msg = self._router.route(frames)
-                if target is not None:
-                    target.queue.put_nowait(msg)
-                try:
-                    frames = self._ready_sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    frames = None
+            first = await self._sock.recv_multipart()
+            # Then everything else that has arrived, whichever stream it is for.
+            for target, msg in self._router.route_all(itertools.chain([first], recv_all(self._ready_sock))):
+                target.queue.put_nowait(msg)
 
     async def _next(self, stream: _Stream):
         if not stream.queue.empty():
