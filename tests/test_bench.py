@@ -7,6 +7,7 @@ import random
 import pytest
 
 from workers.bench import WorkloadOptions, parse_target, run_benchmark
+from workers.bench.best_of import versus_best, versus_best_table
 from workers.bench.metrics import StreamRecord, percentile, summarize
 from workers.bench.report import paired, paired_range, results_table
 from workers.bench.workload import Lengths, heldout_files, poisson_arrivals
@@ -95,6 +96,48 @@ def test_paired_ratio_is_the_median_of_each_repeats_own_ratio():
     assert paired({}, "aggregate_tok_per_s") is None
     assert paired_range(row, "aggregate_tok_per_s") == (0.8, 1.3)
     assert paired_range({"vs_baseline_per_repeat": {"aggregate_tok_per_s": [0.9, None]}}, "aggregate_tok_per_s") is None
+
+
+def _runs(values: dict, level=8) -> list[dict]:
+    """Bench runs carrying only an aggregate tok/s: {target: [one value per repeat]}."""
+    return [{"target": t, "level": level, "repeat": rep, "summary": {"aggregate_tok_per_s": v}}
+            for t, series in values.items() for rep, v in enumerate(series)]
+
+
+def test_best_of_reads_the_best_median_and_cross_fits_by_hand():
+    runs = _runs({"subject": [90, 110], "a": [100, 100], "b": [80, 130]})
+    (row,) = versus_best(runs, ["a", "b"])
+    assert row["target"] == "subject" and row["num_repeats"] == 2
+    assert row["of_medians"] == pytest.approx(100 / 105)  # b's median 105 beats a's 100
+    # Chosen on repeat 0, a (100 > 80), read on repeat 1: 110 / 100; chosen on 1, b, read on 0: 90 / 80.
+    assert row["cross_fitted"] == pytest.approx((110 / 100 + 90 / 80) / 2)
+    assert versus_best(_runs({"subject": [90], "a": [100]}), ["a"])[0]["cross_fitted"] is None
+    assert "| 8 | subject | 0.952 | 1.113 | 2 |" in versus_best_table([row])
+
+
+def test_best_of_cross_fitting_takes_out_the_maximums_bias():
+    # Four targets equally fast under 5% noise per repeat: the best of three medians beats the
+    # fourth by ~2% on average; cross-fitted, the fourth reads level with them.
+    rng = random.Random(18)
+    of_medians, cross_fitted = [], []
+    for sweep in range(300):
+        values = {t: [rng.lognormvariate(0.0, 0.05) for _ in range(6)] for t in ("default", "p", "n", "m")}
+        (row,) = versus_best(_runs(values, level=sweep), ["p", "n", "m"])
+        of_medians.append(row["of_medians"])
+        cross_fitted.append(row["cross_fitted"])
+    assert sum(of_medians) / 300 < 0.985
+    assert sum(cross_fitted) / 300 == pytest.approx(1.0, abs=0.008)
+
+
+def test_best_of_names_targets_of_the_run():
+    from click.testing import CliRunner
+
+    from workers.bench.cli import bench
+
+    for best_of, message in (("c", "name targets of this run"), ("a,b", "leave one to compare")):
+        out = CliRunner().invoke(bench, ["--target", "engine:label=a", "--target", "engine:label=b",
+                                         "--best-of", best_of])
+        assert out.exit_code == 2 and message in out.output, out.output
 
 
 def test_lengths_targets_and_arrivals_validate_and_sample():

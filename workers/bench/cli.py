@@ -88,6 +88,9 @@ def _parse_levels(ctx, param, value):
 @click.option("--timeout-s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Per run: requests still going after this are cancelled and counted as errors.")
 @click.option("--baseline", default=None, help="Target name the ratios divide by [default: the first target].")
+@click.option("--best-of", "best_of", default=None,
+              help="Comma list of targets: every other target's aggregate tok/s over the best of them, as the "
+                   "best median and cross-fitted (the best chosen on half the repeats, read on the other half).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write results JSON here.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write PNG plots here (needs matplotlib; skipped with a note without it).")
@@ -96,7 +99,7 @@ def _parse_levels(ctx, param, value):
 def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens, load_kind, concurrency,
           num_requests, requests_per_client, rate, burst_size, burst_interval_s, long_max_tokens, arrival_delay_s,
           arrival_interval_s, prompt_source, prompt_tokens, max_tokens, temperature, repeats, restart_per_repeat,
-          warmup, seed, timeout_s, baseline, out, plots_dir, as_json, quiet) -> None:
+          warmup, seed, timeout_s, baseline, best_of, out, plots_dir, as_json, quiet) -> None:
     """Benchmark gmlx (in-process engine or server), mlx_lm.server and llama.cpp's llama-server under the
     same load.
 
@@ -117,6 +120,7 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
       gmlx bench --model smollm2 --concurrency 8 --num-requests 24 --max-tokens 64 \\
         --target server:drafter=none --target mlx-lm:drafter=none --target llama-server
     """
+    from workers.bench.best_of import versus_best, versus_best_table
     from workers.bench.report import formats_lines, results_table
     from workers.bench.runner import run_benchmark
     from workers.bench.targets import parse_target
@@ -132,6 +136,7 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
             specs.append(parse_target(text, own))
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--target") from None
+    comparators = _comparators(best_of, [s.name for s in specs])
     options = WorkloadOptions(
         kind=load_kind, num_requests=num_requests or 16, concurrency=concurrency[0],
         requests_per_client=None if num_requests or load_kind != "closed" else requests_per_client or 2,
@@ -147,6 +152,8 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
     except (ValueError, RuntimeError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    if comparators:
+        results["versus_best"] = versus_best(results["runs"], comparators)
     if plots_dir is not None:
         from workers.bench.plots import make_plots
 
@@ -163,6 +170,21 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
     else:
         click.echo(results_table(results))
         click.echo("\n".join(formats_lines(results)))
+        if comparators:
+            click.echo(versus_best_table(results["versus_best"]))
+
+
+def _comparators(text: str | None, names: list[str]) -> list[str]:
+    """--best-of's targets, each one of the run's, leaving at least one target to compare."""
+    if text is None:
+        return []
+    comparators = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in comparators if c not in names]
+    if not comparators or unknown:
+        raise click.BadParameter(f"{text!r}: name targets of this run ({', '.join(names)})", param_hint="--best-of")
+    if set(names) <= set(comparators):
+        raise click.BadParameter(f"{text!r} names every target: leave one to compare", param_hint="--best-of")
+    return comparators
 
 
 def _first_arg_index() -> int:
