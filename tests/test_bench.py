@@ -112,6 +112,9 @@ def test_best_of_reads_the_best_median_and_cross_fits_by_hand():
     # Chosen on repeat 0, a (100 > 80), read on repeat 1: 110 / 100; chosen on 1, b, read on 0: 90 / 80.
     assert row["cross_fitted"] == pytest.approx((110 / 100 + 90 / 80) / 2)
     assert versus_best(_runs({"subject": [90], "a": [100]}), ["a"])[0]["cross_fitted"] is None
+    # Past 512 ways to halve the repeats (12 of them: 924), a seeded sample of the halvings.
+    (many,) = versus_best(_runs({"subject": [1.0 + r / 100 for r in range(12)], "a": [1.0] * 12}), ["a"])
+    assert many["num_repeats"] == 12 and many["cross_fitted"] == pytest.approx(1.055, abs=0.01)
     assert "| 8 | subject | 0.952 | 1.113 | 2 |" in versus_best_table([row])
 
 
