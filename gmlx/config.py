@@ -330,6 +330,19 @@ def log_level() -> str:
     return level
 
 
+KV_CACHE_DTYPES = ("model", "float16")
+
+
+def kv_cache_dtype() -> str:
+    """GMLX_KV_DTYPE: model (default) keeps keys and values in the type the model computes them in;
+    float16 stores them as halves, rounded once to nearest even on every path, which halves the
+    bytes a long context's attention reads (llama.cpp's default cache type)."""
+    raw = os.environ.get("GMLX_KV_DTYPE", "").strip().lower() or "model"
+    if raw not in KV_CACHE_DTYPES:
+        raise ValueError(f"GMLX_KV_DTYPE={raw!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    return raw
+
+
 def is_drafter_quantized() -> bool:
     """GMLX_CPU_DRAFTER_QUANTIZED (default on): on the CPU, a quantized target's MTP head and
     draft-vocabulary products are quantized to the target's bits in its kernels
@@ -344,7 +357,8 @@ def validate_settings() -> None:
                  is_interposer_enabled, is_cpu_fusion_enabled, is_input_major_enabled, log_level, blas_threads,
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
                  is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule,
-                 is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled, cpu_amx):
+                 is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled, cpu_amx,
+                 kv_cache_dtype):
         read()
 
 

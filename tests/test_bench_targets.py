@@ -42,11 +42,15 @@ def test_llama_server_spec_keys_defaults_and_errors():
     assert fixed.gmlx_env() == {"GMLX_ADAPTIVE_DEPTH": "0"} and fixed.name == "server drafter=ngram adaptive=0"
     no_amx = parse_target("engine:amx=0")  # the CPU kernels' wide products on VNNI
     assert no_amx.gmlx_env() == {"GMLX_CPU_AMX": "0"} and no_amx.name == "engine drafter=default amx=0"
+    halves = parse_target("server:kv=float16")  # a float16 KV cache
+    assert halves.gmlx_env() == {"GMLX_KV_DTYPE": "float16"} and halves.name == "server drafter=default kv=float16"
     graded = parse_target("server:drafter=ngram,evidence=0")  # the drafter's per-round grades off
     assert graded.gmlx_env() == {"GMLX_DRAFT_EVIDENCE": "0"} and graded.name == "server drafter=ngram evidence=0"
     bad = {
         "mlx-lm:drafter=draft,adaptive=0": "gmlx knobs",
         "server:adaptive=2": "0 or 1",
+        "server:kv=bfloat16": "kv must be one of model, float16",
+        "llama-server:kv=float16": "gmlx knobs",
         "llama-server:gguf=/m/model.bin": "must name a .gguf",
         "llama-server:drafter=mtp": "without a drafter",
         "llama-server:preempt=0": "gmlx knobs",

@@ -255,6 +255,7 @@ attention_cases = st.fixed_dictionaries({
     "heads": st.sampled_from([(1, 1), (4, 4), (4, 2), (9, 3), (8, 1)]),  # (Hq, Hkv): MHA and GQA
     "num_new": st.integers(1, 16),
     "head_dim": st.sampled_from([16, 37, 64, 128]),  # 64 and 128 run compile-time-sized code
+    "kv_dtype": st.sampled_from(["float32", "float16"]),  # float16: a GMLX_KV_DTYPE=float16 cache
     "seed": st.integers(0, 2**16),
 })
 
@@ -266,9 +267,15 @@ def attention_inputs(case):
     offsets = mx.random.randint(0, 80, (rows,), key=key_offsets).astype(mx.int32)  # ragged lengths
     capacity = int(offsets.max().item()) + new + 3  # keys past a row's length are never seen
     q = mx.random.normal((rows, num_q_heads, new, dim), key=key_q)  # (B, Hq, T, D)
-    keys = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_k)  # (B, Hkv, S, D)
-    values = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_v)
+    kv_dtype = getattr(mx, case.get("kv_dtype", "float32"))
+    keys = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_k).astype(kv_dtype)  # (B, Hkv, S, D)
+    values = mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_v).astype(kv_dtype)
     return q, keys, values, offsets, dim**-0.5
+
+
+def widened(keys, values):
+    """The KV as the kernel computes with it: a float16 cache's halves widened exactly."""
+    return keys.astype(mx.float32), values.astype(mx.float32)
 
 
 @PROPERTY_SETTINGS
@@ -281,7 +288,10 @@ def test_attention_rows_are_independent_of_row_count_threads_and_verify_width(ca
         together[num_threads] = cpu_kernels.ragged_attention(q, keys, values, offsets, scale)  # (B, T, Hq * D)
         mx.eval(together[num_threads])
     assert bitwise_equal(together[1], together[2])
-    assert mx.allclose(together[1], mlx_ragged_attention(q, keys, values, offsets, scale), atol=1e-5).item()
+    reference = mlx_ragged_attention(q, *widened(keys, values), offsets, scale)
+    assert mx.allclose(together[1], reference, atol=1e-5).item()
+    if case["kv_dtype"] == "float16":  # halves widen exactly: the float32 path's bits on the widened copy
+        assert bitwise_equal(together[1], cpu_kernels.ragged_attention(q, *widened(keys, values), offsets, scale))
     for isa in supported_isas(ext):  # each ISA's build of the same lane order
         ext.set_isa(isa)
         assert bitwise_equal(cpu_kernels.ragged_attention(q, keys, values, offsets, scale), together[1]), isa
@@ -302,6 +312,7 @@ long_prefix_cases = st.fixed_dictionaries({
     "num_new": st.integers(1, 16),
     "num_keys": st.integers(1, 2000),
     "head_dim": st.sampled_from([40, 64, 80, 128]),  # 64 and 128: AVX-512's key-blocked tiles
+    "kv_dtype": st.sampled_from(["float32", "float16"]),  # float16: AVX2's tiles on every x86 ISA
     "seed": st.integers(0, 2**16),
 })
 
@@ -316,8 +327,9 @@ def test_long_prefix_attention_has_the_portable_bits_on_every_isa_and_thread_cou
     q = mx.random.normal((rows, num_kv_heads * case["group"], new, dim), key=key_q)  # (B, Hq, T, D)
     # Past each row's last visible key the buffers hold NaN: a kernel that let one in would show it.
     is_seen = (mx.arange(capacity)[None, :] < (offsets + new)[:, None])[:, None, :, None]  # (B, 1, S, 1)
-    keys = mx.where(is_seen, mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_k), mx.nan)
-    values = mx.where(is_seen, mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_v), mx.nan)
+    kv_dtype = getattr(mx, case["kv_dtype"])
+    keys = mx.where(is_seen, mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_k), mx.nan).astype(kv_dtype)
+    values = mx.where(is_seen, mx.random.normal((rows, num_kv_heads, capacity, dim), key=key_v), mx.nan).astype(kv_dtype)
     scale = dim**-0.5
     ext.set_isa("portable")
     ext.set_num_threads(1)
@@ -330,6 +342,8 @@ def test_long_prefix_attention_has_the_portable_bits_on_every_isa_and_thread_cou
             ext.set_num_threads(num_threads)
             got = cpu_kernels.ragged_attention(q, keys, values, offsets, scale)
             assert bitwise_equal(got, expected), (isa, num_threads)
+            if case["kv_dtype"] == "float16":  # AVX-512's float32 tiles against AVX2's float16 ones
+                assert bitwise_equal(cpu_kernels.ragged_attention(q, *widened(keys, values), offsets, scale), got)
     ext.set_isa(ext.best_isa())
 
 

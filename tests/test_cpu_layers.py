@@ -61,6 +61,13 @@ def test_the_stack_switch_keeps_a_node_a_layer(fused_and_unfused):
 FORMS = ("stack", "one-node", "six-node")
 
 
+@pytest.fixture(params=["model", "float16"])
+def kv_dtype(request, monkeypatch):
+    """The caches a test makes store the model's float32 or, with GMLX_KV_DTYPE=float16, halves."""
+    monkeypatch.setenv("GMLX_KV_DTYPE", request.param)
+    return mx.float16 if request.param == "float16" else mx.float32
+
+
 def _set_form(target, form: str, stack_call) -> None:
     """Run the body's layers as one stack node, a node a layer, or six a layer (the same bits)."""
     object.__setattr__(target.model.model, "_stack_call", stack_call if form == "stack" else None)
@@ -69,20 +76,21 @@ def _set_form(target, form: str, stack_call) -> None:
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts, form):
+def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unfused, code_prompts, form, kv_dtype):
     """Two rows at their own lengths through prefill chunks, a 4-position verify and single
-    steps: logits and every KV position bit for bit the unfused layers'."""
+    steps: logits and every KV position bit for bit the unfused layers' (whose KV writes are
+    mlx's; a float16 cache's halves rounded the same way by both)."""
     fused_target, unfused_target = fused_and_unfused
     stack_call = fused_target.model.model._stack_call
     assert stack_call is not None and all(layer._layer_call.is_one_node for layer in fused_target.model.model.layers)
     _set_form(fused_target, form, stack_call)
     try:
-        _check_ragged_rows(fused_target, unfused_target, code_prompts)
+        _check_ragged_rows(fused_target, unfused_target, code_prompts, kv_dtype)
     finally:
         _set_form(fused_target, "stack", stack_call)
 
 
-def _check_ragged_rows(fused_target, unfused_target, code_prompts):
+def _check_ragged_rows(fused_target, unfused_target, code_prompts, kv_dtype):
     num_layers = len(fused_target.model.model.layers)
     caches = {name: [RaggedKVCache(num_rows=2) for _ in range(num_layers)] for name in ("fused", "unfused")}
     targets = {"fused": fused_target, "unfused": unfused_target}
@@ -97,6 +105,7 @@ def _check_ragged_rows(fused_target, unfused_target, code_prompts):
                 cache.trim_rows([0, 3])
     for fused, unfused in zip(caches["fused"], caches["unfused"]):
         assert fused.lengths == unfused.lengths
+        assert fused.keys.dtype == unfused.keys.dtype == fused.values.dtype == kv_dtype
         end = max(fused.lengths)
         assert mx.array_equal(fused.keys[..., :end, :], unfused.keys[..., :end, :]).item()
         assert mx.array_equal(fused.values[..., :end, :], unfused.values[..., :end, :]).item()
@@ -154,7 +163,7 @@ def _address(array: mx.array) -> int:
 
 
 @pytest.mark.parametrize("form", FORMS[:2])
-def test_a_decode_step_is_one_node_writing_the_kv_in_place(fused_and_unfused, tmp_path, form):
+def test_a_decode_step_is_one_node_writing_the_kv_in_place(fused_and_unfused, tmp_path, form, kv_dtype):
     """The point of the one-node forms: a step's graph holds one kernel node for all the layers
     (or one per layer) and no separate KV writes, and the cache's buffers stay where they are
     from step to step."""
@@ -177,7 +186,8 @@ def test_a_decode_step_is_one_node_writing_the_kv_in_place(fused_and_unfused, tm
     assert {name: labels.count(name) for name in expected} == expected
     assert "SliceUpdate" not in labels
     mx.eval(logits)
-    assert [(_address(c.keys), _address(c.values)) for c in cache] == addresses
+    assert [(_address(c.keys), _address(c.values)) for c in cache] == addresses  # a float16 cache too: no cast
+    assert all(c.keys.dtype == c.values.dtype == kv_dtype for c in cache)
 
 
 def test_a_round_with_prompt_chunks_is_one_node_writing_every_kv_in_place(fused_and_unfused, tmp_path):
@@ -202,7 +212,7 @@ def test_a_round_with_prompt_chunks_is_one_node_writing_every_kv_in_place(fused_
     assert [(_address(c.keys), _address(c.values)) for cache in caches for c in cache] == addresses
 
 
-def test_buffers_shared_with_a_prompt_cache_entry_are_copied_before_a_write(fused_and_unfused):
+def test_buffers_shared_with_a_prompt_cache_entry_are_copied_before_a_write(fused_and_unfused, kv_dtype):
     """A cache restored from a prompt-cache entry views the entry's arrays: the one-node layer
     must leave the entry's bits alone, and an offered entry must not view a live buffer."""
     target = fused_and_unfused[0]

@@ -85,3 +85,33 @@ def test_a_staged_join_holds_what_a_merge_holds(seed):
     wider = filled(batch.num_rows)
     wider.update_and_fetch(*(mx.zeros((batch.num_rows, 2, width + 1, 8)) for _ in range(2)))
     assert not joiner.with_leading_rows(batch.num_rows, width).can_fill_leading_rows(wider)
+
+
+def test_a_float16_cache_stores_halves_through_every_operation(monkeypatch):
+    """GMLX_KV_DTYPE=float16: float32 writes land rounded to halves (as astype rounds), and merges,
+    filters, staged joins and growth keep the buffers halves."""
+    monkeypatch.setenv("GMLX_KV_DTYPE", "float16")
+    caches = [RaggedKVCache(1) for _ in range(2)]
+    written = []
+    for cache, seed in zip(caches, (1, 2)):
+        keys, values = (mx.random.normal((1, 2, 300, 8), key=mx.random.key(seed + i)) for i in (0, 10))
+        cache.update_and_fetch(keys, values)  # past the first 256 positions: the buffers grow once
+        written.append(keys)
+        assert cache.keys.dtype == cache.values.dtype == mx.float16
+        assert mx.array_equal(cache.keys[..., :300, :], keys.astype(mx.float16)).item()
+    merged = RaggedKVCache.concat(caches)
+    merged.trim_rows([0, 5])
+    merged.update_and_fetch(*(mx.ones((2, 2, 2, 8)) for _ in range(2)))  # ragged: put_along_axis
+    staged = caches[1].with_leading_rows(1, 512)
+    staged.fill_leading_rows(caches[0])
+    merged.select_rows([1])
+    for cache in (merged, staged):
+        assert cache.keys.dtype == cache.values.dtype == mx.float16
+    assert mx.array_equal(staged.keys[:1, :, :300], written[0].astype(mx.float16)).item()
+    assert mx.array_equal(merged.keys[0, :, 295:297], mx.ones((2, 2, 8), dtype=mx.float16)).item()
+
+
+def test_an_unknown_kv_dtype_is_named(monkeypatch):
+    monkeypatch.setenv("GMLX_KV_DTYPE", "bfloat16")
+    with pytest.raises(ValueError, match="GMLX_KV_DTYPE='bfloat16'"):
+        RaggedKVCache(1)

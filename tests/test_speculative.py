@@ -1,5 +1,6 @@
 """The two loops with every drafter: output equals plain decoding, width caps, gated rounds."""
 
+import mlx.core as mx
 import pytest
 
 from gmlx.config import EngineConfig
@@ -48,6 +49,29 @@ def test_random_schedules_equal_plain(kind, chunk, engines, reference, code_prom
         for key, value in result.counters.items():
             totals[key] = totals.get(key, 0) + value
     assert totals["num_spec_rounds"] > 0
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_random_schedules_on_a_float16_kv_cache_equal_plain(kind, builtin_target, code_prompts, monkeypatch):
+    """GMLX_KV_DTYPE=float16: every cache stores halves, each writer rounding as mlx's astype does,
+    so speculative and batched streams still equal plain decoding's (itself on halves)."""
+    monkeypatch.setenv("GMLX_KV_DTYPE", "float16")
+    engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig())
+    reference = SoloReference(builtin_target)
+    engine.add_request(code_prompts[0][:20], SamplingParams(max_tokens=32))
+    for _ in range(4):  # the prompt's prefill, then its first decode round
+        engine.step()
+        if engine.batch is not None:
+            break
+    assert engine.batch.caches[0].keys.dtype == mx.float16
+    while engine.has_unfinished():
+        engine.step()
+    num_spec_rounds = 0
+    for i in range(4):
+        schedule = make_schedule(7000 + 10 * DRAFTERS.index(kind) + i, engine.target.vocab_size, code_prompts,
+                                 max_requests=8)
+        num_spec_rounds += check_schedule(engine, reference, schedule).counters["num_spec_rounds"]
+    assert num_spec_rounds > 0
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from gmlx import config
+
 _STEP_TOKENS = 256  # buffer growth granularity
 
 
@@ -17,6 +19,8 @@ class RaggedKVCache:
     def __init__(self, num_rows: int = 1, min_capacity: int = 0):
         # A prompt's length known up front: its prefill then never copies the buffer to grow it.
         self.min_capacity = min_capacity
+        # The buffers' element type where GMLX_KV_DTYPE sets one; None: the type written first.
+        self.stored_dtype = mx.float16 if config.kv_cache_dtype() == "float16" else None
         self._keys: mx.array | None = None  # (B, H, S, Dk)
         self._values: mx.array | None = None  # (B, H, S, Dv)
         # Whether no array outside this cache may share the buffers' memory: true for buffers its
@@ -82,6 +86,7 @@ class RaggedKVCache:
         """Buffers with room for num_new more positions past the longest row that a writer may
         fill in place (the one-node layer, gmlx/platform/cpu_layers.py): held by this cache
         alone, else first copied. The writer's outputs come back through wrote_in_place."""
+        dtype = self.stored_dtype or dtype
         self._reserve_shape(max(self.lengths) + num_new, num_heads, head_dim, head_dim, dtype)
         if not self._is_exclusive:
             # Strictly more room: a slice update covering a whole buffer may return its source.
@@ -197,7 +202,7 @@ class RaggedKVCache:
         self._offset = None
 
     def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
-        self._reserve_shape(end, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        self._reserve_shape(end, keys.shape[1], keys.shape[3], values.shape[3], self.stored_dtype or keys.dtype)
 
     def _reserve_shape(self, end: int, num_heads: int, k_dim: int, v_dim: int, dtype) -> None:
         if self.keys is not None and end <= self.keys.shape[2]:

@@ -26,16 +26,17 @@ constexpr int64_t kQueriesPerChunk = 4;
 constexpr int64_t kMinPoolWork = 1 << 13;
 
 // Each lane is its own chain in a fixed order (and -ffp-contract=off keeps * and +
-// apart), so any vector width the compiler picks for an ISA gives the same bits.
-template <int kD>
-inline __attribute__((always_inline)) float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// apart), so any vector width the compiler picks for an ISA gives the same bits. A Half
+// key widens to float exactly, so both KV types run the same float operations.
+template <int kD, typename KV>
+inline __attribute__((always_inline)) float dot(const float* __restrict a, const KV* __restrict b, int64_t n) {
   if constexpr (kD > 0) n = kD;
   float lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * static_cast<float>(b[i + l]);
   }
-  for (; i < n; ++i) lanes[i % kLanes] += a[i] * b[i];
+  for (; i < n; ++i) lanes[i % kLanes] += a[i] * static_cast<float>(b[i]);
   for (int width = kLanes / 2; width >= 1; width /= 2) {
     for (int l = 0; l < width; ++l) lanes[l] = lanes[l] + lanes[l + width];
   }
@@ -44,8 +45,8 @@ inline __attribute__((always_inline)) float dot(const float* __restrict a, const
 
 // One query (row b, q head h, position t): scores, softmax and the value sum, in key
 // order. kD > 0 fixes the head dim at compile time (the value sums then stay in
-// registers); 0 reads it from the job. Both give the same bits.
-template <int kD>
+// registers); 0 reads it from the job. Both give the same bits. KV: float or Half.
+template <int kD, typename KV>
 inline __attribute__((always_inline)) void attend_one(const AttentionJob& job, int64_t b, int64_t h, int64_t t,
                                                       std::vector<float>& scores) {
   const int64_t offset = job.offsets[b * job.offset_stride];
@@ -58,7 +59,7 @@ inline __attribute__((always_inline)) void attend_one(const AttentionJob& job, i
   float* __restrict score = scores.data();
   float max_score = -INFINITY;
   for (int64_t j = 0; j < num_seen; ++j) {
-    score[j] = dot<kD>(q, job.keys.at(b, kv_head, j), d) * job.scale;
+    score[j] = dot<kD>(q, job.keys.at<KV>(b, kv_head, j), d) * job.scale;
     max_score = std::max(max_score, score[j]);
   }
   exp_shifted(score, num_seen, max_score, job.isa);
@@ -67,36 +68,42 @@ inline __attribute__((always_inline)) void attend_one(const AttentionJob& job, i
   if constexpr (kD > 0) {
     float acc[kD] = {};
     for (int64_t j = 0; j < num_seen; ++j) {
-      const float* __restrict v = job.values.at(b, kv_head, j);
+      const KV* __restrict v = job.values.at<KV>(b, kv_head, j);
       const float p = score[j];
-      for (int i = 0; i < kD; ++i) acc[i] += p * v[i];
+      for (int i = 0; i < kD; ++i) acc[i] += p * static_cast<float>(v[i]);
     }
     for (int i = 0; i < kD; ++i) out[i] = acc[i] / denominator;
   } else {
     for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
     for (int64_t j = 0; j < num_seen; ++j) {
-      const float* __restrict v = job.values.at(b, kv_head, j);
+      const KV* __restrict v = job.values.at<KV>(b, kv_head, j);
       const float p = score[j];
-      for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
+      for (int64_t i = 0; i < d; ++i) out[i] += p * static_cast<float>(v[i]);
     }
     for (int64_t i = 0; i < d; ++i) out[i] = out[i] / denominator;
   }
 }
 
 // Queries [begin, end) in (b, h, t) order.
-template <int kD>
+template <int kD, typename KV>
 inline __attribute__((always_inline)) void attend_queries(const AttentionJob& job, int64_t begin, int64_t end) {
   thread_local std::vector<float> scores;
   for (int64_t n = begin; n < end; ++n) {
     const int64_t t = n % job.num_t, h = n / job.num_t % job.num_q_heads, b = n / (job.num_t * job.num_q_heads);
-    attend_one<kD>(job, b, h, t, scores);
+    attend_one<kD, KV>(job, b, h, t, scores);
   }
 }
 
+template <typename KV>
+inline __attribute__((always_inline)) void attend_range_of(const AttentionJob& job, int64_t begin, int64_t end) {
+  if (job.num_d == 64) return attend_queries<64, KV>(job, begin, end);
+  if (job.num_d == 128) return attend_queries<128, KV>(job, begin, end);
+  attend_queries<0, KV>(job, begin, end);
+}
+
 inline __attribute__((always_inline)) void attend_range(const AttentionJob& job, int64_t begin, int64_t end) {
-  if (job.num_d == 64) return attend_queries<64>(job, begin, end);
-  if (job.num_d == 128) return attend_queries<128>(job, begin, end);
-  attend_queries<0>(job, begin, end);
+  if (job.is_half_kv) return attend_range_of<Half>(job, begin, end);
+  attend_range_of<float>(job, begin, end);
 }
 
 void attend_portable(const AttentionJob& job, int64_t begin, int64_t end) { attend_range(job, begin, end); }
@@ -137,14 +144,21 @@ void plan_tiles(AttentionJob& job, int num_threads) {
   job.num_tiles_per_kv_head = (per_kv_head + job.tile_size - 1) / job.tile_size;
 }
 
-// x's data as (B, H, S, D) with unit stride along D: its own when so, else a copy.
-Strided4 strided4(const mx::array& x, std::vector<float>& copy) {
-  if (x.strides(3) == 1) return {x.data<float>(), x.strides(0), x.strides(1), x.strides(2)};
+// x's data (of T) as (B, H, S, D) with unit stride along D: its own when so, else a copy.
+template <typename T, typename Out>
+Out strided4(const mx::array& x, std::vector<T>& copy) {
+  if (x.strides(3) == 1) return {x.data<T>(), x.strides(0), x.strides(1), x.strides(2)};
   copy.resize(x.size());
-  const float* src = x.data<float>();
+  const T* src = x.data<T>();
   for (size_t i = 0; i < x.size(); ++i) copy[i] = src[mx::elem_to_loc(static_cast<int>(i), x.shape(), x.strides())];
   return {copy.data(), static_cast<int64_t>(x.shape(1)) * x.shape(2) * x.shape(3),
           static_cast<int64_t>(x.shape(2)) * x.shape(3), x.shape(3)};
+}
+
+// A key or value buffer of float or Half: its own data when unit-stride along D, else a copy.
+StridedKV strided_kv(const mx::array& x, std::vector<float>& copy, std::vector<Half>& half_copy) {
+  if (x.dtype() == mx::float16) return strided4<Half, StridedKV>(x, half_copy);
+  return strided4<float, StridedKV>(x, copy);
 }
 
 }  // namespace
@@ -188,8 +202,10 @@ mx::array ragged_attention(const mx::array& q, const mx::array& keys, const mx::
   if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("ragged_attention: offset must be integer");
   auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape out_shape = {num_b, q.shape(2), num_q_heads * q.shape(3)};
+  // A float16 KV cache is read as it is; any other KV type as float32.
+  const mx::Dtype kv_dtype = keys.dtype() == mx::float16 && values.dtype() == mx::float16 ? mx::float16 : mx::float32;
   return mx::array(out_shape, mx::float32, std::make_shared<RaggedAttention>(s, scale),
-                   {as_dtype(q, mx::float32, s), as_dtype(keys, mx::float32, s), as_dtype(values, mx::float32, s),
+                   {as_dtype(q, mx::float32, s), as_dtype(keys, kv_dtype, s), as_dtype(values, kv_dtype, s),
                     as_dtype(offset, mx::int32, s)});
 }
 
@@ -203,10 +219,12 @@ void RaggedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
                     values = mx::array::unsafe_weak_copy(inputs[2]), offset = mx::array::unsafe_weak_copy(inputs[3]),
                     out_data = out.data<float>(), scale = scale_]() {
     std::vector<float> q_copy, k_copy, v_copy;
+    std::vector<Half> k_half_copy, v_half_copy;
     AttentionJob job;
-    job.q = strided4(q, q_copy);
-    job.keys = strided4(keys, k_copy);
-    job.values = strided4(values, v_copy);
+    job.q = strided4<float, Strided4>(q, q_copy);
+    job.keys = strided_kv(keys, k_copy, k_half_copy);
+    job.values = strided_kv(values, v_copy, v_half_copy);
+    job.is_half_kv = keys.dtype() == mx::float16;
     job.offsets = offset.data<int32_t>();
     job.offset_stride = per_row_stride(offset);
     job.out = out_data;

@@ -9,7 +9,8 @@ namespace gmlx_kernels {
 namespace mx = mlx::core;
 
 // softmax(q k^T * scale) v for float32 q (B, Hq, T, D) against keys and values
-// (B, Hkv, S, D), Hq a multiple of Hkv (grouped heads). Row b's T new positions start
+// (B, Hkv, S, D), Hq a multiple of Hkv (grouped heads); float16 keys and values (a float16 KV
+// cache) are read as they are, widened exactly, any other type cast to float32. Row b's T new positions start
 // at offset[b] (an int scalar or one per row): query t sees keys [0, offset[b] + t], so
 // the mask is the cache's own lengths, causal within the new positions. Out (B, T, Hq * D).
 // Each query is computed in one fixed order (dot products in 16 lanes and a tree, softmax

@@ -84,7 +84,7 @@ GMLX_AVX512 void score_tile(const AttentionJob& job, int64_t b, int64_t kv_head,
   const float* key[kKeysPerBlock];
   for (int64_t j0 = 0; j0 < num_seen; j0 += kKeysPerBlock) {
     // Past the last visible key the block rereads it: those lanes are never used.
-    for (int k = 0; k < kKeysPerBlock; ++k) key[k] = job.keys.at(b, kv_head, std::min(j0 + k, num_seen - 1));
+    for (int k = 0; k < kKeysPerBlock; ++k) key[k] = job.keys.at<float>(b, kv_head, std::min(j0 + k, num_seen - 1));
     for (int n = 0; n < num_queries; ++n) {
       if (j0 >= queries[n].num_seen) continue;
       _mm512_storeu_ps(queries[n].score + j0, _mm512_mul_ps(dot_block<kD>(q[n], key, dim), scale));
@@ -127,7 +127,7 @@ GMLX_AVX512 inline __attribute__((always_inline)) void sum_values(const Attentio
   }
   const int64_t num_shared = queries[0].num_seen;  // the fewest: num_seen grows along the tile
   for (int64_t j = 0; j < num_shared; ++j) {
-    const float* value = job.values.at(b, kv_head, j);
+    const float* value = job.values.at<float>(b, kv_head, j);
     __m512 v[kChunks];
     for (int c = 0; c < kChunks; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
     for (int n = 0; n < kNum; ++n) {
@@ -138,7 +138,7 @@ GMLX_AVX512 inline __attribute__((always_inline)) void sum_values(const Attentio
   }
   for (int n = 0; n < kNum; ++n) {
     for (int64_t j = num_shared; j < queries[n].num_seen; ++j) {
-      const float* value = job.values.at(b, kv_head, j);
+      const float* value = job.values.at<float>(b, kv_head, j);
       denominator[n] += queries[n].score[j];
       const __m512 p = _mm512_set1_ps(queries[n].score[j]);
       for (int c = 0; c < kChunks; ++c) {
@@ -159,7 +159,7 @@ GMLX_AVX512 void sum_values_any_dim(const AttentionJob& job, int64_t b, int64_t 
   for (int c = 0; c < num_chunks; ++c) acc[c] = _mm512_setzero_ps();
   float denominator = 0.0f;
   for (int64_t j = 0; j < query.num_seen; ++j) {
-    const float* value = job.values.at(b, kv_head, j);
+    const float* value = job.values.at<float>(b, kv_head, j);
     denominator += query.score[j];
     const __m512 p = _mm512_set1_ps(query.score[j]);
     for (int c = 0; c < num_chunks; ++c) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "mlx/types/half_types.h"
 #include "qmm_kernels.h"
 
 namespace gmlx_kernels {
@@ -14,8 +15,24 @@ struct Strided4 {  // a (B, H, S, D) array with unit stride along D
   const float* at(int64_t i, int64_t j, int64_t k) const { return data + i * b + j * h + k * s; }
 };
 
+// A KV cache's float16 entries: mlx's own half type, so a writer rounds as mlx's astype does
+// (to nearest even), and every reader widens the same halves to the same floats.
+using Half = mlx::core::float16_t;
+
+// A (B, H, S, D) key or value buffer with unit stride along D, of float (float32 KV) or Half.
+struct StridedKV {
+  const void* data;
+  int64_t b, h, s;
+  template <typename T>
+  const T* at(int64_t i, int64_t j, int64_t k) const {
+    return static_cast<const T*>(data) + i * b + j * h + k * s;
+  }
+};
+
 struct AttentionJob {
-  Strided4 q, keys, values;
+  Strided4 q;
+  StridedKV keys, values;
+  bool is_half_kv;  // keys and values are Half (a float16 KV cache), else float
   const int32_t* offsets;
   int64_t offset_stride;  // 0: one offset for every row
   float* out;  // (B, T, Hq, D)

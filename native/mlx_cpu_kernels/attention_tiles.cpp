@@ -7,6 +7,7 @@
 
 #include "attention_job.h"
 #include "exp_fixed.h"
+#include "int8_dot_kernels.h"
 #include "isa_target.h"
 
 namespace gmlx_kernels {
@@ -30,7 +31,8 @@ void attend_tile(const AttentionJob& job, int64_t tile, std::vector<float>& scor
     queries[n] = {job.q.at(b, h, t), job.out + ((b * job.num_t + t) * job.num_q_heads + h) * job.num_d,
                   std::min(job.num_keys, offset + t + 1), scores.data() + n * room};
   }
-  const bool is_avx512 = job.isa == Isa::kAvx512;
+  // A float16 KV cache runs the AVX2 pieces on AVX-512 CPUs too (every one has AVX2 and F16C).
+  const bool is_avx512 = job.isa == Isa::kAvx512 && !job.is_half_kv;
   if (is_avx512) {
     score_tile_avx512(job, b, kv_head, queries, num_queries);
   } else {
@@ -53,8 +55,10 @@ void attend_tile(const AttentionJob& job, int64_t tile, std::vector<float>& scor
 }  // namespace
 
 bool can_attend_blocked(const AttentionJob& job) {
+  const bool is_avx2_dim = job.num_d == 64 || job.num_d == 128;
+  if (job.is_half_kv) return job.isa != Isa::kPortable && has_f16c() && is_avx2_dim;
   if (job.isa == Isa::kAvx512) return job.num_d >= 1 && job.num_d <= 256;
-  return job.isa == Isa::kAvx2 && (job.num_d == 64 || job.num_d == 128);
+  return job.isa == Isa::kAvx2 && is_avx2_dim;
 }
 
 void attend_tiles(const AttentionJob& job, int64_t begin, int64_t end) {

@@ -1,5 +1,6 @@
 #include "decoder_layer.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -236,8 +237,10 @@ void mlp_stage(Scratch& scratch, const float* h, int64_t num_rows, int64_t num_i
 
 // Row b's T new keys or values (B, H, T, Dh) into a (B, H, S, Dh) buffer at positions offset[b] + t;
 // a position outside [0, S) is not written (the caller reserves room; this keeps memory safe).
+// A Half buffer takes each float rounded to nearest even, as mlx's astype rounds.
+template <typename KV>
 void write_new_positions(const float* fresh, const SegmentRows& rows, int64_t num_heads, int64_t head_dim,
-                         int64_t capacity, float* buffer) {
+                         int64_t capacity, KV* buffer) {
   for (int64_t b = 0; b < rows.num_b; ++b) {
     const int64_t start = rows.offsets[b * rows.offset_stride];
     for (int64_t h = 0; h < num_heads; ++h) {
@@ -250,11 +253,12 @@ void write_new_positions(const float* fresh, const SegmentRows& rows, int64_t nu
   }
 }
 
-// A segment's cache in one layer: its (B, Hkv, capacity, Dh) key and value buffers.
+// A segment's cache in one layer: its (B, Hkv, capacity, Dh) key and value buffers, float or Half.
 struct SegmentCache {
-  float* keys;
-  float* values;
+  void* keys;
+  void* values;
   int64_t capacity;
+  bool is_half;
 };
 
 // One layer over each segment's rows of x (rows, D) into h_out, segment s's new keys and values
@@ -279,12 +283,18 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
     const SegmentRows& rows = segments[s];
     const SegmentCache& cache = caches[s];
     const int64_t kv_start = rows.first_row * kv_width;
-    write_new_positions(k + kv_start, rows, num_kv_heads, head_dim, cache.capacity, cache.keys);
-    write_new_positions(v + kv_start, rows, num_kv_heads, head_dim, cache.capacity, cache.values);
+    if (cache.is_half) {
+      write_new_positions(k + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<Half*>(cache.keys));
+      write_new_positions(v + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<Half*>(cache.values));
+    } else {
+      write_new_positions(k + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<float*>(cache.keys));
+      write_new_positions(v + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<float*>(cache.values));
+    }
     AttentionJob job;
     job.q = {q + rows.first_row * q_width, num_q_heads * rows.num_t * head_dim, rows.num_t * head_dim, head_dim};
     job.keys = {cache.keys, num_kv_heads * cache.capacity * head_dim, cache.capacity * head_dim, head_dim};
     job.values = {cache.values, num_kv_heads * cache.capacity * head_dim, cache.capacity * head_dim, head_dim};
+    job.is_half_kv = cache.is_half;
     job.offsets = rows.offsets;
     job.offset_stride = rows.offset_stride;
     job.out = attended + rows.first_row * q_width;
@@ -341,11 +351,26 @@ InPlaceEncoded encode_in_place(mx::cpu::CommandEncoder& encoder, const std::vect
   return encoded;
 }
 
+// The KV buffers' type in a node: float16 (a float16 cache, written and read as halves) when
+// every buffer is, else float32 (the others are cast, which makes fresh buffers).
+mx::Dtype kv_buffer_dtype(const std::vector<mx::array>& buffers) {
+  const bool is_half = std::all_of(buffers.begin(), buffers.end(), [](const mx::array& a) {
+    return a.dtype() == mx::float16;
+  });
+  return is_half ? mx::float16 : mx::float32;
+}
+
 // A strided KV input into the fresh buffer share_or_allocate gave its output.
-void fill_copied(const mx::array& buffer, float* y) {
-  std::vector<float> copy;
-  const float* src = row_major_data<float>(buffer, copy);
-  std::copy(src, src + buffer.size(), y);
+template <typename KV>
+void fill_copied_as(const mx::array& buffer, void* y) {
+  std::vector<KV> copy;
+  const KV* src = row_major_data<KV>(buffer, copy);
+  std::copy(src, src + buffer.size(), static_cast<KV*>(y));
+}
+
+void fill_copied(const mx::array& buffer, void* y) {
+  if (buffer.dtype() == mx::float16) return fill_copied_as<Half>(buffer, y);
+  fill_copied_as<float>(buffer, y);
 }
 
 }  // namespace
@@ -434,13 +459,14 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
   const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
   check_layer_weights(weights.data(), q_width, kv_width, dims, hidden_dims, bits, "decoder_layer");
   auto s = mx::default_stream(mx::Device::cpu);
+  const mx::Dtype kv_dtype = kv_buffer_dtype({keys, values});
   std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s),
-                                   as_dtype(keys, mx::float32, s), as_dtype(values, mx::float32, s),
+                                   as_dtype(keys, kv_dtype, s), as_dtype(values, kv_dtype, s),
                                    as_dtype(input_norm_weight, mx::float32, s),
                                    as_dtype(post_norm_weight, mx::float32, s)};
   inputs.insert(inputs.end(), weights.begin(), weights.begin() + 7);
   return mx::array::make_arrays(
-      {x.shape(), kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
+      {x.shape(), kv_shape, kv_shape}, {mx::float32, kv_dtype, kv_dtype},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kLayer, bits, eps, num_q_heads, num_kv_heads, head_dim,
                                        hidden_dims, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale},
                                        attention_scale),
@@ -484,8 +510,8 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
 void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
   InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 1, 2);
-  encoder.dispatch([in = std::move(encoded.inputs), h_out = outputs[0].data<float>(), keys = outputs[1].data<float>(),
-                    values = outputs[2].data<float>(), is_keys_copied = encoded.is_copied[0],
+  encoder.dispatch([in = std::move(encoded.inputs), h_out = outputs[0].data<float>(), keys = outputs[1].data<void>(),
+                    values = outputs[2].data<void>(), is_keys_copied = encoded.is_copied[0],
                     is_values_copied = encoded.is_copied[1],
                     shape = LayerShape{bits_, eps_, num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_, rope_,
                                        attention_scale_}]() {
@@ -497,7 +523,7 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     RopeAngles* angles = scratch.segment_angles(1);
     const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[1], angles)};
     fill_layer_angles(rows[0], shape.head_dim, shape.rope, *angles);
-    const SegmentCache cache = {keys, values, in[2].shape(2)};
+    const SegmentCache cache = {keys, values, in[2].shape(2), in[2].dtype() == mx::float16};
     run_layer(shape, scratch, x, rows, &cache, in[0].shape(2),
               layer_weights(in[4], in[5], &in[6], in.size() == 15 ? &in[13] : nullptr), h_out);
   });
@@ -558,6 +584,9 @@ std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, co
     throw std::invalid_argument("decoder_stack: one keys and one values buffer per segment and layer");
   }
   auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> buffers = keys;
+  buffers.insert(buffers.end(), values.begin(), values.end());
+  const mx::Dtype kv_dtype = kv_buffer_dtype(buffers);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs;
   for (int i = 0; i < num_segments; ++i) {
@@ -578,11 +607,13 @@ std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, co
         throw std::invalid_argument("decoder_stack: keys and values must be (B, Hkv, S, Dh) with S >= T");
       }
       shapes.push_back(kv_shape);
-      inputs.push_back(as_dtype(buffer, mx::float32, s));
+      inputs.push_back(as_dtype(buffer, kv_dtype, s));
     }
   }
-  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32),
-                                std::make_shared<DecoderStackOp>(s, std::move(stack), num_segments), inputs);
+  std::vector<mx::Dtype> dtypes(shapes.size(), kv_dtype);
+  std::fill(dtypes.begin(), dtypes.begin() + num_segments, mx::float32);
+  return mx::array::make_arrays(shapes, dtypes, std::make_shared<DecoderStackOp>(s, std::move(stack), num_segments),
+                                inputs);
 }
 
 // Inputs: each segment's x, each segment's offset, then keys and values, each segment's layers in
@@ -591,9 +622,10 @@ void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   auto& encoder = mx::cpu::get_command_encoder(stream());
   const int num_buffers = 2 * num_segments_ * stack_->num_layers();
   InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, num_segments_, num_buffers);
-  std::vector<float*> h_out, kv;
+  std::vector<float*> h_out;
+  std::vector<void*> kv;
   for (int i = 0; i < num_segments_; ++i) h_out.push_back(outputs[i].data<float>());
-  for (int i = 0; i < num_buffers; ++i) kv.push_back(outputs[num_segments_ + i].data<float>());
+  for (int i = 0; i < num_buffers; ++i) kv.push_back(outputs[num_segments_ + i].data<void>());
   encoder.dispatch([in = std::move(encoded.inputs), kv = std::move(kv), is_copied = std::move(encoded.is_copied),
                     h_out = std::move(h_out), stack = stack_, num_segments = num_segments_]() {
     thread_local Scratch scratch;
@@ -629,7 +661,8 @@ void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     for (int l = 0; l < num_layers; ++l) {
       for (int i = 0; i < num_segments; ++i) {
         const int64_t b = static_cast<int64_t>(i) * num_layers + l;
-        caches[i] = {kv[b], kv[num_segments * num_layers + b], in[first_buffer + b].shape(2)};
+        caches[i] = {kv[b], kv[num_segments * num_layers + b], in[first_buffer + b].shape(2),
+                     in[first_buffer + b].dtype() == mx::float16};
       }
       float* y = l + 1 == num_layers && num_segments == 1 ? h_out[0] : scratch.get(9 + (l + 1) % 2, size);
       run_layer(stack->shape(), scratch, x, segments, caches.data(), dims, stack->layer(l), y);

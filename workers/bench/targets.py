@@ -9,7 +9,7 @@
 Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
 resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), evidence (0|1: 0 sets depths without
 the drafter's per-round grades), amx (0|1: GMLX_CPU_AMX, the CPU kernels' wide products on AMX),
-width_cap (N), num_draft_tokens (N),
+kv (model|float16: GMLX_KV_DTYPE, the KV cache's element type), width_cap (N), num_draft_tokens (N),
 address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
@@ -24,16 +24,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gmlx.config import ROW_ATTENTION_RULES
+from gmlx.config import KV_CACHE_DTYPES, ROW_ATTENTION_RULES
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
 _BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance", "repack", "amx")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
-_STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention")
+_STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention", "kv")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
 MLX_LM_FORMATS = ("auto", "float32", "quantized")
 _GMLX_KNOBS = ("preempt", "resume", "adaptive", "evidence", "width_cap", "num_draft_tokens", "row_invariance",
-               "row_attention", "amx")
+               "row_attention", "amx", "kv")
 DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
@@ -50,6 +50,7 @@ class TargetSpec:
     row_invariance: bool | None = None  # GMLX_ROW_INVARIANCE at load; None = auto (on a GPU only)
     row_attention: str | None = None  # GMLX_ROW_ATTENTION at load (masked|unmasked); None = masked
     amx: bool | None = None  # GMLX_CPU_AMX; None = the kernels' default (on where the CPU allows)
+    kv: str | None = None  # GMLX_KV_DTYPE (model|float16); None = model
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
@@ -101,6 +102,8 @@ class TargetSpec:
             env["GMLX_ROW_ATTENTION"] = self.row_attention
         if self.amx is not None:
             env["GMLX_CPU_AMX"] = "1" if self.amx else "0"
+        if self.kv is not None:
+            env["GMLX_KV_DTYPE"] = self.kv
         return env
 
     def describe(self) -> dict:
@@ -155,6 +158,8 @@ def _check(text: str, spec: TargetSpec) -> None:
         raise ValueError(f"target {text!r}: blas and format apply to mlx-lm targets only")
     if spec.row_attention not in (None, *ROW_ATTENTION_RULES):
         raise ValueError(f"target {text!r}: row_attention must be one of {', '.join(ROW_ATTENTION_RULES)}")
+    if spec.kv not in (None, *KV_CACHE_DTYPES):
+        raise ValueError(f"target {text!r}: kv must be one of {', '.join(KV_CACHE_DTYPES)}")
     if spec.format not in MLX_LM_FORMATS:
         raise ValueError(f"target {text!r}: format must be one of {', '.join(MLX_LM_FORMATS)}")
     _check_llama_server(text, spec, kind)
