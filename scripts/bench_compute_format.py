@@ -14,11 +14,13 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
     python3 scripts/bench_compute_format.py --float-kernels 1,0 --no-mlx-lm   # float32 on panels vs the BLAS
     python3 scripts/bench_compute_format.py --model FOLDER --no-quantized --no-mlx-lm --float-kernels 1,0
     python3 scripts/bench_compute_format.py --depth 2000 --no-mlx-lm --llama-bench .cache/llama.cpp/bin/llama-bench
+    python3 scripts/bench_compute_format.py --depth 2000 --kv model,float16 --no-mlx-lm   # the KV cache's type
 
 --quant-activations loads the quantized format once per GMLX_CPU_QUANT_ACTIVATIONS mode (float:
 float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
 --depth N decodes after about N tokens of context (real text before the question; llama-bench -d N),
 where the attention over the KV cache, not the weights, sets much of a step's cost.
+--kv loads each format once per GMLX_KV_DTYPE setting (model: the computed float32; float16: halves).
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def main() -> None:
                         help="comma list of GMLX_CPU_FLOAT_KERNELS settings (1,0), one float32 engine each "
                              "(1: panels on the kernels' threads, 'gmlx float32'; 0: the BLAS path, "
                              "'gmlx float32 (BLAS)'; default: one, under the current setting)")
+    parser.add_argument("--kv", default="",
+                        help="comma list of GMLX_KV_DTYPE settings (model,float16), one engine of each format "
+                             "each (default: one, under the current setting)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     source = resolve_model_path(args.model)
@@ -134,18 +139,24 @@ def main() -> None:
             llama_models[f"llama.cpp {label}"] = Path(path)
 
     engines = {}
+    kv_of = {}  # engine name -> its GMLX_KV_DTYPE (read when a request's caches are made), or None
     modes = [m.strip() for m in args.quant_activations.split(",") if m.strip()]
     float_settings = [f.strip() for f in args.float_kernels.split(",") if f.strip()]
+    kv_settings = [k.strip() for k in args.kv.split(",") if k.strip()] or [None]
+
+    def load(name: str, overrides: dict) -> None:
+        for kv in kv_settings:
+            full_name = name + (f" {kv} KV" if kv and len(kv_settings) > 1 else "")
+            with env_overrides(overrides):
+                engines[full_name] = Engine.load(EngineConfig(model_path=str(source)))
+            kv_of[full_name] = kv
+
     for setting in float_settings or [None]:
-        with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "float32",
-                            **({"GMLX_CPU_FLOAT_KERNELS": setting} if setting else {})}):
-            engines["gmlx float32" + (" (BLAS)" if setting == "0" else "")] = Engine.load(
-                EngineConfig(model_path=str(source)))
+        load("gmlx float32" + (" (BLAS)" if setting == "0" else ""),
+             {"GMLX_CPU_COMPUTE_FORMAT": "float32", **({"GMLX_CPU_FLOAT_KERNELS": setting} if setting else {})})
     for mode in [] if args.no_quantized else modes or [None]:
-        overrides = {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {})}
-        with env_overrides(overrides):
-            engines["gmlx quantized" + (f" ({mode} x)" if mode else "")] = Engine.load(
-                EngineConfig(model_path=str(source)))
+        load("gmlx quantized" + (f" ({mode} x)" if mode else ""),
+             {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {})})
     baseline = None
     if not args.no_mlx_lm:
         import mlx_lm
@@ -155,28 +166,36 @@ def main() -> None:
 
     names = list(engines) + (["mlx-lm 4-bit"] if baseline else []) + list(llama_models)
     results = {name: [] for name in names}
-    for name, engine in engines.items():  # warm-up: compile, touch every weight once
-        gmlx_tok_per_s(engine, 16)
+    def timed(name: str, num_tokens: int, depth: int = 0) -> float:
+        with env_overrides({"GMLX_KV_DTYPE": kv_of[name]} if kv_of[name] else {}):
+            return gmlx_tok_per_s(engines[name], num_tokens, depth)
+
+    for name in engines:  # warm-up: compile, touch every weight once
+        timed(name, 16)
     dram_gbs = []  # this machine's read rate, once per repeat: the box's neighbours move it
     for _ in range(args.repeats):
         dram_gbs.append(read_bandwidth_gbs(512 << 20, 3) if is_kernels_built() else float("nan"))
-        for name, engine in engines.items():
-            results[name].append(gmlx_tok_per_s(engine, args.tokens, args.depth))
+        for name in engines:
+            results[name].append(timed(name, args.tokens, args.depth))
         if baseline:
             results["mlx-lm 4-bit"].append(mlx_lm_tok_per_s(*baseline, args.tokens, args.depth))
         for name, path in llama_models.items():
             results[name].append(llama_bench_tok_per_s(args.llama_bench, path, args.tokens, args.depth))
 
     medians = {name: statistics.median(values) for name, values in results.items()}
-    reference = medians["gmlx float32"]
+    reference = medians[next(n for n in engines if n.startswith("gmlx float32"))]
     dram = statistics.median(dram_gbs)
     # Weight bytes a token reads (as loaded: quad layout, float16 scales) per second, of DRAM.
     weight_gbs = {name: medians[name] * engine.target.num_weight_bytes / 1e9 for name, engine in engines.items()}
     llama = medians.get("llama.cpp")
     # Each repeat's own ratio, then their median: a repeat's engines ran the same minute of this
     # shared box, which a ratio of medians taken over different minutes does not see.
+    pairs = [(name, peer) for name in engines for peer in llama_models]
+    if len(kv_settings) > 1:  # each KV setting over the first, format by format
+        first = f" {kv_settings[0]} KV"
+        pairs += [(name, name.rsplit(" ", 2)[0] + first) for name in engines if not name.endswith(first)]
     paired = {f"{name} / {peer}": statistics.median(a / b for a, b in zip(results[name], results[peer]))
-              for name in engines for peer in llama_models}
+              for name, peer in pairs}
     num_prompt_tokens = len(prompt_ids(next(iter(engines.values())).tokenizer, args.depth))
     report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats, "depth": args.depth,
               "num_prompt_tokens": num_prompt_tokens,
