@@ -283,12 +283,14 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
     const SegmentRows& rows = segments[s];
     const SegmentCache& cache = caches[s];
     const int64_t kv_start = rows.first_row * kv_width;
+    const auto write = [&](auto* keys, auto* values) {
+      write_new_positions(k + kv_start, rows, num_kv_heads, head_dim, cache.capacity, keys);
+      write_new_positions(v + kv_start, rows, num_kv_heads, head_dim, cache.capacity, values);
+    };
     if (cache.is_half) {
-      write_new_positions(k + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<Half*>(cache.keys));
-      write_new_positions(v + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<Half*>(cache.values));
+      write(static_cast<Half*>(cache.keys), static_cast<Half*>(cache.values));
     } else {
-      write_new_positions(k + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<float*>(cache.keys));
-      write_new_positions(v + kv_start, rows, num_kv_heads, head_dim, cache.capacity, static_cast<float*>(cache.values));
+      write(static_cast<float*>(cache.keys), static_cast<float*>(cache.values));
     }
     AttentionJob job;
     job.q = {q + rows.first_row * q_width, num_q_heads * rows.num_t * head_dim, rows.num_t * head_dim, head_dim};
