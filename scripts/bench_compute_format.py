@@ -139,7 +139,9 @@ def main() -> None:
             llama_models[f"llama.cpp {label}"] = Path(path)
 
     engines = {}
-    kv_of = {}  # engine name -> its GMLX_KV_DTYPE (read when a request's caches are made), or None
+    # engine name -> (its name without the KV setting, its GMLX_KV_DTYPE or None); the setting is
+    # read when a request's caches are made, so each engine is timed under its own.
+    variant_of = {}
     modes = [m.strip() for m in args.quant_activations.split(",") if m.strip()]
     float_settings = [f.strip() for f in args.float_kernels.split(",") if f.strip()]
     kv_settings = [k.strip() for k in args.kv.split(",") if k.strip()] or [None]
@@ -149,7 +151,7 @@ def main() -> None:
             full_name = name + (f" {kv} KV" if kv and len(kv_settings) > 1 else "")
             with env_overrides(overrides):
                 engines[full_name] = Engine.load(EngineConfig(model_path=str(source)))
-            kv_of[full_name] = kv
+            variant_of[full_name] = (name, kv)
 
     for setting in float_settings or [None]:
         load("gmlx float32" + (" (BLAS)" if setting == "0" else ""),
@@ -166,8 +168,10 @@ def main() -> None:
 
     names = list(engines) + (["mlx-lm 4-bit"] if baseline else []) + list(llama_models)
     results = {name: [] for name in names}
+
     def timed(name: str, num_tokens: int, depth: int = 0) -> float:
-        with env_overrides({"GMLX_KV_DTYPE": kv_of[name]} if kv_of[name] else {}):
+        kv = variant_of[name][1]
+        with env_overrides({"GMLX_KV_DTYPE": kv} if kv else {}):
             return gmlx_tok_per_s(engines[name], num_tokens, depth)
 
     for name in engines:  # warm-up: compile, touch every weight once
@@ -191,9 +195,8 @@ def main() -> None:
     # Each repeat's own ratio, then their median: a repeat's engines ran the same minute of this
     # shared box, which a ratio of medians taken over different minutes does not see.
     pairs = [(name, peer) for name in engines for peer in llama_models]
-    if len(kv_settings) > 1:  # each KV setting over the first, format by format
-        first = f" {kv_settings[0]} KV"
-        pairs += [(name, name.rsplit(" ", 2)[0] + first) for name in engines if not name.endswith(first)]
+    first_kv_of = {base: name for name, (base, kv) in variant_of.items() if kv == kv_settings[0]}
+    pairs += [(name, first_kv_of[base]) for name, (base, kv) in variant_of.items() if kv != kv_settings[0]]
     paired = {f"{name} / {peer}": statistics.median(a / b for a, b in zip(results[name], results[peer]))
               for name, peer in pairs}
     num_prompt_tokens = len(prompt_ids(next(iter(engines.values())).tokenizer, args.depth))

@@ -223,6 +223,7 @@ def test_buffers_shared_with_a_prompt_cache_entry_are_copied_before_a_write(fuse
     mx.eval(target.forward(mx.array([prompt]), cache)[1])
     store.offer(prompt, cache, 0)
     entry = store._entries[tuple(prompt)]
+    assert all(k.dtype == v.dtype == kv_dtype for k, v in zip(entry.keys, entry.values))
     assert all(_address(k) != _address(c.keys) for k, c in zip(entry.keys, cache))
     before = [np.array(k) for k in entry.keys]
     restored, num_hit = store.fetch(prompt + [7])
