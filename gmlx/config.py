@@ -330,14 +330,15 @@ def log_level() -> str:
     return level
 
 
-KV_CACHE_DTYPES = ("model", "float16")
+KV_CACHE_DTYPES = ("auto", "model", "float16")
 
 
 def kv_cache_dtype() -> str:
-    """GMLX_KV_DTYPE: model (default) keeps keys and values in the type the model computes them in;
-    float16 stores them as halves, rounded once to nearest even on every path, which halves the
-    bytes a long context's attention reads (llama.cpp's default cache type)."""
-    raw = os.environ.get("GMLX_KV_DTYPE", "").strip().lower() or "model"
+    """GMLX_KV_DTYPE: auto (default) stores keys and values as float16 where the model's products
+    quantize their activations to int8 (the 4-bit CPU path, whose logits the halves move no
+    further), in the type the model computes them in otherwise; model and float16 pin one.
+    Halves are rounded once to nearest even on every path (llama.cpp's default cache type)."""
+    raw = os.environ.get("GMLX_KV_DTYPE", "").strip().lower() or "auto"
     if raw not in KV_CACHE_DTYPES:
         raise ValueError(f"GMLX_KV_DTYPE={raw!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     return raw

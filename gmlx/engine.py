@@ -87,8 +87,8 @@ class Engine:
         # Weights and KV are read every step: fewer TLB misses. A GPU's are not in these pages.
         is_huge = config.is_huge_pages_enabled() and mx.default_device() == mx.cpu
         if tune_malloc():  # joins and growing batches then reuse warm pages
-            kv_bytes_per_token = target.kv_bytes_per_token // (2 if config.kv_cache_dtype() == "float16" else 1)
-            warm_heap(4 * kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens), is_huge)
+            warm_heap(4 * target.kv_bytes_per_token * (engine_config.max_context_tokens or target.max_context_tokens),
+                      is_huge)
         if is_huge:
             move_to_huge_pages([w for _, w in tree_flatten(target.model.parameters())])
         self.target = target

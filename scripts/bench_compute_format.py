@@ -20,7 +20,8 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
 float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
 --depth N decodes after about N tokens of context (real text before the question; llama-bench -d N),
 where the attention over the KV cache, not the weights, sets much of a step's cost.
---kv loads each format once per GMLX_KV_DTYPE setting (model: the computed float32; float16: halves).
+--kv loads each format once per GMLX_KV_DTYPE setting (model: the computed float32; float16: halves;
+auto, the default: halves where the products quantize activations to int8).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def main() -> None:
                              "(1: panels on the kernels' threads, 'gmlx float32'; 0: the BLAS path, "
                              "'gmlx float32 (BLAS)'; default: one, under the current setting)")
     parser.add_argument("--kv", default="",
-                        help="comma list of GMLX_KV_DTYPE settings (model,float16), one engine of each format "
+                        help="comma list of GMLX_KV_DTYPE settings (auto,model,float16), one engine of each format "
                              "each (default: one, under the current setting)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -140,7 +141,7 @@ def main() -> None:
 
     engines = {}
     # engine name -> (its name without the KV setting, its GMLX_KV_DTYPE or None); the setting is
-    # read when a request's caches are made, so each engine is timed under its own.
+    # resolved when the model loads (LoadedModel.kv_dtype).
     variant_of = {}
     modes = [m.strip() for m in args.quant_activations.split(",") if m.strip()]
     float_settings = [f.strip() for f in args.float_kernels.split(",") if f.strip()]
@@ -149,7 +150,7 @@ def main() -> None:
     def load(name: str, overrides: dict) -> None:
         for kv in kv_settings:
             full_name = name + (f" {kv} KV" if kv and len(kv_settings) > 1 else "")
-            with env_overrides(overrides):
+            with env_overrides({**overrides, **({"GMLX_KV_DTYPE": kv} if kv else {})}):
                 engines[full_name] = Engine.load(EngineConfig(model_path=str(source)))
             variant_of[full_name] = (name, kv)
 
@@ -170,9 +171,7 @@ def main() -> None:
     results = {name: [] for name in names}
 
     def timed(name: str, num_tokens: int, depth: int = 0) -> float:
-        kv = variant_of[name][1]
-        with env_overrides({"GMLX_KV_DTYPE": kv} if kv else {}):
-            return gmlx_tok_per_s(engines[name], num_tokens, depth)
+        return gmlx_tok_per_s(engines[name], num_tokens, depth)
 
     for name in engines:  # warm-up: compile, touch every weight once
         timed(name, 16)

@@ -86,7 +86,7 @@ def batch_forwards(target, widths, num_kv_tokens: int = 160) -> dict:
 
 def prefilled_cache(target, num_rows: int, num_kv_tokens: int):
     """A ragged cache of num_rows rows, each holding the same num_kv_tokens tokens."""
-    cache = make_ragged_cache(target.num_layers, num_rows)
+    cache = make_ragged_cache(target.num_layers, num_rows, stored_dtype=target.kv_dtype)
     prompt = mx.array([[(11 * i) % 1000 + 5 for i in range(num_kv_tokens)]] * num_rows)
     mx.eval(target.forward(prompt, cache)[1])
     return cache
@@ -157,7 +157,7 @@ def main() -> None:
     caches = {}
     for side, engine in engines.items():
         target = engine.target
-        caches[side] = make_ragged_cache(target.num_layers)
+        caches[side] = make_ragged_cache(target.num_layers, stored_dtype=target.kv_dtype)
         mx.eval(target.forward(mx.array([[(11 * i) % 1000 + 5 for i in range(args.context)]]), caches[side])[1])
         gmlx_tok_per_s(engine, 16)  # warm-up: touch every weight once
 

@@ -74,7 +74,7 @@ def main():
             t = output.greedy(h)
         return t
 
-    caches = make_ragged_cache(target.num_layers, 1)
+    caches = make_ragged_cache(target.num_layers, 1, stored_dtype=target.kv_dtype)
     mx.eval(target.forward(mx.arange(100, 164, dtype=mx.int32)[None], caches)[1])
 
     def step():  # one decode forward on a 64-token context, its KV written then trimmed

@@ -73,7 +73,7 @@ def forward_ms(target, num_rows: int = 1, context_tokens: int = 256, repeats: in
 
     from gmlx.cache.ragged import make_ragged_cache
 
-    caches = make_ragged_cache(target.num_layers, num_rows)
+    caches = make_ragged_cache(target.num_layers, num_rows, stored_dtype=target.kv_dtype)
     target.forward(mx.zeros((num_rows, context_tokens), dtype=mx.int32), caches)
     mx.eval([c.keys for c in caches])
     times = []

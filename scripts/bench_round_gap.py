@@ -88,7 +88,7 @@ def forwards(model: str, num_runs: int, reps: int) -> dict:
     from gmlx.models.loader import load_model
 
     target = load_model(model)
-    caches = make_ragged_cache(target.num_layers, 1)
+    caches = make_ragged_cache(target.num_layers, 1, stored_dtype=target.kv_dtype)
     mx.eval(target.forward(mx.arange(100, 164, dtype=mx.int32)[None], caches)[1])
 
     def step(tokens):

@@ -34,7 +34,7 @@ def batch_us(make_outputs) -> float:
 
 def forward_ms(target, num_rows: int, num_new: int, num_steps: int = 30) -> float:
     """Milliseconds a step of a decode loop (num_new tokens a row, read back each step)."""
-    caches = make_ragged_cache(target.num_layers, num_rows)
+    caches = make_ragged_cache(target.num_layers, num_rows, stored_dtype=target.kv_dtype)
     mx.eval(target.forward(mx.array([[5, 6, 7, 8, 9, 10] * 8] * num_rows), caches)[1])
     tokens = mx.array([[3] * num_new] * num_rows)
     times = []

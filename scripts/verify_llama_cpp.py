@@ -90,7 +90,7 @@ def margins_at(engine: Engine, prompt: list[int], generated: list[int], index: i
     llama.cpp's choice sits in gmlx's logits (its rank, and the logit gap). The forward runs on
     gmlx's own ragged cache, so its kernels' attention: the numerics the engine decoded with."""
     tokens = mx.array([prompt + generated[:index]])
-    _, logits = engine.target.forward(tokens, make_ragged_cache(len(engine.target.body.layers)))
+    _, logits = engine.target.forward(tokens, make_ragged_cache(engine.target.num_layers, stored_dtype=engine.target.kv_dtype))
     row = logits[0, -1].astype(mx.float32)
     top = mx.sort(row)[-2:]
     result = {"margin": float(top[1] - top[0])}

@@ -49,7 +49,7 @@ def test_llama_server_spec_keys_defaults_and_errors():
     bad = {
         "mlx-lm:drafter=draft,adaptive=0": "gmlx knobs",
         "server:adaptive=2": "0 or 1",
-        "server:kv=bfloat16": "kv must be one of model, float16",
+        "server:kv=bfloat16": "kv must be one of auto, model, float16",
         "llama-server:kv=float16": "gmlx knobs",
         "llama-server:gguf=/m/model.bin": "must name a .gguf",
         "llama-server:drafter=mtp": "without a drafter",

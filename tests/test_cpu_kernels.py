@@ -654,6 +654,22 @@ def test_gguf_like_model_runs_in_the_quad_layout(gguf_like_target):
     assert all(type(layer).__name__ == "FusedLlamaBlock" for layer in gguf_like_target.model.model.layers)
 
 
+def test_an_int8_activation_model_stores_its_kv_in_halves_by_default(gguf_like_target, builtin_target, code_prompts):
+    """GMLX_KV_DTYPE=auto: the caches the engine makes for a model whose products quantize
+    activations to int8 store float16 (its byte count halved); a float32 model's and a pinned
+    `model` setting's keep the computed float32."""
+    with env_overrides({"GMLX_KV_DTYPE": "model"}):
+        pinned = load_model(gguf_like_target.path)
+    assert gguf_like_target.kv_dtype == mx.float16 and pinned.kv_dtype is None and builtin_target.kv_dtype is None
+    assert 2 * gguf_like_target.kv_bytes_per_token == pinned.kv_bytes_per_token
+    for target, expected in ((gguf_like_target, mx.float16), (pinned, mx.float32), (builtin_target, mx.float32)):
+        engine = Engine(target, None, EngineConfig())
+        engine.add_request(code_prompts[0][:20], SamplingParams(max_tokens=4))
+        while engine.batch is None:
+            engine.step()
+        assert all(c.keys.dtype == c.values.dtype == expected for c in engine.batch.caches)
+
+
 @pytest.mark.parametrize("tiles", [False, True])
 def test_quad_layout_and_grouping_leave_every_logit_bit_alone(tiles, gguf_like_target, code_prompts, ext):
     """The layout (quads or tiles) and the grouped nodes only move bytes and merge calls: the

@@ -61,11 +61,10 @@ def test_the_stack_switch_keeps_a_node_a_layer(fused_and_unfused):
 FORMS = ("stack", "one-node", "six-node")
 
 
-@pytest.fixture(params=["model", "float16"])
-def kv_dtype(request, monkeypatch):
-    """The caches a test makes store the model's float32 or, with GMLX_KV_DTYPE=float16, halves."""
-    monkeypatch.setenv("GMLX_KV_DTYPE", request.param)
-    return mx.float16 if request.param == "float16" else mx.float32
+@pytest.fixture(params=[mx.float32, mx.float16], ids=["float32", "float16"])
+def kv_dtype(request):
+    """The type the caches a test makes store: the model's float32, or halves (GMLX_KV_DTYPE)."""
+    return request.param
 
 
 def _set_form(target, form: str, stack_call) -> None:
@@ -92,7 +91,8 @@ def test_fused_layers_give_the_separate_graphs_bits_on_ragged_rows(fused_and_unf
 
 def _check_ragged_rows(fused_target, unfused_target, code_prompts, kv_dtype):
     num_layers = len(fused_target.model.model.layers)
-    caches = {name: [RaggedKVCache(num_rows=2) for _ in range(num_layers)] for name in ("fused", "unfused")}
+    caches = {name: [RaggedKVCache(num_rows=2, stored_dtype=kv_dtype) for _ in range(num_layers)]
+              for name in ("fused", "unfused")}
     targets = {"fused": fused_target, "unfused": unfused_target}
     text = [t for prompt in code_prompts for t in prompt]
     rows = [text[:43], text[100:143]]
@@ -170,7 +170,7 @@ def test_a_decode_step_is_one_node_writing_the_kv_in_place(fused_and_unfused, tm
     target = fused_and_unfused[0]
     stack_call = target.model.model._stack_call
     num_layers = len(target.model.model.layers)
-    cache = [RaggedKVCache() for _ in range(num_layers)]
+    cache = [RaggedKVCache(stored_dtype=kv_dtype) for _ in range(num_layers)]
     _set_form(target, form, stack_call)
     try:
         mx.eval(target.forward(mx.array([[5, 6, 7, 8]]), cache)[1])
@@ -219,7 +219,7 @@ def test_buffers_shared_with_a_prompt_cache_entry_are_copied_before_a_write(fuse
     num_layers = len(target.model.model.layers)
     prompt = [11 + i % 50 for i in range(256)]  # the buffers' whole capacity: a contiguous slice
     store = PromptCache(max_bytes=1 << 30)
-    cache = [RaggedKVCache() for _ in range(num_layers)]
+    cache = [RaggedKVCache(stored_dtype=kv_dtype) for _ in range(num_layers)]
     mx.eval(target.forward(mx.array([prompt]), cache)[1])
     store.offer(prompt, cache, 0)
     entry = store._entries[tuple(prompt)]

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches, make_ragged_cache
+from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches, make_ragged_cache, stored_kv_dtype
 
 
 def solo_logits(target, tokens):
@@ -87,11 +87,10 @@ def test_a_staged_join_holds_what_a_merge_holds(seed):
     assert not joiner.with_leading_rows(batch.num_rows, width).can_fill_leading_rows(wider)
 
 
-def test_a_float16_cache_stores_halves_through_every_operation(monkeypatch):
-    """GMLX_KV_DTYPE=float16: float32 writes land rounded to halves (as astype rounds), and merges,
-    filters, staged joins and growth keep the buffers halves."""
-    monkeypatch.setenv("GMLX_KV_DTYPE", "float16")
-    caches = [RaggedKVCache(1) for _ in range(2)]
+def test_a_float16_cache_stores_halves_through_every_operation():
+    """A float16 cache (GMLX_KV_DTYPE): float32 writes land rounded to halves (as astype rounds),
+    and merges, filters, staged joins and growth keep the buffers halves."""
+    caches = [RaggedKVCache(1, stored_dtype=mx.float16) for _ in range(2)]
     written = []
     for cache, seed in zip(caches, (1, 2)):
         keys, values = (mx.random.normal((1, 2, 300, 8), key=mx.random.key(seed + i)) for i in (0, 10))
@@ -111,7 +110,17 @@ def test_a_float16_cache_stores_halves_through_every_operation(monkeypatch):
     assert mx.array_equal(merged.keys[0, :, 295:297], mx.ones((2, 2, 8), dtype=mx.float16)).item()
 
 
+@pytest.mark.parametrize("setting, float_kv, int8_kv", [
+    ("", None, mx.float16), ("auto", None, mx.float16), ("model", None, None), ("float16", mx.float16, mx.float16)])
+def test_the_kv_setting_picks_halves_where_activations_are_int8(monkeypatch, setting, float_kv, int8_kv):
+    """auto (the default) stores halves only for a model whose products quantize activations to
+    int8; model and float16 pin the type for every model."""
+    monkeypatch.setenv("GMLX_KV_DTYPE", setting)
+    assert stored_kv_dtype(is_int8_activations=False) == float_kv
+    assert stored_kv_dtype(is_int8_activations=True) == int8_kv
+
+
 def test_an_unknown_kv_dtype_is_named(monkeypatch):
     monkeypatch.setenv("GMLX_KV_DTYPE", "bfloat16")
     with pytest.raises(ValueError, match="GMLX_KV_DTYPE='bfloat16'"):
-        RaggedKVCache(1)
+        stored_kv_dtype(is_int8_activations=False)

@@ -1,5 +1,7 @@
 """The two loops with every drafter: output equals plain decoding, width caps, gated rounds."""
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 
@@ -52,12 +54,13 @@ def test_random_schedules_equal_plain(kind, chunk, engines, reference, code_prom
 
 
 @pytest.mark.parametrize("kind", DRAFTERS)
-def test_random_schedules_on_a_float16_kv_cache_equal_plain(kind, builtin_target, code_prompts, monkeypatch):
-    """GMLX_KV_DTYPE=float16: every cache stores halves, each writer rounding as mlx's astype does,
-    so speculative and batched streams still equal plain decoding's (itself on halves)."""
-    monkeypatch.setenv("GMLX_KV_DTYPE", "float16")
-    engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig())
-    reference = SoloReference(builtin_target)
+def test_random_schedules_on_a_float16_kv_cache_equal_plain(kind, builtin_target, code_prompts):
+    """A float16 KV cache (GMLX_KV_DTYPE): every cache stores halves, each writer rounding as
+    mlx's astype does, so speculative and batched streams still equal plain decoding's (itself on
+    halves)."""
+    target = dataclasses.replace(builtin_target, kv_dtype=mx.float16)
+    engine = Engine(target, make_drafter(kind, target), EngineConfig())
+    reference = SoloReference(target)
     engine.add_request(code_prompts[0][:20], SamplingParams(max_tokens=32))
     for _ in range(4):  # the prompt's prefill, then its first decode round
         engine.step()

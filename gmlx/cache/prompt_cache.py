@@ -21,6 +21,7 @@ class _Entry:
     keys: tuple[mx.array, ...]  # per layer (1, H, n, D)
     values: tuple[mx.array, ...]
     nbytes: int
+    stored_dtype: mx.Dtype | None  # the offering caches' KV type, which a restored cache keeps
 
 
 class PromptCache:
@@ -47,7 +48,7 @@ class PromptCache:
         self.num_hit_tokens += best_len
         caches = []
         for keys, values in zip(best.keys, best.values):
-            cache = RaggedKVCache(1)
+            cache = RaggedKVCache(1, stored_dtype=best.stored_dtype)
             cache.keys, cache.values = keys[:, :, :best_len, :], values[:, :, :best_len, :]
             cache.lengths = [best_len]
             caches.append(cache)
@@ -73,7 +74,7 @@ class PromptCache:
             self._drop(old)
         if key in self._entries:
             return
-        self._entries[key] = _Entry(key, keys, values, nbytes)
+        self._entries[key] = _Entry(key, keys, values, nbytes, caches[0].stored_dtype)
         self.num_bytes += nbytes
         while self.num_bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))

@@ -16,11 +16,11 @@ _STEP_TOKENS = 256  # buffer growth granularity
 
 
 class RaggedKVCache:
-    def __init__(self, num_rows: int = 1, min_capacity: int = 0):
+    def __init__(self, num_rows: int = 1, min_capacity: int = 0, stored_dtype: mx.Dtype | None = None):
         # A prompt's length known up front: its prefill then never copies the buffer to grow it.
         self.min_capacity = min_capacity
-        # The buffers' element type where GMLX_KV_DTYPE sets one; None: the type written first.
-        self.stored_dtype = mx.float16 if config.kv_cache_dtype() == "float16" else None
+        # The buffers' element type (its model's kv_dtype, from GMLX_KV_DTYPE); None: the type written first.
+        self.stored_dtype = stored_dtype
         self._keys: mx.array | None = None  # (B, H, S, Dk)
         self._values: mx.array | None = None  # (B, H, S, Dv)
         # Whether no array outside this cache may share the buffers' memory: true for buffers its
@@ -165,7 +165,8 @@ class RaggedKVCache:
     @classmethod
     def concat(cls, caches: list[RaggedKVCache]) -> RaggedKVCache:
         """One cache holding the rows of `caches`, in order."""
-        merged = cls(0)
+        assert len({c.stored_dtype for c in caches}) == 1, "rows of one batch store one KV type"
+        merged = cls(0, stored_dtype=caches[0].stored_dtype)
         merged.lengths = [n for c in caches for n in c.lengths]
         filled = [c for c in caches if c.keys is not None]
         if not filled:
@@ -180,7 +181,7 @@ class RaggedKVCache:
         """This cache's rows after `num_rows` empty ones, buffers `width` positions wide: a join
         staged ahead, whose leading rows fill_leading_rows writes when it happens."""
         assert self.keys is not None and width >= self.keys.shape[2]
-        staged = RaggedKVCache(0)
+        staged = RaggedKVCache(0, stored_dtype=self.stored_dtype)
         staged.lengths = [0] * num_rows + self.lengths
         staged._own(*(mx.concatenate([mx.zeros((num_rows, *own.shape[1:]), own.dtype), own], axis=0)
                       for own in (_pad_to(self, name, width, self) for name in ("keys", "values"))))
@@ -233,8 +234,19 @@ def _pad_to(cache: RaggedKVCache, name: str, width: int, proto: RaggedKVCache) -
     return mx.concatenate([array, pad], axis=2)
 
 
-def make_ragged_cache(num_layers: int, num_rows: int = 1, min_capacity: int = 0) -> list[RaggedKVCache]:
-    return [RaggedKVCache(num_rows, min_capacity) for _ in range(num_layers)]
+def make_ragged_cache(num_layers: int, num_rows: int = 1, min_capacity: int = 0,
+                      stored_dtype: mx.Dtype | None = None) -> list[RaggedKVCache]:
+    return [RaggedKVCache(num_rows, min_capacity, stored_dtype) for _ in range(num_layers)]
+
+
+def stored_kv_dtype(is_int8_activations: bool) -> mx.Dtype | None:
+    """A model's KV element type under GMLX_KV_DTYPE (None: the type it computes keys in).
+    auto picks float16 where the products already quantize their activations to int8: the
+    halves then move logits no further than the activations do (BENCHMARKS.md, session 39)."""
+    setting = config.kv_cache_dtype()
+    if setting == "float16" or (setting == "auto" and is_int8_activations):
+        return mx.float16
+    return None
 
 
 def concat_layer_caches(per_request: list[list[RaggedKVCache]]) -> list[RaggedKVCache]:

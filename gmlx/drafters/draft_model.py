@@ -83,7 +83,7 @@ class DraftModelDrafter(ModelDrafter):
             cache.trim_rows([have - want for have, want in zip(cache.lengths, lengths)])
 
     def _prefill(self, tokens: list[int]):
-        caches = make_ragged_cache(self.draft.num_layers)
+        caches = make_ragged_cache(self.draft.num_layers, stored_dtype=self.draft.kv_dtype)
         for start in range(0, len(tokens), _PREFILL_CHUNK_TOKENS):
             chunk = mx.array(tokens[start : start + _PREFILL_CHUNK_TOKENS], dtype=mx.int32)[None]
             self.draft.body(chunk, caches)

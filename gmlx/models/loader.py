@@ -17,8 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from gmlx.cache.ragged import stored_kv_dtype
 from gmlx.config import (is_cpu_decode_ops_enabled, is_cpu_float_kernels_enabled, is_cpu_fusion_enabled,
-                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled)
+                         is_cpu_kernels_enabled, is_fused_layers_enabled, is_input_major_enabled, kv_cache_dtype)
 from gmlx.models.compute_format import FLOAT32, choose_cpu_compute_format
 from gmlx.models.gguf import read_gguf
 from gmlx.models.packed import use_packed_attention
@@ -28,7 +29,7 @@ from gmlx.platform.cpu_float import use_float_kernels
 from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.platform.cpu_layers import use_fused_layers
-from gmlx.platform.cpu_quantized import use_cpu_kernels
+from gmlx.platform.cpu_quantized import runs_int8_activations, use_cpu_kernels
 from gmlx.platform.row_invariance import use_block_row_products, wanted_row_rules
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,9 @@ class LoadedModel:
     # packed forward cannot use: a round with prompt chunks runs them the fused way instead
     # (segments of the stack's one node, cpu_layers.segment_bodies).
     is_layer_fused: bool = False
-    kv_bytes_per_token: int = 0  # one row's keys and values for one token, every layer (float32)
+    kv_bytes_per_token: int = 0  # one row's keys and values for one token, every layer, as stored
+    # Its KV caches' element type (GMLX_KV_DTYPE, resolved at load); None: the type it computes in.
+    kv_dtype: mx.Dtype | None = None
     num_weight_bytes: int = 0  # what one forward reads of weights, as loaded
 
     def forward(self, tokens: mx.array, cache) -> tuple[mx.array, mx.array]:
@@ -81,6 +84,9 @@ def load_model(path: str | Path | None) -> LoadedModel:
                        "attention may round differently in a batch or a verify than alone", source)
     mx.eval(model.parameters())
     body = model.model
+    kv_dtype = stored_kv_dtype(is_int8_activations=any(runs_int8_activations(layer) for layer in body.layers))
+    if kv_dtype is not None:
+        logger.info("model %s: KV cache in %s (GMLX_KV_DTYPE=%s)", source, kv_dtype, kv_cache_dtype())
     head = body.embed_tokens.as_linear if is_tied else model.lm_head
     eos = set(tokenizer.eos_token_ids or ())
     if isinstance(config.get("eos_token_id"), int):
@@ -100,16 +106,17 @@ def load_model(path: str | Path | None) -> LoadedModel:
         eos_token_ids=frozenset(eos),
         is_packable=is_packable,
         is_layer_fused=num_fused_layers > 0 and not row_rules,  # row rules run every forward packed
-        kv_bytes_per_token=_kv_bytes_per_token(config, len(body.layers)),
+        kv_bytes_per_token=_kv_bytes_per_token(config, len(body.layers), kv_dtype or mx.float32),
+        kv_dtype=kv_dtype,
         num_weight_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     )
 
 
-def _kv_bytes_per_token(config: dict, num_layers: int) -> int:
+def _kv_bytes_per_token(config: dict, num_layers: int, dtype: mx.Dtype) -> int:
     num_heads = config.get("num_attention_heads") or 1
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     num_kv_heads = config.get("num_key_value_heads") or num_heads
-    return num_layers * 2 * num_kv_heads * head_dim * 4
+    return num_layers * 2 * num_kv_heads * head_dim * dtype.size
 
 
 def _load_folder(folder: Path):

@@ -153,6 +153,11 @@ def _store_quads(module: nn.Module) -> None:
         del module[name]
 
 
+def runs_int8_activations(module: nn.Module) -> bool:
+    """Does any product inside `module` quantize its activations to int8?"""
+    return any(getattr(m, "is_int8_activations", False) for _, m in module.named_modules())
+
+
 def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None) -> int:
     """Swap the model's affine 4/8-bit quantized modules for kernel-backed ones; how many.
 

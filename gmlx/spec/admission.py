@@ -206,7 +206,7 @@ class InjectionQueue:
                 for cache in caches:
                     cache.min_capacity = min_capacity
                 return caches
-        return make_ragged_cache(self.target.num_layers, min_capacity=min_capacity)
+        return make_ragged_cache(self.target.num_layers, min_capacity=min_capacity, stored_dtype=self.target.kv_dtype)
 
     def _finish(self, request: Request, caches, last_hidden: mx.array) -> Prefilled:
         token = self._sample_first(request, last_hidden)

@@ -186,7 +186,7 @@ def measure(target, drafter, max_rows: int) -> CostTable:
     for width in widths:
         tokens = mx.array([[(7 * i + 3 * j) % target.vocab_size for j in range(_CONTEXT_TOKENS)]
                            for i in range(width)], dtype=mx.int32)  # (W, C)
-        caches = make_ragged_cache(target.num_layers, width)
+        caches = make_ragged_cache(target.num_layers, width, stored_dtype=target.kv_dtype)
         hidden = target.body(tokens, caches)  # (W, C, D)
         mx.eval(hidden, [c.keys for c in caches])
         requests = [Request(f"calibration-{i}", tokens[i].tolist(), SamplingParams(), i) for i in range(width)]

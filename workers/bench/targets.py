@@ -9,7 +9,7 @@
 Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
 resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), evidence (0|1: 0 sets depths without
 the drafter's per-round grades), amx (0|1: GMLX_CPU_AMX, the CPU kernels' wide products on AMX),
-kv (model|float16: GMLX_KV_DTYPE, the KV cache's element type), width_cap (N), num_draft_tokens (N),
+kv (auto|model|float16: GMLX_KV_DTYPE, the KV cache's element type), width_cap (N), num_draft_tokens (N),
 address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
@@ -50,7 +50,7 @@ class TargetSpec:
     row_invariance: bool | None = None  # GMLX_ROW_INVARIANCE at load; None = auto (on a GPU only)
     row_attention: str | None = None  # GMLX_ROW_ATTENTION at load (masked|unmasked); None = masked
     amx: bool | None = None  # GMLX_CPU_AMX; None = the kernels' default (on where the CPU allows)
-    kv: str | None = None  # GMLX_KV_DTYPE (model|float16); None = model
+    kv: str | None = None  # GMLX_KV_DTYPE (auto|model|float16); None = the server's default (auto)
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
