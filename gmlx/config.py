@@ -344,6 +344,15 @@ def kv_cache_dtype() -> str:
     return raw
 
 
+def kv_cache_budget_mb() -> int | None:
+    """GMLX_KV_CACHE_MB: the most KV cache the decode rows in flight may hold, in MiB (None:
+    a share of the memory available at start, gmlx/cache/budget.py)."""
+    value = _env_int("GMLX_KV_CACHE_MB")
+    if value == 0:
+        raise ValueError("GMLX_KV_CACHE_MB='0': must be > 0 (unset it for the default)")
+    return value
+
+
 def is_drafter_quantized() -> bool:
     """GMLX_CPU_DRAFTER_QUANTIZED (default on): on the CPU, a quantized target's MTP head and
     draft-vocabulary products are quantized to the target's bits in its kernels
@@ -359,7 +368,7 @@ def validate_settings() -> None:
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
                  is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule,
                  is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled, cpu_amx,
-                 kv_cache_dtype):
+                 kv_cache_dtype, kv_cache_budget_mb):
         read()
 
 
@@ -378,6 +387,7 @@ class EngineConfig:
     # None = when the model's weights outweigh the packing's extra ops (engine.py), or force it.
     is_prefill_packed: bool | None = None
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
+    kv_cache_bytes: int | None = None  # rows in flight's KV budget; None = GMLX_KV_CACHE_MB, or a default
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)
     is_adaptive_depth: bool = True  # each row drafts k in 0..num_draft_tokens from its live acceptance

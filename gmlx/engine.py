@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from gmlx import config
+from gmlx.cache.budget import KVBudget, default_budget_bytes
 from gmlx.cache.prompt_cache import PromptCache
 from gmlx.cache.ragged import concat_layer_caches
 from gmlx.config import EngineConfig
@@ -96,6 +97,9 @@ class Engine:
         self.config = engine_config
         self.prompt_cache = PromptCache(engine_config.prompt_cache_bytes) if engine_config.prompt_cache_bytes else None
         self.max_context_tokens = engine_config.max_context_tokens or target.max_context_tokens
+        # Rows join only while their KV fits this budget (the rest wait): no load runs the host out of memory.
+        self.kv_budget = KVBudget(target.kv_bytes_per_token, engine_config.kv_cache_bytes or default_budget_bytes(),
+                                  margin_tokens=drafter.num_draft_tokens + 1 if drafter is not None else 0)
         self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, self.prompt_cache)
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
@@ -167,11 +171,14 @@ class Engine:
                 f"token_ids: prompt of {len(token_ids)} tokens does not fit the context "
                 f"of {self.max_context_tokens} tokens"
             )
+        num_new_tokens = min(params.max_tokens, self.max_context_tokens - len(token_ids))
+        self.kv_budget.check_alone(len(token_ids), num_new_tokens)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, token_ids, params, seed)
+        request = Request(request_id, token_ids, params, seed,
+                          num_kv_tokens=self.kv_budget.row_tokens(len(token_ids), num_new_tokens))
         self.requests[request_id] = request
         self.queue.push(request)
         self.counters["num_requests"] += 1
@@ -210,7 +217,7 @@ class Engine:
             if self._ready and not self._is_landed_this_step:
                 self._preempt()  # prefilled beside the lone stream last step: it joins now
             elif (self.queue and config.is_preempt_enabled() and not self._can_pack_prefill()
-                  and not self._is_packing_paused()):
+                  and not self._is_packing_paused() and self._num_free_rows() > 0):
                 budget_s = self._prefill_budget_s()
                 # Preempting for a waiter that cannot join yet would drop speculation for nothing.
                 if self.queue.can_join_next_drain(budget_s):
@@ -228,6 +235,7 @@ class Engine:
         stats = dict(self.counters)
         stats["num_active"] = (0 if self.batch is None else self.batch.num_rows) + len(self._ready)
         stats["num_queued"] = len(self.queue)
+        stats["kv_budget_bytes"] = self.kv_budget.budget_bytes
         stats["width_cap"] = self._width_cap()
         stats["is_prefill_packed"] = self.is_prefill_packed
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
@@ -323,7 +331,8 @@ class Engine:
     def _drain(self) -> list[admission.Prefilled]:
         """One drain of the injection queue; the prompts it completed, first token delivered."""
         num_rows = 0 if self.batch is None else self.batch.num_rows
-        prefilled = self.queue.drain(self.config.max_num_rows - num_rows, self._prefill_budget_s())
+        max_new_rows = self._num_admissible(self.config.max_num_rows - num_rows)
+        prefilled = self.queue.drain(max_new_rows, self._prefill_budget_s())
         return [item for item in prefilled if self._start_decoding(item)]
 
     def _start_decoding(self, item: admission.Prefilled) -> bool:
@@ -354,7 +363,17 @@ class Engine:
                 and self._num_packed_rounds_in_a_row >= PACKED_ROUNDS_PER_PLAIN)
 
     def _num_free_rows(self) -> int:
-        return self.config.max_num_rows - (0 if self.batch is None else self.batch.num_rows) - len(self._ready)
+        """How many waiters may take rows now: within max_num_rows and the KV budget."""
+        return self._num_admissible(
+            self.config.max_num_rows - (0 if self.batch is None else self.batch.num_rows) - len(self._ready))
+
+    def _num_admissible(self, max_new_rows: int) -> int:
+        """How many of the first max_new_rows waiters fit the KV budget beside the rows in flight."""
+        in_flight = ([] if self.batch is None else self.batch.requests) + [p.request for p in self._ready]
+        widest = max([r.num_kv_tokens for r in in_flight]
+                     + ([] if self.batch is None else [self.batch.caches[0].keys.shape[2]]), default=0)
+        return self.kv_budget.num_admissible(len(in_flight), widest, (r.num_kv_tokens for r in self.queue.waiting),
+                                             max_new_rows)
 
     def _land(self) -> bool:
         """Prompts finished inside last step's forward: first tokens out; they join next step

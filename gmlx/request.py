@@ -106,6 +106,7 @@ class Request:
     num_prefilled: int = 0  # prompt tokens already in the KV cache
     num_cached_prompt: int = 0  # prompt tokens reused from the prompt cache
     is_preempted: bool = False  # preempted requests are not offered back to the prompt cache
+    num_kv_tokens: int = 0  # the width its KV row may grow to (cache/budget.py), set when it is added
     arrival_time_s: float = field(default_factory=time.perf_counter)
     first_token_time_s: float | None = None
     finish_time_s: float | None = None

@@ -156,7 +156,7 @@ def serve(model, drafter, address, num_workers, speculative_width_cap, config_fi
         sys.exit(supervise_frontend(command + (["--insecure"] if insecure else [])))
     spec = WorkerSpec(model_path=model_path and os.path.abspath(os.path.expanduser(model_path)),
                       drafter=drafter, speculative_width_cap=speculative_width_cap,
-                      prefill_budget_ms=prefill_budget_ms)
+                      prefill_budget_ms=prefill_budget_ms, num_memory_sharers=max(1, num_workers))
     config = FrontendConfig(address=address, worker_address=worker_address, num_workers=num_workers,
                             drain_timeout_s=drain_timeout_s, curve_dir=curve_dir, is_insecure=insecure,
                             worker_secret_file=worker_secret_file, max_pending_requests=max_pending_requests,

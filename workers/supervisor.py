@@ -58,6 +58,7 @@ class WorkerSpec:
     secret_file: str | None = None  # the worker link's shared secret (owner-only file)
     curve_dir: str | None = None  # instead of the secret: CURVE keys (a worker link off loopback)
     prefill_budget_ms: str | None = None  # "auto" or milliseconds; None = the engine's default (off)
+    num_memory_sharers: int = 1  # workers started together on this host: each takes 1/N of the KV default
 
     def command(self, connect_address: str) -> list[str]:
         cmd = [sys.executable, "-m", "workers.worker", "--connect", connect_address, "--drafter", self.drafter]
@@ -71,6 +72,8 @@ class WorkerSpec:
             cmd += ["--model", self.model_path]
         if self.speculative_width_cap is not None:
             cmd += ["--speculative-width-cap", str(self.speculative_width_cap)]
+        if self.num_memory_sharers > 1:
+            cmd += ["--memory-sharers", str(self.num_memory_sharers)]
         return cmd
 
 

@@ -290,8 +290,12 @@ def _vocab_size(engine) -> int:
                    "authenticate with CURVE, as a front-end with --worker-curve-dir requires.")
 @click.option("--no-bus", "is_no_bus", is_flag=True,
               help="Do not use the shared-memory bus (a worker on another host): requests come inline.")
+@click.option("--memory-sharers", "num_memory_sharers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Workers sharing this device's memory: without GMLX_KV_CACHE_MB each takes 1/N of the "
+                   "default KV budget.")
 def main(connect_address: str, model_path: str | None, drafter: str, speculative_width_cap: int | None,
-         prefill_budget_ms, secret_file: str | None, curve_dir: str | None, is_no_bus: bool) -> None:
+         prefill_budget_ms, secret_file: str | None, curve_dir: str | None, is_no_bus: bool,
+         num_memory_sharers: int) -> None:
     """Run one decode worker for a gmlx front-end."""
     from gmlx.config import EngineConfig, log_level
 
@@ -301,6 +305,7 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
     from gmlx.platform.blas import ensure_fast_blas
 
     ensure_fast_blas()  # the fast BLAS before the engine imports mlx
+    from gmlx.cache.budget import default_budget_bytes
     from gmlx.engine import Engine
 
     try:
@@ -310,9 +315,10 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
             credential = read_worker_secret(secret_file or default_secret_path(connect_address))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--curve-dir" if curve_dir else "--secret-file") from None
-    config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap,
-                          **({} if prefill_budget_ms is False else {"prefill_budget_s": prefill_budget_ms}))
     try:
+        config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap,
+                              kv_cache_bytes=default_budget_bytes(num_memory_sharers),
+                              **({} if prefill_budget_ms is False else {"prefill_budget_s": prefill_budget_ms}))
         engine = Engine.load(config)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

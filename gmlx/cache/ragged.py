@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from gmlx import config
 
-_STEP_TOKENS = 256  # buffer growth granularity
+STEP_TOKENS = 256  # buffer growth granularity
 
 
 class RaggedKVCache:
@@ -90,7 +90,7 @@ class RaggedKVCache:
         self._reserve_shape(max(self.lengths) + num_new, num_heads, head_dim, head_dim, dtype)
         if not self._is_exclusive:
             # Strictly more room: a slice update covering a whole buffer may return its source.
-            self._copy_into((self.keys.shape[2] // _STEP_TOKENS + 1) * _STEP_TOKENS, num_heads, head_dim, head_dim,
+            self._copy_into((self.keys.shape[2] // STEP_TOKENS + 1) * STEP_TOKENS, num_heads, head_dim, head_dim,
                             dtype)
         return self.keys, self.values
 
@@ -208,7 +208,7 @@ class RaggedKVCache:
     def _reserve_shape(self, end: int, num_heads: int, k_dim: int, v_dim: int, dtype) -> None:
         if self.keys is not None and end <= self.keys.shape[2]:
             return
-        capacity = ((max(end, self.min_capacity) + _STEP_TOKENS - 1) // _STEP_TOKENS) * _STEP_TOKENS
+        capacity = ((max(end, self.min_capacity) + STEP_TOKENS - 1) // STEP_TOKENS) * STEP_TOKENS
         self._copy_into(capacity, num_heads, k_dim, v_dim, dtype)
 
     def _copy_into(self, capacity: int, num_heads: int, k_dim: int, v_dim: int, dtype) -> None:

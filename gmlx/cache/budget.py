@@ -1,0 +1,76 @@
+"""The KV budget: how many waiting requests may take decode rows without the rows' caches
+outgrowing the memory set aside for them.
+
+A batch's KV buffers are one array per layer, every row as wide as the widest (ragged.py), so
+rows in flight hold at most num_rows x widest x bytes a token, where widest is the buffers' own
+width or what a row may grow to, whichever is more: its prompt, every token it may generate and
+a verify's drafts past its end, rounded up to the buffers' growth step. Requests are admitted
+in arrival order while that stays within the budget; one that could never fit, even alone, is
+refused when it is added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import mlx.core as mx
+
+from gmlx import config
+from gmlx.cache.ragged import STEP_TOKENS
+from gmlx.platform.memory import available_host_bytes
+
+# The default budget's share of the memory free at start: the rest covers a join's or a growth's
+# second copy of the buffers while it is made, the prompt cache, mlx's scratch and the OS.
+DEFAULT_AVAILABLE_SHARE = 0.4
+
+
+class KVBudget:
+    def __init__(self, bytes_per_token: int, budget_bytes: int, margin_tokens: int):
+        assert bytes_per_token > 0 and budget_bytes > 0 and margin_tokens >= 0
+        self.bytes_per_token = bytes_per_token  # one row's keys and values for a token, every layer
+        self.budget_bytes = budget_bytes
+        self.margin_tokens = margin_tokens  # a verify's positions written past a row's end
+
+    def row_tokens(self, num_prompt_tokens: int, num_new_tokens: int) -> int:
+        """The width a row may grow to: its prompt and new tokens, a verify's margin, rounded up
+        to the buffers' growth step."""
+        tokens = num_prompt_tokens + num_new_tokens + self.margin_tokens
+        return -(-tokens // STEP_TOKENS) * STEP_TOKENS
+
+    def rows_bytes(self, num_rows: int, widest_tokens: int) -> int:
+        return num_rows * widest_tokens * self.bytes_per_token
+
+    def check_alone(self, num_prompt_tokens: int, num_new_tokens: int) -> None:
+        """ValueError naming the sizes when a request could not fit even with no other row."""
+        need = self.rows_bytes(1, self.row_tokens(num_prompt_tokens, num_new_tokens))
+        if need > self.budget_bytes:
+            raise ValueError(
+                f"max_tokens: {num_prompt_tokens} prompt tokens and up to {num_new_tokens} new ones need "
+                f"{need / 2**20:.0f} MiB of KV cache, over this server's {self.budget_bytes / 2**20:.0f} MiB "
+                f"(GMLX_KV_CACHE_MB); ask for fewer new tokens or send a shorter prompt")
+
+    def num_admissible(self, num_rows: int, widest_tokens: int, waiting_tokens: Iterable[int],
+                       max_new_rows: int) -> int:
+        """How many of the waiters (their row_tokens, in arrival order) may join num_rows rows in
+        flight, as wide as widest_tokens, now; at most max_new_rows. The first that would overflow
+        the budget and every one after it wait."""
+        widest = widest_tokens
+        num_admitted = 0
+        for tokens in waiting_tokens:
+            if num_admitted >= max_new_rows:
+                break
+            widest = max(widest, tokens)
+            if self.rows_bytes(num_rows + num_admitted + 1, widest) > self.budget_bytes:
+                break
+            num_admitted += 1
+        return num_admitted
+
+
+def default_budget_bytes(num_sharers: int = 1) -> int:
+    """GMLX_KV_CACHE_MB, else 1/num_sharers of DEFAULT_AVAILABLE_SHARE of the memory free now
+    (a GPU's own where mlx reports it, else the host's): num_sharers engines start together."""
+    configured_mb = config.kv_cache_budget_mb()
+    if configured_mb is not None:
+        return configured_mb << 20
+    device_bytes = mx.device_info().get("memory_size") if mx.default_device() == mx.gpu else None
+    return int(DEFAULT_AVAILABLE_SHARE * (device_bytes or available_host_bytes())) // num_sharers

@@ -1,0 +1,111 @@
+"""The KV budget (gmlx/cache/budget.py): rows join only while their KV fits it, the rest wait
+in arrival order, every stream still equals plain decoding, and a request that could never
+fit is refused with an error naming the sizes, in process and over a live server."""
+
+import mlx.core as mx
+import pytest
+
+from gmlx.cache.budget import KVBudget, default_budget_bytes
+from gmlx.cache.ragged import STEP_TOKENS
+from gmlx.config import EngineConfig, env_overrides
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.request import SamplingParams
+from ipc.client import Client, RequestError
+from schedules import SoloReference, check_schedule, make_schedule
+from serving_support import Server
+from workers.supervisor import WorkerSpec
+
+
+def test_a_row_is_as_wide_as_it_may_grow_rounded_to_the_growth_step():
+    budget = KVBudget(bytes_per_token=10, budget_bytes=10 * 4 * STEP_TOKENS, margin_tokens=5)
+    assert budget.row_tokens(100, 40) == STEP_TOKENS
+    assert budget.row_tokens(200, 52) == 2 * STEP_TOKENS  # 257 with the margin
+    assert budget.rows_bytes(3, STEP_TOKENS) == 3 * STEP_TOKENS * 10
+
+
+def test_waiters_are_admitted_in_arrival_order_while_the_widest_row_fits():
+    budget = KVBudget(bytes_per_token=1, budget_bytes=4 * STEP_TOKENS, margin_tokens=0)
+    narrow, wide = STEP_TOKENS, 2 * STEP_TOKENS
+    assert budget.num_admissible(0, 0, [narrow] * 9, max_new_rows=9) == 4
+    assert budget.num_admissible(0, 0, [narrow] * 9, max_new_rows=3) == 3
+    assert budget.num_admissible(1, narrow, [narrow, wide, narrow], max_new_rows=9) == 1  # 3 rows x wide > 4
+    assert budget.num_admissible(2, wide, [narrow], max_new_rows=9) == 0  # the buffers' width counts
+    assert budget.num_admissible(0, 0, [wide, wide, narrow], max_new_rows=9) == 2
+
+
+def test_a_request_that_could_never_fit_is_refused_naming_the_sizes(builtin_target):
+    row_bytes = builtin_target.kv_bytes_per_token * STEP_TOKENS
+    engine = Engine(builtin_target, None, EngineConfig(kv_cache_bytes=row_bytes))
+    engine.add_request([5] * 200, SamplingParams(max_tokens=56))  # 256 tokens: exactly the budget
+    with pytest.raises(ValueError, match=r"max_tokens: 200 prompt tokens and up to 57 new ones need 2 MiB of KV "
+                                         r"cache, over this server's 1 MiB \(GMLX_KV_CACHE_MB\)"):
+        engine.add_request([5] * 200, SamplingParams(max_tokens=57))
+
+
+def test_the_setting_sets_the_default_budget_and_zero_is_refused():
+    with env_overrides({"GMLX_KV_CACHE_MB": "300"}):
+        assert default_budget_bytes() == 300 << 20
+    with env_overrides({"GMLX_KV_CACHE_MB": "0"}), pytest.raises(ValueError, match="GMLX_KV_CACHE_MB='0'"):
+        default_budget_bytes()
+    with env_overrides({"GMLX_KV_CACHE_MB": ""}):
+        assert default_budget_bytes() > 0  # a share of the memory free now
+
+
+def test_workers_started_together_split_the_default_budget():
+    """`gmlx serve --workers N` starts each worker with --memory-sharers N: 1/N of the default
+    each; a GMLX_KV_CACHE_MB setting is each worker's own."""
+    command = WorkerSpec(num_memory_sharers=3).command("tcp://127.0.0.1:9")
+    assert command[command.index("--memory-sharers") + 1] == "3"
+    assert "--memory-sharers" not in WorkerSpec().command("tcp://127.0.0.1:9")
+    with env_overrides({"GMLX_KV_CACHE_MB": ""}):
+        whole, third = default_budget_bytes(), default_budget_bytes(3)
+    assert abs(3 * third - whole) < 0.05 * whole  # the memory free moves a little between the reads
+    with env_overrides({"GMLX_KV_CACHE_MB": "300"}):
+        assert default_budget_bytes(3) == 300 << 20
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "mtp"])
+def test_rows_past_the_budget_wait_and_every_stream_equals_plain(kind, builtin_target, code_prompts):
+    """Random schedules under a budget of two of their widest rows: after every step the KV the
+    engine holds (batch, rows about to join, prompts part-prefilled) is within the budget, some
+    waiter was held back by it alone, and every stream equals its solo plain decoding."""
+    reference = SoloReference(builtin_target)
+    num_held, max_rows = 0, 0
+    for seed in range(8):
+        schedule = make_schedule(9100 + seed, builtin_target.vocab_size, code_prompts, max_requests=8)
+        probe = KVBudget(builtin_target.kv_bytes_per_token, 1, margin_tokens=5)
+        widest = max(probe.row_tokens(len(a.token_ids), a.params.max_tokens) for a in schedule.arrivals)
+        budget_bytes = 2 * widest * builtin_target.kv_bytes_per_token
+        drafter = make_drafter(kind, builtin_target) if kind else None
+        engine = Engine(builtin_target, drafter, EngineConfig(kv_cache_bytes=budget_bytes))
+        step = engine.step
+
+        def checked_step():
+            nonlocal num_held, max_rows
+            outputs = step()
+            held = [c for p in engine._ready for c in p.caches] + [c for cs in engine.queue._caches.values() for c in cs]
+            held += engine.batch.caches if engine.batch is not None else []
+            assert sum(c.keys.nbytes + c.values.nbytes for c in held if c.keys is not None) <= budget_bytes
+            num_rows = (engine.batch.num_rows if engine.batch is not None else 0) + len(engine._ready)
+            max_rows = max(max_rows, num_rows)
+            num_held += bool(engine.queue) and num_rows < engine.config.max_num_rows and engine._num_free_rows() == 0
+            return outputs
+
+        engine.step = checked_step
+        check_schedule(engine, reference, schedule)
+    assert num_held > 0 and max_rows >= 2
+
+
+def test_a_live_server_refuses_an_over_budget_request_and_serves_the_next():
+    with env_overrides({"GMLX_KV_CACHE_MB": "1"}):  # the built-in model: 256 tokens a MiB
+        server = Server(drafter="ngram")
+    try:
+        with Client(server.address, timeout_s=60) as client:
+            with pytest.raises(RequestError, match="GMLX_KV_CACHE_MB"):
+                list(client.generate(token_ids=[5] * 200, max_tokens=100))
+            chunks = list(client.generate(token_ids=[5] * 20, max_tokens=8, temperature=0.0))
+            assert chunks[-1].finish_reason is not None and sum(len(c.token_ids) for c in chunks) >= 1
+            assert client.stats()["kv_budget_bytes"] == 1 << 20
+    finally:
+        server.kill()
