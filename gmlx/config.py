@@ -388,6 +388,7 @@ class EngineConfig:
     is_prefill_packed: bool | None = None
     prompt_cache_bytes: int = 256 << 20  # budget of the retired-prefix cache
     kv_cache_bytes: int | None = None  # rows in flight's KV budget; None = GMLX_KV_CACHE_MB, or a default
+    num_memory_sharers: int = 1  # engines started together on this device: the default is 1/N each
     max_context_tokens: int | None = None  # None = the model's max_position_embeddings
     is_batch_draft_coupled: bool = True  # batch-loop drafters sample with each row's noise (False: greedy)
     is_adaptive_depth: bool = True  # each row drafts k in 0..num_draft_tokens from its live acceptance

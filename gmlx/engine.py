@@ -98,7 +98,9 @@ class Engine:
         self.prompt_cache = PromptCache(engine_config.prompt_cache_bytes) if engine_config.prompt_cache_bytes else None
         self.max_context_tokens = engine_config.max_context_tokens or target.max_context_tokens
         # Rows join only while their KV fits this budget (the rest wait): no load runs the host out of memory.
-        self.kv_budget = KVBudget(target.kv_bytes_per_token, engine_config.kv_cache_bytes or default_budget_bytes(),
+        # The model is loaded by now: the default is a share of what it left free.
+        budget_bytes = engine_config.kv_cache_bytes or default_budget_bytes(engine_config.num_memory_sharers)
+        self.kv_budget = KVBudget(target.kv_bytes_per_token, budget_bytes,
                                   margin_tokens=drafter.num_draft_tokens + 1 if drafter is not None else 0)
         self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, self.prompt_cache)
         self.batch: DecodeBatch | None = None

@@ -305,7 +305,6 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
     from gmlx.platform.blas import ensure_fast_blas
 
     ensure_fast_blas()  # the fast BLAS before the engine imports mlx
-    from gmlx.cache.budget import default_budget_bytes
     from gmlx.engine import Engine
 
     try:
@@ -315,10 +314,10 @@ def main(connect_address: str, model_path: str | None, drafter: str, speculative
             credential = read_worker_secret(secret_file or default_secret_path(connect_address))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--curve-dir" if curve_dir else "--secret-file") from None
+    config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap,
+                          num_memory_sharers=num_memory_sharers,
+                          **({} if prefill_budget_ms is False else {"prefill_budget_s": prefill_budget_ms}))
     try:
-        config = EngineConfig(model_path=model_path, drafter=drafter, speculative_width_cap=speculative_width_cap,
-                              kv_cache_bytes=default_budget_bytes(num_memory_sharers),
-                              **({} if prefill_budget_ms is False else {"prefill_budget_s": prefill_budget_ms}))
         engine = Engine.load(config)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

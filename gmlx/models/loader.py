@@ -106,7 +106,8 @@ def load_model(path: str | Path | None) -> LoadedModel:
         eos_token_ids=frozenset(eos),
         is_packable=is_packable,
         is_layer_fused=num_fused_layers > 0 and not row_rules,  # row rules run every forward packed
-        kv_bytes_per_token=_kv_bytes_per_token(config, len(body.layers), kv_dtype or mx.float32),
+        # Keys and values otherwise take the hidden states' type, the final norm's.
+        kv_bytes_per_token=_kv_bytes_per_token(config, len(body.layers), kv_dtype or body.norm.weight.dtype),
         kv_dtype=kv_dtype,
         num_weight_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     )
