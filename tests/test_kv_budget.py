@@ -52,14 +52,16 @@ def test_the_setting_sets_the_default_budget_and_zero_is_refused():
         assert default_budget_bytes() > 0  # a share of the memory free now
 
 
-def test_workers_started_together_split_the_default_budget():
+def test_workers_started_together_split_the_default_budget(builtin_target):
     """`gmlx serve --workers N` starts each worker with --memory-sharers N: 1/N of the default
-    each; a GMLX_KV_CACHE_MB setting is each worker's own."""
+    each, taken by the engine once its model is loaded; a GMLX_KV_CACHE_MB setting is each
+    worker's own."""
     command = WorkerSpec(num_memory_sharers=3).command("tcp://127.0.0.1:9")
     assert command[command.index("--memory-sharers") + 1] == "3"
     assert "--memory-sharers" not in WorkerSpec().command("tcp://127.0.0.1:9")
     with env_overrides({"GMLX_KV_CACHE_MB": ""}):
-        whole, third = default_budget_bytes(), default_budget_bytes(3)
+        whole = default_budget_bytes()
+        third = Engine(builtin_target, None, EngineConfig(num_memory_sharers=3)).kv_budget.budget_bytes
     assert abs(3 * third - whole) < 0.05 * whole  # the memory free moves a little between the reads
     with env_overrides({"GMLX_KV_CACHE_MB": "300"}):
         assert default_budget_bytes(3) == 300 << 20
