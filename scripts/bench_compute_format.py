@@ -169,17 +169,13 @@ def main() -> None:
 
     names = list(engines) + (["mlx-lm 4-bit"] if baseline else []) + list(llama_models)
     results = {name: [] for name in names}
-
-    def timed(name: str, num_tokens: int, depth: int = 0) -> float:
-        return gmlx_tok_per_s(engines[name], num_tokens, depth)
-
-    for name in engines:  # warm-up: compile, touch every weight once
-        timed(name, 16)
+    for engine in engines.values():  # warm-up: compile, touch every weight once
+        gmlx_tok_per_s(engine, 16)
     dram_gbs = []  # this machine's read rate, once per repeat: the box's neighbours move it
     for _ in range(args.repeats):
         dram_gbs.append(read_bandwidth_gbs(512 << 20, 3) if is_kernels_built() else float("nan"))
         for name in engines:
-            results[name].append(timed(name, args.tokens, args.depth))
+            results[name].append(gmlx_tok_per_s(engines[name], args.tokens, args.depth))
         if baseline:
             results["mlx-lm 4-bit"].append(mlx_lm_tok_per_s(*baseline, args.tokens, args.depth))
         for name, path in llama_models.items():

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import mlx.core as mx
+import psutil
 
 from gmlx import config
 from gmlx.cache.ragged import STEP_TOKENS
-from gmlx.platform.memory import available_host_bytes
 
 # The default budget's share of the memory free at start: the rest covers a join's or a growth's
 # second copy of the buffers while it is made, the prompt cache, mlx's scratch and the OS.
@@ -73,4 +73,4 @@ def default_budget_bytes(num_sharers: int = 1) -> int:
     if configured_mb is not None:
         return configured_mb << 20
     device_bytes = mx.device_info().get("memory_size") if mx.default_device() == mx.gpu else None
-    return int(DEFAULT_AVAILABLE_SHARE * (device_bytes or available_host_bytes())) // num_sharers
+    return int(DEFAULT_AVAILABLE_SHARE * (device_bytes or psutil.virtual_memory().available)) // num_sharers

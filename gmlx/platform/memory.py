@@ -17,7 +17,6 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 import re
 import sys
 from collections.abc import Iterable
@@ -46,19 +45,6 @@ def _libc() -> ctypes.CDLL | None:
     libc.malloc.restype = ctypes.c_void_p
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
-
-
-def available_host_bytes() -> int:
-    """The host memory free now: MemAvailable where the kernel reports it (Linux), else the
-    physical memory."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def tune_malloc() -> bool:
