@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+from workers.parent_death import die_with_parent
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILTIN_TARGET = REPO_ROOT / "gmlx" / "models" / "builtin" / "target"
 
@@ -42,14 +44,6 @@ def make_chat_model_dir(folder: Path, chat_template: str = CHAT_TEMPLATE) -> Pat
     return folder
 
 
-def _die_with_parent() -> None:
-    """SIGTERM the server if the test process dies (a hard timeout), so none is left behind."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def repo_env() -> dict:
     """The environment for a child process that imports this checkout's packages."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -74,7 +68,7 @@ class Server:
         if model is not None and model != BUILTIN_TARGET:
             cmd += ["--model", str(model)]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=repo_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+                                     stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
         self.stdout_lines: list[str] = []
         self.stderr_lines: list[str] = []
         self._ready = threading.Event()

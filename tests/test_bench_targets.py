@@ -6,13 +6,16 @@ The end-to-end test runs llama.cpp's llama-server on the SmolLM2 GGUF when both 
 
 import json
 import signal
+import subprocess
 import sys
 
 import gguf
 import mlx.core as mx
+import psutil
 import pytest
 
 from gguf_support import write_gguf_from_folder
+from serving_support import REPO_ROOT, repo_env
 from workers.bench import WorkloadOptions, model_files, parse_target, run_benchmark
 from workers.bench.llama_server import (LlamaServerTarget, gguf_path, llama_server_argv, llama_server_binary,
                                         num_cpu_threads)
@@ -97,6 +100,33 @@ def test_a_server_killed_by_a_signal_at_start_says_which(tmp_path):
     with pytest.raises(ServerExitedError, match="exited with -11") as caught:
         start_http_server("self-killing", argv, free_port(), tmp_path / "child.log")
     assert caught.value.returncode == -signal.SIGSEGV
+
+
+# A bench process that starts one server child (the child prints "ready" and waits), then waits too.
+BENCH_WITH_A_SERVER = """
+import sys, time
+from pathlib import Path
+from workers.bench.servers import ServerProcess, is_gmlx_ready
+child = [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"]
+server = ServerProcess("child", child, {}, Path(sys.argv[1]), is_gmlx_ready, start_timeout_s=60)
+server.start()
+print(server.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_bench_killed_mid_run_leaves_no_server_behind(signum, tmp_path):
+    """SIGTERM skips a bench's finally and SIGKILL skips everything: its servers end with it."""
+    bench = subprocess.Popen([sys.executable, "-c", BENCH_WITH_A_SERVER, str(tmp_path / "child.log")],
+                             stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=repo_env())
+    try:
+        server = psutil.Process(int(bench.stdout.readline()))
+        bench.send_signal(signum)
+        bench.wait(30)
+        server.wait(30)  # raises TimeoutExpired while it still runs
+    finally:
+        bench.kill()
 
 
 def test_gguf_becomes_a_cached_mlx_lm_folder_and_copies_in_each_format(tiny_llama_dir, tmp_path):

@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+from workers.parent_death import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 _RESTART_DELAY_S = 1.0
@@ -68,7 +70,7 @@ class GatewayProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
         if self._api_key is not None:
             env["GMLX_HTTP_API_KEY"] = self._api_key  # in the environment, not argv: ps shows argv
-        self._proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        self._proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
 
     def _watch(self) -> None:
         is_reported = False
@@ -93,11 +95,3 @@ class GatewayProcess:
                 return True
         except OSError:
             return False
-
-
-def _die_with_parent() -> None:
-    """The gateway gets SIGTERM if `gmlx serve` dies without stopping it."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.parent_death import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -214,7 +216,7 @@ def supervise_frontend(command: list[str]) -> int:
     num_restarts = 0
     while True:
         started_s = time.monotonic()
-        state["proc"] = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        state["proc"] = subprocess.Popen(command, preexec_fn=die_with_parent)
         code = state["proc"].wait()
         if state["is_stopping"] or not (code < 0 or code == EXIT_FRONTEND_FAILED):
             return code if code >= 0 else 128 - code
@@ -225,12 +227,3 @@ def supervise_frontend(command: list[str]) -> int:
         time.sleep(delay_s)
         if state["is_stopping"]:
             return 0
-
-
-def _die_with_parent() -> None:
-    """SIGTERM the child if the supervisor itself dies, so no front-end outlives it."""
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from workers.parent_death import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -73,8 +75,9 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         logger.info("starting %s: %s", self.name, " ".join(self.argv))
+        # A bench killed mid-run (SIGTERM skips its finally) takes its servers with it.
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env, cwd=str(REPO_ROOT))
+                                     env=self.env, cwd=str(REPO_ROOT), preexec_fn=die_with_parent)
         log.close()
         deadline_s = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline_s:
