@@ -97,8 +97,14 @@ class Server:
     def worker_pids(self) -> list[int]:
         import psutil
 
-        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
-                if "workers.worker" in " ".join(c.cmdline())]
+        pids = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "workers.worker" in " ".join(child.cmdline()):
+                    pids.append(child.pid)
+            except psutil.Error:  # a killed worker not yet reaped (a zombie), or gone since the listing
+                pass
+        return pids
 
     def frontend_pid(self) -> int:
         """The front-end process: the supervised child of `gmlx serve`."""

@@ -237,6 +237,8 @@ def test_metrics_count_what_clients_saw(server):
     assert value(after, "gmlx_engine_requests_total") - value(before, "gmlx_engine_requests_total") == len(jobs)
     assert value(after, "gmlx_engine_rounds_total") > value(before, "gmlx_engine_rounds_total")
     assert value(after, "gmlx_workers") == 1
+    for name in ("gmlx_carried_over_requests_total", "gmlx_worker_restarts_total"):  # no worker died here
+        assert after[name] == [({}, 0.0)], (name, after.get(name))
     assert {lab["loop"] for lab, _ in after["gmlx_engine_rounds_total"]} >= {"scalar", "batch", "gated", "capture"}
 
 

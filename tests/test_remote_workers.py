@@ -8,6 +8,7 @@ in INJECT. Every stream is checked against solo plain decoding in this process.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -176,7 +177,7 @@ def _popen(ns: str, *args: str, **kwargs) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # ~45 s: two workers load the model and decode 24 streams on a shared 2-core box
-def test_remote_worker_streams_equal_solo_and_its_death_fails_only_its_clients(namespaces, tmp_path,
+def test_remote_worker_streams_equal_solo_and_go_on_locally_when_it_dies(namespaces, tmp_path,
                                                                                  code_prompts, plain_engine):
     ns_a, ns_b = namespaces
     keys = make_keys(tmp_path / "keys")
@@ -224,15 +225,12 @@ def test_remote_worker_streams_equal_solo_and_its_death_fails_only_its_clients(n
         remote.kill()  # SIGKILL: no DEAD message, only heartbeat silence tells the front-end
         remote.wait(10)
         after = event("after_kill", 60)["results"]
-        failed = [r for r in after if r[2] is not None]
-        assert 1 <= len(failed) < NUM_STREAMS, (after, server_out.text())
+        # The remote worker's streams are carried over to the local one and end as if it had lived.
         for (expected_tokens, expected_reason), (tokens, reason, error) in zip(expected, after):
-            if error is None:  # the local worker's streams: untouched by the death
-                assert [tokens, reason] == [expected_tokens, expected_reason]
-            else:  # told, with what it had streamed still correct
-                assert "worker" in error and "lost" in error, error
-                assert tokens == expected_tokens[:len(tokens)]
+            assert error is None, (error, server_out.text())
+            assert [tokens, reason] == [expected_tokens, expected_reason]
         assert "sent nothing for" in server_out.text()
+        assert re.search(r"[1-9]\d* requests carried over", server_out.text()), server_out.text()
         driver.wait(30)
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server_out.text()

@@ -334,13 +334,9 @@ def test_worker_kill_restart_and_drain(model_path, engine):
         os.kill(srv.worker_pids()[0], signal.SIGKILL)
         for t in threads:
             t.join(60)
-        failed = [o for o in outcomes.values() if isinstance(o, tuple)]
-        assert len(failed) == 2, (outcomes, srv.log())
-        for error, at_s in failed:
-            assert at_s - killed_at_s < 2.0 and "exited" in str(error), (at_s - killed_at_s, error, srv.log())
-        for i, o in outcomes.items():
-            if not isinstance(o, tuple):  # the other worker's streams went on, unharmed
-                assert o == streams[i][1]
+        # The killed worker's two streams were carried over to the other: all four end whole.
+        assert {i: o for i, o in outcomes.items()} == {i: streams[i][1] for i in range(4)}, srv.log()
+        assert "2 requests carried over" in srv.log() and time.monotonic() - killed_at_s < 30
 
         with Client(srv.address, timeout_s=60) as client:
             assert collect(client.generate(token_ids=prompt, max_tokens=8))["finish_reason"] == "length"

@@ -18,20 +18,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
 from ipc.auth import (ServerAuth, default_secret_path, insecure_bind_message, insecure_worker_bind_message,
                       is_loopback, read_worker_secret, write_worker_secret)
-from ipc.bus import RequestBus, reclaim_stale_segments
+from ipc.bus import BusPayload, RequestBus, reclaim_stale_segments
 from ipc.sockets import bind_router, bind_sub_beside, recv_all, recv_all_bounded
-from workers.streams import ClientRequest, Phase
+from workers.streams import MAX_WORKER_LOSSES, ClientRequest, Phase
 from workers.stats import StatsQueries, merge_worker_stats
 from workers.supervisor import EXIT_FRONTEND_FAILED, WorkerHandle, WorkerPool, WorkerSpec, WorkerState
 from workers.tokenizer import load_tokenizer, max_token_bytes
@@ -97,6 +99,7 @@ class Frontend:
         self._last_ping_s = 0.0
         self.num_rejected = 0  # requests answered with an ERROR before acceptance
         self.num_cancelled = 0  # requests cancelled by their client (or found abandoned)
+        self.num_carried_over = 0  # requests moved to another worker when theirs died
 
     def request_stop(self) -> None:
         """Begin draining (signal-handler safe: it only sets a flag)."""
@@ -272,6 +275,9 @@ class Frontend:
             self.num_rejected += 1
             self._reply(client_id, m.Error(message=str(e), ref=msg.ref, field=e.field))
             return
+        if payload.sampling.seed is None:  # pinned so a carried-over request draws what it would have
+            payload = BusPayload(payload.token_ids, msgspec.structs.replace(payload.sampling,
+                                                                            seed=random.getrandbits(63)))
         request_id = f"r{next(self._request_ids)}"
         req = ClientRequest(request_id, msg.ref, client_id, payload, TextStream(self._decoder, stop),
                             self._model_path, has_stop=bool(stop))
@@ -437,18 +443,21 @@ class Frontend:
     def _on_worker_dead(self, worker: WorkerHandle, reason: str) -> None:
         if worker.state == WorkerState.DEAD:
             return
-        requeued, lost = [], []
+        carried, lost = [], []
         for request_id in sorted(worker.request_ids, key=lambda r: int(r[1:])):
             req = self._requests.get(request_id)
             if req is None:
                 continue
-            # Nothing streamed yet: the client cannot tell a fresh start from the first one.
-            (requeued if req.phase == Phase.INJECTED and req.next_row_seq == 0 else lost).append(req)
-        logger.error("%s; %d requests lost, %d not started re-queued", reason, len(lost), len(requeued))
+            if req.phase == Phase.STOPPING:  # the client has every token it is owed
+                self._send_client(req, req.stopped_without_worker())
+            else:
+                (carried if req.carry_over() else lost).append(req)
+        self.num_carried_over += len(carried)
+        logger.error("%s; %d requests carried over to the next worker, %d lost", reason, len(carried), len(lost))
         for req in lost:
-            self._send_client(req, req.fail(f"{reason}; the request was lost"))
-        for req in reversed(requeued):
-            req.phase, req.worker_id = Phase.PENDING, None
+            self._send_client(req, req.fail(f"{reason}; the request was lost after {req.num_worker_losses + 1} "
+                                            f"worker failures (at most {MAX_WORKER_LOSSES} are carried over)"))
+        for req in reversed(carried):
             self._pending.appendleft(req)
         worker.request_ids.clear()
         for slot in worker.slots:
@@ -474,7 +483,7 @@ class Frontend:
             stats.update(num_workers=len(self._pool.ready_workers()), num_worker_restarts=self._pool.num_restarts,
                          num_frontend_requests=len(self._requests), num_frontend_pending=len(self._pending),
                          num_bus_free_slots=self._bus.num_free_slots, num_rejected=self.num_rejected,
-                         num_cancelled=self.num_cancelled,
+                         num_cancelled=self.num_cancelled, num_carried_over=self.num_carried_over,
                          model=self._model_path)
             self._reply(query.client_id, m.StatsReply(ref=query.ref, stats=stats))
 

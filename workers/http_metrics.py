@@ -18,6 +18,10 @@ _ENGINE_COUNTERS = {
     "num_drafted": ("gmlx_engine_drafted_tokens", "draft tokens proposed"),
     "num_accepted": ("gmlx_engine_accepted_tokens", "draft tokens accepted"),
 }
+_FRONTEND_COUNTERS = {
+    "num_worker_restarts": ("gmlx_worker_restarts", "workers the front-end started again after they died"),
+    "num_carried_over": ("gmlx_carried_over_requests", "requests moved on to the next worker when theirs died"),
+}
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -36,6 +40,10 @@ class EngineStatsCollector:
         yield _gauge("gmlx_workers", "workers ready behind the front-end", [((), stats.get("num_workers", len(workers)))])
         yield _gauge("gmlx_frontend_queue_depth", "requests accepted and not yet decoding (front-end and engines)",
                      [((), stats.get("num_queued", 0))])
+        for key, (name, help_text) in _FRONTEND_COUNTERS.items():
+            family = CounterMetricFamily(name, help_text)
+            family.add_metric([], stats.get(key, 0) or 0)
+            yield family
         by_worker = [(str(w.get("worker_id")), w) for w in workers]
         yield _gauge("gmlx_engine_queue_depth", "requests queued in the worker's engine",
                      [((wid,), w.get("num_queued", 0)) for wid, w in by_worker], ["worker"])

@@ -5,6 +5,11 @@ gmlx.textstream (which imports nothing from mlx). Stop strings are matched here 
 hit the stream ends at the token that completed the match, the worker is told to cancel,
 and the final chunk (finish_reason "stop") goes out when the worker's last output arrives
 with the request's stats.
+
+A request whose worker dies mid-stream is carried over: the next worker prefills the prompt
+and every token already streamed, and decodes the rest. The front-end pins every request's
+seed and sampling draws from (seed, position) alone, so the continuation is the stream the
+lost worker would have sent.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
@@ -21,7 +28,7 @@ from ipc.bus import BusPayload
 class Phase(enum.IntEnum):
     PENDING = 0  # validated and accepted; waiting for a ready worker and a bus slot
     INJECTED = 1  # descriptor sent to a worker; tokens streaming
-    STOPPING = 2  # a stop string matched; cancel sent, waiting for the worker's final output
+    STOPPING = 2  # a stop string matched or the client cancelled; waiting for the worker's final output
     FINISHED = 3
 
     @property
@@ -35,6 +42,11 @@ class Outcome:
 
     messages: list[m.Message] = field(default_factory=list)
     is_cancel_needed: bool = False
+
+
+# Worker losses a request survives. Bounded so a request that itself kills workers (or dies
+# with every one it is placed on) ends with an error instead of a restart loop.
+MAX_WORKER_LOSSES = 2
 
 
 @dataclass(eq=False)
@@ -53,6 +65,29 @@ class ClientRequest:
     num_delivered: int = 0  # tokens sent to the client
     stop_reason: str | None = None  # "stop" once a stop string matched; None: the worker's reason
     accepted_s: float = field(default_factory=time.monotonic)
+    generated_token_ids: list[int] = field(default_factory=list)  # every token a worker streamed
+    num_worker_losses: int = 0  # workers lost while this request was on them
+    client_payload: BusPayload = field(init=False)  # as the client sent it; payload grows on a resume
+
+    def __post_init__(self) -> None:
+        self.client_payload = self.payload
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.client_payload.token_ids)
+
+    def carry_over(self) -> bool:
+        """Its worker died: make it ready for the next one, whose payload holds the prompt and
+        the tokens streamed so far, and max_tokens what is left; False when it cannot go on."""
+        num_left = self.client_payload.sampling.max_tokens - len(self.generated_token_ids)
+        if self.phase != Phase.INJECTED or self.num_worker_losses >= MAX_WORKER_LOSSES or num_left <= 0:
+            return False
+        sampling = msgspec.structs.replace(self.client_payload.sampling, max_tokens=num_left)
+        self.payload = BusPayload(token_ids=self.client_payload.token_ids + self.generated_token_ids,
+                                  sampling=sampling)
+        self.num_worker_losses += 1
+        self.phase, self.worker_id, self.next_row_seq = Phase.PENDING, None, 0
+        return True
 
     def on_row(self, row: m.RowOutput, emitted_at_ns: int) -> Outcome:
         out = Outcome()
@@ -61,6 +96,7 @@ class ClientRequest:
             out.messages.append(self.fail(f"token stream gap: expected seq {self.next_row_seq}, got {row.seq}"))
             return out
         self.next_row_seq += 1
+        self.generated_token_ids += row.token_ids
         if self.phase == Phase.STOPPING:
             # Tokens decoded after the stop string matched are dropped; only the stats matter.
             if row.finish_reason is not None:
@@ -83,9 +119,13 @@ class ClientRequest:
         return out
 
     def cancelled(self) -> m.Chunk:
-        """The final chunk of a request the client cancelled before a worker saw it."""
-        return self._chunk([], "", None, "cancelled", {"prompt_tokens": len(self.payload.token_ids),
-                                                         "generated_tokens": 0})
+        """The final chunk of a request the client cancelled while no worker held it."""
+        return self._chunk([], "", None, "cancelled", {})
+
+    def stopped_without_worker(self) -> m.Chunk:
+        """The final chunk of a stopping request whose worker died before its last output."""
+        assert self.phase == Phase.STOPPING
+        return self._chunk([], "", None, self.stop_reason or "cancelled", {})
 
     def fail(self, message: str, field_name: str | None = None) -> m.Error:
         self.phase = Phase.FINISHED
@@ -97,7 +137,10 @@ class ClientRequest:
         if finish_reason is not None:
             self.phase = Phase.FINISHED
             stats = dict(stats or {})
+            # A resumed request's last worker saw the streamed tokens as prompt.
+            stats["prompt_tokens"] = self.num_prompt_tokens
             stats["generated_tokens"] = self.num_delivered  # tokens past a stop string were dropped
+            stats["num_worker_losses"] = self.num_worker_losses
             stats["model"] = self.model
         chunk = m.Chunk(request_id=self.request_id, seq=self.next_chunk_seq, token_ids=list(token_ids),
                         text=text, finish_reason=finish_reason, stats=stats, emitted_at_ns=emitted_at_ns)
