@@ -391,6 +391,7 @@ def test_config_file_and_a_worker_started_by_hand(tmp_path, model_path, engine):
             by_id = {w["worker_id"]: w for w in stats["workers"]}
             assert by_id[1]["width_cap"] == 2 and by_id[1]["drafter"] == "ngram"  # spawned from the config
             assert by_id[1]["draft_depth"]["k_max"] > 0  # its depth policy's state, per worker
+            assert sorted(w["pid"] for w in stats["workers"]) == sorted([*srv.worker_pids(), worker.pid])
             requests = make_requests(engine.tokenizer, 4, seed=21)
             streams = [client.generate(**r) for r in requests]
             results = [collect(s) for s in streams]  # one client, streams read one after another

@@ -479,6 +479,9 @@ class Frontend:
     def _answer_stats(self) -> None:
         for query in self._stats_queries.pop_complete():
             stats = merge_worker_stats(query.parts)
+            for entry in stats["workers"]:  # which process is which worker, for an operator (or a test) to act on
+                handle = self._pool.workers.get(entry["worker_id"])
+                entry["pid"] = handle.pid if handle is not None else None
             stats["num_queued"] += len(self._pending)  # accepted, waiting for a worker
             stats.update(num_workers=len(self._pool.ready_workers()), num_worker_restarts=self._pool.num_restarts,
                          num_frontend_requests=len(self._requests), num_frontend_pending=len(self._pending),
