@@ -4,10 +4,11 @@ The next worker prefills the prompt and every token already streamed, with max_t
 left and the same seed. Exactness rests on two engine properties: a position's logits do not
 depend on whether its tokens were prefilled or decoded, and sampling draws from (seed,
 position) alone. The in-process tests check the continuation equals the rest of the
-uninterrupted stream, cut at random points, batched beside the other cuts, on a float32 model
+uninterrupted stream, cut at random points, arriving at random rounds beside the other cuts, on a float32 model
 and on the GGUF-like model (int8 activations, float16 KV); the live test kills a worker.
 """
 
+import dataclasses
 import os
 import random
 import signal
@@ -23,24 +24,11 @@ from gmlx.textstream import TextStream
 from ipc import messages as m
 from ipc.bus import BusPayload
 from ipc.client import Client, RequestError
-from schedules import SoloReference
+from schedules import Arrival, Schedule, SoloReference, run_schedule
 from serving_support import Server, model_dir, solo
 from workers.streams import MAX_WORKER_LOSSES, ClientRequest, Phase
 
 TEST_TIMEOUT_S = 240
-
-
-def run_together(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple[list[int], str]]:
-    """Every request added at once, decoded to its end in one batch: (tokens, finish reason) each."""
-    ids = [engine.add_request(list(prompt), params) for prompt, params in requests]
-    tokens = {i: [] for i in ids}
-    reasons = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-            if output.finish_reason is not None:
-                reasons[output.request_id] = output.finish_reason
-    return [(tokens[i], reasons[i]) for i in ids]
 
 
 @pytest.mark.parametrize("target_name", ["builtin_target", "gguf_like_target"])
@@ -50,23 +38,25 @@ def test_a_continuation_from_any_cut_is_the_rest_of_the_stream(target_name, draf
     reference = SoloReference(target)
     engine = Engine(target, make_drafter(drafter, target), EngineConfig(prompt_cache_bytes=0))
     rng = random.Random(f"{target_name} {drafter}")  # str seeds are hashed the same in every process
-    vocab = target.vocab_size
-    carried = []
-    for i in range(6):
-        prompt = [t % vocab for t in code_prompts[rng.randrange(len(code_prompts))]]
-        sampled = i % 2 == 1
-        params = SamplingParams(max_tokens=rng.randint(8, 40), temperature=0.8 if sampled else 0.0,
-                                top_p=0.9 if sampled else 1.0, seed=rng.getrandbits(63))
-        full, reason = reference.tokens(prompt, params)
-        if len(full) < 2:
-            continue
-        cut = rng.randrange(1, len(full))  # tokens streamed before the worker died
-        rest = SamplingParams(max_tokens=params.max_tokens - cut, temperature=params.temperature,
-                              top_p=params.top_p, seed=params.seed)
-        carried.append((prompt + full[:cut], rest, (full[cut:], reason)))
-    assert len(carried) >= 4
-    got = run_together(engine, [(tokens, params) for tokens, params, _ in carried])
-    assert got == [expected for _, _, expected in carried]
+    for _ in range(3):  # schedules
+        pairs = []  # (the carried request's arrival, what it must emit)
+        for i in range(6):
+            prompt = [t % target.vocab_size for t in code_prompts[rng.randrange(len(code_prompts))]]
+            sampled = i % 2 == 1
+            params = SamplingParams(max_tokens=rng.randint(8, 40), temperature=0.8 if sampled else 0.0,
+                                    top_p=0.9 if sampled else 1.0, seed=rng.getrandbits(63))
+            full, reason = reference.tokens(prompt, params)
+            if len(full) < 2:
+                continue
+            cut = rng.randrange(1, len(full))  # tokens streamed before the worker died
+            rest = dataclasses.replace(params, max_tokens=params.max_tokens - cut)
+            pairs.append((Arrival(rng.randint(0, 6), tuple(prompt + full[:cut]), rest, None), (full[cut:], reason)))
+        assert len(pairs) >= 4
+        pairs.sort(key=lambda pair: pair[0].round_index)
+        # At random rounds, under a random width cap: they join running batches as any request does.
+        schedule = Schedule(0, rng.choice((0, 1, 2, 4)), True, True, 2, tuple(arrival for arrival, _ in pairs))
+        result = run_schedule(engine, schedule)
+        assert [(result.tokens[i], result.finish[i]) for i in range(len(pairs))] == [e for _, e in pairs]
 
 
 def make_client_request(prompt: list[int], max_tokens: int) -> ClientRequest:
