@@ -59,11 +59,11 @@ def test_a_continuation_from_any_cut_is_the_rest_of_the_stream(target_name, draf
         assert [(result.tokens[i], result.finish[i]) for i in range(len(pairs))] == [e for _, e in pairs]
 
 
-def make_client_request(prompt: list[int], max_tokens: int) -> ClientRequest:
+def make_client_request(prompt: list[int], max_tokens: int, seed: int | None = 7) -> ClientRequest:
     from workers.tokenizer import load_tokenizer
 
     _, decoder = load_tokenizer(str(model_dir()))
-    sampling = m.Sampling(max_tokens=max_tokens, seed=7)
+    sampling = m.Sampling(max_tokens=max_tokens, seed=seed)
     return ClientRequest("r1", "ref", b"client", BusPayload(token_ids=prompt, sampling=sampling),
                          TextStream(decoder), "model", has_stop=False)
 
@@ -85,6 +85,13 @@ def test_each_carry_over_sends_the_prompt_and_every_streamed_token_until_the_bou
         assert req.payload.token_ids == [5, 6, 7, *streamed]
         assert req.payload.sampling.max_tokens == 10 - len(streamed) and req.payload.sampling.seed == 7
     assert req.num_prompt_tokens == 3 and req.num_worker_losses == MAX_WORKER_LOSSES
+
+
+def test_an_unseeded_request_has_its_seed_pinned_when_accepted():
+    seeds = {make_client_request([5], max_tokens=4, seed=None).payload.sampling.seed for _ in range(4)}
+    assert len(seeds) == 4 and all(0 <= seed < 2**63 for seed in seeds)  # drawn at random, each its own
+    req = make_client_request([5], max_tokens=4, seed=None)
+    assert req.client_payload == req.payload and make_client_request([5], 4, seed=3).payload.sampling.seed == 3
 
 
 def test_a_request_that_streamed_max_tokens_is_not_carried_over():

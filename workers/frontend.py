@@ -18,20 +18,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from gmlx.textstream import TextStream
 from ipc import messages as m
 from ipc.auth import (ServerAuth, default_secret_path, insecure_bind_message, insecure_worker_bind_message,
                       is_loopback, read_worker_secret, write_worker_secret)
-from ipc.bus import BusPayload, RequestBus, reclaim_stale_segments
+from ipc.bus import RequestBus, reclaim_stale_segments
 from ipc.sockets import bind_router, bind_sub_beside, recv_all, recv_all_bounded
 from workers.streams import MAX_WORKER_LOSSES, ClientRequest, Phase
 from workers.stats import StatsQueries, merge_worker_stats
@@ -275,9 +273,6 @@ class Frontend:
             self.num_rejected += 1
             self._reply(client_id, m.Error(message=str(e), ref=msg.ref, field=e.field))
             return
-        if payload.sampling.seed is None:  # pinned so a carried-over request draws what it would have
-            payload = BusPayload(payload.token_ids, msgspec.structs.replace(payload.sampling,
-                                                                            seed=random.getrandbits(63)))
         request_id = f"r{next(self._request_ids)}"
         req = ClientRequest(request_id, msg.ref, client_id, payload, TextStream(self._decoder, stop),
                             self._model_path, has_stop=bool(stop))

@@ -15,6 +15,7 @@ lost worker would have sent.
 from __future__ import annotations
 
 import enum
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ class ClientRequest:
     client_payload: BusPayload = field(init=False)  # as the client sent it; payload grows on a resume
 
     def __post_init__(self) -> None:
+        if self.payload.sampling.seed is None:  # pinned so a carried-over request draws what it would have
+            sampling = msgspec.structs.replace(self.payload.sampling, seed=random.getrandbits(63))
+            self.payload = BusPayload(token_ids=self.payload.token_ids, sampling=sampling)
         self.client_payload = self.payload
 
     @property
