@@ -102,6 +102,9 @@ class Engine:
         budget_bytes = engine_config.kv_cache_bytes or default_budget_bytes(engine_config.num_memory_sharers)
         self.kv_budget = KVBudget(target.kv_bytes_per_token, budget_bytes,
                                   margin_tokens=drafter.num_draft_tokens + 1 if drafter is not None else 0)
+        # A row never outgrows what the budget holds for it alone: past that a request stops, as at
+        # the context, rather than being refused (a chat request's default asks for the whole context).
+        self.max_row_tokens = min(self.max_context_tokens, self.kv_budget.max_row_tokens())
         self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, self.prompt_cache)
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
@@ -173,8 +176,12 @@ class Engine:
                 f"token_ids: prompt of {len(token_ids)} tokens does not fit the context "
                 f"of {self.max_context_tokens} tokens"
             )
-        num_new_tokens = min(params.max_tokens, self.max_context_tokens - len(token_ids))
-        self.kv_budget.check_alone(len(token_ids), num_new_tokens)
+        if len(token_ids) >= self.max_row_tokens:
+            raise ValueError(
+                f"token_ids: a prompt of {len(token_ids)} tokens does not fit this server's KV cache budget of "
+                f"{self.kv_budget.budget_bytes / 2**20:.0f} MiB, which holds {max(0, self.max_row_tokens)} tokens "
+                f"a request (GMLX_KV_CACHE_MB)")
+        num_new_tokens = min(params.max_tokens, self.max_row_tokens - len(token_ids))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -238,6 +245,7 @@ class Engine:
         stats["num_active"] = (0 if self.batch is None else self.batch.num_rows) + len(self._ready)
         stats["num_queued"] = len(self.queue)
         stats["kv_budget_bytes"] = self.kv_budget.budget_bytes
+        stats["max_row_tokens"] = self.max_row_tokens
         stats["width_cap"] = self._width_cap()
         stats["is_prefill_packed"] = self.is_prefill_packed
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
@@ -715,7 +723,7 @@ class Engine:
 
     def _budget(self, request: Request) -> int:
         """How many tokens the request may generate in all."""
-        return min(request.params.max_tokens, self.max_context_tokens - request.num_prompt_tokens)
+        return min(request.params.max_tokens, self.max_row_tokens - request.num_prompt_tokens)
 
     def _deliver(self, request: Request, tokens: list[int]) -> bool:
         """Append tokens in order, stopping at EOS or the budget; False once it finished."""

@@ -1,6 +1,7 @@
 """The KV budget (gmlx/cache/budget.py): rows join only while their KV fits it, the rest wait
-in arrival order, every stream still equals plain decoding, and a request that could never
-fit is refused with an error naming the sizes, in process and over a live server."""
+in arrival order, every stream still equals plain decoding, and what one row may hold alone
+bounds a request as the context does (a longer prompt refused naming the budget, generation
+stopped there), in process and over a live server."""
 
 import mlx.core as mx
 import pytest
@@ -12,7 +13,7 @@ from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
 from gmlx.request import SamplingParams
 from ipc.client import Client, RequestError
-from schedules import SoloReference, check_schedule, make_schedule
+from schedules import SoloReference, check_schedule, make_schedule, run_alone
 from serving_support import Server
 from workers.supervisor import WorkerSpec
 
@@ -34,13 +35,23 @@ def test_waiters_are_admitted_in_arrival_order_while_the_widest_row_fits():
     assert budget.num_admissible(0, 0, [wide, wide, narrow], max_new_rows=9) == 2
 
 
-def test_a_request_that_could_never_fit_is_refused_naming_the_sizes(builtin_target):
-    row_bytes = builtin_target.kv_bytes_per_token * STEP_TOKENS
-    engine = Engine(builtin_target, None, EngineConfig(kv_cache_bytes=row_bytes))
-    engine.add_request([5] * 200, SamplingParams(max_tokens=56))  # 256 tokens: exactly the budget
-    with pytest.raises(ValueError, match=r"max_tokens: 200 prompt tokens and up to 57 new ones need 2 MiB of KV "
-                                         r"cache, over this server's 1 MiB \(GMLX_KV_CACHE_MB\)"):
-        engine.add_request([5] * 200, SamplingParams(max_tokens=57))
+@pytest.mark.parametrize("kind", [None, "ngram"])
+def test_a_request_stops_at_what_one_row_may_hold_and_a_longer_prompt_is_refused(kind, builtin_target):
+    """A budget of one growth step: a row holds 256 tokens less a verify's margin. A request
+    asking past that decodes up to it and stops with "length", as at the context."""
+    drafter = make_drafter(kind, builtin_target) if kind else None
+    engine = Engine(builtin_target, drafter,
+                    EngineConfig(kv_cache_bytes=builtin_target.kv_bytes_per_token * STEP_TOKENS))
+    margin = drafter.num_draft_tokens + 1 if drafter is not None else 0
+    assert engine.max_row_tokens == STEP_TOKENS - margin == engine.stats()["max_row_tokens"]
+    prompt = [5] * 200
+    tokens, reason, _ = run_alone(engine, prompt, SamplingParams(max_tokens=100))
+    assert (tokens, reason) == SoloReference(builtin_target).tokens(prompt, SamplingParams(max_tokens=56 - margin))
+    assert reason == "length" or len(tokens) < 56 - margin  # stopped at the row's end, or by EOS before it
+    with pytest.raises(ValueError, match=rf"token_ids: a prompt of {STEP_TOKENS - margin} tokens does not fit this "
+                                         rf"server's KV cache budget of 1 MiB, which holds {STEP_TOKENS - margin} "
+                                         rf"tokens a request \(GMLX_KV_CACHE_MB\)"):
+        engine.add_request([5] * (STEP_TOKENS - margin), SamplingParams(max_tokens=1))
 
 
 def test_the_setting_sets_the_default_budget_and_zero_is_refused():
@@ -99,15 +110,18 @@ def test_rows_past_the_budget_wait_and_every_stream_equals_plain(kind, builtin_t
     assert num_held > 0 and max_rows >= 2
 
 
-def test_a_live_server_refuses_an_over_budget_request_and_serves_the_next():
+def test_a_live_server_stops_a_request_at_a_row_and_refuses_a_longer_prompt():
     with env_overrides({"GMLX_KV_CACHE_MB": "1"}):  # the built-in model: 256 tokens a MiB
         server = Server(drafter="ngram")
     try:
         with Client(server.address, timeout_s=60) as client:
+            max_row_tokens = client.stats()["max_row_tokens"]
+            assert 240 < max_row_tokens < 256  # a row less the n-gram verify's margin
             with pytest.raises(RequestError, match="GMLX_KV_CACHE_MB"):
-                list(client.generate(token_ids=[5] * 200, max_tokens=100))
-            chunks = list(client.generate(token_ids=[5] * 20, max_tokens=8, temperature=0.0))
-            assert chunks[-1].finish_reason is not None and sum(len(c.token_ids) for c in chunks) >= 1
+                list(client.generate(token_ids=[5] * 300, max_tokens=4))
+            chunks = list(client.generate(token_ids=[5] * 200, max_tokens=100, temperature=0.0))
+            assert sum(len(c.token_ids) for c in chunks) <= max_row_tokens - 200
+            assert chunks[-1].finish_reason in ("length", "stop")
             assert client.stats()["kv_budget_bytes"] == 1 << 20
     finally:
         server.kill()

@@ -5,8 +5,8 @@ A batch's KV buffers are one array per layer, every row as wide as the widest (r
 rows in flight hold at most num_rows x widest x bytes a token, where widest is the buffers' own
 width or what a row may grow to, whichever is more: its prompt, every token it may generate and
 a verify's drafts past its end, rounded up to the buffers' growth step. Requests are admitted
-in arrival order while that stays within the budget; one that could never fit, even alone, is
-refused when it is added.
+in arrival order while that stays within the budget. What one row may hold alone bounds a
+request as the model's context does: a longer prompt is refused, and generation stops there.
 """
 
 from __future__ import annotations
@@ -40,14 +40,10 @@ class KVBudget:
     def rows_bytes(self, num_rows: int, widest_tokens: int) -> int:
         return num_rows * widest_tokens * self.bytes_per_token
 
-    def check_alone(self, num_prompt_tokens: int, num_new_tokens: int) -> None:
-        """ValueError naming the sizes when a request could not fit even with no other row."""
-        need = self.rows_bytes(1, self.row_tokens(num_prompt_tokens, num_new_tokens))
-        if need > self.budget_bytes:
-            raise ValueError(
-                f"max_tokens: {num_prompt_tokens} prompt tokens and up to {num_new_tokens} new ones need "
-                f"{need / 2**20:.0f} MiB of KV cache, over this server's {self.budget_bytes / 2**20:.0f} MiB "
-                f"(GMLX_KV_CACHE_MB); ask for fewer new tokens or send a shorter prompt")
+    def max_row_tokens(self) -> int:
+        """The most prompt and new tokens one row may hold with no other row (may be <= 0)."""
+        num_steps = self.budget_bytes // (self.bytes_per_token * STEP_TOKENS)
+        return num_steps * STEP_TOKENS - self.margin_tokens
 
     def num_admissible(self, num_rows: int, widest_tokens: int, waiting_tokens: Iterable[int],
                        max_new_rows: int) -> int:
