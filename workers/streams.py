@@ -68,7 +68,7 @@ class ClientRequest:
     accepted_s: float = field(default_factory=time.monotonic)
     generated_token_ids: list[int] = field(default_factory=list)  # every token a worker streamed
     num_worker_losses: int = 0  # workers lost while this request was on them
-    client_payload: BusPayload = field(init=False)  # as the client sent it; payload grows on a resume
+    client_payload: BusPayload = field(init=False)  # as the client sent it; payload grows on a carry-over
 
     def __post_init__(self) -> None:
         if self.payload.sampling.seed is None:  # pinned so a carried-over request draws what it would have
@@ -141,7 +141,7 @@ class ClientRequest:
         if finish_reason is not None:
             self.phase = Phase.FINISHED
             stats = dict(stats or {})
-            # A resumed request's last worker saw the streamed tokens as prompt.
+            # A carried-over request's last worker saw the streamed tokens as prompt.
             stats["prompt_tokens"] = self.num_prompt_tokens
             stats["generated_tokens"] = self.num_delivered  # tokens past a stop string were dropped
             stats["num_worker_losses"] = self.num_worker_losses
