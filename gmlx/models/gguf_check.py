@@ -20,23 +20,48 @@ _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, data, path: Path):
         self.data, self.offset, self.path = data, 0, path
 
-    def take(self, num_bytes: int) -> memoryview | bytes:
+    def skip(self, num_bytes: int) -> int:
+        """Move past num_bytes; returns where they start."""
         if num_bytes < 0 or self.offset + num_bytes > len(self.data):
             raise ValueError(f"GGUF {self.path}: corrupt or truncated (a field at byte {self.offset} "
                              f"runs past the end of the {len(self.data)}-byte file)")
         start = self.offset
         self.offset += num_bytes
+        return start
+
+    def take(self, num_bytes: int) -> bytes:
+        start = self.skip(num_bytes)
         return self.data[start : self.offset]
 
     def unpack(self, fmt: str):
         return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt)))[0]
 
     def string(self) -> bytes:
-        return bytes(self.take(self.unpack("Q")))
+        return self.take(self.unpack("Q"))
+
+    def skip_strings(self, count: int) -> None:
+        """Past count strings without copying them: a vocabulary's ~100k are the walk's whole
+        cost, so this loop keeps to locals."""
+        data, offset, end, unpack_from = self.data, self.offset, len(self.data), _U64.unpack_from
+        for _ in range(count):
+            if offset + 8 > end:
+                break
+            next_offset = offset + 8 + unpack_from(data, offset)[0]
+            if next_offset > end:
+                break
+            offset = next_offset
+        else:
+            self.offset = offset
+            return
+        self.offset = offset
+        self.skip(end - offset + 1)  # raises: the string at offset runs past the end
 
 
 def check_gguf_structure(path: str | Path) -> None:
@@ -79,15 +104,14 @@ def _skip_value(cursor: _Cursor, value_type: int):
     if value_type in _SCALARS:
         return cursor.unpack(_SCALARS[value_type])
     if value_type == _STRING:
-        cursor.string()
+        cursor.skip_strings(1)
         return None
     if value_type == _ARRAY:
         item_type, count = cursor.unpack("I"), cursor.unpack("Q")
         if item_type in _SCALARS:
             cursor.take(count * struct.calcsize("<" + _SCALARS[item_type]))
         elif item_type == _STRING:
-            for _ in range(count):
-                cursor.string()
+            cursor.skip_strings(count)
         else:
             raise ValueError(f"GGUF {cursor.path}: corrupt (array of value type {item_type})")
         return None
