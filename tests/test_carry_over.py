@@ -59,13 +59,14 @@ def test_a_continuation_from_any_cut_is_the_rest_of_the_stream(target_name, draf
         assert [(result.tokens[i], result.finish[i]) for i in range(len(pairs))] == [e for _, e in pairs]
 
 
-def make_client_request(prompt: list[int], max_tokens: int, seed: int | None = 7) -> ClientRequest:
+def make_client_request(prompt: list[int], max_tokens: int, seed: int | None = 7,
+                        stop: tuple[str, ...] = ()) -> ClientRequest:
     from workers.tokenizer import load_tokenizer
 
     _, decoder = load_tokenizer(str(model_dir()))
     sampling = m.Sampling(max_tokens=max_tokens, seed=seed)
     return ClientRequest("r1", "ref", b"client", BusPayload(token_ids=prompt, sampling=sampling),
-                         TextStream(decoder), "model", has_stop=False)
+                         TextStream(decoder, stop), "model", has_stop=bool(stop))
 
 
 def test_each_carry_over_sends_the_prompt_and_every_streamed_token_until_the_bound():
@@ -92,6 +93,26 @@ def test_an_unseeded_request_has_its_seed_pinned_when_accepted():
     assert len(seeds) == 4 and all(0 <= seed < 2**63 for seed in seeds)  # drawn at random, each its own
     req = make_client_request([5], max_tokens=4, seed=None)
     assert req.client_payload == req.payload and make_client_request([5], 4, seed=3).payload.sampling.seed == 3
+
+
+@pytest.mark.parametrize("why", ["stop string", "cancel"])
+def test_a_stopping_request_whose_worker_dies_ends_with_its_final_chunk(why):
+    """Its client already has every token it is owed: no carry-over, no error, the final chunk."""
+    from workers.tokenizer import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(str(model_dir()))
+    words = tokenizer.encode(" alpha beta gamma")
+    req = make_client_request([5], max_tokens=50, stop=(" beta",) if why == "stop string" else ())
+    req.phase = Phase.INJECTED
+    out = req.on_row(m.RowOutput(request_id="r1", seq=0, token_ids=words), 0)
+    if why == "cancel":
+        req.phase = Phase.STOPPING  # what the front-end sets when the client cancels
+    assert req.phase == Phase.STOPPING and not req.carry_over()
+    final = req.stopped_without_worker()
+    assert final.finish_reason == ("stop" if why == "stop string" else "cancelled")
+    delivered = sum(len(msg.token_ids) for msg in out.messages)
+    assert final.stats["generated_tokens"] == delivered and final.stats["prompt_tokens"] == 1
+    assert req.phase == Phase.FINISHED
 
 
 def test_a_request_that_streamed_max_tokens_is_not_carried_over():
