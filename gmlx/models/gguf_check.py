@@ -51,17 +51,12 @@ class _Cursor:
         cost, so this loop keeps to locals."""
         data, offset, end, unpack_from = self.data, self.offset, len(self.data), _U64.unpack_from
         for _ in range(count):
-            if offset + 8 > end:
-                break
-            next_offset = offset + 8 + unpack_from(data, offset)[0]
+            next_offset = offset + 8 + unpack_from(data, offset)[0] if offset + 8 <= end else end + 1
             if next_offset > end:
-                break
+                self.offset = offset
+                self.skip(end - offset + 1)  # raises: the string at offset runs past the end
             offset = next_offset
-        else:
-            self.offset = offset
-            return
         self.offset = offset
-        self.skip(end - offset + 1)  # raises: the string at offset runs past the end
 
 
 def check_gguf_structure(path: str | Path) -> None:
