@@ -353,6 +353,18 @@ def kv_cache_budget_mb() -> int | None:
     return value
 
 
+# A row's KV is reserved this many tokens of growth ahead of what it holds (cache/budget.py).
+DEFAULT_KV_RESERVE_TOKENS = 256
+
+
+def kv_reserve_tokens() -> int:
+    """GMLX_KV_RESERVE_TOKENS: the growth a decode row's KV is reserved ahead of its length;
+    rows that grow past the budget are evicted, latest arrival first, and resume by
+    re-prefill. 0 reserves every row's whole max_tokens at admission: none is ever evicted."""
+    value = _env_int("GMLX_KV_RESERVE_TOKENS")
+    return DEFAULT_KV_RESERVE_TOKENS if value is None else value
+
+
 def is_drafter_quantized() -> bool:
     """GMLX_CPU_DRAFTER_QUANTIZED (default on): on the CPU, a quantized target's MTP head and
     draft-vocabulary products are quantized to the target's bits in its kernels
@@ -368,7 +380,7 @@ def validate_settings() -> None:
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
                  is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule,
                  is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled, cpu_amx,
-                 kv_cache_dtype, kv_cache_budget_mb):
+                 kv_cache_dtype, kv_cache_budget_mb, kv_reserve_tokens):
         read()
 
 

@@ -78,7 +78,7 @@ _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
     "num_batch_rounds", "num_bare_rounds", "num_gated_rounds", "num_plain_rounds", "num_settle_rounds",
     "num_capture_rounds", "num_preempts", "num_resumes", "num_gates", "num_depth_gates", "num_drafted",
-    "num_accepted", "num_packed_chunks",
+    "num_accepted", "num_packed_chunks", "num_kv_evictions",
 )
 
 
@@ -101,11 +101,13 @@ class Engine:
         # The model is loaded by now: the default is a share of what it left free.
         budget_bytes = engine_config.kv_cache_bytes or default_budget_bytes(engine_config.num_memory_sharers)
         self.kv_budget = KVBudget(target.kv_bytes_per_token, budget_bytes,
-                                  margin_tokens=drafter.num_draft_tokens + 1 if drafter is not None else 0)
+                                  margin_tokens=drafter.num_draft_tokens + 1 if drafter is not None else 0,
+                                  reserve_tokens=config.kv_reserve_tokens())
         # A row never outgrows what the budget holds for it alone: past that a request stops, as at
         # the context, rather than being refused (a chat request's default asks for the whole context).
         self.max_row_tokens = min(self.max_context_tokens, self.kv_budget.max_row_tokens())
-        self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, self.prompt_cache)
+        self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, self.prompt_cache,
+                                              self._reserved_tokens)
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
@@ -181,13 +183,12 @@ class Engine:
                 f"token_ids: a prompt of {len(token_ids)} tokens does not fit this server's KV cache budget of "
                 f"{self.kv_budget.budget_bytes / 2**20:.0f} MiB, which holds {max(0, self.max_row_tokens)} tokens "
                 f"a request (GMLX_KV_CACHE_MB)")
-        num_new_tokens = min(params.max_tokens, self.max_row_tokens - len(token_ids))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, token_ids, params, seed,
-                          num_kv_tokens=self.kv_budget.row_tokens(len(token_ids), num_new_tokens))
+        request = Request(request_id, token_ids, params, seed, arrival_seq=self.counters["num_requests"],
+                          max_new_tokens=min(params.max_tokens, self.max_row_tokens - len(token_ids)))
         self.requests[request_id] = request
         self.queue.push(request)
         self.counters["num_requests"] += 1
@@ -222,6 +223,7 @@ class Engine:
             self.served_costs.step_started(time.perf_counter())
         self._is_joined_this_step = False
         self._is_landed_this_step = self._land()
+        self._evict_to_fit()
         if self.batch is not None and not self.batch.has_boundary:
             if self._ready and not self._is_landed_this_step:
                 self._preempt()  # prefilled beside the lone stream last step: it joins now
@@ -349,7 +351,8 @@ class Engine:
         """Deliver a prefilled prompt's first token; False when that already finished it."""
         request = item.request
         request.status = RequestStatus.DECODING
-        request.first_token_time_s = time.perf_counter()
+        if request.first_token_time_s is None:  # an evicted row's next token is not its first
+            request.first_token_time_s = time.perf_counter()
         if self._deliver(request, [item.first_token]):
             return True
         self._retire(request, item.caches, 0)
@@ -380,10 +383,71 @@ class Engine:
     def _num_admissible(self, max_new_rows: int) -> int:
         """How many of the first max_new_rows waiters fit the KV budget beside the rows in flight."""
         in_flight = ([] if self.batch is None else self.batch.requests) + [p.request for p in self._ready]
-        widest = max([r.num_kv_tokens for r in in_flight]
-                     + ([] if self.batch is None else [self.batch.caches[0].keys.shape[2]]), default=0)
-        return self.kv_budget.num_admissible(len(in_flight), widest, (r.num_kv_tokens for r in self.queue.waiting),
-                                             max_new_rows)
+        widest = max([self._reserved_tokens(r) for r in in_flight] + [self._buffer_tokens()])
+        return self.kv_budget.num_admissible(len(in_flight), widest,
+                                             (self._reserved_tokens(r) for r in self.queue.waiting), max_new_rows)
+
+    def _reserved_tokens(self, request: Request) -> int:
+        """The width the KV budget charges the request's row (cache/budget.py)."""
+        num_generated = len(request.output_token_ids)
+        return self.kv_budget.reserved_tokens(len(request.prompt_token_ids) + num_generated,
+                                              request.max_new_tokens - num_generated)
+
+    def _buffer_tokens(self) -> int:
+        """The batch buffers' width: every row of the batch is this wide, whatever it holds."""
+        keys = None if self.batch is None else self.batch.caches[0].keys
+        return 0 if keys is None else keys.shape[2]
+
+    # --- eviction -------------------------------------------------------------------
+
+    def _evict_to_fit(self) -> None:
+        """Rows that grew past the KV budget (their reservations, before this step's round
+        writes): the latest arrivals give their KV up and wait at the queue's head, to be
+        prefilled again (prompt and tokens so far) once they fit; their KV is offered to the
+        prompt cache, so that prefill may be a copy. The earliest arrival always keeps its row."""
+        holders = ([] if self.batch is None else list(self.batch.requests)) + [p.request for p in self._ready]
+        holders += self.queue.prefilling
+        reserved = [self._reserved_tokens(r) for r in holders]
+        evicted = []
+        while len(holders) > 1 and not self.kv_budget.fits(len(holders), max(max(reserved), self._buffer_tokens())):
+            latest = max(range(len(holders)), key=lambda i: holders[i].arrival_seq)
+            victim = holders.pop(latest)
+            reserved.pop(latest)
+            if self._evict(victim):
+                evicted.append(victim)
+        if not evicted:
+            return
+        # Admission counts waiters in order, so only the queue's head may hold a partial prefill.
+        for request in self.queue.prefilling:
+            self._offer(request, self.queue.drop_prefill(request), 0)
+        self.queue.push_front(evicted)
+
+    def _evict(self, request: Request) -> bool:
+        """Take the request's KV back; True where it held a row (it must wait again), False for
+        a waiter's partial prefill (dropped; it keeps its place)."""
+        ready = [p for p in self._ready if p.request is request]
+        rows = [] if self.batch is None else [i for i, r in enumerate(self.batch.requests) if r is not request]
+        if ready:
+            self._offer(request, ready[0].caches, 0)
+            self._ready = [p for p in self._ready if p is not ready[0]]
+            self._staging = None
+        elif self.batch is not None and len(rows) < self.batch.num_rows:
+            row = next(i for i, r in enumerate(self.batch.requests) if r is request)
+            self._offer(request, self.batch.caches, row)
+            self._keep_rows(rows)
+        else:
+            self._offer(request, self.queue.drop_prefill(request), 0)
+            return False
+        self.counters["num_kv_evictions"] += 1
+        request.num_kv_evictions += 1
+        self._event("evict", request_id=request.request_id, num_tokens=request.num_prefill_tokens)
+        return True
+
+    def _offer(self, request: Request, caches, row: int) -> None:
+        """An evicted row's KV (or a dropped partial prefill) to the prompt cache: its own prefill
+        or a later prompt sharing its prefix may fetch it."""
+        if self.prompt_cache is not None and caches[0].keys is not None:
+            self.prompt_cache.offer(request.all_token_ids, caches, row)
 
     def _land(self) -> bool:
         """Prompts finished inside last step's forward: first tokens out; they join next step
@@ -537,7 +601,7 @@ class Engine:
             # No row's drafts pay: a speculative round would be a plain one without its pipelining.
             self._gate(is_depth=not is_over_cap)
         # A lookahead no row has budget for would be a whole wasted forward at every finish.
-        is_worth_lookahead = any(self._budget(r) - r.num_generated > 1 for r in batch.requests)
+        is_worth_lookahead = any(r.max_new_tokens - r.num_generated > 1 for r in batch.requests)
         match batch.mode:
             case BatchMode.PLAIN:
                 loop, tokens = Loop.PLAIN, self._plain_round(dispatch_next=is_worth_lookahead)
@@ -721,13 +785,9 @@ class Engine:
 
     # --- delivery ----------------------------------------------------------------------
 
-    def _budget(self, request: Request) -> int:
-        """How many tokens the request may generate in all."""
-        return min(request.params.max_tokens, self.max_row_tokens - request.num_prompt_tokens)
-
     def _deliver(self, request: Request, tokens: list[int]) -> bool:
         """Append tokens in order, stopping at EOS or the budget; False once it finished."""
-        budget = self._budget(request)
+        budget = request.max_new_tokens
         new, status = [], None
         for token in tokens:
             if token in self.target.eos_token_ids:
@@ -758,8 +818,8 @@ class Engine:
 
     def _retire(self, request: Request, caches, row: int) -> None:
         # A preempted request dropped its retirement context: its prefix is not offered back.
-        if self.prompt_cache is not None and not request.is_preempted:
-            self.prompt_cache.offer(request.all_token_ids, caches, row)
+        if not request.is_preempted:
+            self._offer(request, caches, row)
 
     def _event(self, kind: str, **fields) -> None:
         event = {"kind": kind, "round": self.counters["num_rounds"], "time_s": time.perf_counter(),

@@ -103,10 +103,12 @@ class Request:
     seed: int
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_prefilled: int = 0  # prompt tokens already in the KV cache
+    num_prefilled: int = 0  # of num_prefill_tokens, those already in the KV cache
     num_cached_prompt: int = 0  # prompt tokens reused from the prompt cache
     is_preempted: bool = False  # preempted requests are not offered back to the prompt cache
-    num_kv_tokens: int = 0  # the width its KV row may grow to (cache/budget.py), set when it is added
+    arrival_seq: int = 0  # the engine's count of requests when it was added: evictions take the latest
+    max_new_tokens: int = 0  # what it may generate: max_tokens, or less where the KV budget's row ends first
+    num_kv_evictions: int = 0  # times its row left the batch for the KV budget and was prefilled again
     arrival_time_s: float = field(default_factory=time.perf_counter)
     first_token_time_s: float | None = None
     finish_time_s: float | None = None
@@ -122,6 +124,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """What a prefill of this request runs: its prompt, and after an eviction every token it
+        generated before it (their KV is rebuilt; the next token is sampled from the last)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_generated(self) -> int:
@@ -161,6 +169,7 @@ class Request:
             "tokens_per_round": self.num_generated / self.num_rounds if self.num_rounds else None,
             "rounds_by_loop": dict(self.num_rounds_by_loop),
             "is_preempted": self.is_preempted,
+            "num_kv_evictions": self.num_kv_evictions,
             "seed": self.seed,
             "speculate": self.params.speculate,  # echoed like the seed: shows what the engine was asked
         }

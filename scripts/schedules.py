@@ -39,9 +39,11 @@ class ScheduleResult:
 
 
 def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_requests: int = 6,
-                  caps=(0, 1, 2, 4), temperatures=(0.0, 0.8), opt_out_rate: float = 0.0) -> Schedule:
+                  caps=(0, 1, 2, 4), temperatures=(0.0, 0.8), opt_out_rate: float = 0.0,
+                  max_new_tokens: int = 40) -> Schedule:
     """A random schedule; opt_out_rate is the share of requests with speculate=False (drawn only
-    when > 0, so the schedules of a seed without opt-outs stay what they were)."""
+    when > 0, so the schedules of a seed without opt-outs stay what they were); max_tokens are
+    drawn in 1..max_new_tokens."""
     rng = random.Random(seed)
     arrivals, round_index = [], 0
     for _ in range(rng.randint(1, max_requests)):
@@ -53,7 +55,7 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
             prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 24))]
         temperature = rng.choice(temperatures)
         params = SamplingParams(
-            max_tokens=rng.randint(1, 40), temperature=temperature,
+            max_tokens=rng.randint(1, max_new_tokens), temperature=temperature,
             top_p=rng.choice((1.0, 0.9)) if temperature else 1.0,
             top_k=rng.choice((0, 0, 20)) if temperature else 0,
             seed=rng.randrange(2**31),

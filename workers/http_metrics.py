@@ -15,6 +15,7 @@ _ENGINE_COUNTERS = {
     "num_preempts": ("gmlx_engine_preempts", "lone speculating streams preempted by arrivals"),
     "num_resumes": ("gmlx_engine_resumes", "gated batches re-armed for speculation"),
     "num_gates": ("gmlx_engine_gates", "batches gated to plain decoding over the width cap"),
+    "num_kv_evictions": ("gmlx_engine_kv_evictions", "decode rows evicted for the KV budget and prefilled again"),
     "num_drafted": ("gmlx_engine_drafted_tokens", "draft tokens proposed"),
     "num_accepted": ("gmlx_engine_accepted_tokens", "draft tokens accepted"),
 }

@@ -1,12 +1,15 @@
-"""The KV budget: how many waiting requests may take decode rows without the rows' caches
-outgrowing the memory set aside for them.
+"""The KV budget: how many requests may hold decode rows without the rows' caches outgrowing
+the memory set aside for them.
 
 A batch's KV buffers are one array per layer, every row as wide as the widest (ragged.py), so
 rows in flight hold at most num_rows x widest x bytes a token, where widest is the buffers' own
-width or what a row may grow to, whichever is more: its prompt, every token it may generate and
-a verify's drafts past its end, rounded up to the buffers' growth step. Requests are admitted
-in arrival order while that stays within the budget. What one row may hold alone bounds a
-request as the model's context does: a longer prompt is refused, and generation stops there.
+width or the widest row's reservation, whichever is more. A row reserves what it holds (prompt
+and tokens so far) and room to grow: up to reserve_tokens more of what it may generate, and a
+verify's drafts past its end, rounded up to the buffers' growth step. Requests are admitted in
+arrival order while that stays within the budget; rows that grow past it are evicted, latest
+arrival first, and resume by re-prefill (engine.py). With reserve_tokens 0 a row reserves all it
+may generate, so none is ever evicted. What one row may hold alone bounds a request as the
+model's context does: a longer prompt is refused, and generation stops there.
 """
 
 from __future__ import annotations
@@ -25,17 +28,28 @@ DEFAULT_AVAILABLE_SHARE = 0.4
 
 
 class KVBudget:
-    def __init__(self, bytes_per_token: int, budget_bytes: int, margin_tokens: int):
-        assert bytes_per_token > 0 and budget_bytes > 0 and margin_tokens >= 0
+    def __init__(self, bytes_per_token: int, budget_bytes: int, margin_tokens: int, reserve_tokens: int = 0):
+        assert bytes_per_token > 0 and budget_bytes > 0 and margin_tokens >= 0 and reserve_tokens >= 0
         self.bytes_per_token = bytes_per_token  # one row's keys and values for a token, every layer
         self.budget_bytes = budget_bytes
         self.margin_tokens = margin_tokens  # a verify's positions written past a row's end
+        self.reserve_tokens = reserve_tokens  # growth reserved ahead of a row's length; 0: all it may generate
 
     def row_tokens(self, num_prompt_tokens: int, num_new_tokens: int) -> int:
         """The width a row may grow to: its prompt and new tokens, a verify's margin, rounded up
         to the buffers' growth step."""
         tokens = num_prompt_tokens + num_new_tokens + self.margin_tokens
         return -(-tokens // STEP_TOKENS) * STEP_TOKENS
+
+    def reserved_tokens(self, num_held_tokens: int, num_left_tokens: int) -> int:
+        """The width a row is charged: the tokens it holds (or will once prefilled) and the growth
+        reserved for the num_left_tokens it may still generate. What one round writes (the row's
+        pending token, a verify's drafts) stays within it, so a check before a round covers it."""
+        reserve = self.reserve_tokens
+        return self.row_tokens(num_held_tokens, num_left_tokens if reserve == 0 else min(num_left_tokens, reserve))
+
+    def fits(self, num_rows: int, widest_tokens: int) -> bool:
+        return self.rows_bytes(num_rows, widest_tokens) <= self.budget_bytes
 
     def rows_bytes(self, num_rows: int, widest_tokens: int) -> int:
         return num_rows * widest_tokens * self.bytes_per_token
@@ -56,7 +70,7 @@ class KVBudget:
             if num_admitted >= max_new_rows:
                 break
             widest = max(widest, tokens)
-            if self.rows_bytes(num_rows + num_admitted + 1, widest) > self.budget_bytes:
+            if not self.fits(num_rows + num_admitted + 1, widest):
                 break
             num_admitted += 1
         return num_admitted

@@ -2,13 +2,16 @@
 
 The injection queue holds requests not yet prefilled. A drain spends a token budget on
 prefill chunks; a request whose prompt is fully in its KV gets its first token sampled
-from the prefill and is handed back to join the batch.
+from the prefill and is handed back to join the batch. A request evicted for the KV budget
+(engine.py) waits here again, at the head: its prefill runs its prompt and the tokens it
+generated, and samples its next token.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -50,17 +53,19 @@ class PackedChunk:
 
     @property
     def tokens(self) -> mx.array:
-        ids = self.request.prompt_token_ids[self.start : self.start + self.num_tokens]
+        ids = self.request.all_token_ids[self.start : self.start + self.num_tokens]
         return mx.array(ids, dtype=mx.int32)[None]  # (1, T)
 
     @property
     def is_last(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_prompt_tokens
+        return self.start + self.num_tokens == self.request.num_prefill_tokens
 
 
 class InjectionQueue:
-    def __init__(self, target: LoadedModel, chunk_tokens: int, prompt_cache=None):
+    def __init__(self, target: LoadedModel, chunk_tokens: int, prompt_cache=None,
+                 reserved_tokens: Callable[[Request], int] | None = None):
         self.target = target
+        self.reserved_tokens = reserved_tokens  # the width the KV budget charges a request's row
         self.chunk_tokens = chunk_tokens
         self.prompt_cache = prompt_cache
         self.waiting: collections.deque[Request] = collections.deque()
@@ -93,6 +98,27 @@ class InjectionQueue:
     def push(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def push_front(self, requests: list[Request]) -> None:
+        """Requests evicted from rows: ahead of every waiter, in arrival order."""
+        for request in sorted(requests, key=lambda r: r.arrival_seq, reverse=True):
+            request.status = RequestStatus.WAITING
+            request.num_prefilled = 0
+            self.waiting.appendleft(request)
+
+    @property
+    def prefilling(self) -> list[Request]:
+        """Waiters holding KV: their prefill started (a prompt-cache prefix, or chunks)."""
+        if not self._caches:
+            return []
+        return [r for r in self.waiting if r.request_id in self._caches]
+
+    def drop_prefill(self, request: Request) -> list[RaggedKVCache]:
+        """Give up a waiter's partial prefill (its KV is wanted for rows); its caches, to offer back."""
+        caches = self._caches.pop(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_prefilled = 0
+        return caches
+
     def remove(self, request_id: str) -> Request | None:
         for request in self.waiting:
             if request.request_id == request_id:
@@ -107,7 +133,7 @@ class InjectionQueue:
         request = self.waiting[0]
         if request.request_id not in self._caches:
             self._caches[request.request_id] = self._start(request)
-        return request.num_prompt_tokens - request.num_prefilled <= self.token_budget(budget_s)
+        return request.num_prefill_tokens - request.num_prefilled <= self.token_budget(budget_s)
 
     def prefill_ahead(self, budget_s: float | None = None) -> None:
         """Spend one chunk on the first waiter without finishing its prompt (the running
@@ -118,7 +144,7 @@ class InjectionQueue:
         request.status = RequestStatus.PREFILLING
         start_s, start = time.perf_counter(), request.num_prefilled
         num_tokens = self.token_budget(budget_s)
-        chunk = mx.array(request.prompt_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
+        chunk = mx.array(request.all_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
         self.target.body(chunk, caches)
         request.num_prefilled += num_tokens
         mx.eval([c.keys for c in caches])
@@ -134,7 +160,7 @@ class InjectionQueue:
                 break
             caches = self._prefilling_caches(request)
             start = request.num_prefilled
-            num_tokens = min(budget, request.num_prompt_tokens - start)
+            num_tokens = min(budget, request.num_prefill_tokens - start)
             chunks.append(PackedChunk(request, caches, start, num_tokens))
             budget -= num_tokens
             if not chunks[-1].is_last:
@@ -171,14 +197,14 @@ class InjectionQueue:
         while self.waiting and budget > 0 and len(done) < max_new_rows:
             request = self.waiting[0]
             caches = self._prefilling_caches(request)
-            remaining = request.num_prompt_tokens - request.num_prefilled
+            remaining = request.num_prefill_tokens - request.num_prefilled
             num_tokens = min(budget, remaining)
             start_s, start = time.perf_counter(), request.num_prefilled
-            chunk = mx.array(request.prompt_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
+            chunk = mx.array(request.all_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
             hidden = self.target.body(chunk, caches)  # (1, T, D)
             request.num_prefilled += num_tokens
             budget -= num_tokens
-            if request.num_prefilled < request.num_prompt_tokens:
+            if request.num_prefilled < request.num_prefill_tokens:
                 mx.eval([c.keys for c in caches])
                 self._measured(num_tokens, start_s)
                 continue
@@ -197,12 +223,17 @@ class InjectionQueue:
         return caches
 
     def _start(self, request: Request) -> list[RaggedKVCache]:
-        # Room for the prompt and the first decode steps: no growth copy while it prefills or just after.
-        min_capacity = request.num_prompt_tokens + 64
+        # Room for the prompt and the first decode steps: no growth copy while it prefills or just
+        # after; never wider than the budget charges the row.
+        min_capacity = request.num_prefill_tokens + 64
+        if self.reserved_tokens is not None:
+            min_capacity = min(min_capacity, self.reserved_tokens(request))
         if self.prompt_cache is not None:
-            caches, num_cached = self.prompt_cache.fetch(request.prompt_token_ids)
+            caches, num_cached = self.prompt_cache.fetch(request.all_token_ids)
             if caches is not None:
-                request.num_prefilled = request.num_cached_prompt = num_cached
+                request.num_prefilled = num_cached
+                if not request.num_generated:  # a fresh prompt's reuse, not an evicted row's own KV back
+                    request.num_cached_prompt = num_cached
                 for cache in caches:
                     cache.min_capacity = min_capacity
                 return caches
@@ -214,10 +245,11 @@ class InjectionQueue:
         return Prefilled(request, caches, int(token.item()), last_hidden[0, 0])
 
     def _sample_first(self, request: Request, last_hidden: mx.array) -> mx.array:
-        """The request's first token (1, 1) from its prompt's last hidden state (1, 1, D)."""
+        """The request's next token (1, 1) from its prefill's last hidden state (1, 1, D): its
+        first, or after an eviction the one after those it generated."""
         logits = self.target.head(last_hidden)  # (1, 1, V)
         rows = SamplingRows.make([request.params], [request.seed])
-        position = mx.array([[request.num_prompt_tokens]], dtype=mx.int32)
+        position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
         return sample(logits, rows, position)
 
 
