@@ -209,6 +209,26 @@ def test_row_invariance_is_a_load_time_knob_of_gmlx_targets():
         target.stop()
 
 
+def test_kv_budget_knobs_reach_a_gmlx_targets_engine():
+    """`kv_mb` and `kv_reserve` set GMLX_KV_CACHE_MB and GMLX_KV_RESERVE_TOKENS for a gmlx target:
+    its engine takes that budget and reservation; mlx-lm takes neither, and a budget of 0 is refused."""
+    from workers.bench.engine_target import EngineTarget
+
+    spec = parse_target("engine:drafter=none,kv_mb=3,kv_reserve=0")
+    assert spec.gmlx_env() == {"GMLX_KV_CACHE_MB": "3", "GMLX_KV_RESERVE_TOKENS": "0"}
+    assert spec.name == "engine drafter=none kv_mb=3 kv_reserve=0"
+    with pytest.raises(ValueError, match="gmlx knobs"):
+        parse_target("mlx-lm:kv_reserve=8")
+    with pytest.raises(ValueError, match="kv_mb must be > 0"):
+        parse_target("server:kv_mb=0")
+    target = EngineTarget(spec)
+    target.start()
+    try:
+        assert (target.engine.kv_budget.budget_bytes, target.engine.kv_budget.reserve_tokens) == (3 << 20, 0)
+    finally:
+        target.stop()
+
+
 def test_amx_knob_switches_the_kernels_around_an_in_process_targets_run(monkeypatch):
     """`engine:amx=0` runs its steps with the kernels' AMX switch off (the extension reads
     GMLX_CPU_AMX once, at load) and puts the process's setting back after; a server target gets it

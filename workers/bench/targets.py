@@ -9,7 +9,9 @@
 Keys: drafter (none|mtp|draft[:PATH]|ngram), model (a folder, a .gguf file or smollm2), preempt (0|1),
 resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), evidence (0|1: 0 sets depths without
 the drafter's per-round grades), amx (0|1: GMLX_CPU_AMX, the CPU kernels' wide products on AMX),
-kv (auto|model|float16: GMLX_KV_DTYPE, the KV cache's element type), width_cap (N), num_draft_tokens (N),
+kv (auto|model|float16: GMLX_KV_DTYPE, the KV cache's element type), kv_mb (N: GMLX_KV_CACHE_MB, the KV
+budget), kv_reserve (N: GMLX_KV_RESERVE_TOKENS, a row's growth reserved; 0 its whole max_tokens), width_cap (N),
+num_draft_tokens (N),
 address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
@@ -28,12 +30,12 @@ from gmlx.config import KV_CACHE_DTYPES, ROW_ATTENTION_RULES
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
 _BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance", "repack", "amx")
-_INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens")
+_INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens", "kv_mb", "kv_reserve")
 _STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention", "kv")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
 MLX_LM_FORMATS = ("auto", "float32", "quantized")
 _GMLX_KNOBS = ("preempt", "resume", "adaptive", "evidence", "width_cap", "num_draft_tokens", "row_invariance",
-               "row_attention", "amx", "kv")
+               "row_attention", "amx", "kv", "kv_mb", "kv_reserve")
 DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
@@ -51,6 +53,8 @@ class TargetSpec:
     row_attention: str | None = None  # GMLX_ROW_ATTENTION at load (masked|unmasked); None = masked
     amx: bool | None = None  # GMLX_CPU_AMX; None = the kernels' default (on where the CPU allows)
     kv: str | None = None  # GMLX_KV_DTYPE (auto|model|float16); None = the server's default (auto)
+    kv_mb: int | None = None  # GMLX_KV_CACHE_MB; None = the server's default budget
+    kv_reserve: int | None = None  # GMLX_KV_RESERVE_TOKENS; None = the server's default (256)
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
@@ -104,6 +108,10 @@ class TargetSpec:
             env["GMLX_CPU_AMX"] = "1" if self.amx else "0"
         if self.kv is not None:
             env["GMLX_KV_DTYPE"] = self.kv
+        if self.kv_mb is not None:
+            env["GMLX_KV_CACHE_MB"] = str(self.kv_mb)
+        if self.kv_reserve is not None:
+            env["GMLX_KV_RESERVE_TOKENS"] = str(self.kv_reserve)
         return env
 
     def describe(self) -> dict:
@@ -160,6 +168,8 @@ def _check(text: str, spec: TargetSpec) -> None:
         raise ValueError(f"target {text!r}: row_attention must be one of {', '.join(ROW_ATTENTION_RULES)}")
     if spec.kv not in (None, *KV_CACHE_DTYPES):
         raise ValueError(f"target {text!r}: kv must be one of {', '.join(KV_CACHE_DTYPES)}")
+    if spec.kv_mb == 0:
+        raise ValueError(f"target {text!r}: kv_mb must be > 0 (leave it out for the server's default budget)")
     if spec.format not in MLX_LM_FORMATS:
         raise ValueError(f"target {text!r}: format must be one of {', '.join(MLX_LM_FORMATS)}")
     _check_llama_server(text, spec, kind)
