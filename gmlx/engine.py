@@ -248,6 +248,7 @@ class Engine:
         stats["num_queued"] = len(self.queue)
         stats["kv_budget_bytes"] = self.kv_budget.budget_bytes
         stats["max_row_tokens"] = self.max_row_tokens
+        stats["kv_reserve_tokens"] = self.kv_budget.reserve_tokens
         stats["width_cap"] = self._width_cap()
         stats["is_prefill_packed"] = self.is_prefill_packed
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"

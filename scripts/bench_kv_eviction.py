@@ -136,11 +136,13 @@ def main() -> None:
         rs = runs[mode]
         rows.append({"mode": mode, "tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
                      "ttft_s": statistics.median(r["ttft_s"] for r in rs),
-                     "max_rows": max(r["max_rows"] for r in rs), "evictions": statistics.median(r["evictions"] for r in rs),
+                     "max_rows": max(r["max_rows"] for r in rs),
+                     "evictions": statistics.median(r["evictions"] for r in rs),
                      "over_base": median_ratio((r["tok_per_s"], b["tok_per_s"]) for r, b in zip(rs, runs[base]))})
     print(f"answer lengths (tokens): median {statistics.median(lengths)}, min {min(lengths)}, max {max(lengths)}; "
           f"every request the same tokens in every run of both modes: {is_same}")
-    print("| reservation | aggregate tok/s | over reserve max_tokens | median TTFT s | most rows at once | evictions a run |")
+    print("| reservation | aggregate tok/s | over reserve max_tokens | median TTFT s | most rows at once "
+          "| evictions a run |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['tok_per_s']:.1f} | {r['over_base']:.2f}x | {r['ttft_s']:.2f} | {r['max_rows']} "

@@ -255,7 +255,8 @@ def test_a_live_server_evicts_the_later_of_two_growing_rows_and_both_streams_are
         for thread in threads:
             thread.join(120)
         with Client(server.address, timeout_s=60) as client:
-            assert client.stats()["num_kv_evictions"] >= 1
+            stats = client.stats()
+            assert stats["num_kv_evictions"] >= 1 and stats["kv_reserve_tokens"] == 8
             for i, (tokens, _) in enumerate(results):
                 alone = list(client.generate(token_ids=prompts[i], max_tokens=150, temperature=0.8, seed=11 + i))
                 assert tokens == [t for c in alone for t in c.token_ids]

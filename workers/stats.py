@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 CONTRACT_STAT_KEYS = ("num_requests", "num_active", "num_queued", "num_spec_rounds", "num_gated_rounds",
                       "num_capture_rounds", "num_preempts", "num_resumes", "num_drafted", "num_accepted")
-_SETTINGS = ("width_cap", "drafter", "is_prefill_packed", "max_row_tokens")  # per worker, not summed
+# per worker, not summed
+_SETTINGS = ("width_cap", "drafter", "is_prefill_packed", "max_row_tokens", "kv_reserve_tokens")
 # calibration: the start-up cost table and its served correction; draft_depth: the depth policy's
 # estimates and its ledger of kept drafts against expected ones (engine.stats())
 _PER_WORKER_KEYS = ("width_cap", "drafter", "num_requests", "num_active", "num_queued", "calibration",
