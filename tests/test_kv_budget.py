@@ -77,6 +77,14 @@ def test_the_setting_sets_the_default_budget_and_zero_is_refused():
         assert default_budget_bytes() > 0  # a share of the memory free now
 
 
+def test_the_reserve_setting_is_read_at_start_and_a_bad_one_names_itself(builtin_target):
+    with env_overrides({"GMLX_KV_RESERVE_TOKENS": ""}):
+        assert Engine(builtin_target, None, EngineConfig()).stats()["kv_reserve_tokens"] == 256
+    for bad in ("-1", "lots"):
+        with env_overrides({"GMLX_KV_RESERVE_TOKENS": bad}), pytest.raises(ValueError, match="GMLX_KV_RESERVE_TOKENS"):
+            Engine(builtin_target, None, EngineConfig())
+
+
 def test_workers_started_together_split_the_default_budget(builtin_target):
     """`gmlx serve --workers N` starts each worker with --memory-sharers N: 1/N of the default
     each, taken by the engine once its model is loaded; a GMLX_KV_CACHE_MB setting is each
