@@ -40,7 +40,8 @@ def _parse_levels(ctx, param, value):
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", "targets", multiple=True, default=("engine",), show_default=True,
               help="KIND[:key=value,...]; KIND is engine, server, mlx-lm or llama-server; keys: drafter, model, "
-                   "preempt, resume, adaptive, evidence, amx (0|1: GMLX_CPU_AMX), kv, kv_mb, kv_reserve, width_cap, num_draft_tokens, "
+                   "preempt, resume, adaptive, evidence, amx (0|1: GMLX_CPU_AMX), kv, kv_mb, kv_reserve, width_cap, "
+                   "num_draft_tokens, "
                    "row_invariance (0|1, at load), row_attention (masked|unmasked, at load), address, blas, "
                    "format (mlx-lm: auto|float32|quantized), gguf, np, ctx, repack (llama-server: the GGUF, slots, "
                    "context per slot, 0 for --no-repack), label. Repeat to compare side by side.")
