@@ -426,16 +426,16 @@ class Engine:
     def _evict(self, request: Request) -> bool:
         """Take the request's KV back; True where it held a row (it must wait again), False for
         a waiter's partial prefill (dropped; it keeps its place)."""
-        ready = [p for p in self._ready if p.request is request]
-        rows = [] if self.batch is None else [i for i, r in enumerate(self.batch.requests) if r is not request]
-        if ready:
-            self._offer(request, ready[0].caches, 0)
-            self._ready = [p for p in self._ready if p is not ready[0]]
+        ready = next((p for p in self._ready if p.request is request), None)
+        rows = [] if self.batch is None else self.batch.requests
+        row = next((i for i, r in enumerate(rows) if r is request), None)
+        if ready is not None:
+            self._offer(request, ready.caches, 0)
+            self._ready = [p for p in self._ready if p is not ready]
             self._staging = None
-        elif self.batch is not None and len(rows) < self.batch.num_rows:
-            row = next(i for i, r in enumerate(self.batch.requests) if r is request)
+        elif row is not None:
             self._offer(request, self.batch.caches, row)
-            self._keep_rows(rows)
+            self._keep_rows([i for i in range(len(rows)) if i != row])
         else:
             self._offer(request, self.queue.drop_prefill(request), 0)
             return False

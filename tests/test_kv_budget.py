@@ -100,6 +100,13 @@ def test_workers_started_together_split_the_default_budget(builtin_target):
         assert default_budget_bytes(3) == 300 << 20
 
 
+def _held_kv_bytes(engine) -> int:
+    """The KV the engine holds: the batch, rows about to join, prompts part-prefilled."""
+    held = [c for p in engine._ready for c in p.caches] + [c for cs in engine.queue._caches.values() for c in cs]
+    held += engine.batch.caches if engine.batch is not None else []
+    return sum(c.keys.nbytes + c.values.nbytes for c in held if c.keys is not None)
+
+
 @pytest.mark.parametrize("kind", [None, "ngram", "mtp"])
 def test_rows_past_the_budget_wait_and_every_stream_equals_plain(kind, builtin_target, code_prompts):
     """Random schedules under a budget of two of their widest rows: after every step the KV the
@@ -119,9 +126,7 @@ def test_rows_past_the_budget_wait_and_every_stream_equals_plain(kind, builtin_t
         def checked_step():
             nonlocal num_held, max_rows
             outputs = step()
-            held = [c for p in engine._ready for c in p.caches] + [c for cs in engine.queue._caches.values() for c in cs]
-            held += engine.batch.caches if engine.batch is not None else []
-            assert sum(c.keys.nbytes + c.values.nbytes for c in held if c.keys is not None) <= budget_bytes
+            assert _held_kv_bytes(engine) <= budget_bytes
             num_rows = (engine.batch.num_rows if engine.batch is not None else 0) + len(engine._ready)
             max_rows = max(max_rows, num_rows)
             num_held += bool(engine.queue) and num_rows < engine.config.max_num_rows and engine._num_free_rows() == 0
@@ -214,9 +219,7 @@ def test_random_schedules_past_the_budget_evict_and_every_stream_equals_plain(ki
 
         def checked_step(engine=engine, step=step):
             outputs = step()
-            held = [c for p in engine._ready for c in p.caches] + [c for cs in engine.queue._caches.values() for c in cs]
-            held += engine.batch.caches if engine.batch is not None else []
-            assert sum(c.keys.nbytes + c.values.nbytes for c in held if c.keys is not None) <= budget_bytes
+            assert _held_kv_bytes(engine) <= budget_bytes
             return outputs
 
         engine.step = checked_step

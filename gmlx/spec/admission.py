@@ -62,8 +62,8 @@ class PackedChunk:
 
 
 class InjectionQueue:
-    def __init__(self, target: LoadedModel, chunk_tokens: int, prompt_cache=None,
-                 reserved_tokens: Callable[[Request], int] | None = None):
+    def __init__(self, target: LoadedModel, chunk_tokens: int, prompt_cache,
+                 reserved_tokens: Callable[[Request], int]):
         self.target = target
         self.reserved_tokens = reserved_tokens  # the width the KV budget charges a request's row
         self.chunk_tokens = chunk_tokens
@@ -225,9 +225,7 @@ class InjectionQueue:
     def _start(self, request: Request) -> list[RaggedKVCache]:
         # Room for the prompt and the first decode steps: no growth copy while it prefills or just
         # after; never wider than the budget charges the row.
-        min_capacity = request.num_prefill_tokens + 64
-        if self.reserved_tokens is not None:
-            min_capacity = min(min_capacity, self.reserved_tokens(request))
+        min_capacity = min(request.num_prefill_tokens + 64, self.reserved_tokens(request))
         if self.prompt_cache is not None:
             caches, num_cached = self.prompt_cache.fetch(request.all_token_ids)
             if caches is not None:
