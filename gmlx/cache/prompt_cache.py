@@ -59,6 +59,12 @@ class PromptCache:
         num_tokens = min(len(token_ids), caches[0].lengths[row])
         if num_tokens <= 1:
             return
+        # A row larger than the whole budget is not kept: know it before copying (an evicted
+        # row of a large model can be hundreds of MiB).
+        nbytes = num_tokens * sum(c.keys.shape[1] * c.keys.shape[3] * c.keys.itemsize
+                                  + c.values.shape[1] * c.values.shape[3] * c.values.itemsize for c in caches)
+        if nbytes > self.max_bytes:
+            return
         key = tuple(token_ids[:num_tokens])
         # Copies, so an entry neither pins the batch buffer nor sees later writes to it (the
         # one-node layers write a cache's buffers in place). mx.contiguous would alias a slice
@@ -66,9 +72,7 @@ class PromptCache:
         keys = tuple(mx.array(c.keys[row : row + 1, :, :num_tokens, :]) for c in caches)
         values = tuple(mx.array(c.values[row : row + 1, :, :num_tokens, :]) for c in caches)
         mx.eval(keys, values)
-        nbytes = sum(a.nbytes for a in keys + values)
-        if nbytes > self.max_bytes:
-            return
+        assert nbytes == sum(a.nbytes for a in keys + values)
         # An entry that is a prefix of the new one is redundant.
         for old in [k for k in self._entries if key[: len(k)] == k]:
             self._drop(old)
