@@ -383,16 +383,19 @@ class Engine:
 
     def _num_admissible(self, max_new_rows: int) -> int:
         """How many of the first max_new_rows waiters fit the KV budget beside the rows in flight."""
-        in_flight = ([] if self.batch is None else self.batch.requests) + [p.request for p in self._ready]
+        in_flight = self._rows_in_flight()
         widest = max([self._reserved_tokens(r) for r in in_flight] + [self._buffer_tokens()])
         return self.kv_budget.num_admissible(len(in_flight), widest,
                                              (self._reserved_tokens(r) for r in self.queue.waiting), max_new_rows)
 
+    def _rows_in_flight(self) -> list[Request]:
+        """Requests holding decode rows: the batch's, then those prefilled to join it."""
+        return ([] if self.batch is None else self.batch.requests) + [p.request for p in self._ready]
+
     def _reserved_tokens(self, request: Request) -> int:
         """The width the KV budget charges the request's row (cache/budget.py)."""
-        num_generated = len(request.output_token_ids)
-        return self.kv_budget.reserved_tokens(len(request.prompt_token_ids) + num_generated,
-                                              request.max_new_tokens - num_generated)
+        num_left_tokens = request.max_new_tokens - request.num_generated
+        return self.kv_budget.reserved_tokens(request.num_prefill_tokens, num_left_tokens)
 
     def _buffer_tokens(self) -> int:
         """The batch buffers' width: every row of the batch is this wide, whatever it holds."""
@@ -406,8 +409,7 @@ class Engine:
         writes): the latest arrivals give their KV up and wait at the queue's head, to be
         prefilled again (prompt and tokens so far) once they fit; their KV is offered to the
         prompt cache, so that prefill may be a copy. The earliest arrival always keeps its row."""
-        holders = ([] if self.batch is None else list(self.batch.requests)) + [p.request for p in self._ready]
-        holders += self.queue.prefilling
+        holders = self._rows_in_flight() + self.queue.prefilling
         reserved = [self._reserved_tokens(r) for r in holders]
         evicted = []
         while len(holders) > 1 and not self.kv_budget.fits(len(holders), max(max(reserved), self._buffer_tokens())):

@@ -7,9 +7,10 @@ that reserve 256 tokens of growth and are evicted when they outgrow the budget (
 A chat client that leaves max_tokens high (a default asks for the whole context) gets an answer
 of a few dozen to a few hundred tokens, ended by EOS. Reserving max_tokens for every row, the
 budget holds few rows however short the answers; reserving growth, it holds what the rows
-actually use. Two served engines (the n-gram drafter, the prompt cache on, the start-up cost
-table) on one loaded model, each with the budget and GMLX_KV_RESERVE_TOKENS 0 or 256; each run
-sends the same --requests chat turns (greedy) from --clients closed-loop clients. Runs alternate
+actually use. Two engines as `gmlx serve` builds them (Engine.load: the n-gram drafter, the
+prompt cache on, the start-up cost table), each with the budget and GMLX_KV_RESERVE_TOKENS 0 or
+256; each run sends the same --requests chat turns (greedy) from --clients closed-loop clients.
+Runs alternate
 in ABBA turns (scripts/ab.py); reported per mode: aggregate tok/s over the run, the median time
 to first token, the most rows decoding at once, evictions; ratios are medians of per-rep ratios.
 Both modes must give every request the same tokens (eviction resumes exactly).
@@ -35,12 +36,9 @@ ensure_fast_blas()  # the fast BLAS before mlx is first imported
 
 from ab import alternate, median_ratio  # noqa: E402
 from gmlx.config import EngineConfig, env_overrides  # noqa: E402
-from gmlx.drafters import make_drafter  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
-from gmlx.models.loader import load_model  # noqa: E402
 from gmlx.platform.blas_select import cpu_model_name  # noqa: E402
 from gmlx.request import SamplingParams  # noqa: E402
-from gmlx.spec.calibration import load_or_measure  # noqa: E402
 
 TURNS = (  # everyday chat turns: answers from one line to a few hundred tokens
     "What is the capital of France?",
@@ -75,12 +73,9 @@ def parse_args():
     return parser.parse_args()
 
 
-def make_engine(target, kv_mb: int, reserve_tokens: str) -> Engine:
-    drafter = make_drafter("ngram", target)
+def make_engine(model: str, kv_mb: int, reserve_tokens: str) -> Engine:
     with env_overrides({"GMLX_KV_RESERVE_TOKENS": reserve_tokens}):
-        return Engine(target, drafter, EngineConfig(model_path=target.path, drafter="ngram",
-                                                    kv_cache_bytes=kv_mb << 20),
-                      load_or_measure(target, drafter, EngineConfig().max_num_rows))
+        return Engine.load(EngineConfig(model_path=model, drafter="ngram", kv_cache_bytes=kv_mb << 20))
 
 
 def run(engine: Engine, prompts: list[list[int]], num_clients: int, max_tokens: int) -> dict:
@@ -116,13 +111,11 @@ def run(engine: Engine, prompts: list[list[int]], num_clients: int, max_tokens: 
 
 def main() -> None:
     args = parse_args()
-    target = load_model(args.model)
-    tokenizer = target.tokenizer
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": TURNS[i % len(TURNS)]}],
-                                             add_generation_prompt=True) for i in range(args.requests)]
-    engines = {mode: make_engine(target, args.kv_mb, value) for mode, value in MODES.items()}
+    engines = {mode: make_engine(args.model, args.kv_mb, value) for mode, value in MODES.items()}
     first = next(iter(engines.values()))
-    print(f"{args.model}: {target.kv_bytes_per_token} KV bytes a token, budget {args.kv_mb} MiB, "
+    prompts = [first.tokenizer.apply_chat_template([{"role": "user", "content": TURNS[i % len(TURNS)]}],
+                                                   add_generation_prompt=True) for i in range(args.requests)]
+    print(f"{args.model}: {first.target.kv_bytes_per_token} KV bytes a token, budget {args.kv_mb} MiB, "
           f"a row holds {first.max_row_tokens} tokens; {args.clients} clients, {args.requests} requests, "
           f"max_tokens {args.max_tokens}", flush=True)
     for engine in engines.values():

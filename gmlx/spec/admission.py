@@ -101,8 +101,7 @@ class InjectionQueue:
     def push_front(self, requests: list[Request]) -> None:
         """Requests evicted from rows: ahead of every waiter, in arrival order."""
         for request in sorted(requests, key=lambda r: r.arrival_seq, reverse=True):
-            request.status = RequestStatus.WAITING
-            request.num_prefilled = 0
+            _rewind(request)
             self.waiting.appendleft(request)
 
     @property
@@ -114,10 +113,8 @@ class InjectionQueue:
 
     def drop_prefill(self, request: Request) -> list[RaggedKVCache]:
         """Give up a waiter's partial prefill (its KV is wanted for rows); its caches, to offer back."""
-        caches = self._caches.pop(request.request_id)
-        request.status = RequestStatus.WAITING
-        request.num_prefilled = 0
-        return caches
+        _rewind(request)
+        return self._caches.pop(request.request_id)
 
     def remove(self, request_id: str) -> Request | None:
         for request in self.waiting:
@@ -249,6 +246,12 @@ class InjectionQueue:
         rows = SamplingRows.make([request.params], [request.seed])
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
         return sample(logits, rows, position)
+
+
+def _rewind(request: Request) -> None:
+    """A request whose KV is gone waits again, to be prefilled from its first token."""
+    request.status = RequestStatus.WAITING
+    request.num_prefilled = 0
 
 
 def width_cap(configured: int | None, drafter, calibrated: int | None = None) -> int:
