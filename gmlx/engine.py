@@ -25,7 +25,7 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -44,7 +44,7 @@ from gmlx.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
 from gmlx.spec.calibration import CostTable, load_or_measure
-from gmlx.spec.depth import PRIOR_ACCEPTANCE, DepthPolicy
+from gmlx.spec.policy import SpeculationPolicy
 from gmlx.spec.served_costs import ServedCosts
 from gmlx.spec.speculative import capture_round, packed_plain_round, plain_round, speculative_round
 
@@ -64,15 +64,6 @@ PACKED_BUDGET_ROUNDS = 0.5  # the auto prefill budget of a packed chunk, in deco
 # SmolLM2 row at once, 69 MB of KV into 165 MB of buffers, took ~2.5 rounds on the 2-core box).
 STAGED_JOIN_MIN_BYTES = 16 << 20
 JOIN_STAGES = 3
-# A gated batch asks whether to resume on one round in this many while its rows stay the
-# same (a row joining asks at once): the question (width cap, resume budget, each row's
-# expected tokens at every depth) is ~50 us of Python, a tenth of a fast model's round.
-GATED_RECHECK_ROUNDS = 4
-# Rows leaving a batch that was over the cap: it waits this many rounds before it asks, since
-# their clients' next prompts may be on the way and would gate a resume again after its settle
-# and capture (served SmolLM2, 8 closed-loop clients: a wave's last two rows resumed at once,
-# and the returning six gated them 2-4 speculative rounds later, 6-12 times a run).
-RESUME_AFTER_LEAVE_ROUNDS = 4
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
@@ -116,11 +107,8 @@ class Engine:
         # what depths and the width cap read.
         self.served_costs = (ServedCosts(cost_table) if cost_table is not None and engine_config.is_served_costs
                              else None)
-        self.round_costs = self.served_costs or cost_table
-        # None: every speculating row drafts the drafter's k each round (fixed depth).
-        self.depth_policy = (DepthPolicy(drafter.num_draft_tokens, table=self.round_costs,
-                                         has_bare_rounds=drafter.drafts_past_pending)
-                             if drafter is not None and engine_config.is_adaptive_depth else None)
+        # Whether and how deep the batch speculates (the width cap, each row's depth, resume checks).
+        self.policy = SpeculationPolicy(drafter, engine_config, self.served_costs or cost_table)
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
         self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
@@ -134,8 +122,6 @@ class Engine:
         self._is_joined_this_step = False
         self._is_landed_this_step = False
         self._staging: _StagedJoin | None = None
-        self._gate_hold: _GateHold | None = None  # a gated batch's last resume check
-        self._round_evidence: dict[str, int] = {}  # request id -> its evidence class this round
         # (spec rounds, drafted, accepted) when the batch last armed (a capture, or forming armed)
         self._armed_since: tuple[int, int, int] | None = None
         is_packed = engine_config.is_prefill_packed
@@ -249,15 +235,13 @@ class Engine:
         stats["kv_budget_bytes"] = self.kv_budget.budget_bytes
         stats["max_row_tokens"] = self.max_row_tokens
         stats["kv_reserve_tokens"] = self.kv_budget.reserve_tokens
-        stats["width_cap"] = self._width_cap()
+        stats["width_cap"] = self.policy.width_cap()
         stats["is_prefill_packed"] = self.is_prefill_packed
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
         stats["acceptance_rate"] = (
             self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
         )
-        stats["draft_depth"] = self.depth_policy.describe() if self.depth_policy is not None else None
-        stats["calibration"] = (self.round_costs.describe(self._acceptance_prior(), self.config.max_num_rows)
-                                if self.round_costs is not None else None)
+        stats.update(self.policy.describe())
         stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
             stats.update(self.prompt_cache.stats())
@@ -301,7 +285,7 @@ class Engine:
             first = self.batch.num_rows
             self.batch.append_rows(requests, merged, pending, is_staged=staged is not None)
         self._event("admit", num_new=len(requests))
-        if self.drafter is not None and not admission.is_within_cap(self._width_cap(), self.batch.num_draft_rows):
+        if self.drafter is not None and not admission.is_within_cap(self.policy.width_cap(), self.batch.num_draft_rows):
             self._gate()
         elif self.batch.mode.is_armed:
             # The drafter holds the speculating rows only; the joining ones come last there too.
@@ -539,9 +523,8 @@ class Engine:
         tokens = self._capture()
         self.batch.resume()
         self.counters["num_resumes"] += 1
-        policy = self._depth_policy()
-        self._event("resume", **({} if policy is None else
-                                 {"expected_gain": round(policy.expected_gain(*self._policy_rows()), 3)}))
+        gain = self.policy.expected_gain(self.batch)
+        self._event("resume", **({} if gain is None else {"expected_gain": round(gain, 3)}))
         return tokens
 
     def _mark_armed(self) -> None:
@@ -597,9 +580,9 @@ class Engine:
         """Runs the round; the depth it is costed at (0 plain, k speculative), or None for a
         round that is neither (settle, capture, a batch without a drafter)."""
         batch = self.batch
-        held = self._held_gate(batch)
-        is_over_cap = held if held is not None else self._is_over_cap(batch)
-        depths = self._draft_depths() if batch.mode.is_armed and not is_over_cap else None
+        held = self.policy.held_gate(batch)
+        is_over_cap = held if held is not None else self.policy.is_over_cap(batch)
+        depths = self.policy.draft_depths(batch) if batch.mode.is_armed and not is_over_cap else None
         if is_over_cap or (batch.mode.is_armed and depths is None):
             # No row's drafts pay: a speculative round would be a plain one without its pipelining.
             self._gate(is_depth=not is_over_cap)
@@ -616,9 +599,10 @@ class Engine:
                 tokens = result.tokens_by_row
                 self._count_verify(result)
             case BatchMode.GATED if (held is not None or is_over_cap or not admission.can_resume(batch.draft_requests)
-                                     or self._waiters_go_over_cap() or not self._drafting_pays()):
+                                     or self.policy.waiters_go_over_cap(batch, self._waiting_requests())
+                                     or not self.policy.drafting_pays(batch)):
                 if held is None:
-                    self._gate_hold = _GateHold(_rows_key(batch), is_over_cap, GATED_RECHECK_ROUNDS - 1)
+                    self.policy.hold_gate(batch, is_over_cap)
                 loop, tokens = Loop.GATED, self._plain_round(dispatch_next=is_worth_lookahead)
             case BatchMode.GATED | BatchMode.RESUMING | BatchMode.UNARMED if not batch.is_settled:
                 # Decided once, here: the settle round is paid only for a capture that follows.
@@ -635,11 +619,7 @@ class Engine:
         if loop.is_speculative:
             self.counters["num_spec_rounds"] += 1
         keep = []
-        # Gated rows' evidence; one row a round keeps score (round robin): a lookup scans the
-        # row's history, and every row every round cost a wide batch of a fast model ~10%.
-        gated_policy = self._depth_policy() if loop is Loop.GATED else None
-        draft_rows = batch.draft_rows if gated_policy is not None and not is_over_cap else []
-        scored = draft_rows[self.counters["num_rounds"] % len(draft_rows)] if draft_rows else None
+        scored = self.policy.scored_row(batch, self.counters["num_rounds"], is_over_cap) if loop is Loop.GATED else None
         scored_request = None
         for i, (request, row_tokens) in enumerate(zip(batch.requests, tokens)):
             request.num_rounds += 1
@@ -650,121 +630,22 @@ class Engine:
                     scored_request = request
             else:
                 self._retire(request, batch.caches, i)
-        if gated_policy is not None:
-            self._observe_gated(gated_policy, scored_request)
+        if loop is Loop.GATED:
+            self.policy.observe_gated(scored_request)
         self._keep_rows(keep)
         if loop in (Loop.GATED, Loop.BARE):
             return 0
         return (max(depths) or None) if loop.is_speculative else None
 
-    def _held_gate(self, batch: DecodeBatch) -> bool | None:
-        """Within a gated batch's hold (same rows, rounds left): whether it was over the cap at
-        its last check, and one round of the hold spent; rows leaving a batch over the cap start a
-        hold of RESUME_AFTER_LEAVE_ROUNDS. None where this round must check."""
-        hold = self._gate_hold
-        if batch.mode is not BatchMode.GATED or hold is None:
-            self._gate_hold = None
-            return None
-        rows = _rows_key(batch)
-        if rows != hold.rows:
-            self._gate_hold = None
-            if (hold.is_over_cap or hold.is_awaiting_leavers) and set(rows) < set(hold.rows):
-                # Rows left a batch over the cap (staggered leaves restart the wait): hold
-                # again, asking what the rows left have.
-                is_over_cap = self._is_over_cap(batch)
-                self._gate_hold = _GateHold(rows, is_over_cap, RESUME_AFTER_LEAVE_ROUNDS - 1, is_awaiting_leavers=True)
-                return is_over_cap
-            return None
-        if not hold.num_rounds_left:
-            self._gate_hold = None
-            return None
-        self._gate_hold = replace(hold, num_rounds_left=hold.num_rounds_left - 1)
-        return hold.is_over_cap
-
-    def _is_over_cap(self, batch: DecodeBatch) -> bool:
-        # A cap is 0 (none) or at least one row: a lone speculating row is within it, and its
-        # rounds skip the cap's model (~70 us whenever the acceptance prior moves a step).
-        return (batch.mode is not BatchMode.PLAIN and batch.num_draft_rows > 1
-                and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows))
-
-    def _observe_gated(self, policy: DepthPolicy, scored: Request | None) -> None:
-        """A gated round's evidence: the speculating rows' estimates rest, but the scored row's
-        (within the cap, a new token, still decoding) where a drafter can tell from the history
-        alone (n-gram) whether its draft would have been this round's token, so a row whose
-        text turns repetitive re-arms the batch."""
-        would_match = self.drafter.would_have_drafted(scored) if scored is not None else None
-        if would_match is None:
-            policy.rest()
-        else:
-            policy.rest(scored.request_id)
-            policy.observe(scored.request_id, 1, int(would_match))
-            evidence = self._draft_evidence_of([scored], [True])  # a resumed batch drafts settled
-            if evidence is not None:
-                policy.observe_share(evidence[0])  # how often the text would give drafts to verify
-
-    def _width_cap(self) -> int:
-        calibrated = None
-        if self.round_costs is not None:
-            calibrated = self.round_costs.width_cap(self._acceptance_prior(), self.config.max_num_rows)
-        return admission.width_cap(self.config.speculative_width_cap, self.drafter, calibrated)
-
-    def _depth_policy(self) -> DepthPolicy | None:
-        """The live depth policy; None (every row drafts the fixed k) when GMLX_ADAPTIVE_DEPTH=0."""
-        return self.depth_policy if config.is_adaptive_depth_enabled() else None
-
-    def _waiters_go_over_cap(self) -> bool:
-        """Whether the speculating prompts waiting to join would take the batch over the cap: a
-        resume now would pay its settle and capture rounds for a round or two of drafts (served
-        SmolLM2, 8 closed-loop clients: a wave's last rows resumed as the next wave queued)."""
-        batch = self.batch
-        num_waiting = (sum(p.request.params.speculate for p in self._ready)
-                       + sum(r.params.speculate for r in self.queue.waiting))
-        num_waiting = min(num_waiting, self.config.max_num_rows - batch.num_rows)
-        return num_waiting > 0 and not admission.is_within_cap(self._width_cap(), batch.num_draft_rows + num_waiting)
-
-    def _drafting_pays(self) -> bool:
-        """Whether the speculating rows' estimates ask for drafts (always, with a fixed depth)."""
-        policy = self._depth_policy()
-        return policy is None or policy.pays_to_draft(*self._policy_rows())
-
-    def _acceptance_prior(self) -> float:
-        return self.depth_policy.prior_acceptance if self.depth_policy is not None else PRIOR_ACCEPTANCE
-
-    def _draft_depths(self) -> list[int] | None:
-        """Each row's k this round: from the rows' live acceptance and this round's evidence (or
-        the drafter's fixed k); opt-out rows 0. None: the rows' drafts do not pay (gate)."""
-        policy, batch = self._depth_policy(), self.batch
-        self._round_evidence = {}
-        if policy is None:
-            return [self.drafter.num_draft_tokens if r.params.speculate else 0 for r in batch.requests]
-        request_ids, num_plain_rows = self._policy_rows()
-        view = batch.draft_view
-        evidence = self._draft_evidence_of(view.requests, view.is_delivered)
-        depths = policy.round_depths(request_ids, num_plain_rows, evidence, is_pipelined=not batch.is_settled)
-        if depths is None:
-            return None
-        self._round_evidence = dict(zip(request_ids, evidence)) if evidence is not None else {}
-        drafted = iter(depths)
-        return [next(drafted) if r.params.speculate else 0 for r in batch.requests]
-
-    def _draft_evidence_of(self, requests: list[Request], is_delivered: list[bool]) -> list[int] | None:
-        """These rows' evidence classes this round, where the drafter grades its drafts."""
-        grade = getattr(self.drafter, "draft_evidence", None)
-        is_on = self.config.is_draft_evidence and config.is_draft_evidence_enabled()
-        return grade(requests, is_delivered) if grade is not None and is_on else None
-
-    def _policy_rows(self) -> tuple[list[str], int]:
-        """What the depth policy weighs: the speculating rows' ids, and how many rows decode plain beside them."""
-        batch = self.batch
-        return [r.request_id for r in batch.draft_requests], batch.num_rows - batch.num_draft_rows
+    def _waiting_requests(self) -> list[Request]:
+        """Requests waiting to take rows: those prefilled to join, then the queue's."""
+        return [p.request for p in self._ready] + list(self.queue.waiting)
 
     def _count_verify(self, result) -> None:
         self.counters["num_drafted"] += sum(result.num_drafted)
         self.counters["num_accepted"] += sum(result.num_accepted)
         for request, accepted, drafted in zip(self.batch.requests, result.num_accepted, result.num_drafted):
-            if self.depth_policy is not None and request.params.speculate:
-                self.depth_policy.observe(request.request_id, drafted, accepted,
-                                          self._round_evidence.get(request.request_id))
+            self.policy.observe_verify(request, drafted, accepted)
             request.num_drafted += drafted
             request.num_accepted += accepted
             by_pos = request.accepted_by_position
@@ -813,8 +694,7 @@ class Engine:
         request.finish_time_s = time.perf_counter()
         self.counters["num_finished"] += 1
         del self.requests[request.request_id]
-        if self.depth_policy is not None:
-            self.depth_policy.forget(request.request_id)
+        self.policy.forget(request.request_id)
         output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats())
         self._outputs.append(output)
         return output
@@ -829,11 +709,6 @@ class Engine:
                  "width": 0 if self.batch is None else self.batch.num_rows, **fields}
         self.events.append(event)
         logger.log(logging.DEBUG if kind == "admit" else logging.INFO, "transition %s", event)
-
-
-def _rows_key(batch: DecodeBatch) -> tuple[str, ...]:
-    """Which requests a batch holds, in order (what a gated batch's hold is for)."""
-    return tuple(r.request_id for r in batch.requests)
 
 
 def check_model_config(folder) -> None:
@@ -854,15 +729,6 @@ def check_model_config(folder) -> None:
         raise ValueError(f"model {folder}: sliding-window attention is not supported "
                          f"({num_sliding} of {len(layer_types)} layers, "
                          f"window {cfg.get('sliding_window')}); use a model with full attention in every layer")
-
-
-@dataclass(frozen=True)
-class _GateHold:
-    """A gated batch's last resume check, kept while its rows stay these requests."""
-    rows: tuple[str, ...]  # the batch's request ids, in order
-    is_over_cap: bool
-    num_rounds_left: int  # rounds that reuse it before the batch asks again
-    is_awaiting_leavers: bool = False  # held since rows left a batch over the cap
 
 
 @dataclass

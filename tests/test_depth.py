@@ -137,7 +137,7 @@ def test_a_lone_stream_does_not_probe_drafts_that_cannot_pay(builtin_target):
     run_alone(engine, prompt, params)
     assert engine.counters["num_spec_rounds"] > 0  # the first request probed
     for i in range(30):
-        engine.depth_policy.observe(f"earlier{i}", 1, 0)
+        engine.policy.depth_policy.observe(f"earlier{i}", 1, 0)
     before = dict(engine.counters)
     assert run_alone(engine, prompt, params)[:2] == SoloReference(builtin_target).tokens(prompt, params)
     assert engine.counters["num_spec_rounds"] == before["num_spec_rounds"]
@@ -273,13 +273,13 @@ def test_engine_uses_the_table_and_settings_still_win(builtin_target, monkeypatc
     drafter = make_drafter("mtp", builtin_target)
     engine = Engine(builtin_target, drafter, EngineConfig(), cost_table=SYNTHETIC)
     for _ in range(10):  # the drafter's acceptance so far (the prior of the cap's model) is high
-        engine.depth_policy.observe("earlier", 3, 3)
+        engine.policy.depth_policy.observe("earlier", 3, 3)
     stats = engine.stats()
-    prior = engine.depth_policy.prior_acceptance
+    prior = engine.policy.depth_policy.prior_acceptance
     assert stats["width_cap"] == SYNTHETIC.width_cap(prior, 64) == 3 != drafter.default_width_cap
     assert stats["calibration"]["best_depth"] == [SYNTHETIC.best_depth(w, prior) for w in (1, 4)]
-    engine.depth_policy.observe("any", 0, 0)  # past its probing round
-    assert engine.depth_policy.depths(["any"]) == [SYNTHETIC.best_depth(1, prior)]
+    engine.policy.depth_policy.observe("any", 0, 0)  # past its probing round
+    assert engine.policy.depth_policy.depths(["any"]) == [SYNTHETIC.best_depth(1, prior)]
     assert Engine(builtin_target, drafter, EngineConfig(speculative_width_cap=7),
                   cost_table=SYNTHETIC).stats()["width_cap"] == 7
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "5")

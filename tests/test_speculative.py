@@ -252,7 +252,7 @@ class RandomDepths:
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_ragged_depth_schedules_equal_plain(kind, builtin_target, reference, code_prompts):
     engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig(prefill_chunk_tokens=64))
-    engine.depth_policy = depths = RandomDepths(engine, k_max=4, seed=DRAFTERS.index(kind))
+    engine.policy.depth_policy = depths = RandomDepths(engine, k_max=4, seed=DRAFTERS.index(kind))
     for i in range(SCHEDULES_PER_CHUNK):
         schedule = make_schedule(12_000 + 100 * DRAFTERS.index(kind) + i, builtin_target.vocab_size, code_prompts,
                                  max_requests=8, opt_out_rate=0.2)
@@ -278,7 +278,7 @@ def test_adaptive_depth_stops_drafting_what_is_never_accepted(builtin_target, re
     got, depths = [], []
     while engine.has_unfinished():
         if engine.batch is not None:
-            depths.append(engine.depth_policy.depths([request_id])[0])
+            depths.append(engine.policy.depth_policy.depths([request_id])[0])
         for output in engine.step():
             got.extend(output.new_token_ids)
     assert got == reference.tokens(prompt, params)[0]

@@ -148,22 +148,22 @@ def test_a_gated_batch_checks_for_a_resume_one_round_in_four_and_waits_for_leave
     # Cap 2, three rows: gated. With its rows unchanged the batch asks whether to resume on one
     # round in GATED_RECHECK_ROUNDS; once the short row leaves, it stays gated for
     # RESUME_AFTER_LEAVE_ROUNDS (the leaver's client may send its next prompt), then resumes.
-    from gmlx import engine as engine_module
+    from gmlx.spec import policy as policy_module
 
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
     monkeypatch.setenv("GMLX_RESUME_MIN_BUDGET", "8")
     engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(prefill_chunk_tokens=4096))
     checks = []
-    width_cap = engine._width_cap
-    monkeypatch.setattr(engine, "_width_cap", lambda: checks.append(engine.counters["num_rounds"]) or width_cap())
+    width_cap = engine.policy.width_cap
+    monkeypatch.setattr(engine.policy, "width_cap", lambda: checks.append(engine.counters["num_rounds"]) or width_cap())
     budgets = [60, 50, 12]
     ids, got, rows_by_round = _run_with_rows_by_round(engine, code_prompts, budgets)
     gated = [r for r, (num_rows, mode) in rows_by_round.items() if mode == "gated" and num_rows == 3]
-    assert len(gated) >= 2 * engine_module.GATED_RECHECK_ROUNDS
+    assert len(gated) >= 2 * policy_module.GATED_RECHECK_ROUNDS
     checked_while_gated = [r for r in gated if r in checks]
-    assert len(checked_while_gated) <= len(gated) // engine_module.GATED_RECHECK_ROUNDS + 1, (gated, checks)
+    assert len(checked_while_gated) <= len(gated) // policy_module.GATED_RECHECK_ROUNDS + 1, (gated, checks)
     first_two_rows = min(r for r, (num_rows, _) in rows_by_round.items() if num_rows == 2)
-    held = range(first_two_rows, first_two_rows + engine_module.RESUME_AFTER_LEAVE_ROUNDS)
+    held = range(first_two_rows, first_two_rows + policy_module.RESUME_AFTER_LEAVE_ROUNDS)
     assert [rows_by_round[r] for r in held] == [(2, "gated")] * len(held)
     assert engine.counters["num_resumes"] == 1
     # Asked once the hold ran out: a settle round, then the capture that resumes.
@@ -178,7 +178,7 @@ def test_staggered_leaves_from_a_batch_over_the_cap_restart_the_wait(builtin_tar
     # Cap 2, three rows: gated. Two short rows leave three rounds apart; the first brings the
     # batch within the cap, and the second (the first one's wait not over) starts the wait
     # again, so the batch resumes only RESUME_AFTER_LEAVE_ROUNDS after the last leaver.
-    from gmlx import engine as engine_module
+    from gmlx.spec import policy as policy_module
 
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "2")
     monkeypatch.setenv("GMLX_RESUME_MIN_BUDGET", "8")
@@ -188,8 +188,8 @@ def test_staggered_leaves_from_a_batch_over_the_cap_restart_the_wait(builtin_tar
     resume = next(e for e in engine.stats()["events"] if e["kind"] == "resume")
     leaves = [r for r in rows_by_round if r - 1 in rows_by_round and r < resume["round"]
               and rows_by_round[r][0] < rows_by_round[r - 1][0]]
-    assert len(leaves) == 2 and leaves[1] - leaves[0] < engine_module.RESUME_AFTER_LEAVE_ROUNDS, leaves
-    assert resume["round"] == leaves[1] + engine_module.RESUME_AFTER_LEAVE_ROUNDS + 1, (leaves, resume)
+    assert len(leaves) == 2 and leaves[1] - leaves[0] < policy_module.RESUME_AFTER_LEAVE_ROUNDS, leaves
+    assert resume["round"] == leaves[1] + policy_module.RESUME_AFTER_LEAVE_ROUNDS + 1, (leaves, resume)
     assert all(rows_by_round[r][1] == "gated" for r in range(leaves[0], resume["round"] - 1))
     assert engine.counters["num_resumes"] == 1
     for prompt, n, request_id in zip(code_prompts, budgets, ids):
