@@ -358,9 +358,9 @@ DEFAULT_KV_RESERVE_TOKENS = 256
 
 
 def kv_reserve_tokens() -> int:
-    """GMLX_KV_RESERVE_TOKENS: the growth a decode row's KV is reserved ahead of its length at
-    admission; rows whose KV then outgrows the budget are evicted, latest arrival first, and
-    resume by re-prefill. 0 reserves every row's whole max_tokens: none is ever evicted."""
+    """GMLX_KV_RESERVE_TOKENS: the growth a decode row's KV is reserved ahead of its length;
+    rows that grow past the budget are evicted, latest arrival first, and resume by
+    re-prefill. 0 reserves every row's whole max_tokens at admission: none is ever evicted."""
     value = _env_int("GMLX_KV_RESERVE_TOKENS")
     return DEFAULT_KV_RESERVE_TOKENS if value is None else value
 

@@ -389,18 +389,17 @@ class Engine:
     # --- eviction -------------------------------------------------------------------
 
     def _evict_to_fit(self) -> None:
-        """Rows that grew past the KV budget (what they need for this step's round, not their
-        reservations: admission charged those, so a row joins with its reserve of growth before
-        it can cost anyone a row): the latest arrivals give their KV up and wait at the queue's
-        head, to be prefilled again (prompt and tokens so far) once they fit; their KV is offered
-        to the prompt cache, so that prefill may be a copy. The earliest arrival keeps its row."""
+        """Rows that grew past the KV budget (their reservations, before this step's round
+        writes): the latest arrivals give their KV up and wait at the queue's head, to be
+        prefilled again (prompt and tokens so far) once they fit; their KV is offered to the
+        prompt cache, so that prefill may be a copy. The earliest arrival always keeps its row."""
         holders = self._rows_in_flight() + self.queue.prefilling
-        needed = [self.kv_budget.needed_tokens(r.num_prefill_tokens) for r in holders]
+        reserved = [self._reserved_tokens(r) for r in holders]
         evicted = []
-        while len(holders) > 1 and not self.kv_budget.fits(len(holders), max(max(needed), self._buffer_tokens())):
+        while len(holders) > 1 and not self.kv_budget.fits(len(holders), max(max(reserved), self._buffer_tokens())):
             latest = max(range(len(holders)), key=lambda i: holders[i].arrival_seq)
             victim = holders.pop(latest)
-            needed.pop(latest)
+            reserved.pop(latest)
             if self._evict(victim):
                 evicted.append(victim)
         if not evicted:

@@ -37,9 +37,6 @@ def test_a_row_reserves_what_it_holds_and_its_growth_up_to_the_reserve():
     assert ahead.reserved_tokens(240, 100) == STEP_TOKENS  # 240 + 8 + 5
     assert ahead.reserved_tokens(244, 100) == 2 * STEP_TOKENS  # 257: past the step
     assert ahead.reserved_tokens(240, 3) == whole.reserved_tokens(240, 3) == STEP_TOKENS  # 3 left: all of it
-    # What the next round needs: its one new token and the verify's margin.
-    assert ahead.needed_tokens(250) == whole.needed_tokens(250) == STEP_TOKENS  # 250 + 1 + 5
-    assert ahead.needed_tokens(251) == 2 * STEP_TOKENS
 
 
 def test_waiters_are_admitted_in_arrival_order_while_the_widest_row_fits():
@@ -159,7 +156,7 @@ def _two_long_requests(engine):
 @pytest.mark.parametrize("prompt_cache_bytes", [0, 256 << 20])
 def test_the_latest_arrival_is_evicted_when_rows_outgrow_the_budget_and_resumes_exactly(
         prompt_cache_bytes, builtin_target):
-    """Reserving 8 tokens of growth, both rows join; past 256 tokens the buffers must double, the
+    """Reserving 8 tokens of growth, both rows join; at 256 tokens the buffers must double, the
     second arrival gives its row up, waits, is prefilled again with what it generated (from
     scratch, or its own KV back from the prompt cache) and goes on: both streams equal solo."""
     reference = SoloReference(builtin_target)
@@ -167,28 +164,15 @@ def test_the_latest_arrival_is_evicted_when_rows_outgrow_the_budget_and_resumes_
     with env_overrides({"GMLX_KV_RESERVE_TOKENS": "8"}):
         engine = Engine(builtin_target, None, EngineConfig(kv_cache_bytes=budget_bytes,
                                                            prompt_cache_bytes=prompt_cache_bytes))
-    step, held_at_eviction = engine.step, []
-
-    def recording_step():
-        held = max((r.num_prefill_tokens for r in engine._rows_in_flight()), default=0)
-        num_evictions = engine.counters["num_kv_evictions"]
-        outputs = step()
-        if engine.counters["num_kv_evictions"] > num_evictions:
-            held_at_eviction.append(held)
-        return outputs
-
-    engine.step = recording_step
     requests, tokens, stats, max_rows = _two_long_requests(engine)
     assert max_rows == 2 and engine.counters["num_kv_evictions"] == 1
-    # Not when the reservations passed the step (the wider row at 249 with 8 of growth), but
-    # when a row's KV must: this round writes its 257th token (the lookahead).
-    assert held_at_eviction == [STEP_TOKENS]
     assert [s["num_kv_evictions"] for s in stats] == [0, 1]
     assert stats[1]["cached_prompt_tokens"] == 0  # its own KV back is not a prompt-cache reuse
     for (prompt, params), got in zip(requests, tokens):
         assert got == reference.tokens(prompt, params)[0]
     evict = [e for e in engine.events if e["kind"] == "evict"]
-    assert len(evict) == 1 and STEP_TOKENS - 8 <= evict[0]["num_tokens"] <= STEP_TOKENS  # a few behind, or level
+    # When the first row holds 249 (8 short of the step), the second a few tokens behind it.
+    assert len(evict) == 1 and 240 <= evict[0]["num_tokens"] <= 249
 
 
 def test_reserving_all_a_row_may_generate_evicts_none(builtin_target):

@@ -6,9 +6,7 @@ rows in flight hold at most num_rows x widest x bytes a token, where widest is t
 width or the widest row's reservation, whichever is more. A row reserves what it holds (prompt
 and tokens so far) and room to grow: up to reserve_tokens more of what it may generate, and a
 verify's drafts past its end, rounded up to the buffers' growth step. Requests are admitted in
-arrival order while that stays within the budget. Eviction asks only what rows need for the next
-round (what they hold and a verify's drafts), so a row admitted on its reservation has its reserve
-of growth before anyone is evicted for it: rows whose needs no longer fit are evicted, latest
+arrival order while that stays within the budget; rows that grow past it are evicted, latest
 arrival first, and resume by re-prefill (engine.py). With reserve_tokens 0 a row reserves all it
 may generate, so none is ever evicted. What one row may hold alone bounds a request as the
 model's context does: a longer prompt is refused, and generation stops there.
@@ -49,12 +47,6 @@ class KVBudget:
         pending token, a verify's drafts) stays within it, so a check before a round covers it."""
         reserve = self.reserve_tokens
         return self.row_tokens(num_held_tokens, num_left_tokens if reserve == 0 else min(num_left_tokens, reserve))
-
-    def needed_tokens(self, num_held_tokens: int) -> int:
-        """The width a row needs for its next round: what it holds (or will once prefilled), the
-        round's one new token (a pipelined plain round writes its lookahead's KV before the token
-        is delivered) and a verify's margin, rounded up to the step; eviction keeps these within budget."""
-        return self.row_tokens(num_held_tokens, 1)
 
     def fits(self, num_rows: int, widest_tokens: int) -> bool:
         return self.rows_bytes(num_rows, widest_tokens) <= self.budget_bytes
