@@ -102,9 +102,8 @@ class Engine:
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
-        self.cost_table = cost_table  # measured round costs: the width cap and depths when set
-        # The table corrected by the rounds as served (spec/served_costs.py), or the table alone:
-        # what depths and the width cap read.
+        # The measured round costs corrected by the rounds as served (spec/served_costs.py), or the
+        # table alone: what depths and the width cap read.
         self.served_costs = (ServedCosts(cost_table) if cost_table is not None and engine_config.is_served_costs
                              else None)
         # Whether and how deep the batch speculates (the width cap, each row's depth, resume checks).
