@@ -3,6 +3,9 @@
 Entries are whole token sequences with one KV row per layer, under a byte budget with LRU
 eviction. A lookup returns the longest stored prefix of a prompt, capped at one token
 short of the prompt, since the prefill must still produce the last position's logits.
+Entries are grouped by their first token: only those can share a prefix with a prompt, and a
+model with little KV a token keeps thousands of entries (the built-in model's 256 MiB holds
+65,536 tokens), which a scan of all of them per request made a served step's largest cost.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class PromptCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
+        # first token -> the keys starting with it, least recently used first (as in _entries)
+        self._by_first: dict[int, dict[tuple[int, ...], None]] = {}
         self.num_bytes = 0
         self.num_hits = 0
         self.num_misses = 0
@@ -36,14 +41,16 @@ class PromptCache:
     def fetch(self, prompt: list[int]) -> tuple[list[RaggedKVCache] | None, int]:
         """Caches holding the longest stored prefix of `prompt`, and its length."""
         best, best_len = None, 0
-        for entry in self._entries.values():
-            n = _common_prefix(entry.token_ids, prompt, limit=len(prompt) - 1)
+        for key in self._by_first.get(prompt[0], ()) if prompt else ():
+            n = _common_prefix(key, prompt, limit=len(prompt) - 1)
             if n > best_len:
-                best, best_len = entry, n
+                best, best_len = self._entries[key], n
         if best is None:
             self.num_misses += 1
             return None, 0
         self._entries.move_to_end(best.token_ids)
+        same_first = self._by_first[best.token_ids[0]]
+        same_first[best.token_ids] = same_first.pop(best.token_ids)
         self.num_hits += 1
         self.num_hit_tokens += best_len
         caches = []
@@ -74,11 +81,12 @@ class PromptCache:
         mx.eval(keys, values)
         assert nbytes == sum(a.nbytes for a in keys + values)
         # An entry that is a prefix of the new one is redundant.
-        for old in [k for k in self._entries if key[: len(k)] == k]:
+        for old in [k for k in self._by_first.get(key[0], ()) if len(k) <= len(key) and key[: len(k)] == k]:
             self._drop(old)
         if key in self._entries:
             return
         self._entries[key] = _Entry(key, keys, values, nbytes, caches[0].stored_dtype)
+        self._by_first.setdefault(key[0], {})[key] = None
         self.num_bytes += nbytes
         while self.num_bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
@@ -94,6 +102,10 @@ class PromptCache:
 
     def _drop(self, key: tuple[int, ...]) -> None:
         self.num_bytes -= self._entries.pop(key).nbytes
+        same_first = self._by_first[key[0]]
+        del same_first[key]
+        if not same_first:
+            del self._by_first[key[0]]
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
