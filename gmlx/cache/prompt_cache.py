@@ -80,11 +80,10 @@ class PromptCache:
         values = tuple(mx.array(c.values[row : row + 1, :, :num_tokens, :]) for c in caches)
         mx.eval(keys, values)
         assert nbytes == sum(a.nbytes for a in keys + values)
-        # An entry that is a prefix of the new one is redundant.
+        # An entry that is a prefix of the new one (the same sequence included) is redundant: it
+        # goes, and the new one comes in as the most recent.
         for old in [k for k in self._by_first.get(key[0], ()) if len(k) <= len(key) and key[: len(k)] == k]:
             self._drop(old)
-        if key in self._entries:
-            return
         self._entries[key] = _Entry(key, keys, values, nbytes, caches[0].stored_dtype)
         self._by_first.setdefault(key[0], {})[key] = None
         self.num_bytes += nbytes
