@@ -8,7 +8,6 @@ import dataclasses
 import random
 import threading
 
-import mlx.core as mx
 import pytest
 
 from gmlx.cache.budget import KVBudget, default_budget_bytes
@@ -275,20 +274,3 @@ def test_a_live_server_evicts_the_later_of_two_growing_rows_and_both_streams_are
     finally:
         server.kill()
 
-
-def test_a_prompt_cache_keeps_a_row_within_its_budget_and_not_one_past_it(builtin_target):
-    """An evicted row goes to the prompt cache; one larger than its whole budget is refused
-    before it is copied, one within it is kept at its size."""
-    from gmlx.cache.prompt_cache import PromptCache
-    from gmlx.cache.ragged import make_ragged_cache
-
-    prompt = [11 + i % 50 for i in range(100)]
-    caches = make_ragged_cache(builtin_target.num_layers, stored_dtype=builtin_target.kv_dtype)
-    mx.eval(builtin_target.forward(mx.array([prompt]), caches)[1])
-    row_bytes = len(prompt) * builtin_target.kv_bytes_per_token
-    small, large = PromptCache(max_bytes=row_bytes - 1), PromptCache(max_bytes=row_bytes)
-    small.offer(prompt, caches, 0)
-    large.offer(prompt, caches, 0)
-    assert (small.num_bytes, len(small._entries)) == (0, 0)
-    assert (large.num_bytes, len(large._entries)) == (row_bytes, 1)
-    assert large.fetch(prompt + [7])[1] == len(prompt)

@@ -1,6 +1,7 @@
 """The prompt cache against a plain scan of every entry: random offers and fetches of token
 sequences that share prefixes (and first tokens) give the same prefix lengths, the same KV
-bits, the same entries and bytes, and the same LRU evictions."""
+bits, the same entries and bytes, and the same LRU evictions; a row over the whole budget is
+refused before it is copied."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import mlx.core as mx
 
 from gmlx.cache.prompt_cache import PromptCache
-from gmlx.cache.ragged import RaggedKVCache
+from gmlx.cache.ragged import RaggedKVCache, make_ragged_cache
 
 NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 4
 TOKEN_BYTES = NUM_LAYERS * 2 * NUM_HEADS * HEAD_DIM * 4  # float32 keys and values, every layer
@@ -86,3 +87,18 @@ def test_random_offers_and_fetches_match_a_scan_of_every_entry():
         assert cache.num_bytes == sum(len(k) for k in scan.entries) * TOKEN_BYTES <= max_bytes
         assert {k for keys in cache._by_first.values() for k in keys} == set(scan.entries)
     assert num_hits > 50 and len(cache._by_first) > 1
+
+
+def test_a_prompt_cache_keeps_a_row_within_its_budget_and_not_one_past_it(builtin_target):
+    """An evicted row goes to the prompt cache; one larger than its whole budget is refused
+    before it is copied, one within it is kept at its size."""
+    prompt = [11 + i % 50 for i in range(100)]
+    caches = make_ragged_cache(builtin_target.num_layers, stored_dtype=builtin_target.kv_dtype)
+    mx.eval(builtin_target.forward(mx.array([prompt]), caches)[1])
+    row_bytes = len(prompt) * builtin_target.kv_bytes_per_token
+    small, large = PromptCache(max_bytes=row_bytes - 1), PromptCache(max_bytes=row_bytes)
+    small.offer(prompt, caches, 0)
+    large.offer(prompt, caches, 0)
+    assert (small.num_bytes, len(small._entries)) == (0, 0)
+    assert (large.num_bytes, len(large._entries)) == (row_bytes, 1)
+    assert large.fetch(prompt + [7])[1] == len(prompt)
