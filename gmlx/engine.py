@@ -45,21 +45,12 @@ from gmlx.spec import admission
 from gmlx.spec.batch import BatchMode, DecodeBatch, Loop
 from gmlx.spec.calibration import CostTable, load_or_measure
 from gmlx.spec.policy import SpeculationPolicy
+from gmlx.spec.prefill_pacing import PrefillPacer, is_packing_chosen
 from gmlx.spec.served_costs import ServedCosts
 from gmlx.spec.speculative import capture_round, packed_plain_round, plain_round, speculative_round
 
 logger = logging.getLogger(__name__)
 
-# Packing a chunk saves a pass over the weights and adds ~20 small ops a layer: below this
-# the ops cost more (built-in model, 17 MB: 4.5 ms packed against 4.1 ms apart; SmolLM2 at
-# 4 bits, 100 MB: 55 against 70 ms). With fused layers a packed round runs its segments in the
-# stack's one node instead (speculative._forward), which pays under load (SmolLM2 in process,
-# 4-8 clients: packing off 0.79-0.92x); for smaller fused models not yet measured.
-PACKING_MIN_WEIGHT_BYTES = 64 << 20
-# A packed chunk's cost is its round's time beyond a plain round's: one round in this many
-# carries no chunk, so that yardstick follows the machine's load during a long prefill.
-PACKED_ROUNDS_PER_PLAIN = 8
-PACKED_BUDGET_ROUNDS = 0.5  # the auto prefill budget of a packed chunk, in decode rounds
 # A joining row with this much KV is staged over JOIN_STAGES steps (merging a 1,500-token
 # SmolLM2 row at once, 69 MB of KV into 165 MB of buffers, took ~2.5 rounds on the 2-core box).
 STAGED_JOIN_MIN_BYTES = 16 << 20
@@ -110,22 +101,20 @@ class Engine:
         self.policy = SpeculationPolicy(drafter, engine_config, self.served_costs or cost_table)
         self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
-        self._round_s: float | None = None  # recent decode round time (the prefill budget's yardstick)
         # Prompts whose prefill finished beside running rows: first token out, they join next
         # step, so a step never pays a prefill chunk and a cache merge on top of its round.
         self._ready: list[admission.Prefilled] = []
         # Last prompt chunks dispatched inside the batch's forward: their first tokens are read next step.
         self._landing: list[admission.PackedChunk] = []
         self._num_packed = 0  # prompt tokens in the forward this step's round dispatched
-        self._num_packed_rounds_in_a_row = 0
         self._is_joined_this_step = False
         self._is_landed_this_step = False
         self._staging: _StagedJoin | None = None
         # (spec rounds, drafted, accepted) when the batch last armed (a capture, or forming armed)
         self._armed_since: tuple[int, int, int] | None = None
-        is_packed = engine_config.is_prefill_packed
-        self.is_prefill_packed = target.is_packable and (
-            target.num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_packed is None else is_packed)
+        self.is_prefill_packed = is_packing_chosen(target.is_packable, target.num_weight_bytes,
+                                                   engine_config.is_prefill_packed)
+        self.pacer = PrefillPacer(self.is_prefill_packed, engine_config.prefill_budget_s)
 
     @classmethod
     def load(cls, engine_config: EngineConfig) -> Engine:
@@ -355,9 +344,7 @@ class Engine:
                 and not self._is_packing_paused() and self._num_free_rows() > 0)
 
     def _is_packing_paused(self) -> bool:
-        """One round in PACKED_ROUNDS_PER_PLAIN prefills nothing: it times a plain round."""
-        return (self.is_prefill_packed and self.batch is not None and self._round_s is not None
-                and self._num_packed_rounds_in_a_row >= PACKED_ROUNDS_PER_PLAIN)
+        return self.pacer.is_paused(self.batch is not None)
 
     def _num_free_rows(self) -> int:
         """How many waiters may take rows now: within max_num_rows and the KV budget."""
@@ -474,18 +461,7 @@ class Engine:
             self.counters["num_packed_chunks"] += 1
 
     def _prefill_budget_s(self) -> float | None:
-        """Prefill time allowed this step: None (a whole chunk) when no row decodes."""
-        budget_s = self.config.prefill_budget_s
-        if self.batch is None or budget_s == 0:
-            return None
-        if budget_s is None:
-            if self._round_s is None:
-                return None
-            # A packed chunk adds to one forward: half a round keeps its step near 1.5x a round,
-            # with room for a chunk that overshoots (its cost per token grows with the prefix) and
-            # for the machine's own jitter. A chunk of its own also reads every weight on top.
-            return (PACKED_BUDGET_ROUNDS if self.is_prefill_packed else 2.0) * self._round_s
-        return budget_s
+        return self.pacer.budget_s(self.batch is not None)
 
     def _preempt(self) -> None:
         # The scalar round's verified tokens went out at the end of that round; what is left
@@ -569,11 +545,9 @@ class Engine:
                 self.served_costs.ran(start_s, self.batch.num_rows, steady_depth if is_steady else None)
         # On the CPU, dispatching a forward waits for most of it (mlx throttles what is in
         # flight), so a chunk's cost shows in the round that dispatched it.
-        self._num_packed_rounds_in_a_row = self._num_packed_rounds_in_a_row + 1 if self._num_packed else 0
-        if self._num_packed and self._round_s is not None:
-            self.queue.measured_packed(self._num_packed, elapsed_s - self._round_s)
-        elif not self._num_packed:
-            self._round_s = elapsed_s if self._round_s is None else 0.8 * self._round_s + 0.2 * elapsed_s
+        packed_s = self.pacer.ran(self._num_packed, elapsed_s)
+        if packed_s is not None:
+            self.queue.measured_packed(self._num_packed, packed_s)
 
     def _run_round_inner(self) -> int | None:
         """Runs the round; the depth it is costed at (0 plain, k speculative), or None for a

@@ -16,7 +16,7 @@ from gmlx.engine import Engine
 from gmlx.models.packed import Segment, packed_body, unpack
 from gmlx.platform import cpu_kernels, cpu_layers
 from gmlx.request import SamplingParams
-from gmlx.spec import admission
+from gmlx.spec import admission, prefill_pacing
 from schedules import SoloReference, check_schedule, make_schedule
 
 
@@ -167,7 +167,7 @@ def test_a_long_prompt_rides_the_running_rows_forwards(builtin_target, reference
     assert all(b <= a for a, b in zip(chunk_sizes, chunk_sizes[1:-1])), chunk_sizes
     assert chunk_sizes[-2] == admission.MIN_CHUNK_TOKENS, chunk_sizes
     # One round in PACKED_ROUNDS_PER_PLAIN runs plain, timing the yardstick a chunk is measured by.
-    assert len(streaks) > 2 and max(streaks) <= engine_module.PACKED_ROUNDS_PER_PLAIN, streaks
+    assert len(streaks) > 2 and max(streaks) <= prefill_pacing.PACKED_ROUNDS_PER_PLAIN, streaks
     for request_id in got:
         assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
 
@@ -199,7 +199,7 @@ def test_a_request_cancelled_while_its_last_chunk_is_in_flight(builtin_target, r
 
 def test_packing_is_chosen_by_the_weights_one_forward_reads(builtin_target):
     # The built-in model's 17 MB of weights cost less than packing's extra ops: not packed unless asked.
-    assert builtin_target.num_weight_bytes < engine_module.PACKING_MIN_WEIGHT_BYTES
+    assert builtin_target.num_weight_bytes < prefill_pacing.PACKING_MIN_WEIGHT_BYTES
     assert not Engine(builtin_target, None, EngineConfig()).is_prefill_packed
     assert Engine(builtin_target, None, EngineConfig(is_prefill_packed=True)).is_prefill_packed
     engine = Engine(builtin_target, None, EngineConfig())
