@@ -20,7 +20,6 @@ first token at the next step, where it joins.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import random
 import time
@@ -36,7 +35,7 @@ from gmlx.cache.prompt_cache import PromptCache
 from gmlx.cache.ragged import concat_layer_caches
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
-from gmlx.models.loader import LoadedModel, load_model, resolve_model_path
+from gmlx.models.loader import LoadedModel, load_model
 from gmlx.models.packed import Segment
 from gmlx.platform.blas import ensure_fast_blas
 from gmlx.platform.memory import move_to_huge_pages, tune_malloc, warm_heap
@@ -120,7 +119,6 @@ class Engine:
     def load(cls, engine_config: EngineConfig) -> Engine:
         ensure_fast_blas()  # a no-op after an entry point's call; else it warns that mlx came first
         config.validate_settings()  # before seconds of loading
-        check_model_config(resolve_model_path(engine_config.model_path))
         target = load_model(engine_config.model_path)
         drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
         return cls(target, drafter, engine_config, load_or_measure(target, drafter, engine_config.max_num_rows))
@@ -682,26 +680,6 @@ class Engine:
                  "width": 0 if self.batch is None else self.batch.num_rows, **fields}
         self.events.append(event)
         logger.log(logging.DEBUG if kind == "admit" else logging.INFO, "transition %s", event)
-
-
-def check_model_config(folder) -> None:
-    """ValueError naming what the engine cannot run, read from config.json before loading.
-
-    The ragged batch cache keeps every position, so sliding-window layers (llama/mistral
-    `layer_types`) would fail on the first forward."""
-    path = folder / "config.json"
-    if not path.is_file():
-        return  # the loader names a missing config
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return
-    layer_types = cfg.get("layer_types") or ()
-    num_sliding = sum(1 for t in layer_types if isinstance(t, str) and "sliding" in t)
-    if num_sliding:
-        raise ValueError(f"model {folder}: sliding-window attention is not supported "
-                         f"({num_sliding} of {len(layer_types)} layers, "
-                         f"window {cfg.get('sliding_window')}); use a model with full attention in every layer")
 
 
 @dataclass

@@ -195,12 +195,21 @@ def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> int:
 
 
 def _check_model_type(source: Path, config: dict) -> None:
+    """ValueError naming what the engine cannot run, from the config alone (before seconds of loading)."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model {source}: model_type {model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    # The ragged batch cache keeps every position, so sliding-window layers (llama/mistral
+    # `layer_types`) would fail on the first forward.
+    layer_types = config.get("layer_types") or ()
+    num_sliding = sum(1 for t in layer_types if isinstance(t, str) and "sliding" in t)
+    if num_sliding:
+        raise ValueError(f"model {source}: sliding-window attention is not supported "
+                         f"({num_sliding} of {len(layer_types)} layers, "
+                         f"window {config.get('sliding_window')}); use a model with full attention in every layer")
 
 
 def _read_config(folder: Path) -> dict:
