@@ -88,7 +88,7 @@ class Engine:
         # the context, rather than being refused (a chat request's default asks for the whole context).
         self.max_row_tokens = min(self.max_context_tokens, self.kv_budget.max_row_tokens())
         self.queue = admission.InjectionQueue(target, engine_config.prefill_chunk_tokens, self.prompt_cache,
-                                              self._reserved_tokens)
+                                              self.kv_budget.reserved_for)
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(_STAT_KEYS, 0)
@@ -351,19 +351,12 @@ class Engine:
 
     def _num_admissible(self, max_new_rows: int) -> int:
         """How many of the first max_new_rows waiters fit the KV budget beside the rows in flight."""
-        in_flight = self._rows_in_flight()
-        widest = max([self._reserved_tokens(r) for r in in_flight] + [self._buffer_tokens()])
-        return self.kv_budget.num_admissible(len(in_flight), widest,
-                                             (self._reserved_tokens(r) for r in self.queue.waiting), max_new_rows)
+        return self.kv_budget.num_admissible_requests(self._rows_in_flight(), self._buffer_tokens(),
+                                                      self.queue.waiting, max_new_rows)
 
     def _rows_in_flight(self) -> list[Request]:
         """Requests holding decode rows: the batch's, then those prefilled to join it."""
         return ([] if self.batch is None else self.batch.requests) + [p.request for p in self._ready]
-
-    def _reserved_tokens(self, request: Request) -> int:
-        """The width the KV budget charges the request's row (cache/budget.py)."""
-        num_left_tokens = request.max_new_tokens - request.num_generated
-        return self.kv_budget.reserved_tokens(request.num_prefill_tokens, num_left_tokens)
 
     def _buffer_tokens(self) -> int:
         """The batch buffers' width: every row of the batch is this wide, whatever it holds."""
@@ -378,12 +371,9 @@ class Engine:
         prefilled again (prompt and tokens so far) once they fit; their KV is offered to the
         prompt cache, so that prefill may be a copy. The earliest arrival always keeps its row."""
         holders = self._rows_in_flight() + self.queue.prefilling
-        reserved = [self._reserved_tokens(r) for r in holders]
         evicted = []
-        while len(holders) > 1 and not self.kv_budget.fits(len(holders), max(max(reserved), self._buffer_tokens())):
-            latest = max(range(len(holders)), key=lambda i: holders[i].arrival_seq)
-            victim = holders.pop(latest)
-            reserved.pop(latest)
+        while (victim := self.kv_budget.next_victim(holders, self._buffer_tokens())) is not None:
+            holders = [r for r in holders if r is not victim]
             if self._evict(victim):
                 evicted.append(victim)
         if not evicted:

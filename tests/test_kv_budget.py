@@ -15,7 +15,7 @@ from gmlx.cache.ragged import STEP_TOKENS
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
-from gmlx.request import SamplingParams
+from gmlx.request import Request, SamplingParams
 from ipc.client import Client, RequestError
 from schedules import SoloReference, check_schedule, make_schedule, run_alone
 from serving_support import Server
@@ -46,6 +46,40 @@ def test_waiters_are_admitted_in_arrival_order_while_the_widest_row_fits():
     assert budget.num_admissible(1, narrow, [narrow, wide, narrow], max_new_rows=9) == 1  # 3 rows x wide > 4
     assert budget.num_admissible(2, wide, [narrow], max_new_rows=9) == 0  # the buffers' width counts
     assert budget.num_admissible(0, 0, [wide, wide, narrow], max_new_rows=9) == 2
+
+
+def _request(seq: int, num_prompt: int, num_generated: int = 0, max_new: int = 100) -> Request:
+    request = Request(f"r{seq}", [1] * num_prompt, SamplingParams(), seed=0, arrival_seq=seq, max_new_tokens=max_new)
+    request.output_token_ids.extend([1] * num_generated)
+    return request
+
+
+def test_a_requests_row_is_charged_what_it_holds_and_its_reserve():
+    budget = KVBudget(bytes_per_token=1, budget_bytes=10**6, margin_tokens=5, reserve_tokens=8)
+    assert budget.reserved_for(_request(0, 240)) == budget.reserved_tokens(240, 100) == STEP_TOKENS
+    assert budget.reserved_for(_request(0, 240, num_generated=4)) == 2 * STEP_TOKENS  # 244 held + 8 + 5
+    assert budget.reserved_for(_request(0, 240, num_generated=97)) == 2 * STEP_TOKENS  # 337 held + 3 left + 5
+
+
+def test_rows_in_flight_and_the_buffers_width_bound_who_joins():
+    budget = KVBudget(bytes_per_token=1, budget_bytes=4 * STEP_TOKENS, margin_tokens=0, reserve_tokens=0)
+    narrow, wide = _request(0, 100), _request(1, STEP_TOKENS)  # one step wide; two steps wide
+    assert budget.num_admissible_requests([narrow], 0, [_request(2, 10)] * 5, max_new_rows=9) == 3
+    assert budget.num_admissible_requests([narrow], 2 * STEP_TOKENS, [_request(2, 10)] * 5, max_new_rows=9) == 1
+    assert budget.num_admissible_requests([wide], 0, [_request(2, 10)] * 5, max_new_rows=9) == 1
+
+
+def test_the_latest_arrival_gives_way_until_the_rest_fit_and_the_earliest_never_does():
+    budget = KVBudget(bytes_per_token=1, budget_bytes=4 * STEP_TOKENS, margin_tokens=0, reserve_tokens=0)
+    rows = [_request(seq, STEP_TOKENS) for seq in (3, 0, 5, 1)]  # two steps each: two fit
+    assert budget.next_victim(rows, 0).arrival_seq == 5
+    assert budget.next_victim([r for r in rows if r.arrival_seq != 5], 0).arrival_seq == 3
+    assert budget.next_victim([r for r in rows if r.arrival_seq in (0, 1)], 0) is None
+    assert budget.next_victim([rows[1]], 10 * STEP_TOKENS) is None  # alone, whatever it holds
+    # Narrow rows in buffers four steps wide: the buffers' width is what they hold.
+    narrow = [_request(seq, 10) for seq in range(3)]
+    assert budget.next_victim(narrow, 4 * STEP_TOKENS).arrival_seq == 2
+    assert budget.next_victim(narrow, STEP_TOKENS) is None
 
 
 @pytest.mark.parametrize("kind", [None, "ngram"])

@@ -14,13 +14,17 @@ model's context does: a longer prompt is refused, and generation stops there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import psutil
 
 from gmlx import config
 from gmlx.cache.ragged import STEP_TOKENS
+
+if TYPE_CHECKING:
+    from gmlx.request import Request
 
 # The default budget's share of the memory free at start: the rest covers a join's or a growth's
 # second copy of the buffers while it is made, the prompt cache, mlx's scratch and the OS.
@@ -74,6 +78,27 @@ class KVBudget:
                 break
             num_admitted += 1
         return num_admitted
+
+
+    def reserved_for(self, request: Request) -> int:
+        """The width the request's row is charged: what it holds (or will once prefilled) and
+        the growth reserved for what it may still generate."""
+        return self.reserved_tokens(request.num_prefill_tokens, request.max_new_tokens - request.num_generated)
+
+    def num_admissible_requests(self, in_flight: Sequence[Request], buffer_tokens: int,
+                                waiting: Iterable[Request], max_new_rows: int) -> int:
+        """How many of the first max_new_rows waiters may take rows beside the rows in flight,
+        whose buffers are buffer_tokens wide."""
+        widest = max([self.reserved_for(r) for r in in_flight] + [buffer_tokens])
+        return self.num_admissible(len(in_flight), widest, (self.reserved_for(r) for r in waiting), max_new_rows)
+
+    def next_victim(self, holders: Sequence[Request], buffer_tokens: int) -> Request | None:
+        """The request that must give its KV up now: the latest arrival, while the holders'
+        reservations do not fit beside buffers buffer_tokens wide (the buffers narrow as rows
+        leave, so ask again after each). None once they fit; the earliest arrival always keeps its row."""
+        if len(holders) <= 1 or self.fits(len(holders), max([self.reserved_for(r) for r in holders] + [buffer_tokens])):
+            return None
+        return max(holders, key=lambda r: r.arrival_seq)
 
 
 def default_budget_bytes(num_sharers: int = 1) -> int:
