@@ -24,7 +24,6 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -47,13 +46,9 @@ from gmlx.spec.policy import SpeculationPolicy
 from gmlx.spec.prefill_pacing import PrefillPacer, is_packing_chosen
 from gmlx.spec.served_costs import ServedCosts
 from gmlx.spec.speculative import capture_round, packed_plain_round, plain_round, speculative_round
+from gmlx.spec.staged_join import JoinStager
 
 logger = logging.getLogger(__name__)
-
-# A joining row with this much KV is staged over JOIN_STAGES steps (merging a 1,500-token
-# SmolLM2 row at once, 69 MB of KV into 165 MB of buffers, took ~2.5 rounds on the 2-core box).
-STAGED_JOIN_MIN_BYTES = 16 << 20
-JOIN_STAGES = 3
 
 _STAT_KEYS = (
     "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
@@ -108,7 +103,7 @@ class Engine:
         self._num_packed = 0  # prompt tokens in the forward this step's round dispatched
         self._is_joined_this_step = False
         self._is_landed_this_step = False
-        self._staging: _StagedJoin | None = None
+        self.stager = JoinStager()  # a long row's KV copied into the batch's buffers over a few steps
         # (spec rounds, drafted, accepted) when the batch last armed (a capture, or forming armed)
         self._armed_since: tuple[int, int, int] | None = None
         self.is_prefill_packed = is_packing_chosen(target.is_packable, target.num_weight_bytes,
@@ -176,7 +171,7 @@ class Engine:
         ready = [p for p in self._ready if p.request.request_id == request_id]
         if ready:
             self._ready.remove(ready[0])
-            self._staging = None
+            self.stager.drop()
         elif self.queue.remove(request_id) is None and self.batch is not None:
             rows = [i for i, r in enumerate(self.batch.requests) if r.request_id != request_id]
             self._keep_rows(rows)
@@ -239,9 +234,9 @@ class Engine:
         staged = None
         if self._ready and not self._is_landed_this_step:  # prefilled: this step joins them, prefills nothing
             self._is_joined_this_step = True
-            if self._stage_join():
+            if self.stager.advance(self._ready, self.batch):
                 return  # a long row's KV is copied into the joined buffers a few layers a step
-            staged = self._take_staged()
+            staged = None if self.batch is None else self.stager.take(self.batch)
             joining, self._ready = self._ready, []
         elif self._can_pack_prefill() or self._is_packing_paused() or self._is_landed_this_step:
             return  # this step's forward carries the next prompt chunk (or, paused, none)
@@ -280,36 +275,6 @@ class Engine:
             if new_rows:
                 hidden = mx.stack([joining[draft_rows[j] - first].hidden for j in new_rows])
                 self.drafter.add_rows(self.batch.draft_view, new_rows, hidden if self.drafter.needs_hidden else None)
-
-    def _stage_join(self) -> bool:
-        """True while the one prompt ready to join has KV left to stage: its row is copied into
-        buffers with room for the batch's rows first, JOIN_STAGES steps for all layers, so no
-        single step pays the whole merge (the batch's own short rows move at the join)."""
-        item = self._ready[0]
-        num_bytes = sum(c.nbytes for c in item.caches)
-        if self.batch is None or len(self._ready) != 1 or num_bytes < STAGED_JOIN_MIN_BYTES:
-            self._staging = None
-            return False
-        width = max(item.caches[0].keys.shape[2], self.batch.caches[0].keys.shape[2])
-        staging = self._staging
-        if staging is None or staging.item is not item or staging.num_rows != self.batch.num_rows:
-            staging = self._staging = _StagedJoin(item, self.batch.num_rows, width, [None] * len(item.caches))
-        todo = [i for i, c in enumerate(staging.caches) if c is None]
-        if not todo:
-            return False
-        staged = todo[: -(-len(staging.caches) // JOIN_STAGES)]
-        for i in staged:
-            staging.caches[i] = item.caches[i].with_leading_rows(staging.num_rows, staging.width)
-        mx.eval([(staging.caches[i].keys, staging.caches[i].values) for i in staged])  # the copy lands in this step
-        return True
-
-    def _take_staged(self) -> list | None:
-        """The staged buffers when they still fit the batch (else the join merges as usual)."""
-        staging, self._staging = self._staging, None
-        if staging is None or staging.num_rows != self.batch.num_rows:
-            return None
-        fits = all(c.can_fill_leading_rows(own) for c, own in zip(staging.caches, self.batch.caches, strict=True))
-        return staging.caches if fits else None
 
     def _drain(self) -> list[admission.Prefilled]:
         """One drain of the injection queue; the prompts it completed, first token delivered."""
@@ -392,7 +357,7 @@ class Engine:
         if ready is not None:
             self._offer(request, ready.caches, 0)
             self._ready = [p for p in self._ready if p is not ready]
-            self._staging = None
+            self.stager.drop()
         elif row is not None:
             self._offer(request, self.batch.caches, row)
             self._keep_rows([i for i in range(len(rows)) if i != row])
@@ -670,14 +635,6 @@ class Engine:
                  "width": 0 if self.batch is None else self.batch.num_rows, **fields}
         self.events.append(event)
         logger.log(logging.DEBUG if kind == "admit" else logging.INFO, "transition %s", event)
-
-
-@dataclass
-class _StagedJoin:
-    item: admission.Prefilled
-    num_rows: int  # the batch's rows the staged buffers leave room for
-    width: int
-    caches: list  # per layer: RaggedKVCache.with_leading_rows, or None until staged
 
 
 def _segments(chunks: list[admission.PackedChunk]) -> tuple[Segment, ...]:

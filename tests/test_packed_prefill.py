@@ -11,12 +11,11 @@ import pytest
 from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches, make_ragged_cache
 from gmlx.config import EngineConfig
 from gmlx.drafters import make_drafter
-from gmlx import engine as engine_module
 from gmlx.engine import Engine
 from gmlx.models.packed import Segment, packed_body, unpack
 from gmlx.platform import cpu_kernels, cpu_layers
 from gmlx.request import SamplingParams
-from gmlx.spec import admission, prefill_pacing
+from gmlx.spec import admission, prefill_pacing, staged_join
 from schedules import SoloReference, check_schedule, make_schedule
 
 
@@ -215,7 +214,7 @@ def test_packing_is_chosen_by_the_weights_one_forward_reads(builtin_target):
 def test_long_joiners_are_staged_over_steps_and_every_stream_stays_exact(builtin_target, reference, code_prompts,
                                                                          monkeypatch, drafter_kind):
     # Every join staged (the threshold is for long rows on real models): streams equal solo decoding.
-    monkeypatch.setattr(engine_module, "STAGED_JOIN_MIN_BYTES", 0)
+    monkeypatch.setattr(staged_join, "STAGED_JOIN_MIN_BYTES", 0)
     num_filled = []
     fill = RaggedKVCache.fill_leading_rows
     monkeypatch.setattr(RaggedKVCache, "fill_leading_rows", lambda self, source: (num_filled.append(1),
@@ -228,13 +227,13 @@ def test_long_joiners_are_staged_over_steps_and_every_stream_stays_exact(builtin
 
 
 def test_a_staged_join_spreads_over_join_stages_steps(builtin_target, code_prompts, monkeypatch):
-    monkeypatch.setattr(engine_module, "STAGED_JOIN_MIN_BYTES", 0)
+    monkeypatch.setattr(staged_join, "STAGED_JOIN_MIN_BYTES", 0)
     engine = Engine(builtin_target, None, EngineConfig(is_prefill_packed=True))
     engine.add_request(code_prompts[0], SamplingParams(max_tokens=60), request_id="A")
     engine.step()
     engine.add_request(code_prompts[1], SamplingParams(max_tokens=20), request_id="B")
     num_layers = builtin_target.num_layers
-    layers_per_step = -(-num_layers // engine_module.JOIN_STAGES)
+    layers_per_step = -(-num_layers // staged_join.JOIN_STAGES)
     num_staging_steps = -(-num_layers // layers_per_step)
     widths = []
     for _ in range(2 + num_staging_steps + 1):  # chunk, landing, staging steps, join
