@@ -372,6 +372,19 @@ def is_drafter_quantized() -> bool:
     return _env_flag("GMLX_CPU_DRAFTER_QUANTIZED", True)
 
 
+PREFILL_PACKING_MODES = ("auto", "1", "0")
+
+
+def prefill_packing() -> bool | None:
+    """GMLX_PREFILL_PACKING: 1 runs prompt chunks inside the decode rows' forward (one pass over
+    the weights for both), 0 in forwards of their own; auto (default) chooses by the model
+    (spec/prefill_pacing.py). EngineConfig.is_prefill_packed, when set, wins."""
+    raw = os.environ.get("GMLX_PREFILL_PACKING", "").strip().lower() or "auto"
+    if raw not in PREFILL_PACKING_MODES:
+        raise ValueError(f"GMLX_PREFILL_PACKING={raw!r}: expected one of {', '.join(PREFILL_PACKING_MODES)}")
+    return None if raw == "auto" else raw == "1"
+
+
 def validate_settings() -> None:
     """Read every GMLX_* setting once, so a malformed one fails start-up (ValueError naming
     it) instead of the first round that reads it."""
@@ -380,7 +393,7 @@ def validate_settings() -> None:
                  is_malloc_tuned, is_huge_pages_enabled, cpu_quant_activations, is_quad_layout_enabled,
                  is_fused_layers_enabled, row_invariance_mode, product_block_rows, row_attention_rule,
                  is_drafter_quantized, is_adaptive_depth_enabled, is_draft_evidence_enabled, cpu_amx,
-                 kv_cache_dtype, kv_cache_budget_mb, kv_reserve_tokens):
+                 kv_cache_dtype, kv_cache_budget_mb, kv_reserve_tokens, prefill_packing):
         read()
 
 

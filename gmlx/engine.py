@@ -106,8 +106,9 @@ class Engine:
         self.stager = JoinStager()  # a long row's KV copied into the batch's buffers over a few steps
         # (spec rounds, drafted, accepted) when the batch last armed (a capture, or forming armed)
         self._armed_since: tuple[int, int, int] | None = None
-        self.is_prefill_packed = is_packing_chosen(target.is_packable, target.num_weight_bytes,
-                                                   engine_config.is_prefill_packed)
+        is_packed = engine_config.is_prefill_packed
+        self.is_prefill_packed = is_packing_chosen(target.is_packable, target.num_weight_bytes, target.is_layer_fused,
+                                                   config.prefill_packing() if is_packed is None else is_packed)
         self.pacer = PrefillPacer(self.is_prefill_packed, engine_config.prefill_budget_s)
 
     @classmethod

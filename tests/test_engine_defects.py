@@ -106,16 +106,21 @@ def test_a_long_waiter_preempts_only_when_it_can_join(builtin_target, reference,
         assert got[request_id] == reference.tokens(prompts[request_id], params[request_id])[0]
 
 
-def test_a_preempt_landing_over_the_cap_counts_a_gate(builtin_target, code_prompts, monkeypatch):
+@pytest.mark.parametrize("is_packed", [False, True])
+def test_a_preempt_landing_over_the_cap_counts_a_gate(builtin_target, code_prompts, monkeypatch, is_packed):
     monkeypatch.setenv("GMLX_MTP_WIDTH_CAP", "1")
-    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig())
+    engine = Engine(builtin_target, make_drafter("mtp", builtin_target), EngineConfig(is_prefill_packed=is_packed))
     engine.add_request(code_prompts[0], SamplingParams(max_tokens=40))
     for _ in range(3):
         engine.step()
     assert engine.batch.mode is BatchMode.SCALAR
     engine.add_request(code_prompts[1][:8], SamplingParams(max_tokens=30))
-    engine.step()  # the waiter is prefilled beside the lone stream (its first token out)...
-    assert engine.counters["num_preempts"] == 0 and engine.batch.num_rows == 1
+    # The waiter is prefilled beside the lone stream (apart, or packed into its round and read
+    # the step after), its first token out...
+    for _ in range(2 if is_packed else 1):
+        engine.step()
+        assert engine.counters["num_preempts"] == 0 and engine.batch.num_rows == 1
+    assert engine.counters["num_packed_chunks"] == is_packed
     engine.step()  # ...and joins one step later: preempt and join in one step
     assert engine.counters["num_preempts"] == 1 and engine.batch.num_rows == 2
     assert engine.counters["num_gates"] == 1

@@ -196,18 +196,22 @@ def test_a_request_cancelled_while_its_last_chunk_is_in_flight(builtin_target, r
     assert got == reference.tokens(code_prompts[0], params)[0]
 
 
-def test_packing_is_chosen_by_the_weights_one_forward_reads(builtin_target):
-    # The built-in model's 17 MB of weights cost less than packing's extra ops: not packed unless asked.
+def test_packing_is_chosen_by_the_model_and_the_setting_overrides_it(builtin_target, monkeypatch):
+    # The built-in model's layers are fused on the CPU: packed by default, though its weights are small.
     assert builtin_target.num_weight_bytes < prefill_pacing.PACKING_MIN_WEIGHT_BYTES
-    assert not Engine(builtin_target, None, EngineConfig()).is_prefill_packed
-    assert Engine(builtin_target, None, EngineConfig(is_prefill_packed=True)).is_prefill_packed
+    assert Engine(builtin_target, None, EngineConfig()).is_prefill_packed is builtin_target.is_layer_fused
+    monkeypatch.setenv("GMLX_PREFILL_PACKING", "0")
     engine = Engine(builtin_target, None, EngineConfig())
+    assert Engine(builtin_target, None, EngineConfig(is_prefill_packed=True)).is_prefill_packed  # the config wins
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
     engine.step()
     engine.add_request([8, 9, 10], SamplingParams(max_tokens=3))
     while engine.has_unfinished():
         engine.step()
     assert engine.counters["num_packed_chunks"] == 0 and engine.stats()["is_prefill_packed"] is False
+    monkeypatch.setenv("GMLX_PREFILL_PACKING", "sometimes")
+    with pytest.raises(ValueError, match="GMLX_PREFILL_PACKING"):
+        Engine(builtin_target, None, EngineConfig())
 
 
 @pytest.mark.parametrize("drafter_kind", ["none", "mtp"])

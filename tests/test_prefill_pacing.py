@@ -47,8 +47,9 @@ def test_one_round_in_so_many_runs_plain_to_keep_timing():
     assert not PrefillPacer(False, None).is_paused(is_decoding=True)  # rounds that never carry chunks
 
 
-def test_packing_follows_the_config_else_the_models_size():
-    assert is_packing_chosen(True, PACKING_MIN_WEIGHT_BYTES, None)
-    assert not is_packing_chosen(True, PACKING_MIN_WEIGHT_BYTES - 1, None)
-    assert is_packing_chosen(True, 1, True) and not is_packing_chosen(True, 1 << 40, False)
-    assert not is_packing_chosen(False, 1 << 40, True)  # a model whose attention gmlx does not mirror
+def test_packing_follows_the_config_else_fused_layers_or_the_models_size():
+    assert is_packing_chosen(True, PACKING_MIN_WEIGHT_BYTES, False, None)
+    assert not is_packing_chosen(True, PACKING_MIN_WEIGHT_BYTES - 1, False, None)
+    assert is_packing_chosen(True, 1, True, None)  # fused layers run the segments in their one node
+    assert is_packing_chosen(True, 1, False, True) and not is_packing_chosen(True, 1 << 40, True, False)
+    assert not is_packing_chosen(False, 1 << 40, True, True)  # a model whose attention gmlx does not mirror

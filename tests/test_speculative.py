@@ -54,6 +54,18 @@ def test_random_schedules_equal_plain(kind, chunk, engines, reference, code_prom
 
 
 @pytest.mark.parametrize("kind", DRAFTERS)
+def test_random_schedules_with_prompts_prefilled_apart_equal_plain(kind, builtin_target, reference, code_prompts):
+    # The built-in model packs prompts into decode forwards by default; unfused and GPU models
+    # (and GMLX_PREFILL_PACKING=0) prefill in forwards of their own, between rounds.
+    engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig(is_prefill_packed=False))
+    for i in range(SCHEDULES_PER_CHUNK):
+        schedule = make_schedule(15_000 + 100 * DRAFTERS.index(kind) + i, builtin_target.vocab_size, code_prompts,
+                                 max_requests=8)
+        check_schedule(engine, reference, schedule)
+    assert engine.counters["num_packed_chunks"] == 0 and engine.counters["num_spec_rounds"] > 0
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
 def test_random_schedules_on_a_float16_kv_cache_equal_plain(kind, builtin_target, code_prompts):
     """A float16 KV cache (GMLX_KV_DTYPE): every cache stores halves, each writer rounding as
     mlx's astype does, so speculative and batched streams still equal plain decoding's (itself on

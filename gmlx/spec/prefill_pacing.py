@@ -7,11 +7,11 @@ prefill slows the rows decoding beside it by a bounded factor.
 
 from __future__ import annotations
 
-# Packing a chunk saves a pass over the weights and adds ~20 small ops a layer: below this
-# the ops cost more (built-in model, 17 MB: 4.5 ms packed against 4.1 ms apart; SmolLM2 at
-# 4 bits, 100 MB: 55 against 70 ms). With fused layers a packed round runs its segments in the
-# stack's one node instead (speculative._forward), which pays under load (SmolLM2 in process,
-# 4-8 clients: packing off 0.79-0.92x); for smaller fused models not yet measured.
+# Packing a chunk saves a pass over the weights and adds ~20 small ops a layer: below this the
+# ops cost more (built-in model, 17 MB: 4.5 ms packed against 4.1 ms apart; SmolLM2 at 4 bits,
+# 100 MB: 55 against 70 ms). Fused layers (platform/cpu_layers.py) run a packed round's segments
+# in the stack's one node instead, which pays at any size: the built-in model served, 2-32
+# clients, packing on 1.04-1.16x of off (BENCHMARKS session 44).
 PACKING_MIN_WEIGHT_BYTES = 64 << 20
 # One round in this many carries no chunk, so the yardstick follows the machine's load during a
 # long prefill.
@@ -21,9 +21,13 @@ APART_BUDGET_ROUNDS = 2.0  # the auto budget of a chunk run in a forward of its 
 ROUND_S_SMOOTHING = 0.2  # the weight of the newest plain round in the yardstick
 
 
-def is_packing_chosen(is_packable: bool, num_weight_bytes: int, is_configured: bool | None) -> bool:
-    """Whether prompt chunks ride decode forwards: the config's choice, else by the model's size."""
-    return is_packable and (num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES if is_configured is None else is_configured)
+def is_packing_chosen(is_packable: bool, num_weight_bytes: int, is_layer_fused: bool,
+                      is_configured: bool | None) -> bool:
+    """Whether prompt chunks ride decode forwards: the configured choice, else fused layers or
+    enough weight bytes."""
+    if is_configured is not None:
+        return is_packable and is_configured
+    return is_packable and (is_layer_fused or num_weight_bytes >= PACKING_MIN_WEIGHT_BYTES)
 
 
 class PrefillPacer:

@@ -11,7 +11,7 @@ resume (0|1), adaptive (0|1: 0 drafts the fixed k every round), evidence (0|1: 0
 the drafter's per-round grades), amx (0|1: GMLX_CPU_AMX, the CPU kernels' wide products on AMX),
 kv (auto|model|float16: GMLX_KV_DTYPE, the KV cache's element type), kv_mb (N: GMLX_KV_CACHE_MB, the KV
 budget), kv_reserve (N: GMLX_KV_RESERVE_TOKENS, a row's growth reserved; 0 its whole max_tokens), width_cap (N),
-num_draft_tokens (N),
+packing (0|1: GMLX_PREFILL_PACKING, prompt chunks inside the decode forward), num_draft_tokens (N),
 address (server: use one already running),
 blas (mlx-lm: same|bundled), format (mlx-lm: auto|float32|quantized; auto = what gmlx computes in here),
 gguf (llama-server: the file; default the model's GGUF), np (llama-server: slots; default the
@@ -29,13 +29,13 @@ from pathlib import Path
 from gmlx.config import KV_CACHE_DTYPES, ROW_ATTENTION_RULES
 
 TARGET_KINDS = ("engine", "server", "mlx-lm", "llama-server")
-_BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance", "repack", "amx")
+_BOOL_KEYS = ("preempt", "resume", "adaptive", "evidence", "row_invariance", "repack", "amx", "packing")
 _INT_KEYS = ("width_cap", "num_draft_tokens", "num_slots", "slot_context_tokens", "kv_mb", "kv_reserve")
 _STR_KEYS = ("drafter", "model", "address", "blas", "format", "gguf", "label", "row_attention", "kv")
 _KEY_ALIASES = {"np": "num_slots", "ctx": "slot_context_tokens"}  # llama-server's own flag names
 MLX_LM_FORMATS = ("auto", "float32", "quantized")
 _GMLX_KNOBS = ("preempt", "resume", "adaptive", "evidence", "width_cap", "num_draft_tokens", "row_invariance",
-               "row_attention", "amx", "kv", "kv_mb", "kv_reserve")
+               "row_attention", "amx", "kv", "kv_mb", "kv_reserve", "packing")
 DEFAULT_SLOT_CONTEXT_TOKENS = 2048  # llama-server allocates each slot's KV cache up front
 
 
@@ -55,6 +55,7 @@ class TargetSpec:
     kv: str | None = None  # GMLX_KV_DTYPE (auto|model|float16); None = the server's default (auto)
     kv_mb: int | None = None  # GMLX_KV_CACHE_MB; None = the server's default budget
     kv_reserve: int | None = None  # GMLX_KV_RESERVE_TOKENS; None = the server's default (256)
+    packing: bool | None = None  # GMLX_PREFILL_PACKING; None = the engine's choice by the model
     num_draft_tokens: int | None = None
     address: str | None = None  # server only: connect to this running server
     blas: str = "same"  # mlx-lm only: "same" loads gmlx's BLAS first, "bundled" runs it as installed
@@ -112,6 +113,8 @@ class TargetSpec:
             env["GMLX_KV_CACHE_MB"] = str(self.kv_mb)
         if self.kv_reserve is not None:
             env["GMLX_KV_RESERVE_TOKENS"] = str(self.kv_reserve)
+        if self.packing is not None:
+            env["GMLX_PREFILL_PACKING"] = "1" if self.packing else "0"
         return env
 
     def describe(self) -> dict:
