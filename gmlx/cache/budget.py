@@ -79,7 +79,6 @@ class KVBudget:
             num_admitted += 1
         return num_admitted
 
-
     def reserved_for(self, request: Request) -> int:
         """The width the request's row is charged: what it holds (or will once prefilled) and
         the growth reserved for what it may still generate."""
