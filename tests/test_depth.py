@@ -317,6 +317,22 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_target, tmp_
     assert calibration.load_or_measure(tiny_target, drafter, max_rows=4) is None
 
 
+def test_a_pipelined_round_is_timed_back_to_back_not_by_its_fastest_call():
+    """A pipelined plain round waits for the forward the round before dispatched, or finds it done
+    and returns at once: calls alternate, and the fastest single call would price the round at its
+    host work alone (session 44: 0.3 ms for a 1.8 ms round, then every narrower width too)."""
+    calls = []
+
+    def alternating_round():  # waits 20 ms every other call, like a forward found running or done
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            time.sleep(0.020)
+
+    assert calibration._fastest_round_s(alternating_round) < 0.005  # the defect, timed one call at a time
+    per_round_s = calibration._fastest_round_s(alternating_round, calibration.PLAIN_ROUNDS_PER_TIMING)
+    assert per_round_s >= 0.009  # half the rounds wait: ~10 ms a round
+
+
 def test_calibration_is_measured_again_when_a_cpu_kernel_switch_changes(tiny_target, tmp_path, monkeypatch):
     """The kernels set the costs: a table measured with one GMLX_CPU_* setting is not read under another."""
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path))

@@ -28,12 +28,17 @@ from gmlx.spec.depth import expected_tokens
 logger = logging.getLogger(__name__)
 
 # 2: whole rounds (plain pipelined, speculative with its host work), not forwards; 3: MTP heads
-# beside a quantized target draft in its kernels (2-3x cheaper drafts than the tables of 2 hold).
-CACHE_VERSION = 3
+# beside a quantized target draft in its kernels (2-3x cheaper drafts than the tables of 2 hold);
+# 4: plain rounds timed back to back (tables of 3 could hold a bogus-low plain round).
+CACHE_VERSION = 4
 _CONTEXT_TOKENS = 64  # KV each calibration row holds: a short-context decode
 _NUM_REPEATS = 3  # the fastest of this many timings: the box's noise only ever adds time
 _MAX_WIDTH = 16  # wider batches are extrapolated from the widest two measured
 _MAX_ATTEMPTS = 3  # calibrations disturbed by other processes (timing.OtherLoad): measured again
+# A pipelined plain round reads the forward the one before dispatched: timed alone it may find that
+# forward done and dispatch the next without waiting (0.25-0.5 ms for a 1-3 ms built-in round, in
+# about half of session 44's calibrations). Rounds timed back to back each wait for their forward.
+PLAIN_ROUNDS_PER_TIMING = 4
 
 
 @dataclass(frozen=True)
@@ -203,7 +208,8 @@ def measure(target, drafter, max_rows: int) -> CostTable:
             _fastest_round_s(lambda k=k: deliver(speculative_round(target, batch, drafter, [k] * width).tokens_by_row))
             for k in range(k_max + 1)))
         deliver(plain_round(target, batch, dispatch_next=True))  # the first dispatches two forwards
-        plain_s.append(_fastest_round_s(lambda: deliver(plain_round(target, batch, dispatch_next=True))))
+        plain_s.append(_fastest_round_s(lambda: deliver(plain_round(target, batch, dispatch_next=True)),
+                                        PLAIN_ROUNDS_PER_TIMING))
         deliver(plain_round(target, batch, dispatch_next=False))  # reads the last lookahead
         drafter.reset()
     return CostTable(tuple(widths), tuple(_suffix_min(plain_s)), _monotone(spec_s))
@@ -231,13 +237,15 @@ def _monotone(round_s: list[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]
     return tuple(tuple(columns[p][w] for p in range(len(rows[0]))) for w in range(len(rows)))
 
 
-def _fastest_round_s(run) -> float:
-    """The fastest of a few rounds; a round reads its own tokens, so it has finished when it returns."""
+def _fastest_round_s(run, rounds_per_timing: int = 1) -> float:
+    """The fastest of a few timings of rounds_per_timing rounds back to back, per round; a round
+    reads its own tokens, so it has finished when it returns."""
     best = float("inf")
     for _ in range(_NUM_REPEATS + 1):  # the first call warms up (graph build, allocations)
         start_s = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start_s)
+        for _ in range(rounds_per_timing):
+            run()
+        best = min(best, (time.perf_counter() - start_s) / rounds_per_timing)
     return best
 
 
