@@ -36,8 +36,8 @@ _NUM_REPEATS = 3  # the fastest of this many timings: the box's noise only ever 
 _MAX_WIDTH = 16  # wider batches are extrapolated from the widest two measured
 _MAX_ATTEMPTS = 3  # calibrations disturbed by other processes (timing.OtherLoad): measured again
 # A pipelined plain round reads the forward the one before dispatched: timed alone it may find that
-# forward done and dispatch the next without waiting (0.25-0.5 ms for a 1-3 ms built-in round, in
-# about half of session 44's calibrations). Rounds timed back to back each wait for their forward.
+# forward done and dispatch the next without waiting (0.25-0.5 ms for a 1-3 ms built-in round, at some
+# width in each of six calibrations on session 44's box). Rounds timed back to back wait for theirs.
 PLAIN_ROUNDS_PER_TIMING = 4
 
 
