@@ -59,6 +59,14 @@ def _env_int(name: str) -> int | None:
     return value
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of choices, lower-cased; default when unset or blank; ValueError naming the setting otherwise."""
+    raw = os.environ.get(name, "").strip().lower() or default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw
+
+
 def is_preempt_enabled() -> bool:
     return _env_flag("GMLX_MTP_PREEMPT", True)
 
@@ -99,10 +107,7 @@ BLAS_CORE_MODES = ("auto", "measure", "off")
 def blas_core_mode() -> str:
     """GMLX_BLAS_CORE: auto (default) picks the OpenBLAS core from cached timings, measure
     re-times the candidates, off leaves OpenBLAS's own detection."""
-    raw = os.environ.get("GMLX_BLAS_CORE", "").strip().lower() or "auto"
-    if raw not in BLAS_CORE_MODES:
-        raise ValueError(f"GMLX_BLAS_CORE={raw!r}: expected one of {', '.join(BLAS_CORE_MODES)}")
-    return raw
+    return _env_choice("GMLX_BLAS_CORE", BLAS_CORE_MODES, "auto")
 
 
 def user_blas_core() -> str | None:
@@ -136,10 +141,7 @@ CALIBRATE_MODES = ("auto", "measure", "off")
 def calibrate_mode() -> str:
     """GMLX_CALIBRATE: auto (default) uses the cached speculation cost table or measures it,
     measure re-measures, off skips it."""
-    raw = os.environ.get("GMLX_CALIBRATE", "").strip().lower() or "auto"
-    if raw not in CALIBRATE_MODES:
-        raise ValueError(f"GMLX_CALIBRATE={raw!r}: expected one of {', '.join(CALIBRATE_MODES)}")
-    return raw
+    return _env_choice("GMLX_CALIBRATE", CALIBRATE_MODES, "auto")
 
 
 def is_interposer_enabled() -> bool:
@@ -213,10 +215,7 @@ def row_invariance_mode() -> str:
     """GMLX_ROW_INVARIANCE: auto (default) makes every product run on a fixed row count and
     attention one query a call on a GPU, where a row's bits otherwise depend on the batch (measured
     on CUDA: gmlx/platform/row_invariance.py); 1 does it on the CPU too (tests, A/B); 0 never."""
-    raw = os.environ.get("GMLX_ROW_INVARIANCE", "").strip().lower() or "auto"
-    if raw not in ROW_INVARIANCE_MODES:
-        raise ValueError(f"GMLX_ROW_INVARIANCE={raw!r}: expected one of {', '.join(ROW_INVARIANCE_MODES)}")
-    return raw
+    return _env_choice("GMLX_ROW_INVARIANCE", ROW_INVARIANCE_MODES, "auto")
 
 
 def product_block_rows() -> int:
@@ -235,10 +234,7 @@ def row_attention_rule() -> str:
     """GMLX_ROW_ATTENTION, attention's rule under row invariance: masked (default, validated on an
     H200) runs one query a call with an array mask; unmasked runs one row and one query a call
     with no mask over exactly the keys the query sees, the call a lone row's plain step makes."""
-    raw = os.environ.get("GMLX_ROW_ATTENTION", "").strip().lower() or "masked"
-    if raw not in ROW_ATTENTION_RULES:
-        raise ValueError(f"GMLX_ROW_ATTENTION={raw!r}: expected one of {', '.join(ROW_ATTENTION_RULES)}")
-    return raw
+    return _env_choice("GMLX_ROW_ATTENTION", ROW_ATTENTION_RULES, "masked")
 
 
 def cpu_tile_layout() -> bool | None:
@@ -338,10 +334,7 @@ def kv_cache_dtype() -> str:
     quantize their activations to int8 (the 4-bit CPU path, whose logits the halves move no
     further), in the type the model computes them in otherwise; model and float16 pin one.
     Halves are rounded once to nearest even on every path (llama.cpp's default cache type)."""
-    raw = os.environ.get("GMLX_KV_DTYPE", "").strip().lower() or "auto"
-    if raw not in KV_CACHE_DTYPES:
-        raise ValueError(f"GMLX_KV_DTYPE={raw!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
-    return raw
+    return _env_choice("GMLX_KV_DTYPE", KV_CACHE_DTYPES, "auto")
 
 
 def kv_cache_budget_mb() -> int | None:
@@ -379,10 +372,8 @@ def prefill_packing() -> bool | None:
     """GMLX_PREFILL_PACKING: 1 runs prompt chunks inside the decode rows' forward (one pass over
     the weights for both), 0 in forwards of their own; auto (default) chooses by the model
     (spec/prefill_pacing.py). EngineConfig.is_prefill_packed, when set, wins."""
-    raw = os.environ.get("GMLX_PREFILL_PACKING", "").strip().lower() or "auto"
-    if raw not in PREFILL_PACKING_MODES:
-        raise ValueError(f"GMLX_PREFILL_PACKING={raw!r}: expected one of {', '.join(PREFILL_PACKING_MODES)}")
-    return None if raw == "auto" else raw == "1"
+    mode = _env_choice("GMLX_PREFILL_PACKING", PREFILL_PACKING_MODES, "auto")
+    return None if mode == "auto" else mode == "1"
 
 
 def validate_settings() -> None:
