@@ -106,10 +106,10 @@ class Engine:
         self.stager = JoinStager()  # a long row's KV copied into the batch's buffers over a few steps
         # (spec rounds, drafted, accepted) when the batch last armed (a capture, or forming armed)
         self._armed_since: tuple[int, int, int] | None = None
-        is_packed = engine_config.is_prefill_packed
-        self.is_prefill_packed = is_packing_chosen(target.is_packable, target.num_weight_bytes, target.is_layer_fused,
-                                                   config.prefill_packing() if is_packed is None else is_packed)
-        self.pacer = PrefillPacer(self.is_prefill_packed, engine_config.prefill_budget_s)
+        configured = engine_config.is_prefill_packed
+        is_packed = is_packing_chosen(target.is_packable, target.num_weight_bytes, target.is_layer_fused,
+                                      config.prefill_packing() if configured is None else configured)
+        self.pacer = PrefillPacer(is_packed, engine_config.prefill_budget_s)
 
     @classmethod
     def load(cls, engine_config: EngineConfig) -> Engine:
@@ -118,6 +118,11 @@ class Engine:
         target = load_model(engine_config.model_path)
         drafter = make_drafter(engine_config.drafter, target, engine_config.num_draft_tokens)
         return cls(target, drafter, engine_config, load_or_measure(target, drafter, engine_config.max_num_rows))
+
+    @property
+    def is_prefill_packed(self) -> bool:
+        """Whether prompt chunks ride the decode rows' forward (the pacer holds the choice)."""
+        return self.pacer.is_packed
 
     @property
     def tokenizer(self):
