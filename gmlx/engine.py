@@ -19,8 +19,6 @@ first token at the next step, where it joins.
 
 from __future__ import annotations
 
-import collections
-import logging
 import random
 import time
 import uuid
@@ -47,15 +45,7 @@ from gmlx.spec.prefill_pacing import PrefillPacer, is_packing_chosen
 from gmlx.spec.served_costs import ServedCosts
 from gmlx.spec.speculative import capture_round, packed_plain_round, plain_round, speculative_round
 from gmlx.spec.staged_join import JoinStager
-
-logger = logging.getLogger(__name__)
-
-_STAT_KEYS = (
-    "num_requests", "num_finished", "num_rounds", "num_spec_rounds", "num_scalar_rounds",
-    "num_batch_rounds", "num_bare_rounds", "num_gated_rounds", "num_plain_rounds", "num_settle_rounds",
-    "num_capture_rounds", "num_preempts", "num_resumes", "num_gates", "num_depth_gates", "num_drafted",
-    "num_accepted", "num_packed_chunks", "num_kv_evictions",
-)
+from gmlx.spec.tally import Tally
 
 
 class Engine:
@@ -86,14 +76,13 @@ class Engine:
                                               self.kv_budget.reserved_for)
         self.batch: DecodeBatch | None = None
         self.requests: dict[str, Request] = {}
-        self.counters = dict.fromkeys(_STAT_KEYS, 0)
+        self.tally = Tally()  # the counters and transition events stats() reports
         # The measured round costs corrected by the rounds as served (spec/served_costs.py), or the
         # table alone: what depths and the width cap read.
         self.served_costs = (ServedCosts(cost_table) if cost_table is not None and engine_config.is_served_costs
                              else None)
         # Whether and how deep the batch speculates (the width cap, each row's depth, resume checks).
         self.policy = SpeculationPolicy(drafter, engine_config, self.served_costs or cost_table)
-        self.events: collections.deque = collections.deque(maxlen=4096)
         self._outputs: list[RequestOutput] = []
         # Prompts whose prefill finished beside running rows: first token out, they join next
         # step, so a step never pays a prefill chunk and a cache merge on top of its round.
@@ -104,8 +93,6 @@ class Engine:
         self._is_joined_this_step = False
         self._is_landed_this_step = False
         self.stager = JoinStager()  # a long row's KV copied into the batch's buffers over a few steps
-        # (spec rounds, drafted, accepted) when the batch last armed (a capture, or forming armed)
-        self._armed_since: tuple[int, int, int] | None = None
         configured = engine_config.is_prefill_packed
         is_packed = is_packing_chosen(target.is_packable, target.num_weight_bytes, target.is_layer_fused,
                                       config.prefill_packing() if configured is None else configured)
@@ -123,6 +110,14 @@ class Engine:
     def is_prefill_packed(self) -> bool:
         """Whether prompt chunks ride the decode rows' forward (the pacer holds the choice)."""
         return self.pacer.is_packed
+
+    @property
+    def counters(self) -> dict:
+        return self.tally.counters
+
+    @property
+    def events(self):
+        return self.tally.events
 
     @property
     def tokenizer(self):
@@ -216,7 +211,7 @@ class Engine:
         return outputs
 
     def stats(self) -> dict:
-        stats = dict(self.counters)
+        stats = self.tally.snapshot()
         stats["num_active"] = (0 if self.batch is None else self.batch.num_rows) + len(self._ready)
         stats["num_queued"] = len(self.queue)
         stats["kv_budget_bytes"] = self.kv_budget.budget_bytes
@@ -225,11 +220,7 @@ class Engine:
         stats["width_cap"] = self.policy.width_cap()
         stats["is_prefill_packed"] = self.is_prefill_packed
         stats["drafter"] = self.drafter.kind if self.drafter is not None else "none"
-        stats["acceptance_rate"] = (
-            self.counters["num_accepted"] / self.counters["num_drafted"] if self.counters["num_drafted"] else None
-        )
         stats.update(self.policy.describe())
-        stats["events"] = list(self.events)[-64:]
         if self.prompt_cache is not None:
             stats.update(self.prompt_cache.stats())
         return stats
@@ -267,7 +258,7 @@ class Engine:
             first = 0
             if mode.is_armed:
                 self.drafter.reset()
-                self._mark_armed()
+                self.tally.mark_armed()
         else:
             first = self.batch.num_rows
             self.batch.append_rows(requests, merged, pending, is_staged=staged is not None)
@@ -444,7 +435,7 @@ class Engine:
         if is_new_gate:
             self.counters["num_gates"] += 1
             self.counters["num_depth_gates"] += is_depth
-            self._event("gate", reason="depth" if is_depth else "cap", **self._armed_stretch())
+            self._event("gate", reason="depth" if is_depth else "cap", **self.tally.take_armed_stretch())
 
     def _arm(self) -> list[list[int]]:
         """A preempted batch's first round after the drain: capture, then speculate."""
@@ -461,22 +452,6 @@ class Engine:
         self._event("resume", **({} if gain is None else {"expected_gain": round(gain, 3)}))
         return tokens
 
-    def _mark_armed(self) -> None:
-        c = self.counters
-        self._armed_since = (c["num_spec_rounds"], c["num_drafted"], c["num_accepted"])
-
-    def _armed_stretch(self) -> dict:
-        """What the rounds since the batch last armed drafted and kept (a gate's event reports it
-        beside the resume's expected gain)."""
-        if self._armed_since is None:
-            return {}
-        c = self.counters
-        num_rounds, num_drafted, num_accepted = (c["num_spec_rounds"] - self._armed_since[0],
-                                                 c["num_drafted"] - self._armed_since[1],
-                                                 c["num_accepted"] - self._armed_since[2])
-        self._armed_since = None
-        return {"spec_rounds": num_rounds, "drafted": num_drafted, "accepted": num_accepted}
-
     def _capture(self) -> list[list[int]]:
         # The drafter's cold start needs fresh hidden state for every surviving row.
         tokens, hidden = capture_round(self.target, self.batch)
@@ -485,7 +460,7 @@ class Engine:
         if view.num_rows:
             hidden = hidden if view is self.batch else hidden[view.index]
             self.drafter.add_rows(view, list(range(view.num_rows)), hidden if self.drafter.needs_hidden else None)
-        self._mark_armed()
+        self.tally.mark_armed()
         self._event("capture")
         return tokens
 
@@ -546,10 +521,7 @@ class Engine:
                 loop, tokens = Loop.CAPTURE, self._resume()
             case BatchMode.UNARMED:
                 loop, tokens = Loop.CAPTURE, self._arm()
-        self.counters["num_rounds"] += 1
-        self.counters[f"num_{loop.value}_rounds"] += 1
-        if loop.is_speculative:
-            self.counters["num_spec_rounds"] += 1
+        self.tally.count_round(loop)
         keep = []
         scored = self.policy.scored_row(batch, self.counters["num_rounds"], is_over_cap) if loop is Loop.GATED else None
         scored_request = None
@@ -574,16 +546,10 @@ class Engine:
         return [p.request for p in self._ready] + list(self.queue.waiting)
 
     def _count_verify(self, result) -> None:
-        self.counters["num_drafted"] += sum(result.num_drafted)
-        self.counters["num_accepted"] += sum(result.num_accepted)
+        self.tally.count_verify(sum(result.num_drafted), sum(result.num_accepted))
         for request, accepted, drafted in zip(self.batch.requests, result.num_accepted, result.num_drafted):
             self.policy.observe_verify(request, drafted, accepted)
-            request.num_drafted += drafted
-            request.num_accepted += accepted
-            by_pos = request.accepted_by_position
-            by_pos.extend([0] * (drafted - len(by_pos)))
-            for j in range(accepted):
-                by_pos[j] += 1
+            request.count_verify(drafted, accepted)
 
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
@@ -637,10 +603,7 @@ class Engine:
             self._offer(request, caches, row)
 
     def _event(self, kind: str, **fields) -> None:
-        event = {"kind": kind, "round": self.counters["num_rounds"], "time_s": time.perf_counter(),
-                 "width": 0 if self.batch is None else self.batch.num_rows, **fields}
-        self.events.append(event)
-        logger.log(logging.DEBUG if kind == "admit" else logging.INFO, "transition %s", event)
+        self.tally.event(kind, 0 if self.batch is None else self.batch.num_rows, **fields)
 
 
 def _segments(chunks: list[admission.PackedChunk]) -> tuple[Segment, ...]:

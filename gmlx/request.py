@@ -150,6 +150,15 @@ class Request:
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - num_prompt]
 
+    def count_verify(self, num_drafted: int, num_accepted: int) -> None:
+        """One verify of this row's drafts: num_accepted of num_drafted kept, the first ones."""
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        by_position = self.accepted_by_position
+        by_position.extend([0] * (num_drafted - len(by_position)))
+        for depth in range(num_accepted):
+            by_position[depth] += 1
+
     def make_stats(self) -> dict:
         end_s = self.finish_time_s or time.perf_counter()
         ttft_s = None if self.first_token_time_s is None else self.first_token_time_s - self.arrival_time_s
