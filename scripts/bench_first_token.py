@@ -37,6 +37,7 @@ from gmlx.engine import Engine  # noqa: E402
 from gmlx.platform.blas_select import cpu_model_name  # noqa: E402
 from gmlx.request import SamplingParams  # noqa: E402
 from workers.bench import model_files  # noqa: E402
+from workers.bench.metrics import percentile  # noqa: E402
 from workers.bench.workload import PromptMaker  # noqa: E402
 
 MODES = {"apart": False, "packed": True}
@@ -53,11 +54,6 @@ def parse_args():
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     return parser.parse_args()
-
-
-def _quantile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[round(share * (len(ordered) - 1))]
 
 
 def run(engine: Engine, prompts: list[list[int]], num_clients: int, max_tokens: int) -> dict:
@@ -90,10 +86,10 @@ def run(engine: Engine, prompts: list[list[int]], num_clients: int, max_tokens: 
                 send()
     elapsed_s = time.perf_counter() - start_s
     return {"tok_per_s": sum(len(t) for t in tokens.values()) / elapsed_s, "num_steps": num_steps,
-            "ttft_p50_ms": 1e3 * _quantile(list(ttft_s.values()), 0.5),
-            "ttft_p90_ms": 1e3 * _quantile(list(ttft_s.values()), 0.9),
-            "ttft_steps_p50": _quantile(list(ttft_steps.values()), 0.5),
-            "ttft_steps_p90": _quantile(list(ttft_steps.values()), 0.9),
+            "ttft_p50_ms": 1e3 * percentile(list(ttft_s.values()), 50),
+            "ttft_p90_ms": 1e3 * percentile(list(ttft_s.values()), 90),
+            "ttft_steps_p50": percentile(list(ttft_steps.values()), 50),
+            "ttft_steps_p90": percentile(list(ttft_steps.values()), 90),
             "waiting_tokens_p50": statistics.median(waiting_tokens) if waiting_tokens else 0,
             "tokens": [tokens[i] for i in range(len(prompts))]}
 
