@@ -10,6 +10,7 @@
 #include "decoder_layer.h"
 #include "float_matmul.h"
 #include "int8_dot_kernels.h"
+#include "int8_many_rows.h"
 #include "quad_rows.h"
 #include "quantized_matmul.h"
 #include "rms_norm.h"
@@ -127,6 +128,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("set_panel_min_rows", &gmlx_kernels::set_panel_min_rows, "num_rows"_a,
         "Rows from which calls take the many-row kernels (same bits; < 1: the default)");
   m.def("panel_min_rows", &gmlx_kernels::panel_min_rows);
+  m.def("set_many_rows_min", &gmlx_kernels::set_many_rows_min, "num_rows"_a,
+        "Rows from which 4-bit quad products on AVX2 take the unpacked-panel kernel (same bits; < 1: the default)");
+  m.def("many_rows_min", &gmlx_kernels::many_rows_min);
   m.def("set_min_pool_macs", &gmlx_kernels::set_min_pool_macs, "num_macs"_a,
         "Products from this many multiply-adds run on the thread pool (same bits; < 0: the default)");
   m.def("min_pool_macs", &gmlx_kernels::min_pool_macs);
