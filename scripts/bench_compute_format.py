@@ -91,10 +91,11 @@ def mlx_lm_tok_per_s(model, tokenizer, num_tokens: int, depth: int = 0) -> float
     return num_decoded / (time.perf_counter() - start)
 
 
-def llama_bench_tok_per_s(binary: str, model: Path, num_tokens: int, depth: int = 0) -> float:
+def llama_bench_tok_per_s(binary: str, model: Path, num_tokens: int, depth: int = 0, is_prompt: bool = False) -> float:
     """llama.cpp's token generation rate (llama-bench tg, one repetition) on the same GGUF, after
-    depth tokens in its KV cache."""
-    command = [binary, "-m", str(model), "-p", "0", "-n", str(num_tokens), "-t", str(os.cpu_count()),
+    depth tokens in its KV cache; is_prompt: its prompt processing rate (pp) instead."""
+    sizes = ["-p", str(num_tokens), "-n", "0"] if is_prompt else ["-p", "0", "-n", str(num_tokens)]
+    command = [binary, "-m", str(model), *sizes, "-t", str(os.cpu_count()),
                "-r", "1", "-o", "json", *(["-d", str(depth)] if depth else [])]  # older builds lack -d
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     if result.returncode != 0:

@@ -29,6 +29,10 @@ scales and biases (0.75 and 0.625 bytes a weight):
 the same bits), in GB/s of its own bytes:
     python scripts/bench_kernels.py --quads-too --shapes 576x576,960x576,3072x576,576x1536 --rows 1,2,4
 
+--many-rows-off-too (with --quads-too) adds the quads with the 4-bit many-row kernel switched off
+(int8_many_rows.cpp, AVX2 without VNNI): every row count on the four-row walks (same bits):
+    python scripts/bench_kernels.py --quads-too --many-rows-off-too --shapes 576x576,3072x576,576x1536 --rows 16,32,256
+
 --panels-too adds the float32 product over panels (GMLX_CPU_FLOAT_KERNELS: per 64 outputs the
 inputs' weights side by side, one fma chain per output), in GB/s of the float32 bytes:
     python scripts/bench_kernels.py --panels-too --shapes 576x576,1536x576,576x1536,49152x576 --rows 1,2,4
@@ -115,7 +119,8 @@ def pack_one_stream(half_copies, group_size: int, bits: int, is_tiles: bool) -> 
 
 
 def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_bytes, reps, isas,
-                  panel_off_too=False, dequant_too=False, int8_too=False, quads_too=False, panels_too=False):
+                  panel_off_too=False, dequant_too=False, int8_too=False, quads_too=False, panels_too=False,
+                  many_rows_off_too=False):
     weight = mx.random.normal((num_outputs, num_inputs), key=mx.random.key(0))  # (N, K)
     packed = mx.quantize(weight, group_size=group_size, bits=bits)
     quantized_bytes = sum(a.nbytes for a in packed)
@@ -164,6 +169,14 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
                     t = best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
                                              for q in quad_copies[isa]], reps) / num_copies
                 row[f"quads_{isa}_ms"], row[f"quads_{isa}_gbs"] = 1e3 * t, quad_bytes[isa] / t / 1e9
+                if many_rows_off_too:
+                    many_rows_min = ext.many_rows_min()
+                    ext.set_many_rows_min(NEVER)
+                    with tile_layout(is_tiles_for(isa)):
+                        t = best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
+                                                 for q in quad_copies[isa]], reps) / num_copies
+                    ext.set_many_rows_min(many_rows_min)
+                    row[f"walks_{isa}_ms"] = 1e3 * t
             if panel_off_too:
                 panel_min_rows = ext.panel_min_rows()
                 ext.set_panel_min_rows(NEVER)
@@ -343,6 +356,8 @@ def main() -> None:
     parser.add_argument("--int8-too", action="store_true", help="add the int8-activation path")
     parser.add_argument("--quads-too", action="store_true",
                         help="add the int8 path over the one-stream quad layout (implies --int8-too)")
+    parser.add_argument("--many-rows-off-too", action="store_true",
+                        help="with --quads-too: add the quads with the 4-bit many-row kernel off (four-row walks)")
     parser.add_argument("--panels-too", action="store_true",
                         help="add the float32 product over panels (GMLX_CPU_FLOAT_KERNELS) beside the BLAS's")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="add a real model's prefill (0: off)")
@@ -376,7 +391,8 @@ def main() -> None:
         dram.append(cpu_kernels.read_bandwidth_gbs(512 << 20, 5))
         results += measure_shape(*parse_shape(shape), [int(r) for r in args.rows.split(",")], args.bits,
                                  args.group_size, args.min_bytes, args.reps, isas, args.panel_off_too,
-                                 args.dequant_too, args.int8_too, args.quads_too, args.panels_too)
+                                 args.dequant_too, args.int8_too, args.quads_too, args.panels_too,
+                                 args.quads_too and args.many_rows_off_too)
     ext.set_isa(ext.best_isa())
     dram_gbs = max(dram)
     print(f"CPU: {platform.processor() or platform.machine()}, {ext.num_threads()} kernel threads; "
@@ -391,6 +407,8 @@ def main() -> None:
     if args.quads_too:
         header += [f"int8 x, quad layout {isa} ms (GB/s, of DRAM)" for isa in isas]
         header += [f"quads / f16 rows {isa}" for isa in isas]
+        if args.many_rows_off_too:
+            header += [f"quads, walks only {isa} ms" for isa in isas] + [f"walks / default {isa}" for isa in isas]
     if args.panel_off_too:
         header += [f"few-row only {isa} ms" for isa in isas]
     if args.dequant_too:
@@ -414,6 +432,9 @@ def main() -> None:
             cells += [f"{r[f'quads_{isa}_ms']:.3f} ({r[f'quads_{isa}_gbs']:.1f}, {r[f'quads_{isa}_gbs'] / dram_gbs:.2f})"
                       for isa in isas]
             cells += [f"{r[f'int8_half_{isa}_ms'] / r[f'quads_{isa}_ms']:.2f}x" for isa in isas]
+            if args.many_rows_off_too:
+                cells += [f"{r[f'walks_{isa}_ms']:.3f}" for isa in isas]
+                cells += [f"{r[f'walks_{isa}_ms'] / r[f'quads_{isa}_ms']:.2f}x" for isa in isas]
         if args.panel_off_too:
             cells += [f"{r[f'few_row_{isa}_ms']:.3f}" for isa in isas]
         if args.dequant_too:
