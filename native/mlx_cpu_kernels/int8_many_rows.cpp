@@ -12,7 +12,8 @@ namespace gmlx_kernels {
 namespace {
 
 // Measured on Zen 3 against the quad kernels' four-row walks (SmolLM2's shapes, two threads):
-// level at 16 rows, 1.05-1.28x from 32, 1.10-1.23x at a prefill chunk's 256.
+// 4 bits level at 16 rows, 1.05-1.28x from 32, 1.10-1.23x at a prefill chunk's 256; 8 bits
+// 0.90x at 16 rows, 0.97-1.15x at 32, 1.12-1.19x from 48.
 constexpr int64_t kDefaultManyRowsMin = 32;
 std::atomic<int64_t> g_many_rows_min{kDefaultManyRowsMin};
 
@@ -242,10 +243,6 @@ void quads_many_rows_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begi
   }
 }
 
-#else
-
-void quads_many_rows_avx2(const QmmArgs&, const QuantizedRows&, int64_t, int64_t) { assert(false); }
-
-#endif
+#endif  // x86 only: int8_dot_outputs calls it from its x86 branch
 
 }  // namespace gmlx_kernels

@@ -25,7 +25,7 @@ int64_t many_rows_min();
 void set_many_rows_min(int64_t num_rows);
 
 // Outputs [begin, end) (begin a multiple of 4) of every row of x (quantized for a.bits) over the
-// quad layout at a.quads (4 or 8 bits), on AVX2 with F16C.
+// quad layout at a.quads (4 or 8 bits), on AVX2 with F16C; built on x86 only.
 void quads_many_rows_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end);
 
 }  // namespace gmlx_kernels
