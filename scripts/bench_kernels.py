@@ -29,7 +29,7 @@ scales and biases (0.75 and 0.625 bytes a weight):
 the same bits), in GB/s of its own bytes:
     python scripts/bench_kernels.py --quads-too --shapes 576x576,960x576,3072x576,576x1536 --rows 1,2,4
 
---many-rows-off-too (with --quads-too) adds the quads with the many-row kernel switched off
+--many-rows-off-too (with --quads-too) adds the quads with the 4-bit many-row kernel switched off
 (int8_many_rows.cpp, AVX2 without VNNI): every row count on the four-row walks (same bits):
     python scripts/bench_kernels.py --quads-too --many-rows-off-too --shapes 576x576,3072x576,576x1536 --rows 16,32,256
 

@@ -482,25 +482,23 @@ def test_quad_layout_gives_the_plain_rows_bits(bits, group_size, num_inputs_in_3
             assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("half_tails", [True, False])
 @pytest.mark.parametrize("num_outputs, num_inputs, group_size", [(576, 576, 32), (44, 1536, 64), (13, 224, 32),
                                                                   (70, 4096, 128)])
-def test_many_row_kernel_gives_each_row_the_quad_walks_bits(num_outputs, num_inputs, group_size, half_tails, bits,
-                                                            ext):
-    """Quads on AVX2 from many rows take the unpacked-panel kernel: forced from one row, at its
-    default and never, on 1 and 2 threads, row counts around its 16-row groups and partial
+def test_many_row_kernel_gives_each_row_the_quad_walks_bits(num_outputs, num_inputs, group_size, half_tails, ext):
+    """4-bit quads on AVX2 from many rows take the unpacked-panel kernel: forced from one row, at
+    its default and never, on 1 and 2 threads, row counts around its 16-row groups and partial
     8-output tiles all give the portable path's bits (so each row its one-row call's)."""
     if "avx2" not in supported_isas(ext):
         pytest.skip("no AVX2 on this CPU")
     ext.set_half_tails(half_tails)
     ext.set_tile_layout(False)
-    w, scales, biases = half_exact_weights(num_outputs, num_inputs, bits, group_size, seed=num_inputs)
-    quads = cpu_kernels.pack_quads(w, scales, biases, group_size, bits)
+    w, scales, biases = half_exact_weights(num_outputs, num_inputs, 4, group_size, seed=num_inputs)
+    quads = cpu_kernels.pack_quads(w, scales, biases, group_size, 4)
     x = 3.0 * mx.random.normal((70, num_inputs), key=mx.random.key(num_outputs))  # (M, K)
     ext.set_isa("portable")
     ext.set_num_threads(1)
-    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations=True)
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, group_size, 4, int8_activations=True)
     mx.eval(expected)
     ext.set_isa("avx2")
     for many_rows_min in (1, 0, NEVER):
@@ -508,7 +506,7 @@ def test_many_row_kernel_gives_each_row_the_quad_walks_bits(num_outputs, num_inp
         for num_threads in (1, 2):
             ext.set_num_threads(num_threads)
             for num_rows in (1, 15, 16, 17, 33, 70):
-                got = cpu_kernels.quantized_matmul_quads(x[:num_rows], quads, num_outputs, bits)
+                got = cpu_kernels.quantized_matmul_quads(x[:num_rows], quads, num_outputs, 4)
                 mx.eval(got)  # before the switch moves: settings are read when the graph runs
                 assert mx.array_equal(got, expected[:num_rows]).item(), (many_rows_min, num_threads, num_rows)
 

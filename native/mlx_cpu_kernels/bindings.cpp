@@ -129,7 +129,7 @@ NB_MODULE(_cpu_kernels, m) {
         "Rows from which calls take the many-row kernels (same bits; < 1: the default)");
   m.def("panel_min_rows", &gmlx_kernels::panel_min_rows);
   m.def("set_many_rows_min", &gmlx_kernels::set_many_rows_min, "num_rows"_a,
-        "Rows from which quad products on AVX2 take the unpacked-panel kernel (same bits; < 1: the default)");
+        "Rows from which 4-bit quad products on AVX2 take the unpacked-panel kernel (same bits; < 1: the default)");
   m.def("many_rows_min", &gmlx_kernels::many_rows_min);
   m.def("set_min_pool_macs", &gmlx_kernels::set_min_pool_macs, "num_macs"_a,
         "Products from this many multiply-adds run on the thread pool (same bits; < 0: the default)");

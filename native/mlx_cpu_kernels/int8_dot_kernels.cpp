@@ -928,7 +928,7 @@ void int8_dot_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin
                           : walk_by_rows<Avx512QuadWalk, 8>(a, rows, begin, end);
     }
     if (isa != Isa::kPortable && has_f16c()) {
-      if (a.num_rows >= many_rows_min()) return quads_many_rows_avx2(a, rows, begin, end);
+      if (a.bits == 4 && a.num_rows >= many_rows_min()) return quads4_many_rows_avx2(a, rows, begin, end);
       return a.bits == 4 ? walk_by_rows<Avx2QuadWalk, 4>(a, rows, begin, end)
                           : walk_by_rows<Avx2QuadWalk, 8>(a, rows, begin, end);
     }
