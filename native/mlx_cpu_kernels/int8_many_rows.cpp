@@ -31,7 +31,8 @@ constexpr int kBlocksPerChunk = 4;
 constexpr int kStepsPerBlock = 8;  // four of a block's 32 inputs a step
 constexpr int64_t kRowsPerGroup = 16;  // 16 rows of x at K = 1536: 24 KB, within L1
 // Panels unpacked at once: a range's panels up to this many bytes stay in L2 while every row
-// group passes over them (SmolLM2's largest range, 80x1536, is 150 KB).
+// group passes over them (SmolLM2's ranges: 150 KB for 80 outputs at K = 1536, two batches
+// for gate and up's 384 at K = 576).
 constexpr int64_t kPanelBatchBytes = 256 << 10;
 
 // One 32-input block k of eight outputs. x stores a chunk's block k for 4-bit weights at 16k
