@@ -52,9 +52,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (scripts/build_llama_cpp.sh)")
     args = parser.parse_args()
+    if not cpu_kernels.is_built():
+        sys.exit(f"gmlx CPU kernels unavailable: {cpu_kernels.status()['reason']}")
     ext = cpu_kernels.extension()
-    if ext is None:
-        sys.exit("the CPU kernels are not built: nothing to compare")
     default_min = ext.many_rows_min()
     target = load_model(args.model)
     text = Path(statistics.__file__).read_text() + Path(argparse.__file__).read_text()  # real code and prose
