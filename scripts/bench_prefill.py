@@ -1,9 +1,10 @@
 """Prefill speed: a lone prompt's time to its first token in gmlx's engine, the 4-bit many-row
 kernel on and off, and llama.cpp's prompt processing (llama-bench pp) on the same GGUF, side by side.
 
-Each round runs every side once, in turn (ABBA for the two gmlx sides), on a fresh engine (no
-prompt-cache hit), so the box's drift falls on all sides alike; greedy first tokens are checked
-equal between the gmlx sides. Reported: median prompt tok/s and paired ratios.
+Each round takes a new prompt and runs the two gmlx sides on it twice, ABBA (scripts/ab.py), each
+on a fresh engine (no prompt-cache hit), then llama-bench once, so the box's drift falls on all
+sides alike; greedy first tokens are checked equal between the gmlx sides. Reported: median
+prompt tok/s and paired ratios (the median of per-rep ratios).
 
     python3 scripts/bench_prefill.py                                   # SmolLM2 4-bit, 512 tokens, 4 rounds
     python3 scripts/bench_prefill.py --tokens 512,1500 --llama-bench .cache/llama.cpp/bin/llama-bench
@@ -20,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's gmlx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ab import alternate, median_ratio, median_ratio_of  # noqa: E402
 from bench_compute_format import llama_bench_tok_per_s  # noqa: E402  (sets the BLAS up before mlx)
 
 from gmlx.config import EngineConfig  # noqa: E402
@@ -45,6 +47,33 @@ def prefill_seconds(target, prompt: list[int]) -> tuple[float, int]:
     raise RuntimeError("the prompt finished without a token")
 
 
+def measure(target, ext, default_min: int, tokens: list[int], num_tokens: int, num_rounds: int,
+            llama: tuple[str, Path] | None) -> tuple[dict[str, list[dict]], list[float]]:
+    """Per side, its 2 * num_rounds prefills in ABBA order (reps 2i and 2i + 1, one round, share
+    the prompt at 7i); and with llama (llama-bench's path, the GGUF) its pp rate once a round."""
+    rep_now, llama_rates = 0, []
+
+    def run(side: str) -> dict:
+        prompt = tokens[7 * (rep_now // 2) : 7 * (rep_now // 2) + num_tokens]
+        ext.set_many_rows_min(default_min if side == "many" else NEVER)
+        try:
+            seconds, first = prefill_seconds(target, prompt)
+        finally:
+            ext.set_many_rows_min(default_min)
+        return {"tok_per_s": num_tokens / seconds, "first": first}
+
+    def after_rep(rep: int) -> None:
+        nonlocal rep_now
+        rep_now = rep + 1
+        if llama and rep % 2 == 1:
+            llama_rates.append(llama_bench_tok_per_s(*llama, num_tokens, is_prompt=True))
+
+    runs = alternate(("many", "walks"), 2 * num_rounds, run, after_rep)
+    for many, walks in zip(runs["many"], runs["walks"]):
+        assert many["first"] == walks["first"], f"first tokens differ: {many['first']} against {walks['first']}"
+    return runs, llama_rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -66,30 +95,16 @@ def main() -> None:
     for num_tokens in (int(n) for n in args.tokens.split(",")):
         if num_tokens + 7 * args.rounds > len(tokens):
             sys.exit(f"--tokens {num_tokens} is longer than the text's {len(tokens)} tokens")
-        rates = {"many": [], "walks": [], "llama": []}
-        for round_index in range(args.rounds):
-            prompt = tokens[7 * round_index : 7 * round_index + num_tokens]  # a new prompt each round
-            firsts = {}
-            order = ("many", "walks", "walks", "many") if round_index % 2 == 0 else ("walks", "many", "many", "walks")
-            for side in order:
-                ext.set_many_rows_min(default_min if side == "many" else NEVER)
-                seconds, first = prefill_seconds(target, prompt)
-                rates[side].append(num_tokens / seconds)
-                firsts.setdefault(side, first)
-            ext.set_many_rows_min(default_min)
-            assert firsts["many"] == firsts["walks"], f"first tokens differ: {firsts}"
-            if args.llama_bench:
-                rates["llama"].append(llama_bench_tok_per_s(args.llama_bench, resolve_model_path(args.model),
-                                                            num_tokens, is_prompt=True))
-        # Paired: each round's two gmlx runs per side averaged, then ratios per round.
-        per_round = {side: [statistics.fmean(v[2 * i : 2 * i + 2]) for i in range(args.rounds)]
-                     for side, v in rates.items() if side != "llama"}
-        paired_walks = statistics.median(m / w for m, w in zip(per_round["many"], per_round["walks"]))
-        many, walks = statistics.median(rates["many"]), statistics.median(rates["walks"])
-        llama = f"{statistics.median(rates['llama']):.1f}" if rates["llama"] else "-"
-        over_llama = (f"{many / statistics.median(rates['llama']):.2f}x "
-                      f"({statistics.median(m / l for m, l in zip(per_round['many'], rates['llama'])):.2f})"
-                      if rates["llama"] else "-")
+        runs, llama_rates = measure(target, ext, default_min, tokens[: num_tokens + 7 * args.rounds], num_tokens,
+                                    args.rounds, args.llama_bench and (args.llama_bench, resolve_model_path(args.model)))
+        many = statistics.median(r["tok_per_s"] for r in runs["many"])
+        walks = statistics.median(r["tok_per_s"] for r in runs["walks"])
+        paired_walks = median_ratio_of(runs["many"], runs["walks"], "tok_per_s")
+        llama, over_llama = "-", "-"
+        if llama_rates:  # each rep's default against its round's llama-bench run
+            paired = median_ratio((r["tok_per_s"], llama_rates[rep // 2]) for rep, r in enumerate(runs["many"]))
+            llama = f"{statistics.median(llama_rates):.1f}"
+            over_llama = f"{many / statistics.median(llama_rates):.2f}x ({paired:.2f})"
         print(f"| {num_tokens} | {many:.1f} | {walks:.1f} | {many / walks:.2f}x ({paired_walks:.2f}) | {llama} "
               f"| {over_llama} |", flush=True)
 
