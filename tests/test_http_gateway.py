@@ -111,6 +111,24 @@ def test_completion_equals_zmq_stream_or_not(server, oai):
     assert done.choices[0].text == want_text
 
 
+def test_speculate_false_drafts_nothing_and_keeps_the_tokens(server, oai):
+    """The server's n-gram drafter drafts on a repeating prompt; `speculate: false` over HTTP
+    pins that request to plain decoding (no drafts in the worker's counters), same text."""
+    prompt = "alpha beta gamma delta " * 16
+
+    def drafted_by(speculate: bool) -> tuple[int, str]:
+        with Client(server.address, timeout_s=30) as zmq_client:
+            before = zmq_client.stats()["num_drafted"]
+            done = oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=32, temperature=0,
+                                          extra_body={"speculate": speculate})
+            return zmq_client.stats()["num_drafted"] - before, done.choices[0].text
+
+    num_pinned, pinned_text = drafted_by(False)
+    num_free, free_text = drafted_by(True)
+    assert num_pinned == 0 and num_free > 0, (num_pinned, num_free)
+    assert pinned_text == free_text
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
@@ -332,7 +350,7 @@ def test_parse_completion_fields_and_refusals():
     assert args.is_stream and args.is_usage_chunk and args.max_tokens == 16 and args.temperature == 1.0
     assert o.parse_completion({"model": "m", "prompt": [1, 2, 3]}).token_ids == (1, 2, 3)
     plain = o.parse_completion({"model": "m", "prompt": "a", "speculate": False})
-    assert "speculate" not in plain.client_kwargs() and plain.client_kwargs(can_pin_plain=True)["speculate"] is False
+    assert plain.client_kwargs()["speculate"] is False and args.client_kwargs()["speculate"] is True
     bad = [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "n": 3}, "n"),
            ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a"}, "model"),
            ({"model": "m", "prompt": "a", "max_tokens": "9"}, "max_tokens"),

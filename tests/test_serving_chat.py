@@ -117,10 +117,9 @@ def test_the_wire_sampling_fields_are_the_engines():
 def test_the_http_gateway_forwards_speculate():
     import inspect
 
-    from workers import http_gateway, http_openai
+    from workers import http_openai
 
-    kwargs = http_openai.parse_completion({"model": "m", "prompt": "x", "speculate": False}).client_kwargs(
-        http_gateway._CAN_PIN_PLAIN)
+    kwargs = http_openai.parse_completion({"model": "m", "prompt": "x", "speculate": False}).client_kwargs()
     assert kwargs["speculate"] is False
     inspect.signature(AsyncClient.generate).bind(None, **kwargs)  # the client takes every argument
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import inspect
 import json
 import logging
 import os
@@ -34,17 +33,13 @@ from workers.http_metrics import CONTENT_TYPE, GatewayMetrics
 logger = logging.getLogger(__name__)
 
 _END = object()
-# The per-request `speculate` switch is being added to the wire protocol beside this work:
-# forward it once ipc.client's generate() takes it, and accept it without effect until then.
-_CAN_PIN_PLAIN = "speculate" in inspect.signature(AsyncClient.generate).parameters
-
 
 class _Relay:
     """One request's chunks from ipc.client's generator. Closing it (or cancelling a pending
     next) runs the generator's cleanup, which sends CANCEL for a request still running."""
 
     def __init__(self, client: AsyncClient, args: oai.GenerateArgs):
-        self._chunks = client.generate(**args.client_kwargs(_CAN_PIN_PLAIN))
+        self._chunks = client.generate(**args.client_kwargs())
 
     async def next(self):
         """The next chunk, or _END; raises what the client raised."""

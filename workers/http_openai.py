@@ -52,16 +52,13 @@ class GenerateArgs:
     stop: tuple[str, ...]
     is_stream: bool
     is_usage_chunk: bool  # stream_options.include_usage: a last chunk with usage and no choices
-    is_speculate: bool  # gmlx extra: False pins the row to plain decoding where the client can say so
+    is_speculate: bool  # gmlx extra: False pins the row to plain decoding (never the tokens)
 
-    def client_kwargs(self, can_pin_plain: bool = False) -> dict:
-        """generate()'s arguments; `speculate` only for a client whose generate() takes it."""
-        kwargs = dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
-                      max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                      min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None)
-        if can_pin_plain:
-            kwargs["speculate"] = self.is_speculate
-        return kwargs
+    def client_kwargs(self) -> dict:
+        """ipc.client's generate() arguments."""
+        return dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
+                    max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None, speculate=self.is_speculate)
 
 
 def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
