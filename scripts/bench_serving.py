@@ -31,6 +31,8 @@ from gmlx.platform.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()  # the fast BLAS before mlx is first imported
 
+from workers.bench.metrics import percentile  # noqa: E402  (interpolated, as the load generator's)
+
 
 def make_prompts(tokenizer, width: int, prompt_tokens: int) -> list[list[int]]:
     ids = tokenizer.encode(Path(json.__file__).read_text())
@@ -90,13 +92,6 @@ def start_server(model: str | None, drafter: str) -> tuple[subprocess.Popen, str
         if "ready" in line:
             return proc, address
     raise RuntimeError(f"gmlx serve exited with {proc.wait()} before it was ready")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 @click.command()

@@ -51,6 +51,7 @@ def text_size(library: Path) -> int | None:
 
 def symbol_build(build_dir: Path) -> Path:
     """The kernels built from this tree's source with their symbols kept (cached in build_dir)."""
+    build_dir = build_dir.resolve()  # cmake runs inside it: a relative output folder would nest there
     out_dir = build_dir / "out"
     configure = ["cmake", str(SOURCE), f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
                  "-DGMLX_KEEP_SYMBOLS=ON", f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}"]
