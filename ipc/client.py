@@ -158,8 +158,25 @@ def _generate_message(ref: str, prompt, token_ids, messages, stop, **sampling) -
             messages = [m.ChatMessage(role=turn["role"], content=turn["content"]) for turn in messages]
         except (KeyError, TypeError):
             raise ValueError(f"messages: each entry needs a role and a content, got {messages!r:.200}") from None
-    return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=None if token_ids is None else list(token_ids),
-                                    messages=messages, stop=None if stop is None else list(stop), **sampling))
+    try:
+        return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=None if token_ids is None else list(token_ids),
+                                        messages=messages, stop=None if stop is None else list(stop), **sampling))
+    except UnicodeEncodeError:
+        texts = {"prompt": [prompt], "stop": stop or [],
+                 "messages": [text for turn in messages or [] for text in (turn.role, turn.content)]}
+        field = next(name for name, values in texts.items() if any(not _is_utf8(v) for v in values))
+        raise ValueError(f"{field}: not valid Unicode text (a lone surrogate, which UTF-8 cannot carry)") from None
+
+
+def _is_utf8(text) -> bool:
+    """Whether text encodes as UTF-8 (what is not a str the encoder took as it is)."""
+    if not isinstance(text, str):
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check(msg, stream: _Stream, expected_seq: int):

@@ -52,7 +52,7 @@ def _json(tag: bytes, obj) -> list[bytes]:
     return [tag, json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")]
 
 
-def _weird_value(rng: random.Random):
+def weird_value(rng: random.Random):
     return rng.choice([
         None, True, False, 0, -1, 2**31, 2**32, 2**63, 2**64, -(2**63) - 1, 10**30, 1.5, -0.0, 1e308,
         "", "7", "\x00", "\ud800", "é" * 50, [], [1], [[1]], {}, {"a": 1}, [None], ["x"], [1.5], [-1],
@@ -92,7 +92,7 @@ def int_out_of_range(rng):
 
 def wrong_type(rng):
     fields = _valid_fields(rng)
-    fields[rng.choice(ALL_FIELDS)] = _weird_value(rng)
+    fields[rng.choice(ALL_FIELDS)] = weird_value(rng)
     return FuzzFrame("wrong_type", _json(m.Generate.TAG, fields), False)
 
 
@@ -106,7 +106,7 @@ def float_edge(rng):
 
 def unknown_field(rng):
     fields = _valid_fields(rng)
-    fields[rng.choice(["max_tokenz", "Ref", "", "prompt ", "\u00e9", "stream"])] = _weird_value(rng)
+    fields[rng.choice(["max_tokenz", "Ref", "", "prompt ", "\u00e9", "stream"])] = weird_value(rng)
     return FuzzFrame("unknown_field", _json(m.Generate.TAG, fields), False)
 
 

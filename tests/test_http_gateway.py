@@ -5,6 +5,7 @@ HTTP answers are checked against the same server's ZeroMQ answers (which test_se
 checks against solo in-process decoding)."""
 
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -15,8 +16,11 @@ from pathlib import Path
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+import http_cases
 from ipc.client import Client
 from serving_support import REPO_ROOT, Server, free_port, make_chat_model_dir, repo_env
 
@@ -314,13 +318,59 @@ def test_serve_refuses_an_open_http_address_without_a_token():
     assert done.returncode == 2 and "--http-api-key-file" in done.stderr, done.stderr
 
 
+def gateway_pid(server) -> int:
+    import psutil
+
+    gateways = [c for c in psutil.Process(server.proc.pid).children(recursive=True)
+                if "workers.http_gateway" in " ".join(c.cmdline())]
+    assert len(gateways) == 1
+    return gateways[0].pid
+
+
+def check_http_cases(server, cases: list) -> None:
+    """Every case served (a complete 200 answer) or refused (4xx, OpenAI's error body); the same
+    gateway process throughout, and a valid request served after them."""
+    port, pid = int(server.http_url.rsplit(":", 1)[1]), gateway_pid(server)
+    for case in cases:
+        reply = http_cases.send("127.0.0.1", port, case)
+        assert http_cases.problem(case, reply) is None, (case.name, case.path, (case.body or b"")[:200], reply)
+    valid = http_cases.draw(random.Random(0), MODEL_ID, "valid_completion")
+    assert http_cases.problem(valid, http_cases.send("127.0.0.1", port, valid)) is None
+    assert gateway_pid(server) == pid and server.proc.poll() is None, server.log()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(draws=st.lists(st.tuples(st.sampled_from(sorted(http_cases.CLASSES)), st.integers(0, 2**32)),
+                      min_size=1, max_size=6))
+def test_hostile_http_requests_are_refused_and_the_gateway_keeps_serving(server, draws):
+    check_http_cases(server, [http_cases.draw(random.Random(seed), MODEL_ID, name) for name, seed in draws])
+
+
+def test_every_http_case_class_three_times(server):
+    rng = random.Random(3)
+    check_http_cases(server, [http_cases.draw(rng, MODEL_ID, name) for name in http_cases.CLASSES for _ in range(3)])
+
+
+def test_a_lone_surrogate_is_refused_naming_its_field(server):
+    """JSON's escapes can spell text UTF-8 cannot carry: a 400 naming the field (it was a 500)."""
+    port = int(server.http_url.rsplit(":", 1)[1])
+    for path, body, param in (
+            ("/v1/completions", {"prompt": "a\ud800"}, "prompt"),
+            ("/v1/completions", {"prompt": "a", "stop": ["\udfff"]}, "stop"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages")):
+        raw = json.dumps({"model": MODEL_ID, "max_tokens": 2, **body}).encode()  # ASCII: the surrogate escaped
+        reply = http_cases.send("127.0.0.1", port, http_cases.HttpCase("surrogate", "POST", path, raw))
+        assert reply.status == 400 and json.loads(reply.body)["error"]["param"] == param, reply
+    with Client(server.address, timeout_s=30) as zmq_client, pytest.raises(ValueError, match="^prompt: not valid"):
+        next(zmq_client.generate(prompt="\ud800", max_tokens=2))
+
+
 def test_a_killed_gateway_is_restarted(server, oai):
     import psutil
 
-    gateways = [c for c in psutil.Process(server.proc.pid).children(recursive=True) if "workers.http_gateway" in " ".join(c.cmdline())]
-    assert len(gateways) == 1
-    gateways[0].kill()
-    gateways[0].wait(10)
+    gateway = psutil.Process(gateway_pid(server))
+    gateway.kill()
+    gateway.wait(10)
     deadline_s = time.monotonic() + 60
     while http_get_or_none(server.http_url + "/health") != 200:
         assert time.monotonic() < deadline_s, server.log()

@@ -309,6 +309,8 @@ async def _read_json(request: Request):
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise oai.BadRequest(f"the body is not JSON: {e}") from None
+    except RecursionError:  # the parser recurses per level: a megabyte of "[" is that deep
+        raise oai.BadRequest("the body nests arrays or objects too deeply") from None
 
 
 def _sse(obj: dict) -> str:

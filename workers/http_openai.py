@@ -68,7 +68,7 @@ def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return _common(body, prompt, None, default_max_tokens)
+        return _common(body, _text(prompt, "prompt"), None, default_max_tokens)
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         return _common(body, None, tuple(prompt), default_max_tokens)
     raise BadRequest(f"prompt must be a string or a list of token ids (one prompt per request), got {_short(prompt)}",
@@ -91,6 +91,8 @@ def parse_chat(body, render, default_max_tokens: int) -> GenerateArgs:
                 raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
         elif not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        _text(message["role"], "messages")
+        _text(_text_of(content), "messages")
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     args = _common(body, None, (), default_max_tokens)
@@ -113,6 +115,8 @@ def _common(body: dict, prompt, token_ids, default_max_tokens: int) -> GenerateA
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"stop must be a non-empty string or a list of them, got {_short(body.get('stop'))}", "stop")
+    for text in stop:
+        _text(text, "stop")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
@@ -148,6 +152,17 @@ def _object(body) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def _text(value: str, param: str) -> str:
+    """value, where UTF-8 can carry it: JSON's escapes can spell a lone surrogate (\\ud800), which
+    the ZeroMQ client cannot encode (the gateway answered 500 to it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{param} must be valid Unicode text, got a lone surrogate at character {e.start}",
+                         param) from None
+    return value
 
 
 def _text_of(content) -> str:
