@@ -38,6 +38,8 @@ def main() -> int:
     parser.add_argument("--time-limit-s", type=float, default=1800.0, help="stop early after this long")
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--clients", type=int, default=1, help="connections in flight at once")
+    parser.add_argument("--model", default=None, help="a model with a chat template (default: the built-in one with a "
+                                                      "test template); smollm2 for the real one")
     args = parser.parse_args()
 
     statuses = collections.defaultdict(collections.Counter)
@@ -65,7 +67,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        server = Server("--http-port", str(port), model=make_chat_model_dir(Path(tmp) / "chat"), drafter=args.drafter)
+        model = args.model or make_chat_model_dir(Path(tmp) / "chat")
+        server = Server("--http-port", str(port), model=model, drafter=args.drafter, ready_timeout_s=300)
         try:
             _wait_for_gateway(server, port)
             model_id = _model_id(port)

@@ -413,18 +413,19 @@ def test_parse_completion_fields_and_refusals():
         assert info.value.param == param and info.value.status == 400, body
 
 
-def test_parse_chat_renders_text_parts():
+def test_parse_chat_joins_text_parts_into_the_messages_it_forwards():
     from workers import http_openai as o
 
-    seen = []
     args = o.parse_chat({"model": "m", "max_completion_tokens": 7, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
-        lambda messages: seen.append(messages) or [4, 5], default_max_tokens=100)
-    assert seen == [[{"role": "user", "content": "ab"}]]
-    assert args.token_ids == (4, 5) and args.prompt is None and args.max_tokens == 7
+        default_max_tokens=100)
+    assert args.messages == (("user", "ab"),) and args.prompt is None and args.token_ids is None
+    assert args.max_tokens == 7
+    kwargs = args.client_kwargs()
+    assert kwargs["messages"] == [{"role": "user", "content": "ab"}] and kwargs["prompt"] is None
     with pytest.raises(o.BadRequest) as info:
         o.parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                     lambda m: [1], default_max_tokens=100)
+                     default_max_tokens=100)
     assert info.value.param == "messages"
 
 

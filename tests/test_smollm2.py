@@ -2,6 +2,8 @@
 chat rendering, and greedy output against mlx-lm on the converted folder."""
 
 import json
+import time
+import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -142,3 +144,33 @@ def test_generate_chat_answers_through_the_cli():
 
     chosen = "quantized" if cpu_kernels.is_available() else "float32"
     assert f"CPU compute format {chosen}" in result.stderr  # the load-time log line names the choice
+
+
+@pytest.mark.slow
+def test_chat_over_http_is_rendered_with_the_ggufs_template():
+    """The gateway forwards a chat's messages: the front-end renders them with the GGUF's own
+    tokenizer and template (the gateway's transformers tokenizer could not read a .gguf: a 500)."""
+    import openai
+
+    from ipc.client import Client
+    from serving_support import Server, free_port
+
+    port = free_port()
+    server = Server("--http-port", str(port), model="smollm2", drafter="none", ready_timeout_s=300)
+    try:
+        deadline_s = time.monotonic() + 60
+        while not any("http ready" in line for line in server.stdout_lines):
+            assert time.monotonic() < deadline_s and server.proc.poll() is None, server.log()
+            time.sleep(0.1)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        with Client(server.address, timeout_s=120) as client:
+            want = "".join(c.text for c in client.generate(messages=messages, max_tokens=12))
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                           timeout=120) as oai:
+            done = oai.chat.completions.create(model=SMOLLM2.name, messages=messages, max_tokens=12, temperature=0)
+        assert done.choices[0].message.content == want and want.strip()
+        assert done.usage.prompt_tokens > 20  # the template's system turn came with it
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as reply:
+            assert json.load(reply)["data"][0]["max_model_len"] == 8192  # the GGUF's context_length
+    finally:
+        server.kill()

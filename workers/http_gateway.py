@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 
 import anyio
@@ -88,8 +87,6 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self._client: AsyncClient | None = None
-        self._tokenizer = None
-        self._tokenizer_loader: threading.Thread | None = None
         self._max_context_tokens = _max_context_tokens(config.model_path)
 
     @property
@@ -163,7 +160,7 @@ class Gateway:
         try:
             body = await _read_json(request)
             if kind == "chat":
-                args = oai.parse_chat(body, self._render_chat, default_max_tokens=self._max_context_tokens)
+                args = oai.parse_chat(body, default_max_tokens=self._max_context_tokens)
             else:
                 args = oai.parse_completion(body)
             if args.model != self.config.model_id:
@@ -262,40 +259,6 @@ class Gateway:
         self.metrics.requests.labels(endpoint, finish_reason).inc()
         self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
-        try:
-            tokenizer = self._chat_tokenizer()
-        except (OSError, ValueError) as e:  # a model folder transformers cannot read
-            raise oai.BadRequest(f"the model's tokenizer cannot be loaded: {e}", status=500,
-                                 error_type="server_error") from None
-        if not getattr(tokenizer, "chat_template", None):
-            raise oai.BadRequest(f"model {self.config.model_id!r} has no chat template; use /v1/completions",
-                                 "messages")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # a template may raise on roles or orders it does not accept
-            raise oai.BadRequest(f"messages cannot be rendered with the chat template: {e}", "messages") from None
-        # The template writes any BOS itself, so the text is encoded without adding special tokens.
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    def preload_tokenizer(self) -> None:
-        """Load the chat tokenizer off the event loop (transformers takes seconds to import),
-        so the first chat request does not wait for it."""
-        self._tokenizer_loader = threading.Thread(target=self._chat_tokenizer, name="tokenizer-preload", daemon=True)
-        self._tokenizer_loader.start()
-
-    def _chat_tokenizer(self):
-        loader = self._tokenizer_loader
-        if loader is not None and loader is not threading.current_thread():
-            loader.join()  # one import at a time: transformers' lazy modules break under concurrent imports
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from gmlx.config import BUILTIN_TARGET_DIR
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_path or str(BUILTIN_TARGET_DIR))
-        return self._tokenizer
-
 
 async def _read_json(request: Request):
     """The body as JSON, read no further than the ZeroMQ side's message limit."""
@@ -318,10 +281,13 @@ def _sse(obj: dict) -> str:
 
 
 def _max_context_tokens(model_path: str | None) -> int:
-    """The model's context from its config.json (the engine stops a request there anyway)."""
+    """The model's context from its config.json or GGUF metadata (the engine stops a request there anyway)."""
     from gmlx.config import BUILTIN_TARGET_DIR
+    from gmlx.models.gguf_check import read_context_length
 
     try:
+        if model_path is not None and model_path.endswith(".gguf"):
+            return read_context_length(model_path) or 4096
         with open(os.path.join(model_path or str(BUILTIN_TARGET_DIR), "config.json")) as f:
             return int(json.load(f).get("max_position_embeddings", 4096))
     except (OSError, ValueError, TypeError):
@@ -332,7 +298,6 @@ def serve_gateway(config: GatewayConfig) -> None:
     import uvicorn
 
     gateway = Gateway(config)
-    gateway.preload_tokenizer()
     logger.info("HTTP gateway on http://%s:%d for %s", config.host, config.port, config.server_address)
     uvicorn.run(gateway.make_app(), host=config.host, port=config.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)

@@ -2,7 +2,8 @@
 
 No sockets and no HTTP here: the gateway (workers/http_gateway.py) parses a body with
 `parse_completion` / `parse_chat`, sends `GenerateArgs` through ipc.client, and shapes what
-comes back with the `*_chunk` / `*_response` builders.
+comes back with the `*_chunk` / `*_response` builders. A chat's messages go to the front-end as
+they are: it renders them with the model's own tokenizer and template, as for a ZeroMQ client.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class GenerateArgs:
     model: str
     prompt: str | None
     token_ids: tuple[int, ...] | None
+    messages: tuple[tuple[str, str], ...] | None  # chat: (role, text) turns, rendered by the front-end
     max_tokens: int
     temperature: float
     top_p: float
@@ -56,8 +58,9 @@ class GenerateArgs:
 
     def client_kwargs(self) -> dict:
         """ipc.client's generate() arguments."""
+        messages = None if self.messages is None else [{"role": r, "content": c} for r, c in self.messages]
         return dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
-                    max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    messages=messages, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None, speculate=self.is_speculate)
 
 
@@ -68,15 +71,15 @@ def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return _common(body, _text(prompt, "prompt"), None, default_max_tokens)
+        return _common(body, _text(prompt, "prompt"), None, None, default_max_tokens)
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return _common(body, None, tuple(prompt), default_max_tokens)
+        return _common(body, None, tuple(prompt), None, default_max_tokens)
     raise BadRequest(f"prompt must be a string or a list of token ids (one prompt per request), got {_short(prompt)}",
                      "prompt")
 
 
-def parse_chat(body, render, default_max_tokens: int) -> GenerateArgs:
-    """POST /v1/chat/completions; `render(messages)` returns the prompt's token ids."""
+def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
+    """POST /v1/chat/completions: each message's content a string or a list of text parts."""
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -95,13 +98,11 @@ def parse_chat(body, render, default_max_tokens: int) -> GenerateArgs:
         _text(_text_of(content), "messages")
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    args = _common(body, None, (), default_max_tokens)
-    plain = [{"role": msg["role"], "content": _text_of(msg["content"])} for msg in messages]
-    token_ids = tuple(render(plain))
-    return GenerateArgs(**{**_fields(args), "token_ids": token_ids})
+    turns = tuple((msg["role"], _text_of(msg["content"])) for msg in messages)
+    return _common(body, None, None, turns, default_max_tokens)
 
 
-def _common(body: dict, prompt, token_ids, default_max_tokens: int) -> GenerateArgs:
+def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int) -> GenerateArgs:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", "model")
@@ -121,7 +122,7 @@ def _common(body: dict, prompt, token_ids, default_max_tokens: int) -> GenerateA
     if not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
     return GenerateArgs(
-        model=model, prompt=prompt, token_ids=token_ids,
+        model=model, prompt=prompt, token_ids=token_ids, messages=messages,
         max_tokens=_get(body, "max_tokens", default_max_tokens, _is_int, "an integer"),
         temperature=_get(body, "temperature", 1.0, _is_number, "a number"),  # OpenAI's default, not gmlx's
         top_p=_get(body, "top_p", 1.0, _is_number, "a number"),
@@ -133,10 +134,6 @@ def _common(body: dict, prompt, token_ids, default_max_tokens: int) -> GenerateA
         is_usage_chunk=bool(stream_options.get("include_usage")),
         is_speculate=_get(body, "speculate", True, _is_bool, "a boolean"),
     )
-
-
-def _fields(args: GenerateArgs) -> dict:
-    return {name: getattr(args, name) for name in GenerateArgs.__slots__}
 
 
 def _get(body: dict, name: str, default, is_ok, kind: str):

@@ -7,6 +7,7 @@ length against the file size, turns a corrupt or truncated file into a ValueErro
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from pathlib import Path
@@ -61,15 +62,35 @@ class _Cursor:
 
 def check_gguf_structure(path: str | Path) -> None:
     """ValueError naming the file unless its header, metadata and tensor table are whole."""
+    with _mapped(path) as cursor:
+        _walk(cursor, len(cursor.data))
+
+
+def read_context_length(path: str | Path) -> int | None:
+    """The model's context (metadata `<architecture>.context_length`), read without mlx (the HTTP
+    gateway's process has none); None where the file does not say."""
+    with _mapped(path) as cursor:
+        num_tensors, num_values = _header(cursor, len(cursor.data))
+        for _ in range(num_values):
+            key = cursor.string()
+            value = _skip_value(cursor, cursor.unpack("I"))
+            if key.endswith(b".context_length") and isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+@contextlib.contextmanager
+def _mapped(path: str | Path):
     path = Path(path)
     with open(path, "rb") as file:
         if path.stat().st_size < 24:
             raise ValueError(f"GGUF {path}: corrupt or truncated (only {path.stat().st_size} bytes)")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            _walk(_Cursor(data, path), len(data))
+            yield _Cursor(data, path)
 
 
-def _walk(cursor: _Cursor, file_size: int) -> None:
+def _header(cursor: _Cursor, file_size: int) -> tuple[int, int]:
+    """(tensors, metadata values) from the header, past it."""
     path = cursor.path
     if bytes(cursor.take(4)) != _MAGIC:
         raise ValueError(f"GGUF {path}: not a GGUF file (no GGUF magic at the start)")
@@ -80,6 +101,12 @@ def _walk(cursor: _Cursor, file_size: int) -> None:
     if num_tensors > file_size // 24 or num_values > file_size // 12:
         raise ValueError(f"GGUF {path}: corrupt ({num_tensors} tensors, {num_values} metadata values "
                          f"cannot fit in {file_size} bytes)")
+    return num_tensors, num_values
+
+
+def _walk(cursor: _Cursor, file_size: int) -> None:
+    path = cursor.path
+    num_tensors, num_values = _header(cursor, file_size)
     alignment = _DEFAULT_ALIGNMENT
     for _ in range(num_values):
         key = cursor.string()
