@@ -158,9 +158,10 @@ def _generate_message(ref: str, prompt, token_ids, messages, stop, **sampling) -
             messages = [m.ChatMessage(role=turn["role"], content=turn["content"]) for turn in messages]
         except (KeyError, TypeError):
             raise ValueError(f"messages: each entry needs a role and a content, got {messages!r:.200}") from None
+    token_ids = None if token_ids is None else list(token_ids)
     try:
-        return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=None if token_ids is None else list(token_ids),
-                                        messages=messages, stop=None if stop is None else list(stop), **sampling))
+        return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=token_ids, messages=messages,
+                                        stop=None if stop is None else list(stop), **sampling))
     except UnicodeEncodeError:
         texts = {"prompt": [prompt], "stop": stop or [],
                  "messages": [text for turn in messages or [] for text in (turn.role, turn.content)]}

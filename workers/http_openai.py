@@ -60,8 +60,9 @@ class GenerateArgs:
         """ipc.client's generate() arguments."""
         messages = None if self.messages is None else [{"role": r, "content": c} for r, c in self.messages]
         return dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
-                    messages=messages, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None, speculate=self.is_speculate)
+                    messages=messages, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None,
+                    speculate=self.is_speculate)
 
 
 def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
