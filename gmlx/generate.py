@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from gmlx.request import RequestStatus, SamplingParams
+from gmlx.request import RequestStatus, SamplingParams, check_text
 from gmlx.textstream import TextStream
 
 
@@ -36,6 +36,7 @@ def stream_generate(engine, prompt: str | None = None, params: SamplingParams | 
     if token_ids is None:
         if not prompt:
             raise ValueError("prompt: must be a non-empty string")
+        check_text("prompt", prompt)
         token_ids = engine.tokenizer.encode(prompt)
     request_id = engine.add_request(token_ids, params)
     text = TextStream(engine.tokenizer, params.stop)

@@ -42,6 +42,8 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for text in self.stop:
+            check_text("stop", text)
         if not isinstance(self.speculate, bool):
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
 
@@ -53,6 +55,15 @@ class SamplingParams:
 def _check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def check_text(name: str, text: str) -> None:
+    """ValueError naming the field where text holds a lone surrogate: what a shell's non-UTF-8
+    bytes become in argv, and what no tokenizer or wire message takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} must be valid UTF-8 text, got a lone surrogate at character {e.start}") from None
 
 
 def _check_number(name: str, value) -> None:

@@ -41,6 +41,15 @@ def test_bad_options_exit_nonzero_naming_the_option(args, name):
     assert name in done.stderr
 
 
+@pytest.mark.parametrize("args, name", [([b"ab\xffcd"], "prompt"), ([b"\xff", "--chat"], "prompt"),
+                                        (["x", "--stop", b"\xfe"], "stop")])
+def test_text_that_is_not_utf8_exits_2_naming_it(args, name):
+    """A shell's non-UTF-8 bytes reach argv as lone surrogates: a message, not a tokenizer's TypeError."""
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "generate", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and f"error: {name} must be valid UTF-8 text" in done.stderr, done.stderr
+
+
 def test_doctor_shows_the_calibration_table(tmp_path):
     env = {**os.environ, "GMLX_CALIBRATE": "auto", "GMLX_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "ngram", "--json"],

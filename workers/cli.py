@@ -55,7 +55,7 @@ def _check_cap(ctx, param, value):
 def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
              speculative_width_cap, speculate, server, chat, as_json) -> None:
     """Generate a completion for PROMPT, streaming text to stdout."""
-    from gmlx.request import SamplingParams
+    from gmlx.request import SamplingParams, check_text
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate)
@@ -63,6 +63,7 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
         params.validate()
         if not prompt:
             raise ValueError("prompt: must be a non-empty string")
+        check_text("prompt", prompt)
     except ValueError as exc:
         _fail(exc)
     if server is not None:

@@ -13,6 +13,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from gmlx.request import check_text
+
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
 _UNSUPPORTED_IF_SET = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
                        "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
@@ -156,10 +158,9 @@ def _text(value: str, param: str) -> str:
     """value, where UTF-8 can carry it: JSON's escapes can spell a lone surrogate (\\ud800), which
     the ZeroMQ client cannot encode (the gateway answered 500 to it)."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRequest(f"{param} must be valid Unicode text, got a lone surrogate at character {e.start}",
-                         param) from None
+        check_text(param, value)
+    except ValueError as e:
+        raise BadRequest(str(e), param) from None
     return value
 
 
