@@ -50,6 +50,20 @@ def test_text_that_is_not_utf8_exits_2_naming_it(args, name):
     assert done.returncode == 2 and f"error: {name} must be valid UTF-8 text" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("toml, message", [
+    ("[models.x\n", "Expected ']'"),
+    ("[models.x]\npath = 1\n", "path must be a string, got 1"),
+    ("[models.x]\ndrafter = 5\n", "drafter must be a string, got 5"),
+    ("[models.x]\nspeculative_width_cap = -1\n", "speculative_width_cap must be an integer >= 0"),
+    ("[models.x]\nwidth = 2\n", "unknown keys ['width']"),
+])
+def test_serve_refuses_a_bad_config_file_naming_it(toml, message, tmp_path):
+    config = tmp_path / "gmlx.toml"
+    config.write_text(toml)
+    done = run_gmlx("serve", "--config", str(config), timeout_s=60)
+    assert done.returncode == 2 and "--config" in done.stderr and message in done.stderr, done.stderr
+
+
 def test_doctor_shows_the_calibration_table(tmp_path):
     env = {**os.environ, "GMLX_CALIBRATE": "auto", "GMLX_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "ngram", "--json"],

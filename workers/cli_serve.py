@@ -43,12 +43,15 @@ def _load_model_entry(config_file: str | None, model: str | None) -> dict:
     unknown = set(entry) - {"path", "drafter", "speculative_width_cap", "prefill_budget_ms"}
     if unknown:
         raise click.BadParameter(f"unknown keys {sorted(unknown)} in [models]", param_hint="--config")
+    for key in ("path", "drafter"):
+        if key in entry and not isinstance(entry[key], str):
+            raise click.BadParameter(f"{key} must be a string, got {entry[key]!r}", param_hint="--config")
     cap = entry.get("speculative_width_cap")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
         raise click.BadParameter(f"speculative_width_cap must be an integer >= 0, got {cap!r}", param_hint="--config")
     if "path" in entry:  # relative to the config file, like any path written in a file
         folder = os.path.dirname(os.path.abspath(config_file))
-        entry["path"] = os.path.join(folder, os.path.expanduser(str(entry["path"])))
+        entry["path"] = os.path.join(folder, os.path.expanduser(entry["path"]))
     return entry
 
 
