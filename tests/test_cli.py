@@ -64,6 +64,11 @@ def test_serve_refuses_a_bad_config_file_naming_it(toml, message, tmp_path):
     assert done.returncode == 2 and "--config" in done.stderr and message in done.stderr, done.stderr
 
 
+def test_serve_refuses_a_drafter_folder_that_is_not_there():
+    done = run_gmlx("serve", "--drafter", "draft:/no/such/draft", timeout_s=60)
+    assert done.returncode == 2 and "no folder /no/such/draft" in done.stderr, done.stderr  # not a worker's failure
+
+
 def test_doctor_shows_the_calibration_table(tmp_path):
     env = {**os.environ, "GMLX_CALIBRATE": "auto", "GMLX_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "workers.cli", "doctor", "--drafter", "ngram", "--json"],

@@ -59,9 +59,11 @@ def _check_drafter(drafter: str) -> str:
     from gmlx.drafters import parse_drafter  # no mlx behind it
 
     try:
-        parse_drafter(drafter)
+        _, path = parse_drafter(drafter)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--drafter") from None
+    if path is not None and not os.path.isdir(os.path.expanduser(path)):  # before a worker fails on it
+        raise click.BadParameter(f"drafter {drafter!r}: no folder {path}", param_hint="--drafter")
     return drafter
 
 
