@@ -77,6 +77,7 @@ def main() -> int:
                        for i in range(args.clients)]
             for thread in threads:
                 thread.start()
+            rss = _watch_rss(server, threads, lambda: num_sent >= args.num // 10, lambda: num_sent * 10 // args.num)
             for thread in threads:
                 thread.join()
             if server_gateway_pid(server) != gateway_pid or server.proc.poll() is not None:
@@ -89,6 +90,8 @@ def main() -> int:
     num_valid_served = sum(statuses[name][200] for name in ("valid_completion", "valid_chat"))
     print(f"\n{num_sent} requests in {time.monotonic() - start_s:.0f} s; problems: {len(problems)}; "
           f"valid requests served: {num_valid_served}/{num_valid}; ZeroMQ client served after: {served_after}")
+    print("RSS MiB in each tenth of the requests: " + "; ".join(
+        f"{name} " + " ".join(f"{by_tenth[t]:.0f}" for t in sorted(by_tenth)) for name, by_tenth in rss.items()))
     for line in problems[:20]:
         print("PROBLEM", line)
     return 1 if problems or not served_after else 0
@@ -101,6 +104,27 @@ def server_gateway_pid(server: Server) -> int | None:
         if "workers.http_gateway" in " ".join(child.cmdline()):
             return child.pid
     return None
+
+
+def _watch_rss(server: Server, threads, is_warm, tenth, interval_s: float = 1.0) -> dict:
+    """Each process kind's resident MiB (gateway, front-end, workers) while the clients run, the
+    last reading in each tenth of the requests from the first warm one: {kind: {tenth: MiB}},
+    filled in as they go. A cache grows to its budget and stays; a leak keeps growing."""
+    from soak_serving import rss_mb
+
+    readings: dict[str, dict[int, float]] = {}
+
+    def watch() -> None:
+        while any(t.is_alive() for t in threads):
+            if is_warm():
+                pids = {"gateway": [server_gateway_pid(server)], "front-end": [server.first_frontend_pid],
+                        "workers": server.worker_pids()}
+                for name, ids in pids.items():
+                    readings.setdefault(name, {})[tenth()] = rss_mb([pid for pid in ids if pid is not None])
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return readings
 
 
 def _wait_for_gateway(server: Server, port: int, timeout_s: float = 60.0) -> None:
