@@ -70,9 +70,9 @@ def main() -> int:
         model = args.model or make_chat_model_dir(Path(tmp) / "chat")
         server = Server("--http-port", str(port), model=model, drafter=args.drafter, ready_timeout_s=300)
         try:
-            _wait_for_gateway(server, port)
+            server.wait_for_line("http ready")
             model_id = _model_id(port)
-            gateway_pid = server_gateway_pid(server)
+            gateway_pid = server.gateway_pid()
             threads = [threading.Thread(target=client, args=(random.Random(args.seed * 1000 + i), port, model_id))
                        for i in range(args.clients)]
             for thread in threads:
@@ -80,7 +80,7 @@ def main() -> int:
             rss = _watch_rss(server, threads, lambda: num_sent >= args.num // 10, lambda: num_sent * 10 // args.num)
             for thread in threads:
                 thread.join()
-            if server_gateway_pid(server) != gateway_pid or server.proc.poll() is not None:
+            if server.gateway_pid() != gateway_pid or server.proc.poll() is not None:
                 problems.append(f"the gateway or the server died or restarted\n{server.log()}")
             served_after = _zmq_serves(server)
         finally:
@@ -97,15 +97,6 @@ def main() -> int:
     return 1 if problems or not served_after else 0
 
 
-def server_gateway_pid(server: Server) -> int | None:
-    import psutil
-
-    for child in psutil.Process(server.proc.pid).children(recursive=True):
-        if "workers.http_gateway" in " ".join(child.cmdline()):
-            return child.pid
-    return None
-
-
 def _watch_rss(server: Server, threads, is_warm, tenth, interval_s: float = 1.0) -> dict:
     """Each process kind's resident MiB (gateway, front-end, workers) while the clients run, the
     last reading in each tenth of the requests from the first warm one: {kind: {tenth: MiB}},
@@ -117,7 +108,7 @@ def _watch_rss(server: Server, threads, is_warm, tenth, interval_s: float = 1.0)
     def watch() -> None:
         while any(t.is_alive() for t in threads):
             if is_warm():
-                pids = {"gateway": [server_gateway_pid(server)], "front-end": [server.first_frontend_pid],
+                pids = {"gateway": [server.gateway_pid()], "front-end": [server.first_frontend_pid],
                         "workers": server.worker_pids()}
                 for name, ids in pids.items():
                     readings.setdefault(name, {})[tenth()] = rss_mb([pid for pid in ids if pid is not None])
@@ -125,14 +116,6 @@ def _watch_rss(server: Server, threads, is_warm, tenth, interval_s: float = 1.0)
 
     threading.Thread(target=watch, daemon=True).start()
     return readings
-
-
-def _wait_for_gateway(server: Server, port: int, timeout_s: float = 60.0) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not any("http ready" in line for line in server.stdout_lines):
-        if time.monotonic() > deadline_s or server.proc.poll() is not None:
-            raise RuntimeError(f"no gateway on port {port} in {timeout_s} s:\n{server.log()}")
-        time.sleep(0.1)
 
 
 def _model_id(port: int) -> str:

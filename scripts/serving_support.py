@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from workers.parent_death import die_with_parent
@@ -94,15 +95,32 @@ class Server:
     def log(self) -> str:
         return "".join(self.stdout_lines[-50:]) + "".join(self.stderr_lines[-80:])
 
+    def wait_for_line(self, needle: str, timeout_s: float = 60.0) -> None:
+        """Until a line of stdout holds needle (e.g. "http ready"); RuntimeError with the log if none does."""
+        deadline_s = time.monotonic() + timeout_s
+        while not any(needle in line for line in self.stdout_lines):
+            if time.monotonic() > deadline_s or self.proc.poll() is not None:
+                raise RuntimeError(f"no {needle!r} line in {timeout_s} s:\n{self.log()}")
+            time.sleep(0.1)
+
     def worker_pids(self) -> list[int]:
+        return self._child_pids("workers.worker")
+
+    def gateway_pid(self) -> int | None:
+        """The HTTP gateway (`--http-port`), or None while there is none (e.g. being restarted)."""
+        pids = self._child_pids("workers.http_gateway")
+        assert len(pids) <= 1, pids
+        return pids[0] if pids else None
+
+    def _child_pids(self, module: str) -> list[int]:
         import psutil
 
         pids = []
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if "workers.worker" in " ".join(child.cmdline()):
+                if module in " ".join(child.cmdline()):
                     pids.append(child.pid)
-            except psutil.Error:  # a killed worker not yet reaped (a zombie), or gone since the listing
+            except psutil.Error:  # a killed child not yet reaped (a zombie), or gone since the listing
                 pass
         return pids
 

@@ -35,19 +35,11 @@ def chat_model_dir(tmp_path_factory) -> Path:
     return make_chat_model_dir(tmp_path_factory.mktemp("models") / MODEL_ID)
 
 
-def wait_for_line(server: Server, needle: str, timeout_s: float = 60.0) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not any(needle in line for line in server.stdout_lines):
-        if time.monotonic() > deadline_s or server.proc.poll() is not None:
-            raise RuntimeError(f"no {needle!r} line in {timeout_s} s:\n{server.log()}")
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def server(chat_model_dir):
     port = free_port()
     srv = Server("--http-port", str(port), model=chat_model_dir, drafter="ngram")
-    wait_for_line(srv, "http ready")
+    srv.wait_for_line("http ready")
     srv.http_url = f"http://127.0.0.1:{port}"
     yield srv
     code = srv.terminate()
@@ -318,25 +310,16 @@ def test_serve_refuses_an_open_http_address_without_a_token():
     assert done.returncode == 2 and "--http-api-key-file" in done.stderr, done.stderr
 
 
-def gateway_pid(server) -> int:
-    import psutil
-
-    gateways = [c for c in psutil.Process(server.proc.pid).children(recursive=True)
-                if "workers.http_gateway" in " ".join(c.cmdline())]
-    assert len(gateways) == 1
-    return gateways[0].pid
-
-
 def check_http_cases(server, cases: list) -> None:
     """Every case served (a complete 200 answer) or refused (4xx, OpenAI's error body); the same
     gateway process throughout, and a valid request served after them."""
-    port, pid = int(server.http_url.rsplit(":", 1)[1]), gateway_pid(server)
+    port, pid = int(server.http_url.rsplit(":", 1)[1]), server.gateway_pid()
     for case in cases:
         reply = http_cases.send("127.0.0.1", port, case)
         assert http_cases.problem(case, reply) is None, (case.name, case.path, (case.body or b"")[:200], reply)
     valid = http_cases.draw(random.Random(0), MODEL_ID, "valid_completion")
     assert http_cases.problem(valid, http_cases.send("127.0.0.1", port, valid)) is None
-    assert gateway_pid(server) == pid and server.proc.poll() is None, server.log()
+    assert server.gateway_pid() == pid and server.proc.poll() is None, server.log()
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -368,7 +351,7 @@ def test_a_lone_surrogate_is_refused_naming_its_field(server):
 def test_a_killed_gateway_is_restarted(server, oai):
     import psutil
 
-    gateway = psutil.Process(gateway_pid(server))
+    gateway = psutil.Process(server.gateway_pid())
     gateway.kill()
     gateway.wait(10)
     deadline_s = time.monotonic() + 60

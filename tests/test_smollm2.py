@@ -2,7 +2,6 @@
 chat rendering, and greedy output against mlx-lm on the converted folder."""
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 
@@ -158,10 +157,7 @@ def test_chat_over_http_is_rendered_with_the_ggufs_template():
     port = free_port()
     server = Server("--http-port", str(port), model="smollm2", drafter="none", ready_timeout_s=300)
     try:
-        deadline_s = time.monotonic() + 60
-        while not any("http ready" in line for line in server.stdout_lines):
-            assert time.monotonic() < deadline_s and server.proc.poll() is None, server.log()
-            time.sleep(0.1)
+        server.wait_for_line("http ready")
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         with Client(server.address, timeout_s=120) as client:
             want = "".join(c.text for c in client.generate(messages=messages, max_tokens=12))
