@@ -389,6 +389,7 @@ def test_parse_completion_fields_and_refusals():
            ({"model": "m", "prompt": "a", "max_tokens": "9"}, "max_tokens"),
            ({"model": "m", "prompt": "a", "stop": ["", "x"]}, "stop"),
            ({"model": "m", "prompt": "a", "speculate": "yes"}, "speculate"),
+           ({"model": "m", "prompt": "a", "stream_options": {"include_usage": "yes"}}, "include_usage"),
            ({"model": "m", "prompt": "a", "temperature": True}, "temperature")]
     for body, param in bad:
         with pytest.raises(o.BadRequest) as info:

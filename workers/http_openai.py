@@ -134,7 +134,7 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int) ->
         seed=_get(body, "seed", None, _is_int, "an integer"),
         stop=tuple(stop),
         is_stream=_get(body, "stream", False, _is_bool, "a boolean"),
-        is_usage_chunk=bool(stream_options.get("include_usage")),
+        is_usage_chunk=_get(stream_options, "include_usage", False, _is_bool, "a boolean"),
         is_speculate=_get(body, "speculate", True, _is_bool, "a boolean"),
     )
 
