@@ -51,7 +51,7 @@ def main() -> int:
         nonlocal num_sent
         while time.monotonic() - start_s < args.time_limit_s:
             with lock:
-                if num_sent >= args.num or problems:
+                if num_sent >= args.num:
                     return
                 num_sent += 1
                 number = num_sent
