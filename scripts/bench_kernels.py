@@ -90,19 +90,20 @@ def best_time_s(make_outputs, reps: int) -> float:
     return best_of_s(lambda: mx.eval(make_outputs()), reps, clock=CLOCK)
 
 
-NEVER = 1 << 30  # panel_min_rows that keeps every call on the few-row kernels
+NEVER = 1 << 30  # a switch point (panel_min_rows, many_rows_min) no call reaches: the kernels below it
 
 
 @contextlib.contextmanager
-def tile_layout(is_tiles: bool):
-    """The extension's one-stream layout setting for a block (packing and running)."""
+def kernel_setting(name: str, value):
+    """One of the extension's settings (read by `name()`, written by `set_name(value)`: tile_layout,
+    panel_min_rows, many_rows_min, ...) for a block, restored after it."""
     ext = cpu_kernels.extension()
-    was_tiles = ext.tile_layout()
-    ext.set_tile_layout(is_tiles)
+    was = getattr(ext, name)()
+    getattr(ext, f"set_{name}")(value)
     try:
         yield
     finally:
-        ext.set_tile_layout(was_tiles)
+        getattr(ext, f"set_{name}")(was)
 
 
 def is_tiles_for(isa: str) -> bool:
@@ -112,7 +113,7 @@ def is_tiles_for(isa: str) -> bool:
 
 
 def pack_one_stream(half_copies, group_size: int, bits: int, is_tiles: bool) -> list:
-    with tile_layout(is_tiles):  # evaluated inside: a lazy pack would read the setting later
+    with kernel_setting("tile_layout", is_tiles):  # evaluated inside: a lazy pack would read the setting later
         copies = [cpu_kernels.pack_quads(w, s, b, group_size, bits) for w, s, b in half_copies]
         mx.eval(copies)
     return copies
@@ -165,24 +166,20 @@ def measure_shape(num_outputs, num_inputs, num_rows_list, bits, group_size, min_
                                          for w, s, b in half_copies], reps) / num_copies
                 row[f"int8_half_{isa}_ms"], row[f"int8_half_{isa}_gbs"] = 1e3 * t, half_bytes / t / 1e9
             if quads_too:
-                with tile_layout(is_tiles_for(isa)):  # kernels read a layout under its own setting
-                    t = best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
-                                             for q in quad_copies[isa]], reps) / num_copies
+                def quads_s() -> float:  # kernels read a layout under its own setting
+                    with kernel_setting("tile_layout", is_tiles_for(isa)):
+                        return best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
+                                                    for q in quad_copies[isa]], reps) / num_copies
+
+                t = quads_s()
                 row[f"quads_{isa}_ms"], row[f"quads_{isa}_gbs"] = 1e3 * t, quad_bytes[isa] / t / 1e9
                 if many_rows_off_too:
-                    many_rows_min = ext.many_rows_min()
-                    ext.set_many_rows_min(NEVER)
-                    with tile_layout(is_tiles_for(isa)):
-                        t = best_time_s(lambda: [cpu_kernels.quantized_matmul_quads(x, q, num_outputs, bits)
-                                                 for q in quad_copies[isa]], reps) / num_copies
-                    ext.set_many_rows_min(many_rows_min)
-                    row[f"walks_{isa}_ms"] = 1e3 * t
+                    with kernel_setting("many_rows_min", NEVER):
+                        row[f"walks_{isa}_ms"] = 1e3 * quads_s()
             if panel_off_too:
-                panel_min_rows = ext.panel_min_rows()
-                ext.set_panel_min_rows(NEVER)
-                t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits)
-                                         for w, s, b in q_copies], reps) / num_copies
-                ext.set_panel_min_rows(panel_min_rows)
+                with kernel_setting("panel_min_rows", NEVER):
+                    t = best_time_s(lambda: [cpu_kernels.quantized_matmul(x, w, s, b, group_size, bits)
+                                             for w, s, b in q_copies], reps) / num_copies
                 row[f"few_row_{isa}_ms"] = 1e3 * t
         if dequant_too:
             t = best_time_s(lambda: [x @ mx.dequantize(w, s, b, group_size=group_size, bits=bits).T
@@ -297,10 +294,9 @@ def measure_prefill(model, num_tokens: int, chunk_tokens: int, reps: int) -> dic
     logits = {}
     for _ in range(reps):
         for mode, min_rows in (("panel", default_min_rows), ("few_row", NEVER)):
-            ext.set_panel_min_rows(min_rows)
-            elapsed, logits[mode] = prefill()
+            with kernel_setting("panel_min_rows", min_rows):
+                elapsed, logits[mode] = prefill()
             seconds[mode].append(elapsed)
-    ext.set_panel_min_rows(default_min_rows)
     return {"model": target.path, "num_tokens": num_tokens, "chunk_tokens": chunk_tokens,
             "num_kernel_modules": sum("Kernel" in type(m).__name__ for _, m in target.model.named_modules()),
             "seconds": seconds, "panel_min_rows": default_min_rows, "same_logits": mx.array_equal(logits["panel"], logits["few_row"]).item()}

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab import alternate, median_ratio, median_ratio_of  # noqa: E402
 from bench_compute_format import llama_bench_tok_per_s  # noqa: E402  (sets the BLAS up before mlx)
+from bench_kernels import NEVER, kernel_setting  # noqa: E402
 
 from gmlx.config import EngineConfig  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
@@ -32,7 +33,6 @@ from gmlx.models.source import resolve_model_path  # noqa: E402
 from gmlx.platform import cpu_kernels  # noqa: E402
 from gmlx.request import SamplingParams  # noqa: E402
 
-NEVER = 1 << 30  # a many-row switch point no call reaches: the quad kernels' four-row walks
 
 
 def prefill_seconds(target, prompt: list[int]) -> tuple[float, int]:
@@ -47,7 +47,7 @@ def prefill_seconds(target, prompt: list[int]) -> tuple[float, int]:
     raise RuntimeError("the prompt finished without a token")
 
 
-def measure(target, ext, default_min: int, tokens: list[int], num_tokens: int, num_rounds: int,
+def measure(target, default_min: int, tokens: list[int], num_tokens: int, num_rounds: int,
             llama: tuple[str, Path] | None) -> tuple[dict[str, list[dict]], list[float]]:
     """Per side, its 2 * num_rounds prefills in ABBA order (reps 2i and 2i + 1, one round, share
     the prompt at 7i); and with llama (llama-bench's path, the GGUF) its pp rate once a round."""
@@ -55,11 +55,9 @@ def measure(target, ext, default_min: int, tokens: list[int], num_tokens: int, n
 
     def run(side: str) -> dict:
         prompt = tokens[7 * (rep_now // 2) : 7 * (rep_now // 2) + num_tokens]
-        ext.set_many_rows_min(default_min if side == "many" else NEVER)
-        try:
+        # NEVER: the quad kernels' four-row walks at any row count.
+        with kernel_setting("many_rows_min", default_min if side == "many" else NEVER):
             seconds, first = prefill_seconds(target, prompt)
-        finally:
-            ext.set_many_rows_min(default_min)
         return {"tok_per_s": num_tokens / seconds, "first": first}
 
     def after_rep(rep: int) -> None:
@@ -95,7 +93,7 @@ def main() -> None:
     for num_tokens in (int(n) for n in args.tokens.split(",")):
         if num_tokens + 7 * args.rounds > len(tokens):
             sys.exit(f"--tokens {num_tokens} is longer than the text's {len(tokens)} tokens")
-        runs, llama_rates = measure(target, ext, default_min, tokens[: num_tokens + 7 * args.rounds], num_tokens,
+        runs, llama_rates = measure(target, default_min, tokens[: num_tokens + 7 * args.rounds], num_tokens,
                                     args.rounds, args.llama_bench and (args.llama_bench, resolve_model_path(args.model)))
         many = statistics.median(r["tok_per_s"] for r in runs["many"])
         walks = statistics.median(r["tok_per_s"] for r in runs["walks"])

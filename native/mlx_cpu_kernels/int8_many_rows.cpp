@@ -78,7 +78,8 @@ GMLX_AVX2_F16C void unpack_chunk(const uint8_t* quad_a, const uint8_t* quad_b, b
     }
     transpose8x8(rows, dwords);
     for (int i = 0; i < 8; ++i) {
-      const int dword = static_cast<int>(8 * part) + i;  // x's even bytes 4 dword.. (block dword / 4), odd ones 64 + 4 dword..
+      // x's even bytes 4 dword.. (block dword / 4), odd ones 64 + 4 dword..
+      const int dword = static_cast<int>(8 * part) + i;
       PanelBlock& block = out[dword / 4];
       block.w[dword % 4] = _mm256_and_si256(dwords[i], nibble);
       block.w[4 + dword % 4] = _mm256_and_si256(_mm256_srli_epi16(dwords[i], 4), nibble);
@@ -175,7 +176,7 @@ GMLX_AVX2_F16C void unpack_tiles(const QmmArgs& a, const QuadLayout& layout, int
     PanelBlock* panel = panels + t * num_blocks;
     for (int64_t c = 0; c < layout.num_whole_chunks; ++c) {
       unpack_chunk(quad_a + c * layout.chunk_bytes, quad_b + c * layout.chunk_bytes, false,
-                          panel + c * kBlocksPerChunk);
+                   panel + c * kBlocksPerChunk);
     }
     if (layout.has_half_chunk) {
       const int64_t at = layout.num_whole_chunks * layout.chunk_bytes;
