@@ -26,7 +26,7 @@ import uuid
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from gmlx import config
+from gmlx import config, logprobs
 from gmlx.cache.budget import KVBudget, default_budget_bytes
 from gmlx.cache.prompt_cache import PromptCache
 from gmlx.cache.ragged import concat_layer_caches
@@ -579,21 +579,26 @@ class Engine:
             if request.num_generated + len(new) >= budget:
                 status = RequestStatus.FINISHED_LENGTH
                 break
+        entries = None if request.params.logprobs is None else logprobs.take_delivered(request, new)
         request.output_token_ids.extend(new)
         if status is None:
             if new:
-                self._outputs.append(RequestOutput(request.request_id, tuple(new)))
+                self._outputs.append(RequestOutput(request.request_id, tuple(new), logprobs=entries))
             return True
-        self._finish(request, status, new)
+        self._finish(request, status, new, entries)
         return False
 
-    def _finish(self, request: Request, status: RequestStatus, new: list[int] = ()) -> RequestOutput:
+    def _finish(self, request: Request, status: RequestStatus, new: list[int] = (),
+                entries: tuple | None = None) -> RequestOutput:
         request.status = status
         request.finish_time_s = time.perf_counter()
+        request.logits_by_position.clear()
         self.counters["num_finished"] += 1
         del self.requests[request.request_id]
         self.policy.forget(request.request_id)
-        output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats())
+        if entries is None and request.params.logprobs is not None:
+            entries = ()
+        output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), entries)
         self._outputs.append(output)
         return output
 

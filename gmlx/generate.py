@@ -15,6 +15,7 @@ class Chunk:
     text: str  # the new text of this chunk
     finish_reason: str | None = None  # None until the last chunk
     stats: dict | None = None  # on the last chunk
+    logprobs: tuple | None = None  # where params.logprobs is set: a gmlx.logprobs.TokenLogprob per token
 
 
 def render_chat(tokenizer, messages: list[dict]) -> str:
@@ -46,13 +47,14 @@ def stream_generate(engine, prompt: str | None = None, params: SamplingParams | 
                 if output.request_id != request_id:
                     continue
                 kept, delta = text.take(output.new_token_ids, is_final=output.finish_reason is not None)
+                logprobs = None if output.logprobs is None else output.logprobs[: len(kept)]
                 if text.is_stopped:
                     final = engine.abort_request(request_id, RequestStatus.FINISHED_STOPPED, is_queued=False)
                     stats = dict(final.stats if final is not None else output.stats)
                     stats["generated_tokens"] -= len(output.new_token_ids) - len(kept)  # dropped past the stop
-                    yield Chunk(kept, delta, "stop", stats)
+                    yield Chunk(kept, delta, "stop", stats, logprobs)
                     return
-                yield Chunk(kept, delta, output.finish_reason, output.stats if output.finish_reason else None)
+                yield Chunk(kept, delta, output.finish_reason, output.stats if output.finish_reason else None, logprobs)
                 if output.finish_reason is not None:
                     return
     finally:

@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -18,6 +20,7 @@ class SamplingParams:
     seed: int | None = None  # None = the engine draws one
     stop: tuple[str, ...] = ()  # stop strings, matched on text outside the engine core
     speculate: bool = True  # False pins the row to plain decoding (k = 0): it never drafts
+    logprobs: int | None = None  # N: each token's logprob and its position's N likeliest (gmlx/logprobs.py)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -46,6 +49,10 @@ class SamplingParams:
             check_text("stop", text)
         if not isinstance(self.speculate, bool):
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
@@ -104,6 +111,7 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stats: dict | None = None
+    logprobs: tuple | None = None  # a gmlx.logprobs.TokenLogprob per new token, where the request asked
 
 
 @dataclass(slots=True)
@@ -131,6 +139,9 @@ class Request:
     # A drafter's own per-request state (the n-gram drafter's index of the history): it lives
     # and dies with the request, whatever batches and transitions the request passes through.
     drafter_memo: object = field(default=None, compare=False, repr=False)
+    # Where it asks for logprobs: the target's logits row (lazy) of each position sampled and
+    # not yet delivered, by absolute position (gmlx/logprobs.py).
+    logits_by_position: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

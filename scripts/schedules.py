@@ -5,6 +5,7 @@ Shared by the test suite and scripts/fuzz_schedules.py (which runs thousands).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -35,15 +36,16 @@ class Schedule:
 class ScheduleResult:
     counters: dict
     tokens: dict = field(default_factory=dict)  # arrival index -> emitted tokens
+    logprobs: dict = field(default_factory=dict)  # arrival index -> a TokenLogprob per token, where it asked
     finish: dict = field(default_factory=dict)  # arrival index -> finish reason
 
 
 def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_requests: int = 6,
                   caps=(0, 1, 2, 4), temperatures=(0.0, 0.8), opt_out_rate: float = 0.0,
-                  max_new_tokens: int = 40) -> Schedule:
-    """A random schedule; opt_out_rate is the share of requests with speculate=False (drawn only
-    when > 0, so the schedules of a seed without opt-outs stay what they were); max_tokens are
-    drawn in 1..max_new_tokens."""
+                  max_new_tokens: int = 40, logprobs_rate: float = 0.0) -> Schedule:
+    """A random schedule; opt_out_rate is the share of requests with speculate=False and
+    logprobs_rate of those asking for logprobs (each drawn only when > 0, so the schedules of a
+    seed without them stay what they were); max_tokens are drawn in 1..max_new_tokens."""
     rng = random.Random(seed)
     arrivals, round_index = [], 0
     for _ in range(rng.randint(1, max_requests)):
@@ -62,6 +64,8 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
             speculate=not (opt_out_rate > 0 and rng.random() < opt_out_rate),
         )
         cancel = rng.randint(0, 10) if rng.random() < 0.1 else None
+        if logprobs_rate > 0 and rng.random() < logprobs_rate:
+            params = dataclasses.replace(params, logprobs=rng.choice((0, 1, 5, 20)))
         arrivals.append(Arrival(round_index, tuple(prompt), params, cancel))
     return Schedule(seed, rng.choice(caps), rng.random() < 0.8, rng.random() < 0.8,
                     rng.choice((0, 2, 4, 32)), tuple(arrivals))
@@ -90,6 +94,7 @@ def run_schedule(engine: Engine, schedule: Schedule, max_rounds: int = 2000) -> 
                 request_id = engine.add_request(list(arrival.token_ids), arrival.params)
                 ids[request_id] = index
                 result.tokens[index] = []
+                result.logprobs[index] = []
                 if arrival.cancel_after_rounds is not None:
                     cancel_at.setdefault(round_index + arrival.cancel_after_rounds, []).append(request_id)
             for request_id in cancel_at.pop(round_index, []):
@@ -97,6 +102,7 @@ def run_schedule(engine: Engine, schedule: Schedule, max_rounds: int = 2000) -> 
             for output in engine.step():
                 index = ids[output.request_id]
                 result.tokens[index].extend(output.new_token_ids)
+                result.logprobs[index].extend(output.logprobs or ())
                 if output.finish_reason is not None:
                     assert index not in result.finish, f"request {index} finished twice"
                     result.finish[index] = output.finish_reason
@@ -116,22 +122,35 @@ class SoloReference:
         self._memo: dict = {}
 
     def tokens(self, token_ids, params: SamplingParams) -> tuple[list[int], str]:
+        return self._run(token_ids, params)[:2]
+
+    def logprobs(self, token_ids, params: SamplingParams) -> list:
+        """Each token's gmlx.logprobs.TokenLogprob, for params that ask for logprobs."""
+        return self._run(token_ids, params)[2]
+
+    def _run(self, token_ids, params: SamplingParams) -> tuple:
         key = (tuple(token_ids), params)
         if key not in self._memo:
-            self._memo[key] = run_alone(self.engine, token_ids, params)[:2]
+            tokens, reason, _, logprobs = _drive_alone(self.engine, token_ids, params)
+            self._memo[key] = tokens, reason, logprobs
         return self._memo[key]
 
 
 def run_alone(engine: Engine, token_ids, params: SamplingParams) -> tuple[list[int], str, dict]:
     """One request through an otherwise idle engine to its end: (tokens, finish reason, final stats)."""
+    return _drive_alone(engine, token_ids, params)[:3]
+
+
+def _drive_alone(engine: Engine, token_ids, params: SamplingParams) -> tuple[list[int], str, dict, list]:
     request_id = engine.add_request(list(token_ids), params)
-    out, reason, stats = [], None, None
+    out, reason, stats, logprobs = [], None, None, []
     while reason is None:
         for output in engine.step():
             assert output.request_id == request_id
             out.extend(output.new_token_ids)
+            logprobs.extend(output.logprobs or ())
             reason, stats = output.finish_reason, output.stats
-    return out, reason, stats
+    return out, reason, stats, logprobs
 
 
 def check_schedule(engine: Engine, reference: SoloReference, schedule: Schedule) -> ScheduleResult:
@@ -146,4 +165,9 @@ def check_schedule(engine: Engine, reference: SoloReference, schedule: Schedule)
             assert got == expected[: len(got)], f"{where}: {got} is not a prefix of {expected}"
         else:
             assert (got, reason) == (expected, expected_reason), f"{where}: {got} != {expected}"
+        if arrival.params.logprobs is not None:  # the same bits as plain decoding's, token by token
+            expected_logprobs = reference.logprobs(arrival.token_ids, arrival.params)[: len(got)]
+            assert result.logprobs[index] == expected_logprobs, f"{where}: logprobs differ from plain decoding's"
+        else:
+            assert not result.logprobs[index], f"{where}: logprobs nobody asked for"
     return result

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from gmlx import config
+from gmlx import config, logprobs
 from gmlx.cache.ragged import RaggedKVCache, make_ragged_cache
 from gmlx.models.loader import LoadedModel
 from gmlx.request import Request, RequestStatus
@@ -245,6 +245,7 @@ class InjectionQueue:
         logits = self.target.head(last_hidden)  # (1, 1, V)
         rows = SamplingRows.make([request.params], [request.seed])
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
+        logprobs.keep([request], logits, [request.num_prefill_tokens])
         return sample(logits, rows, position)
 
 

@@ -12,6 +12,7 @@ import enum
 
 import mlx.core as mx
 
+from gmlx import logprobs
 from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches
 from gmlx.request import Request, SamplingParams
 from gmlx.sampling import SamplingRows
@@ -131,6 +132,17 @@ class DecodeBatch:
         lengths = mx.array(self.lengths, dtype=mx.int32)
         return lengths[:, None] + first_offset + mx.arange(num_tokens, dtype=mx.int32)[None, :]
 
+    def logprob_positions(self, first_offset: int) -> list[int] | None:
+        """Each row's first sampled position (host), where some row asks for logprobs; taken
+        before the forward that appends to the KV, for logprobs.keep after it."""
+        if not self.has_logprob_rows:
+            return None
+        return [n + first_offset for n in self.lengths]
+
+    def keep_logits(self, logits: mx.array, first_positions: list[int] | None) -> None:
+        if first_positions is not None:
+            logprobs.keep(self.requests, logits, first_positions)
+
     def keep_rows(self, rows: list[int]) -> None:
         if rows == list(range(self.num_rows)):
             return
@@ -180,6 +192,7 @@ class DecodeBatch:
         self.sampling = SamplingRows.make([r.params for r in self.requests], seeds)
         self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
         self.draft_rows = [i for i, r in enumerate(self.requests) if r.params.speculate]
+        self.has_logprob_rows = any(r.params.logprobs is not None for r in self.requests)
         is_all = len(self.draft_rows) == len(self.requests)
         self._draft_view = None if is_all else DraftRows(self, self.draft_rows)
 

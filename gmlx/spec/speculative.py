@@ -67,7 +67,9 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
     lookahead = batch.pending  # the rows' pending tokens, some perhaps not yet delivered
     verify_in = mx.concatenate([lookahead[:, None], drafts], axis=1)  # (B, k+1)
     positions = batch.positions(num_draft + 1, first_offset=1)
+    logprob_positions = batch.logprob_positions(1)
     hidden, logits, chunk_hidden = _forward(target, verify_in, batch.caches, chunks)  # (B, k+1, D), (B, k+1, V)
+    batch.keep_logits(logits, logprob_positions)
     targets = sample(logits, batch.sampling, positions)  # (B, k+1)
     rows = mx.arange(batch.num_rows)
     if is_stochastic:
@@ -164,7 +166,9 @@ def capture_round(target: LoadedModel, batch: DecodeBatch) -> tuple[list[list[in
     """
     assert batch.is_settled
     positions = batch.positions(1, first_offset=1)
+    logprob_positions = batch.logprob_positions(1)
     hidden, logits = target.forward(batch.pending[:, None], batch.caches)
+    batch.keep_logits(logits, logprob_positions)
     tokens = sample(logits, batch.sampling, positions)[:, 0]
     mx.eval(tokens, hidden)
     batch.pending = tokens
@@ -174,7 +178,9 @@ def capture_round(target: LoadedModel, batch: DecodeBatch) -> tuple[list[list[in
 def _dispatch_plain(target: LoadedModel, batch: DecodeBatch, chunks: tuple[Segment, ...] = ()) -> tuple:
     """Dispatch the next forward (appends pending to the KV); with chunks, packed with them."""
     positions = batch.positions(1, first_offset=1)
+    logprob_positions = batch.logprob_positions(1)
     _, logits, chunk_hidden = _forward(target, batch.pending[:, None], batch.caches, chunks)
+    batch.keep_logits(logits, logprob_positions)
     batch.pending = sample(logits, batch.sampling, positions)[:, 0]
     mx.async_eval(batch.pending, *chunk_hidden)  # the chunks' hidden: outputs of their own when fused
     batch.is_delivered = [False] * batch.num_rows

@@ -1,0 +1,132 @@
+"""Per-token logprobs (SamplingParams.logprobs): the same bits in every loop, width and
+transition as plain decoding's, and the model's own distribution at each position."""
+
+import dataclasses
+import random
+
+import mlx.core as mx
+import pytest
+
+from gmlx.cache.ragged import make_ragged_cache
+from gmlx.config import EngineConfig, env_overrides
+from gmlx.drafters import make_drafter
+from gmlx.engine import Engine
+from gmlx.request import SamplingParams
+from schedules import SoloReference, check_schedule, make_schedule, run_schedule
+
+DRAFTERS = ("mtp", "draft", "ngram")
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_target):
+    return SoloReference(builtin_target)
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_random_schedules_with_logprobs_equal_plain_bit_for_bit(kind, builtin_target, reference, code_prompts):
+    # Half the requests ask (0, 1, 5 or 20 alternatives), among opt-outs, cancels and caps.
+    engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig())
+    num_asked, num_spec_rounds = 0, 0
+    for i in range(8):
+        schedule = make_schedule(41_000 + 100 * DRAFTERS.index(kind) + i, builtin_target.vocab_size, code_prompts,
+                                 max_requests=8, opt_out_rate=0.2, logprobs_rate=0.5)
+        result = check_schedule(engine, reference, schedule)
+        num_asked += sum(len(result.logprobs[j]) for j, a in enumerate(schedule.arrivals)
+                         if a.params.logprobs is not None)
+        num_spec_rounds += result.counters["num_spec_rounds"]
+    assert num_asked > 100 and num_spec_rounds > 0
+
+
+def test_logprobs_survive_kv_evictions(builtin_target, code_prompts):
+    # A row evicted for the KV budget is prefilled again; its next token's logits then come
+    # from that prefill, and every token's logprobs must still be plain decoding's.
+    reference = SoloReference(builtin_target)
+    source = [t for p in code_prompts for t in p]
+    rng = random.Random(5)
+    num_evicted = 0
+    for seed in range(3):
+        schedule = make_schedule(42_000 + seed, builtin_target.vocab_size, [], max_requests=5, max_new_tokens=100,
+                                 logprobs_rate=1.0)
+        arrivals = []
+        for a in schedule.arrivals:
+            start = rng.randrange(0, len(source) - 250)
+            arrivals.append(dataclasses.replace(a, token_ids=tuple(source[start : start + rng.randint(150, 230)])))
+        schedule = dataclasses.replace(schedule, arrivals=tuple(arrivals))
+        with env_overrides({"GMLX_KV_RESERVE_TOKENS": "8"}):
+            engine = Engine(builtin_target, make_drafter("ngram", builtin_target),
+                            EngineConfig(kv_cache_bytes=3 * 256 * builtin_target.kv_bytes_per_token))
+        num_evicted += check_schedule(engine, reference, schedule).counters["num_kv_evictions"]
+    assert num_evicted > 0
+
+
+def _model_logprobs(target, token_ids: list[int]) -> mx.array:
+    """log-softmax (T, V) of one forward over token_ids: the independent side."""
+    caches = make_ragged_cache(target.num_layers)
+    _, logits = target.forward(mx.array([token_ids], dtype=mx.int32), caches)
+    logits = logits[0].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_models_distribution(temperature, builtin_target, reference, code_prompts):
+    """Each token's logprob, and its position's top alternatives, against the log-softmax of one
+    forward over prompt and output (a prefill: the last bits may differ, so within 1e-4), at
+    any temperature: logprobs are of the raw logits, before temperature and filters."""
+    for i, prompt in enumerate(code_prompts[:4]):
+        params = SamplingParams(max_tokens=12, temperature=temperature, top_k=20 if temperature else 0,
+                                seed=i, logprobs=5)
+        tokens, _ = reference.tokens(prompt, params)
+        entries = reference.logprobs(prompt, params)
+        assert len(entries) == len(tokens)
+        expected = _model_logprobs(builtin_target, list(prompt) + tokens)[len(prompt) - 1 : -1]  # (N, V)
+        for j, (token, entry) in enumerate(zip(tokens, entries)):
+            row = expected[j]
+            assert entry.logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert len(entry.top) == 5
+            top_lps = [lp for _, lp in entry.top]
+            assert top_lps == sorted(top_lps, reverse=True)
+            for token_id, lp in entry.top:
+                assert lp == pytest.approx(row[token_id].item(), abs=1e-4)
+            fifth = mx.sort(row)[-5].item()
+            assert top_lps[-1] == pytest.approx(fifth, abs=1e-4)  # no likelier token left out
+            if temperature == 0.0:
+                assert entry.top[0] == (token, entry.logprob)
+
+
+def test_stochastic_acceptance_logprobs_score_the_emitted_tokens(builtin_target, code_prompts):
+    """Rejection sampling emits drafts that need not be the target's samples: each token's logprob
+    is still the target's logprob of that token at its position."""
+    engine = Engine(builtin_target, make_drafter("draft", builtin_target), EngineConfig(is_stochastic_acceptance=True))
+    schedule = make_schedule(43_000, builtin_target.vocab_size, code_prompts, max_requests=4,
+                             temperatures=(0.8,), logprobs_rate=1.0)
+    result = run_schedule(engine, schedule)
+    assert result.counters["num_accepted"] > 0
+    for index, arrival in enumerate(schedule.arrivals):
+        tokens, entries = result.tokens[index], result.logprobs[index]
+        assert len(entries) == len(tokens)
+        if not tokens:
+            continue
+        expected = _model_logprobs(builtin_target, list(arrival.token_ids) + tokens)[len(arrival.token_ids) - 1 : -1]
+        got = mx.array([e.logprob for e in entries])
+        want = mx.take_along_axis(expected, mx.array(tokens)[:, None], axis=-1)[:, 0]
+        assert mx.allclose(got, want, atol=1e-4).item(), (got, want)
+
+
+def test_no_logits_are_held_past_delivery(builtin_target, code_prompts):
+    """A row keeps the logits of positions sampled and not yet delivered only: at most a verify's
+    worth, whatever the request's length."""
+    engine = Engine(builtin_target, make_drafter("ngram", builtin_target), EngineConfig())
+    params = SamplingParams(max_tokens=60, logprobs=2)
+    for prompt in code_prompts[:3]:
+        engine.add_request(list(prompt), params)
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max([most, *(len(r.logits_by_position) for r in engine.requests.values())])
+    assert 0 < most <= 2 + 8
+
+
+@pytest.mark.parametrize("value", [-1, 21, True, 2.0, "3"])
+def test_bad_logprobs_are_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=value).validate()
