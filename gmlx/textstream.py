@@ -16,7 +16,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._stop = tuple(stop)
         self._token_ids: list[int] = []
         self._num_emitted_chars = 0
@@ -49,10 +49,10 @@ class TextStream:
     def _current_text(self) -> str:
         """Every token's text: the settled text and what the newer tokens add, which settles
         them unless it ends in a cut UTF-8 sequence (the next token may complete it)."""
-        window = self._tokenizer.decode(self._token_ids[self._window_start :])
+        window = self.tokenizer.decode(self._token_ids[self._window_start :])
         if not window.startswith(self._window_text):  # a join reached back past the window: start over
             self._text, self._window_start, self._window_text = "", 0, ""
-            window = self._tokenizer.decode(self._token_ids)
+            window = self.tokenizer.decode(self._token_ids)
         fresh = window[len(self._window_text) :]
         if fresh.endswith(_INCOMPLETE):
             return self._text + fresh
@@ -61,7 +61,7 @@ class TextStream:
         num_tokens = len(self._token_ids)
         if num_tokens - self._window_start > 2 * _CONTEXT_TOKENS:
             start = num_tokens - _CONTEXT_TOKENS
-            recent = self._tokenizer.decode(self._token_ids[start:])
+            recent = self.tokenizer.decode(self._token_ids[start:])
             # Slide only where the recent tokens decode alone to the text's end; else keep the
             # longer window and try again next time.
             if self._text.endswith(recent):
@@ -115,3 +115,15 @@ class TextStream:
                     longest = n
                     break
         return longest
+
+
+def logprob_entries(tokenizer, token_ids, logprobs) -> list[dict]:
+    """The wire's logprobs entries ({token_id, token, logprob, top_logprobs}) of token_ids, from a
+    (logprob, [(token id, logprob), ...]) pair per token. A token's `token` is its own text
+    decoded alone (a piece of a UTF-8 sequence decodes to U+FFFD)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return [{"token_id": token_id, "token": text(token_id), "logprob": logprob,
+             "top_logprobs": [{"token_id": i, "token": text(i), "logprob": lp} for i, lp in top]}
+            for token_id, (logprob, top) in zip(token_ids, logprobs)]

@@ -47,6 +47,7 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_p: float = 0.0
     seed: int | None = None
     speculate: bool = True  # False pins the request to plain decoding (it never drafts)
+    logprobs: int | None = None  # N in 0..20: each token's logprob and its position's N likeliest
 
 
 def sampling_of(msg: Sampling) -> Sampling:
@@ -69,8 +70,11 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     content: str
 
 
-class Generate(Message, Sampling, frozen=True, kw_only=True):
-    """Client -> front-end: start a request. Exactly one of prompt / token_ids / messages."""
+class Generate(Message, Sampling, frozen=True, kw_only=True, omit_defaults=True):
+    """Client -> front-end: start a request. Exactly one of prompt / token_ids / messages.
+
+    Fields at their defaults stay off the wire (the server fills the same ones): a client
+    that sets no newer option is read by servers from before that option."""
 
     TAG: ClassVar[bytes] = b"G"
     ref: Key  # the client's key for this request, echoed in ACCEPTED and ERROR
@@ -113,6 +117,8 @@ class Chunk(Message, frozen=True):
     finish_reason: str | None = None
     stats: dict | None = None
     emitted_at_ns: int | None = None  # server host CLOCK_MONOTONIC when the worker sent the round
+    # Where the request asked: one {token_id, token, logprob, top_logprobs} per token of token_ids.
+    logprobs: list[dict] | None = None
 
 
 class Error(Message, frozen=True):
@@ -215,6 +221,7 @@ class RowOutput(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None
     stats: dict | None = None
     error: str | None = None
+    logprobs: list | None = None  # where the request asked: [logprob, [[token id, logprob], ...]] per token
 
 
 class Round(Message, frozen=True):
@@ -285,7 +292,18 @@ class WireError(ValueError):
         self.field = field
 
 
+# A CHUNK of a request that did not ask for logprobs goes out without the field, byte for byte
+# what clients from before it read (they forbid unknown fields).
+_ChunkWithoutLogprobs = msgspec.defstruct(
+    "ChunkWithoutLogprobs", [(f.name, f.type, f.default) for f in msgspec.structs.fields(Chunk) if f.name != "logprobs"],
+    frozen=True)
+
+
 def encode_json(msg: Message) -> list[bytes]:
+    if type(msg) is Chunk and msg.logprobs is None:
+        fields = msgspec.structs.asdict(msg)
+        del fields["logprobs"]
+        return [msg.TAG, _json_encoder.encode(_ChunkWithoutLogprobs(**fields))]
     return [msg.TAG, _json_encoder.encode(msg)]
 
 

@@ -34,6 +34,8 @@ def test_generate_json_prints_one_object_last(drafter):
     (["--top-p", "2"], "top_p"),
     (["--model", "/no/such/model"], "/no/such/model"),
     (["--drafter", "medusa"], "medusa"),
+    (["--logprobs", "21", "--json"], "logprobs"),
+    (["--logprobs", "2"], "--json"),  # they are printed in the JSON object only
 ])
 def test_bad_options_exit_nonzero_naming_the_option(args, name):
     done = run_gmlx("generate", "x", *args)

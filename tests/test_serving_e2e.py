@@ -282,6 +282,23 @@ def test_generate_cli_through_the_server(server, engine, model_path):
             "num_accepted"} <= set(result["stats"])
 
 
+def test_generate_cli_logprobs_in_process_equal_the_servers(server, model_path):
+    """`gmlx generate --logprobs 3 --json`: the same tokens and logprobs, to the last bit, in process
+    and through the server (speculating there), at a temperature."""
+    args = ["generate", "def parse(", "--max-tokens", "12", "--temperature", "0.8", "--seed", "4",
+            "--logprobs", "3", "--json"]
+    results = []
+    for where in (["--server", server.address], ["--model", str(model_path)]):
+        cmd = [sys.executable, "-c", "from workers.cli import main; main()", *args, *where]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=repo_env(), cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stderr
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    via_server, in_process = results
+    assert [e["token_id"] for e in via_server["logprobs"]] == via_server["token_ids"]
+    assert all(len(e["top_logprobs"]) == 3 for e in via_server["logprobs"])
+    assert (via_server["token_ids"], via_server["logprobs"]) == (in_process["token_ids"], in_process["logprobs"])
+
+
 def test_serve_rejects_bad_options():
     cmd = [sys.executable, "-m", "workers.cli_serve", "--model", "/nonexistent/model"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=repo_env(), cwd=REPO_ROOT)

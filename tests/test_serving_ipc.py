@@ -5,6 +5,7 @@ import subprocess
 import sys
 from multiprocessing import resource_tracker, shared_memory
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,6 +104,39 @@ def test_client_messages_round_trip():
     assert m.decode_json(m.encode_json(msg)) == msg
     chunk = m.Chunk(request_id="r1", seq=2, token_ids=[1, 2], text="ab", finish_reason="length", stats={"x": 1})
     assert m.decode_json(m.encode_json(chunk)) == chunk
+    entry = {"token_id": 1, "token": "a", "logprob": -0.5, "top_logprobs": [{"token_id": 1, "token": "a", "logprob": -0.5}]}
+    with_logprobs = m.Chunk(request_id="r1", seq=3, token_ids=[1], text="a", logprobs=[entry])
+    assert m.decode_json(m.encode_json(with_logprobs)) == with_logprobs
+
+
+class ChunkBeforeLogprobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """CHUNK as clients from before the logprobs field decode it (every field written out)."""
+
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+    emitted_at_ns: int | None = None
+
+
+class GenerateBeforeLogprobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ref: str
+    prompt: str | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    speculate: bool = True
+
+
+def test_clients_and_servers_from_before_logprobs_read_what_does_not_use_them():
+    chunk = m.Chunk(request_id="r1", seq=2, token_ids=[1, 2], text="ab", finish_reason="length", stats={"x": 1},
+                    emitted_at_ns=5)
+    old = msgspec.json.decode(m.encode_json(chunk)[1], type=ChunkBeforeLogprobs)
+    assert msgspec.structs.asdict(old) == {k: v for k, v in msgspec.structs.asdict(chunk).items() if k != "logprobs"}
+    generate = m.Generate(ref="a", prompt="def f(", max_tokens=3, temperature=0.5)
+    old = msgspec.json.decode(m.encode_json(generate)[1], type=GenerateBeforeLogprobs)
+    assert (old.ref, old.prompt, old.max_tokens, old.temperature, old.speculate) == ("a", "def f(", 3, 0.5, True)
 
 
 @pytest.mark.parametrize("frames, field, match", [

@@ -50,16 +50,20 @@ def _check_cap(ctx, param, value):
 @click.option("--speculative-width-cap", type=int, default=None, callback=_check_cap)
 @click.option("--speculate/--no-speculate", default=True, show_default=True,
               help="--no-speculate pins this request to plain decoding")
+@click.option("--logprobs", type=int, default=None,
+              help="N in 0..20, with --json: each token's logprob and its position's N likeliest tokens")
 @click.option("--server", default=None, help="send to a running gmlx server at this address")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
 def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-             speculative_width_cap, speculate, server, chat, as_json) -> None:
+             speculative_width_cap, speculate, logprobs, server, chat, as_json) -> None:
     """Generate a completion for PROMPT, streaming text to stdout."""
     from gmlx.request import SamplingParams, check_text
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate, logprobs=logprobs)
     try:
+        if logprobs is not None and not as_json:
+            raise ValueError("logprobs: --logprobs prints them in the --json object; add --json")
         params.validate()
         if not prompt:
             raise ValueError("prompt: must be a non-empty string")
@@ -80,6 +84,7 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
     ensure_fast_blas()  # before the engine imports mlx
     from gmlx.engine import Engine
     from gmlx.generate import render_chat, stream_generate
+    from gmlx.textstream import logprob_entries as entries_of
 
     try:
         engine = Engine.load(EngineConfig(model_path=model, drafter=drafter,
@@ -90,8 +95,11 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
             except ValueError as exc:
                 raise ValueError(f"--chat: {exc}") from exc
         chunks = stream_generate(engine, prompt, params)
-        token_ids, text, last = [], [], None
+        token_ids, text, logprob_entries, last = [], [], [], None
         for chunk in chunks:
+            if chunk.logprobs is not None:
+                pairs = [(e.logprob, e.top) for e in chunk.logprobs]
+                logprob_entries += entries_of(engine.tokenizer, chunk.token_ids, pairs)
             token_ids += chunk.token_ids
             text.append(chunk.text)
             if not as_json:
@@ -100,10 +108,11 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
     except ValueError as exc:
         _fail(exc)
     if as_json:
-        click.echo(json.dumps({
-            "model": engine.model_path, "token_ids": token_ids, "text": "".join(text),
-            "finish_reason": last.finish_reason, "stats": last.stats,
-        }))
+        result = {"model": engine.model_path, "token_ids": token_ids, "text": "".join(text),
+                  "finish_reason": last.finish_reason, "stats": last.stats}
+        if logprobs is not None:
+            result["logprobs"] = logprob_entries
+        click.echo(json.dumps(result))
     else:
         click.echo("")
         stats = last.stats

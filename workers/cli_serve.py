@@ -255,15 +255,16 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
     in-process path (streamed text, or one JSON object). Exits non-zero on failure."""
     from ipc.client import Client, RequestError
 
-    token_ids_out, texts, finish_reason, stats = [], [], "error", {}
+    token_ids_out, texts, logprobs, finish_reason, stats = [], [], [], "error", {}
     code = 0
     with Client(address, timeout_s=timeout_s) as client:
         try:
             for chunk in client.generate(prompt, token_ids=token_ids, messages=messages, max_tokens=params.max_tokens,
                                          temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                          min_p=params.min_p, seed=params.seed, stop=list(params.stop) or None,
-                                         speculate=params.speculate):
+                                         speculate=params.speculate, logprobs=params.logprobs):
                 token_ids_out.extend(chunk.token_ids)
+                logprobs.extend(chunk.logprobs or ())
                 texts.append(chunk.text)
                 if not as_json:
                     click.echo(chunk.text, nl=False)
@@ -283,6 +284,8 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
     if as_json:
         result = {"model": stats.pop("model", None), "token_ids": token_ids_out, "text": "".join(texts),
                   "finish_reason": finish_reason, "stats": stats}
+        if params.logprobs is not None:
+            result["logprobs"] = logprobs
         click.echo(json.dumps(result))
     else:
         click.echo()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gmlx.textstream import TextStream
+from gmlx.textstream import TextStream, logprob_entries
 from ipc import messages as m
 from ipc.bus import BusPayload
 
@@ -110,17 +110,32 @@ class ClientRequest:
         if row.finish_reason == "error":
             out.messages.append(self.fail(row.error or "the engine failed the request"))
             return out
+        if self.is_logprobs and len(row.logprobs or ()) != len(row.token_ids):  # a worker of another version
+            out.is_cancel_needed = row.finish_reason is None
+            out.messages.append(self.fail("the worker sent no logprobs for the request's tokens"))
+            return out
         token_ids, text = self.text_stream.take(row.token_ids, is_final=row.finish_reason is not None)
+        logprobs = self._logprobs(token_ids, row.logprobs)
         if self.text_stream.is_stopped:
             if row.finish_reason is None:
                 self.phase, self.stop_reason = Phase.STOPPING, "stop"
                 out.is_cancel_needed = True
-                out.messages.append(self._chunk(token_ids, text, emitted_at_ns))
+                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, logprobs=logprobs))
             else:
-                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, "stop", row.stats))
+                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, "stop", row.stats, logprobs))
             return out
-        out.messages.append(self._chunk(token_ids, text, emitted_at_ns, row.finish_reason, row.stats))
+        out.messages.append(self._chunk(token_ids, text, emitted_at_ns, row.finish_reason, row.stats, logprobs))
         return out
+
+    def _logprobs(self, token_ids: list[int], row_logprobs: list | None) -> list[dict] | None:
+        """The client's entries of the tokens delivered (a stop string may cut the row's short)."""
+        if not self.is_logprobs:
+            return None
+        return logprob_entries(self.text_stream.tokenizer, token_ids, row_logprobs)
+
+    @property
+    def is_logprobs(self) -> bool:
+        return self.client_payload.sampling.logprobs is not None
 
     def cancelled(self) -> m.Chunk:
         """The final chunk of a request the client cancelled while no worker held it."""
@@ -136,8 +151,10 @@ class ClientRequest:
         return m.Error(message=message, ref=self.ref, request_id=self.request_id,
                        field=field_name or m.field_of(message))
 
-    def _chunk(self, token_ids, text, emitted_at_ns, finish_reason=None, stats=None) -> m.Chunk:
+    def _chunk(self, token_ids, text, emitted_at_ns, finish_reason=None, stats=None, logprobs=None) -> m.Chunk:
         self.num_delivered += len(token_ids)
+        if logprobs is None and self.is_logprobs:
+            logprobs = []  # every chunk of a request that asked carries a list, one entry per token
         if finish_reason is not None:
             self.phase = Phase.FINISHED
             stats = dict(stats or {})
@@ -147,6 +164,7 @@ class ClientRequest:
             stats["num_worker_losses"] = self.num_worker_losses
             stats["model"] = self.model
         chunk = m.Chunk(request_id=self.request_id, seq=self.next_chunk_seq, token_ids=list(token_ids),
-                        text=text, finish_reason=finish_reason, stats=stats, emitted_at_ns=emitted_at_ns)
+                        text=text, finish_reason=finish_reason, stats=stats, emitted_at_ns=emitted_at_ns,
+                        logprobs=logprobs)
         self.next_chunk_seq += 1
         return chunk

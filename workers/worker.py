@@ -200,10 +200,12 @@ class Worker:
         # round's); the wire carries one row per request per round.
         merged: dict[str, list] = {}
         for out in outputs:
-            row = merged.setdefault(out.request_id, [[], None, None, None])
+            row = merged.setdefault(out.request_id, [[], None, None, None, None])
             row[0].extend(out.new_token_ids)
-            row[1:] = out.finish_reason, out.stats, None  # the engine fails no request: errors are _reject's
-        for request_id, (token_ids, finish_reason, stats, error) in merged.items():
+            row[1:4] = out.finish_reason, out.stats, None  # the engine fails no request: errors are _reject's
+            if out.logprobs is not None:
+                row[4] = (row[4] or []) + [[e.logprob, [list(pair) for pair in e.top]] for e in out.logprobs]
+        for request_id, (token_ids, finish_reason, stats, error, logprobs) in merged.items():
             if not token_ids and finish_reason is None:
                 continue
             if finish_reason is None:
@@ -211,7 +213,7 @@ class Worker:
                 self._next_seq[request_id] = seq + 1
             else:
                 seq = self._next_seq.pop(request_id, 0)
-            rows.append(m.RowOutput(request_id, seq, token_ids, finish_reason, stats, error))
+            rows.append(m.RowOutput(request_id, seq, token_ids, finish_reason, stats, error, logprobs))
         if rows:
             self._num_rounds += 1
             self._publish(m.Round(worker_id=self.worker_id, round_index=self._num_rounds,
