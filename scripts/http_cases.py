@@ -60,6 +60,13 @@ def _valid_body(rng: random.Random, model_id: str, is_chat: bool) -> dict:
         body["stop"] = rng.choice(["\n", ["."], [".", "the", "é"]])
     if rng.random() < 0.3:
         body["speculate"] = rng.random() < 0.5
+    if rng.random() < 0.25:  # chat's is a switch with a count beside it, the legacy API's a count
+        if is_chat:
+            body["logprobs"] = True
+            if rng.random() < 0.5:
+                body["top_logprobs"] = rng.choice([0, 1, 5, 20])
+        else:
+            body["logprobs"] = rng.choice([0, 1, 5, 20])
     if rng.random() < 0.4:
         body["stream"] = True
         if rng.random() < 0.5:
@@ -219,10 +226,32 @@ def _answer_problem(case: HttpCase, body: bytes) -> str | None:
         if any("error" in e for e in last):
             return f"stream ended in an error: {body[-300:]!r}"
         finishes = [c.get("finish_reason") for e in last for c in e.get("choices", [])]
-        return None if finishes and finishes[-1] in ("stop", "length") else f"stream finish {finishes[-1:]}"
+        if not finishes or finishes[-1] not in ("stop", "length"):
+            return f"stream finish {finishes[-1:]}"
+        choices = [c for e in last for c in e.get("choices", [])]
+        usage = next(e["usage"] for e in last if e.get("choices") and e["choices"][0].get("finish_reason"))
+        return _logprobs_problem(case, choices, usage)
     answer = json.loads(body)
     finish = answer["choices"][0]["finish_reason"]
-    return None if finish in ("stop", "length") else f"finish_reason {finish!r}"
+    if finish not in ("stop", "length"):
+        return f"finish_reason {finish!r}"
+    return _logprobs_problem(case, answer["choices"], answer["usage"])
+
+
+def _logprobs_problem(case: HttpCase, choices: list[dict], usage: dict) -> str | None:
+    """Where a valid request asked for logprobs: one entry per completion token, else none at all."""
+    if not case.is_valid:
+        return None
+    value = json.loads(case.body).get("logprobs")
+    asked = value is not None and value is not False  # the legacy API's 0 asks, chat's false does not
+    objects = [c["logprobs"] for c in choices if c.get("logprobs") is not None]
+    if not asked:
+        return None if not objects else "logprobs nobody asked for"
+    is_chat = case.path == GENERATE_PATHS[1]
+    num_entries = sum(len(o["content"] if is_chat else o["token_logprobs"]) for o in objects)
+    if num_entries != usage["completion_tokens"]:
+        return f"{num_entries} logprobs for {usage['completion_tokens']} completion tokens"
+    return None
 
 
 def _error_body_problem(body: bytes) -> str | None:

@@ -125,6 +125,53 @@ def test_speculate_false_drafts_nothing_and_keeps_the_tokens(server, oai):
     assert pinned_text == free_text
 
 
+def zmq_logprobs(server, **kwargs) -> tuple[list[int], list[dict]]:
+    with Client(server.address, timeout_s=60) as client:
+        chunks = list(client.generate(**kwargs))
+    assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for c in chunks)
+    return [t for c in chunks for t in c.token_ids], [e for c in chunks for e in c.logprobs]
+
+
+def test_logprobs_over_zmq_and_http_agree_and_do_not_depend_on_speculation(server, oai):
+    """Each token's logprob and its 3 likeliest, over ZeroMQ with speculation on and off (the
+    same bits: the engine's invariant), and over HTTP in both flavours, streamed or not."""
+    kwargs = dict(prompt=PROMPT * 3, max_tokens=20, temperature=0.8, seed=11, logprobs=3)
+    token_ids, entries = zmq_logprobs(server, **kwargs)
+    assert zmq_logprobs(server, **kwargs, speculate=False) == (token_ids, entries)
+    assert [e["token_id"] for e in entries] == token_ids and len(entries) == 20
+    for e in entries:
+        top = [t["logprob"] for t in e["top_logprobs"]]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and e["logprob"] <= 0
+        listed = {t["token_id"]: t["logprob"] for t in e["top_logprobs"]}
+        assert listed.get(e["token_id"], e["logprob"]) == e["logprob"]
+        assert e["token_id"] in listed or e["logprob"] <= top[-1]
+    done = oai.completions.create(model=MODEL_ID, prompt=PROMPT * 3, max_tokens=20, temperature=0.8, seed=11,
+                                  logprobs=3)
+    lp = done.choices[0].logprobs
+    assert lp.tokens == [e["token"] for e in entries] and lp.token_logprobs == [e["logprob"] for e in entries]
+    assert lp.top_logprobs == [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == sum(len(e["token"]) for e in entries[:-1])
+    events = list(oai.completions.create(model=MODEL_ID, prompt=PROMPT * 3, max_tokens=20, temperature=0.8,
+                                         seed=11, logprobs=3, stream=True))
+    streamed = [e.choices[0].logprobs for e in events]
+    assert [t for s in streamed for t in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4).choices[0].logprobs is None
+    chat_turns = [{"role": "user", "content": PROMPT}]
+    want_ids, want = zmq_logprobs(server, messages=chat_turns, max_tokens=12, logprobs=2)
+    done = oai.chat.completions.create(model=MODEL_ID, messages=chat_turns, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = done.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in content] == [(e["token"], e["logprob"]) for e in want]
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == \
+        [[(t["token"], t["logprob"]) for t in e["top_logprobs"]] for e in want]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    events = list(oai.chat.completions.create(model=MODEL_ID, messages=chat_turns, max_tokens=12, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True))
+    streamed = [c.logprob for e in events if e.choices[0].logprobs for c in e.choices[0].logprobs.content]
+    assert streamed == [e["logprob"] for e in want]
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
@@ -382,10 +429,14 @@ def test_parse_completion_fields_and_refusals():
     assert (args.prompt, args.token_ids, args.stop, args.seed, args.top_k, args.min_p) == ("hi", None, ("\n",), 3, 5, 0.1)
     assert args.is_stream and args.is_usage_chunk and args.max_tokens == 16 and args.temperature == 1.0
     assert o.parse_completion({"model": "m", "prompt": [1, 2, 3]}).token_ids == (1, 2, 3)
+    assert args.num_logprobs is None and args.client_kwargs()["logprobs"] is None
+    assert o.parse_completion({"model": "m", "prompt": "a", "logprobs": 0}).client_kwargs()["logprobs"] == 0
     plain = o.parse_completion({"model": "m", "prompt": "a", "speculate": False})
     assert plain.client_kwargs()["speculate"] is False and args.client_kwargs()["speculate"] is True
     bad = [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "n": 3}, "n"),
-           ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a"}, "model"),
+           ({"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a"}, "model"),
+           ({"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
+           ({"model": "m", "prompt": "a", "echo": True}, "echo"),
            ({"model": "m", "prompt": "a", "max_tokens": "9"}, "max_tokens"),
            ({"model": "m", "prompt": "a", "stop": ["", "x"]}, "stop"),
            ({"model": "m", "prompt": "a", "speculate": "yes"}, "speculate"),
@@ -411,6 +462,23 @@ def test_parse_chat_joins_text_parts_into_the_messages_it_forwards():
         o.parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                      default_max_tokens=100)
     assert info.value.param == "messages"
+
+
+def test_parse_chat_logprobs_is_a_switch_and_top_logprobs_its_count():
+    from workers import http_openai as o
+
+    turn = [{"role": "user", "content": "a"}]
+    cases = [({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
+             ({"logprobs": True, "top_logprobs": 20}, 20)]
+    for extra, want in cases:
+        assert o.parse_chat({"model": "m", "messages": turn, **extra}, 9).num_logprobs == want, extra
+    bad = [({"logprobs": 3}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+           ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+           ({"logprobs": True, "top_logprobs": -1}, "top_logprobs")]
+    for extra, param in bad:
+        with pytest.raises(o.BadRequest) as info:
+            o.parse_chat({"model": "m", "messages": turn, **extra}, 9)
+        assert info.value.param == param, extra
 
 
 def test_cached_event_equals_the_rendered_chunk():

@@ -202,10 +202,12 @@ class Gateway:
                 self.metrics.in_flight.dec()
 
     async def _collect(self, relay: _Relay, shape: oai.ResponseShape, first, disconnected, endpoint: str) -> Response:
-        texts, chunk, last_s = [], first, time.monotonic()
+        texts, logprobs, chunk, last_s = [], None, first, time.monotonic()
         try:
             while chunk is not _END:
                 texts.append(chunk.text)
+                if chunk.logprobs is not None:
+                    logprobs = (logprobs or []) + chunk.logprobs
                 now_s = time.monotonic()
                 self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
                 last_s = now_s
@@ -219,7 +221,8 @@ class Gateway:
             return error_response(500, f"the request failed: {e}", "server_error")
         usage = oai.usage_of(chunk.stats)
         self._count_finished(endpoint, chunk.finish_reason, usage)
-        return JSONResponse(shape.response("".join(texts), oai.finish_reason_of(chunk.finish_reason), usage))
+        return JSONResponse(shape.response("".join(texts), oai.finish_reason_of(chunk.finish_reason), usage,
+                                           logprobs))
 
     async def _events(self, relay: _Relay, shape: oai.ResponseShape, args: oai.GenerateArgs, first, endpoint: str):
         """The server-sent events of one stream, ending with `data: [DONE]`."""
@@ -232,12 +235,16 @@ class Gateway:
                 self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
                 last_s = now_s
                 if chunk.finish_reason is None:
-                    if chunk.text:
+                    if chunk.logprobs is not None:  # tokens whose text is held back still send their logprobs
+                        if chunk.text or chunk.logprobs:
+                            yield _sse(shape.chunk(chunk.text, None, logprobs=chunk.logprobs))
+                    elif chunk.text:
                         yield shape.text_event(chunk.text)
                     chunk = await relay.next()
                     continue
                 usage = oai.usage_of(chunk.stats)
-                yield _sse(shape.chunk(chunk.text, oai.finish_reason_of(chunk.finish_reason), usage))
+                yield _sse(shape.chunk(chunk.text, oai.finish_reason_of(chunk.finish_reason), usage,
+                                       logprobs=chunk.logprobs))
                 if args.is_usage_chunk:
                     yield _sse(shape.usage_chunk(usage))
                 finish = chunk.finish_reason

@@ -13,10 +13,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from gmlx.request import check_text
+from gmlx.request import MAX_TOP_LOGPROBS, check_text
 
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
-_UNSUPPORTED_IF_SET = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+_UNSUPPORTED_IF_SET = {"echo": (None, False),
                        "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
                        "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                        "tools": (None, []), "response_format": (None, {"type": "text"})}
@@ -57,6 +57,7 @@ class GenerateArgs:
     is_stream: bool
     is_usage_chunk: bool  # stream_options.include_usage: a last chunk with usage and no choices
     is_speculate: bool  # gmlx extra: False pins the row to plain decoding (never the tokens)
+    num_logprobs: int | None  # None: no logprobs; N: each token's and its position's N likeliest
 
     def client_kwargs(self) -> dict:
         """ipc.client's generate() arguments."""
@@ -64,7 +65,7 @@ class GenerateArgs:
         return dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
                     messages=messages, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None,
-                    speculate=self.is_speculate)
+                    speculate=self.is_speculate, logprobs=self.num_logprobs)
 
 
 def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
@@ -73,10 +74,12 @@ def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    # The legacy API's logprobs is the count of alternatives; 0 still scores the chosen tokens.
+    num_logprobs = _top_count(body, "logprobs")
     if isinstance(prompt, str):
-        return _common(body, _text(prompt, "prompt"), None, None, default_max_tokens)
+        return _common(body, _text(prompt, "prompt"), None, None, default_max_tokens, num_logprobs)
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return _common(body, None, tuple(prompt), None, default_max_tokens)
+        return _common(body, None, tuple(prompt), None, default_max_tokens, num_logprobs)
     raise BadRequest(f"prompt must be a string or a list of token ids (one prompt per request), got {_short(prompt)}",
                      "prompt")
 
@@ -102,10 +105,24 @@ def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     turns = tuple((msg["role"], _text_of(msg["content"])) for msg in messages)
-    return _common(body, None, None, turns, default_max_tokens)
+    # Chat's logprobs is a switch and top_logprobs the count, which needs the switch on.
+    is_logprobs = _get(body, "logprobs", False, _is_bool, "a boolean")
+    num_top = _top_count(body, "top_logprobs")
+    if num_top is not None and not is_logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    num_logprobs = (num_top or 0) if is_logprobs else None
+    return _common(body, None, None, turns, default_max_tokens, num_logprobs)
 
 
-def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int) -> GenerateArgs:
+def _top_count(body: dict, name: str) -> int | None:
+    count = _get(body, name, None, _is_int, "an integer")
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {count}", name)
+    return count
+
+
+def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
+            num_logprobs: int | None) -> GenerateArgs:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", "model")
@@ -136,6 +153,7 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int) ->
         is_stream=_get(body, "stream", False, _is_bool, "a boolean"),
         is_usage_chunk=_get(stream_options, "include_usage", False, _is_bool, "a boolean"),
         is_speculate=_get(body, "speculate", True, _is_bool, "a boolean"),
+        num_logprobs=num_logprobs,
     )
 
 
@@ -207,13 +225,14 @@ class ResponseShape:
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.created = int(time.time())
+        self._text_offset = 0  # the completion flavour's text_offset of the next token
         # A mid-stream event differs from the next only in its text: render the rest once.
         marker = "\x00"
         rendered = json.dumps(self.chunk(marker, None), separators=(",", ":"))
         self._event_head, self._event_tail = rendered.split(json.dumps(marker))  # exactly one marker
 
     def text_event(self, text: str) -> str:
-        """The server-sent event of a mid-stream chunk with non-empty text."""
+        """The server-sent event of a mid-stream chunk with non-empty text (and no logprobs)."""
         return f"data: {self._event_head}{json.dumps(text)}{self._event_tail}\n\n"
 
     def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
@@ -222,24 +241,48 @@ class ResponseShape:
             out["usage"] = usage
         return out
 
-    def chunk(self, text: str, finish_reason: str | None, usage: dict | None = None, is_first: bool = False) -> dict:
-        """One server-sent event's object."""
+    def chunk(self, text: str, finish_reason: str | None, usage: dict | None = None, is_first: bool = False,
+              logprobs: list | None = None) -> dict:
+        """One server-sent event's object; logprobs: the gmlx chunk's entries, where the request asked."""
+        choice_logprobs = None if logprobs is None else self.logprobs(logprobs)
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if is_first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": choice_logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice], usage)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": choice_logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, [], usage)
 
-    def response(self, text: str, finish_reason: str | None, usage: dict) -> dict:
+    def response(self, text: str, finish_reason: str | None, usage: dict, logprobs: list | None = None) -> dict:
         """The whole answer of a request that did not stream."""
+        choice_logprobs = None if logprobs is None else self.logprobs(logprobs)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": choice_logprobs,
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion", [choice], usage)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": choice_logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage)
+
+    def logprobs(self, entries: list[dict]) -> dict:
+        """OpenAI's logprobs object of gmlx's entries ({token_id, token, logprob, top_logprobs}):
+        the chat flavour's `content` list, or the completion flavour's parallel lists, whose
+        text_offset counts each token's own text from the completion's start."""
+        if self.kind == "chat":
+            return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
+                                 "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
+                                                   "bytes": _bytes(t["token"])} for t in e["top_logprobs"]]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self._text_offset)
+            self._text_offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
