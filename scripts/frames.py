@@ -45,6 +45,8 @@ def _valid_fields(rng: random.Random) -> dict:
         fields["stop"] = rng.sample(["\n", ".", "the", "ab", "é"], rng.randint(1, 3))
     if rng.random() < 0.3:
         fields["speculate"] = rng.random() < 0.5
+    if rng.random() < 0.25:
+        fields["logprobs"] = rng.choice([0, 1, 5, 20])
     return fields
 
 
@@ -75,6 +77,7 @@ def cancel_unknown(rng):
 _OUT_OF_RANGE = {"max_tokens": [0, -1, (1 << 20) + 1, 2**32, 2**32 + 1, 2**64, 10**40],
                  "top_k": [-1, (1 << 24) + 1, 2**32, 2**64, -(2**63)],
                  "seed": [-1, 2**63, 2**64, 10**40],
+                 "logprobs": [-1, 21, 2**32, 2**64],
                  "token_ids": [-1, 300_000, 2**32, 2**63, 10**40]}
 
 
@@ -292,6 +295,11 @@ def _classify(replies: list[tuple[bytes, dict]]) -> str:
     assert tag == b"A", (tag, obj)
     last_tag, last = replies[-1]
     if last_tag == b"K" and last["finish_reason"] in ("length", "stop"):
-        seqs = [o["seq"] for t, o in replies if t == b"K"]
-        return "served" if seqs == list(range(len(seqs))) else "gap"
+        chunks = [o for t, o in replies if t == b"K"]
+        if [o["seq"] for o in chunks] != list(range(len(chunks))):
+            return "gap"
+        # A request that asked for logprobs gets one entry per token in every chunk; others get no field.
+        has_logprobs = {"logprobs" in o for o in chunks}
+        is_aligned = all(len(o["logprobs"]) == len(o["token_ids"]) for o in chunks if "logprobs" in o)
+        return "served" if len(has_logprobs) == 1 and is_aligned else "bad_logprobs"
     return "failed_after_accept"

@@ -27,7 +27,7 @@ import zmq  # noqa: E402
 import frames  # noqa: E402
 from serving_support import Server, model_dir  # noqa: E402
 
-OUTCOMES = ("served", "stats", "error+ref", "error", "silent", "failed_after_accept", "gap", "hang")
+OUTCOMES = ("served", "stats", "error+ref", "error", "silent", "failed_after_accept", "gap", "bad_logprobs", "hang")
 
 
 def main() -> int:
@@ -88,7 +88,7 @@ def _start(model: Path, drafter: str):
 
 
 def _problem(frame: frames.FuzzFrame, seen: frames.Observation) -> str | None:
-    if seen.outcome in ("hang", "gap", "failed_after_accept"):
+    if seen.outcome in ("hang", "gap", "failed_after_accept", "bad_logprobs"):
         return seen.outcome
     if frame.is_valid and seen.outcome not in ("served", "stats"):
         return f"a valid request got {seen.outcome}"
