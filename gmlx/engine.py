@@ -592,7 +592,7 @@ class Engine:
                 entries: tuple | None = None) -> RequestOutput:
         request.status = status
         request.finish_time_s = time.perf_counter()
-        request.logits_by_position.clear()
+        request.logprobs_by_position.clear()
         self.counters["num_finished"] += 1
         del self.requests[request.request_id]
         self.policy.forget(request.request_id)

@@ -139,9 +139,9 @@ class Request:
     # A drafter's own per-request state (the n-gram drafter's index of the history): it lives
     # and dies with the request, whatever batches and transitions the request passes through.
     drafter_memo: object = field(default=None, compare=False, repr=False)
-    # Where it asks for logprobs: the target's logits row (lazy) of each position sampled and
-    # not yet delivered, by absolute position (gmlx/logprobs.py).
-    logits_by_position: dict = field(default_factory=dict, compare=False, repr=False)
+    # Where it asks for logprobs: those of each position sampled and not yet delivered, by
+    # absolute position (gmlx/logprobs.py).
+    logprobs_by_position: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

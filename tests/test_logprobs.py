@@ -5,13 +5,19 @@ import dataclasses
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from gmlx import logprobs
 from gmlx.cache.ragged import make_ragged_cache
 from gmlx.config import EngineConfig, env_overrides
 from gmlx.drafters import make_drafter
 from gmlx.engine import Engine
+from gmlx.platform import cpu_kernels
 from gmlx.request import SamplingParams
+from kernel_support import requires_kernels, supported_isas
 from schedules import SoloReference, check_schedule, make_schedule, run_schedule
 
 DRAFTERS = ("mtp", "draft", "ngram")
@@ -122,7 +128,7 @@ def test_no_logits_are_held_past_delivery(builtin_target, code_prompts):
     most = 0
     while engine.has_unfinished():
         engine.step()
-        most = max([most, *(len(r.logits_by_position) for r in engine.requests.values())])
+        most = max([most, *(len(r.logprobs_by_position) for r in engine.requests.values())])
     assert 0 < most <= 2 + 8
 
 
@@ -130,3 +136,70 @@ def test_no_logits_are_held_past_delivery(builtin_target, code_prompts):
 def test_bad_logprobs_are_refused_naming_the_field(value):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=value).validate()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_logprobs_on_mlx_ops_equal_plain_bit_for_bit(kind, builtin_target, code_prompts, monkeypatch):
+    # Without the CPU kernels (GMLX_CPU_KERNELS=0, or a GPU) logprobs come from mlx's own ops:
+    # other bits than the kernel's, as exact with themselves.
+    monkeypatch.setenv("GMLX_CPU_KERNELS", "0")
+    assert not logprobs._has_kernel()
+    reference = SoloReference(builtin_target)
+    engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig())
+    for i in range(3):
+        check_schedule(engine, reference, make_schedule(44_000 + i, builtin_target.vocab_size, code_prompts,
+                                                        max_requests=6, logprobs_rate=1.0))
+
+
+def _ranked(row: list[float], num_top: int) -> list[int]:
+    """The ids of row's num_top largest, largest first, ties by lower id."""
+    return sorted(range(len(row)), key=lambda i: (-row[i], i))[:num_top]
+
+
+@requires_kernels
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(num_rows=st.integers(1, 6), vocab=st.sampled_from([1, 7, 16, 33, 1000, 49152]), num_top=st.integers(1, 20),
+       seed=st.integers(0, 2**16), num_ties=st.integers(0, 8))
+def test_token_logprobs_kernel_rows_stand_alone_and_match_mlx(num_rows, vocab, num_top, seed, num_ties):
+    """Each row's bits depend on that row alone (row count, threads, ISA); the chosen logprob is
+    mlx's log-softmax within float32 rounding; the top ids are the largest, ties by lower id."""
+    ext = cpu_kernels.extension()
+    num_top = min(num_top, vocab)
+    rng = random.Random(seed)
+    rows = [[rng.gauss(0, 4) for _ in range(vocab)] for _ in range(num_rows)]
+    for row in rows:  # exact ties, at the top and anywhere
+        for _ in range(num_ties):
+            row[rng.randrange(vocab)] = row[rng.randrange(vocab)] if rng.random() < 0.5 else max(row)
+    logits = mx.array(rows, dtype=mx.float32)
+    tokens = mx.array([rng.randrange(vocab) for _ in range(num_rows)], dtype=mx.int32)
+    isa, num_threads = ext.isa(), ext.num_threads()
+    try:
+        runs = []
+        for run_isa in supported_isas(ext):
+            for threads in (1, 2):
+                ext.set_isa(run_isa)
+                ext.set_num_threads(threads)
+                out = cpu_kernels.token_logprobs(logits, tokens, num_top)
+                mx.eval(out)
+                runs.append([np.array(a) for a in out])
+        ext.set_isa(isa)
+        alone = [cpu_kernels.token_logprobs(logits[r : r + 1], tokens[r : r + 1], num_top) for r in range(num_rows)]
+    finally:
+        ext.set_isa(isa)
+        ext.set_num_threads(num_threads)
+    for run in runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(run, runs[0]))
+    chosen, top_ids, top_lps = runs[0]
+    for r, (c, ids, lps) in enumerate(alone):
+        assert np.array_equal(np.array(c), chosen[r : r + 1]) and np.array_equal(np.array(ids), top_ids[r : r + 1])
+        assert np.array_equal(np.array(lps), top_lps[r : r + 1])
+    float_rows = np.array(logits).tolist()  # as float32 rounded them
+    expected = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = np.array(mx.take_along_axis(expected, tokens[:, None], axis=-1)[:, 0])
+    assert np.allclose(chosen, want, rtol=1e-5, atol=1e-4)
+    for r in range(num_rows):
+        assert top_ids[r].tolist() == _ranked(float_rows[r], num_top)
+        assert np.allclose(top_lps[r], np.array(expected[r])[top_ids[r]], rtol=1e-5, atol=1e-4)
+    # A top entry's logprob is the chosen logprob of that token, to the bit.
+    again = cpu_kernels.token_logprobs(logits, mx.array(top_ids[:, -1]), num_top)[0]
+    assert np.array_equal(np.array(again), top_lps[:, -1])

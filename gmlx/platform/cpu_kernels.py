@@ -302,6 +302,17 @@ def rms_norm(x, weight, eps: float):
     return extension().rms_norm(x, weight, eps)
 
 
+def token_logprobs(logits, tokens, num_top: int) -> list:
+    """[chosen (N,), top ids (N, K), top logprobs (N, K)] for float32 logits (N, V), int32 tokens
+    (N,) and K = num_top >= 1: each row's log-softmax at its token and its K likeliest, most
+    likely first (ties by lower id)."""
+    return extension().token_logprobs(logits, tokens, num_top)
+
+
+def has_token_logprobs() -> bool:
+    return is_available() and hasattr(extension(), "token_logprobs")
+
+
 def rope(x, dims: int, traditional: bool, base: float, scale: float, offset):
     """mx.fast.rope for float32 x (B, ..., T, D); offset an int32 array, scalar or one per row b."""
     return extension().rope(x, dims, traditional, base, scale, offset)

@@ -245,8 +245,9 @@ class InjectionQueue:
         logits = self.target.head(last_hidden)  # (1, 1, V)
         rows = SamplingRows.make([request.params], [request.seed])
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
-        logprobs.keep([request], logits, [request.num_prefill_tokens])
-        return sample(logits, rows, position)
+        token = sample(logits, rows, position)
+        logprobs.keep([request], logits, token, [request.num_prefill_tokens])
+        return token
 
 
 def _rewind(request: Request) -> None:

@@ -134,14 +134,15 @@ class DecodeBatch:
 
     def logprob_positions(self, first_offset: int) -> list[int] | None:
         """Each row's first sampled position (host), where some row asks for logprobs; taken
-        before the forward that appends to the KV, for logprobs.keep after it."""
+        before the forward that appends to the KV, for keep_logprobs after it."""
         if not self.has_logprob_rows:
             return None
         return [n + first_offset for n in self.lengths]
 
-    def keep_logits(self, logits: mx.array, first_positions: list[int] | None) -> None:
+    def keep_logprobs(self, logits: mx.array, tokens: mx.array, first_positions: list[int] | None) -> None:
+        """logprobs.keep for the tokens (B, T) sampled from logits (B, T, V), where a row asks."""
         if first_positions is not None:
-            logprobs.keep(self.requests, logits, first_positions)
+            logprobs.keep(self.requests, logits, tokens, first_positions)
 
     def keep_rows(self, rows: list[int]) -> None:
         if rows == list(range(self.num_rows)):

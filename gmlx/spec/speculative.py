@@ -69,7 +69,6 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
     positions = batch.positions(num_draft + 1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     hidden, logits, chunk_hidden = _forward(target, verify_in, batch.caches, chunks)  # (B, k+1, D), (B, k+1, V)
-    batch.keep_logits(logits, logprob_positions)
     targets = sample(logits, batch.sampling, positions)  # (B, k+1)
     rows = mx.arange(batch.num_rows)
     if is_stochastic:
@@ -83,6 +82,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
         matches = ((drafts == targets[:, :num_draft]) & is_own).astype(mx.int32)
         accepted = mx.cumprod(matches, axis=1).sum(axis=1)  # (B,)
         batch.pending, emitted = targets[rows, accepted], targets
+    batch.keep_logprobs(logits, emitted, logprob_positions)  # emitted[i, j]: row i's token at its j-th position
     mx.eval(emitted, accepted, batch.pending, *chunk_hidden)  # the chunks' hidden: outputs of their own when fused
     target_rows, num_accepted = emitted.tolist(), accepted.tolist()
     for cache in batch.caches:
@@ -168,8 +168,8 @@ def capture_round(target: LoadedModel, batch: DecodeBatch) -> tuple[list[list[in
     positions = batch.positions(1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     hidden, logits = target.forward(batch.pending[:, None], batch.caches)
-    batch.keep_logits(logits, logprob_positions)
     tokens = sample(logits, batch.sampling, positions)[:, 0]
+    batch.keep_logprobs(logits, tokens[:, None], logprob_positions)
     mx.eval(tokens, hidden)
     batch.pending = tokens
     return [[t] for t in tokens.tolist()], hidden[:, 0, :]
@@ -180,8 +180,8 @@ def _dispatch_plain(target: LoadedModel, batch: DecodeBatch, chunks: tuple[Segme
     positions = batch.positions(1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     _, logits, chunk_hidden = _forward(target, batch.pending[:, None], batch.caches, chunks)
-    batch.keep_logits(logits, logprob_positions)
     batch.pending = sample(logits, batch.sampling, positions)[:, 0]
+    batch.keep_logprobs(logits, batch.pending[:, None], logprob_positions)
     mx.async_eval(batch.pending, *chunk_hidden)  # the chunks' hidden: outputs of their own when fused
     batch.is_delivered = [False] * batch.num_rows
     return chunk_hidden

@@ -17,6 +17,7 @@
 #include "rope.h"
 #include "swiglu.h"
 #include "thread_pool.h"
+#include "token_logprobs.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -114,6 +115,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("swiglu", &gmlx_kernels::swiglu, "gate"_a, "up"_a, "silu(gate) * up for float32 gate and up of one shape");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");
+  m.def("token_logprobs", &gmlx_kernels::token_logprobs, "logits"_a, "tokens"_a, "num_top"_a,
+        "[chosen (N,), top_ids (N, K), top_logprobs (N, K)]: each row's log-softmax at its token and its K >= 1 "
+        "likeliest (ties by lower id) for float32 logits (N, V); fixed summation order per row");
   m.def("ragged_attention", &gmlx_kernels::ragged_attention, "q"_a, "keys"_a, "values"_a, "offset"_a, "scale"_a,
         "softmax(q k^T * scale) v over per-row key lengths (offset + t + 1), grouped heads; out (B, T, Hq * D)");
   m.def("set_num_threads", &gmlx_kernels::set_num_threads, "num_threads"_a,
