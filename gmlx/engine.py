@@ -579,17 +579,22 @@ class Engine:
             if request.num_generated + len(new) >= budget:
                 status = RequestStatus.FINISHED_LENGTH
                 break
+        # The prompt's logprobs ride the first output (a first token is always delivered alone).
+        prompt_entries = None
+        if request.params.prompt_logprobs is not None and not request.num_generated:
+            prompt_entries = logprobs.take_prompt(request)
         entries = None if request.params.logprobs is None else logprobs.take_delivered(request, new)
         request.output_token_ids.extend(new)
         if status is None:
             if new:
-                self._outputs.append(RequestOutput(request.request_id, tuple(new), logprobs=entries))
+                self._outputs.append(RequestOutput(request.request_id, tuple(new), logprobs=entries,
+                                                   prompt_logprobs=prompt_entries))
             return True
-        self._finish(request, status, new, entries)
+        self._finish(request, status, new, entries, prompt_entries)
         return False
 
     def _finish(self, request: Request, status: RequestStatus, new: list[int] = (),
-                entries: tuple | None = None) -> RequestOutput:
+                entries: tuple | None = None, prompt_entries: tuple | None = None) -> RequestOutput:
         request.status = status
         request.finish_time_s = time.perf_counter()
         request.logprobs_by_position.clear()
@@ -598,7 +603,8 @@ class Engine:
         self.policy.forget(request.request_id)
         if entries is None and request.params.logprobs is not None:
             entries = ()
-        output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), entries)
+        output = RequestOutput(request.request_id, tuple(new), status.finish_reason, request.make_stats(), entries,
+                               prompt_entries)
         self._outputs.append(output)
         return output
 

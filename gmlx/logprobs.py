@@ -1,4 +1,5 @@
-"""Per-token log-probabilities, for the requests that ask (SamplingParams.logprobs = N).
+"""Per-token log-probabilities, for the requests that ask (SamplingParams.logprobs = N, and
+prompt_logprobs = N for the prompt's own tokens, scored as it is prefilled).
 
 A token's logprob is the log-softmax of the target's raw logits at its position: the model's
 own distribution, before temperature and the top-k / top-p / min-p filters (what vLLM reports
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from gmlx.platform import cpu_kernels
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +56,32 @@ def keep(requests, logits: mx.array, tokens: mx.array, first_positions: list[int
     if not rows:
         return
     index = mx.array(rows, dtype=mx.int32)
-    asking, asked = logits[index], tokens[index].astype(mx.int32)  # (R, T, V), (R, T)
-    num_top = min(max(requests[i].params.logprobs for i in rows), logits.shape[-1])
-    chosen, top_ids, top_lps = (_kernel_logprobs if _has_kernel() else _mlx_logprobs)(asking, asked, num_top)
-    mx.async_eval(*(a for a in (chosen, top_ids, top_lps) if a is not None))
-    kept = _RoundLogprobs(chosen, top_ids, top_lps)
+    num_top = max(requests[i].params.logprobs for i in rows)
+    kept = _compute(logits[index], tokens[index], num_top)
     for r, i in enumerate(rows):
         by_position = requests[i].logprobs_by_position
         for j in range(logits.shape[1]):
             by_position[first_positions[i] + j] = (kept, r, j)
+
+
+def keep_prompt(request, logits: mx.array, start: int) -> None:
+    """The prompt's own logprobs (SamplingParams.prompt_logprobs) from a prefill chunk's logits
+    (1, T, V) over prompt positions start..start+T-1: the next prompt token's logprob at each,
+    kept under the next token's position (taken by take_prompt at the first delivery)."""
+    num_positions = logits.shape[1]
+    tokens = mx.array(request.prompt_token_ids[start + 1 : start + 1 + num_positions], dtype=mx.int32)[None]
+    kept = _compute(logits, tokens, request.params.prompt_logprobs)
+    for j in range(num_positions):
+        request.logprobs_by_position[start + 1 + j] = (kept, 0, j)
+
+
+def _compute(logits: mx.array, tokens: mx.array, num_top: int) -> _RoundLogprobs:
+    """logits (R, T, V) at tokens (R, T), started now (async), read at delivery."""
+    num_top = min(num_top, logits.shape[-1])
+    chosen, top_ids, top_lps = (_kernel_logprobs if _has_kernel() else _mlx_logprobs)(
+        logits, tokens.astype(mx.int32), num_top)
+    mx.async_eval(*(a for a in (chosen, top_ids, top_lps) if a is not None))
+    return _RoundLogprobs(chosen, top_ids, top_lps)
 
 
 def _has_kernel() -> bool:
@@ -107,4 +124,16 @@ def take_delivered(request, new_token_ids: list[int]) -> tuple[TokenLogprob, ...
         out.append(round_logprobs.entry(row, column, request.params.logprobs))
     for position in [p for p in kept if p < first + len(new_token_ids)]:
         del kept[position]
+    return tuple(out)
+
+
+def take_prompt(request) -> tuple[TokenLogprob, ...]:
+    """Prompt positions 1.. (position 0 has no logprob: nothing precedes it), kept by keep_prompt."""
+    kept = request.logprobs_by_position
+    out = []
+    for position in range(1, request.num_prompt_tokens):
+        record = kept.pop(position, None)
+        assert record is not None, f"no prompt logprobs kept for position {position} of {request.request_id}"
+        round_logprobs, row, column = record
+        out.append(round_logprobs.entry(row, column, request.params.prompt_logprobs))
     return tuple(out)

@@ -21,6 +21,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on text outside the engine core
     speculate: bool = True  # False pins the row to plain decoding (k = 0): it never drafts
     logprobs: int | None = None  # N: each token's logprob and its position's N likeliest (gmlx/logprobs.py)
+    prompt_logprobs: int | None = None  # N: the same for the prompt's tokens (1.., on the first output)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -49,10 +50,12 @@ class SamplingParams:
             check_text("stop", text)
         if not isinstance(self.speculate, bool):
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_TOP_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
 
     @property
     def is_greedy(self) -> bool:
@@ -112,6 +115,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stats: dict | None = None
     logprobs: tuple | None = None  # a gmlx.logprobs.TokenLogprob per new token, where the request asked
+    prompt_logprobs: tuple | None = None  # on its first output, where it asked: prompt positions 1..
 
 
 @dataclass(slots=True)

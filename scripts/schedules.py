@@ -37,6 +37,7 @@ class ScheduleResult:
     counters: dict
     tokens: dict = field(default_factory=dict)  # arrival index -> emitted tokens
     logprobs: dict = field(default_factory=dict)  # arrival index -> a TokenLogprob per token, where it asked
+    prompt_logprobs: dict = field(default_factory=dict)  # arrival index -> its prompt's, where it asked
     finish: dict = field(default_factory=dict)  # arrival index -> finish reason
 
 
@@ -65,7 +66,8 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
         )
         cancel = rng.randint(0, 10) if rng.random() < 0.1 else None
         if logprobs_rate > 0 and rng.random() < logprobs_rate:
-            params = dataclasses.replace(params, logprobs=rng.choice((0, 1, 5, 20)))
+            params = dataclasses.replace(params, logprobs=rng.choice((0, 1, 5, 20)),
+                                         prompt_logprobs=rng.choice((None, 0, 3)))
         arrivals.append(Arrival(round_index, tuple(prompt), params, cancel))
     return Schedule(seed, rng.choice(caps), rng.random() < 0.8, rng.random() < 0.8,
                     rng.choice((0, 2, 4, 32)), tuple(arrivals))
@@ -103,6 +105,9 @@ def run_schedule(engine: Engine, schedule: Schedule, max_rounds: int = 2000) -> 
                 index = ids[output.request_id]
                 result.tokens[index].extend(output.new_token_ids)
                 result.logprobs[index].extend(output.logprobs or ())
+                if output.prompt_logprobs is not None:
+                    assert index not in result.prompt_logprobs, f"request {index}: prompt logprobs twice"
+                    result.prompt_logprobs[index] = list(output.prompt_logprobs)
                 if output.finish_reason is not None:
                     assert index not in result.finish, f"request {index} finished twice"
                     result.finish[index] = output.finish_reason
@@ -128,29 +133,35 @@ class SoloReference:
         """Each token's gmlx.logprobs.TokenLogprob, for params that ask for logprobs."""
         return self._run(token_ids, params)[2]
 
+    def prompt_logprobs(self, token_ids, params: SamplingParams) -> list:
+        """The prompt's (positions 1..), for params that ask for prompt_logprobs."""
+        return self._run(token_ids, params)[3]
+
     def _run(self, token_ids, params: SamplingParams) -> tuple:
         key = (tuple(token_ids), params)
         if key not in self._memo:
-            tokens, reason, _, logprobs = _drive_alone(self.engine, token_ids, params)
-            self._memo[key] = tokens, reason, logprobs
+            self._memo[key] = _drive_alone(self.engine, token_ids, params)
         return self._memo[key]
 
 
 def run_alone(engine: Engine, token_ids, params: SamplingParams) -> tuple[list[int], str, dict]:
     """One request through an otherwise idle engine to its end: (tokens, finish reason, final stats)."""
-    return _drive_alone(engine, token_ids, params)[:3]
+    tokens, reason, _, _, stats = _drive_alone(engine, token_ids, params)
+    return tokens, reason, stats
 
 
-def _drive_alone(engine: Engine, token_ids, params: SamplingParams) -> tuple[list[int], str, dict, list]:
+def _drive_alone(engine: Engine, token_ids, params: SamplingParams) -> tuple:
+    """(tokens, finish reason, logprobs, prompt logprobs, final stats)."""
     request_id = engine.add_request(list(token_ids), params)
-    out, reason, stats, logprobs = [], None, None, []
+    out, reason, stats, logprobs, prompt_logprobs = [], None, None, [], None
     while reason is None:
         for output in engine.step():
             assert output.request_id == request_id
             out.extend(output.new_token_ids)
             logprobs.extend(output.logprobs or ())
+            prompt_logprobs = output.prompt_logprobs if output.prompt_logprobs is not None else prompt_logprobs
             reason, stats = output.finish_reason, output.stats
-    return out, reason, stats, logprobs
+    return out, reason, logprobs, None if prompt_logprobs is None else list(prompt_logprobs), stats
 
 
 def check_schedule(engine: Engine, reference: SoloReference, schedule: Schedule) -> ScheduleResult:
@@ -170,4 +181,9 @@ def check_schedule(engine: Engine, reference: SoloReference, schedule: Schedule)
             assert result.logprobs[index] == expected_logprobs, f"{where}: logprobs differ from plain decoding's"
         else:
             assert not result.logprobs[index], f"{where}: logprobs nobody asked for"
+        if arrival.params.prompt_logprobs is not None and reason != "cancelled":
+            expected_prompt = reference.prompt_logprobs(arrival.token_ids, arrival.params)
+            assert result.prompt_logprobs.get(index) == expected_prompt, f"{where}: prompt logprobs differ"
+        elif arrival.params.prompt_logprobs is None:
+            assert index not in result.prompt_logprobs, f"{where}: prompt logprobs nobody asked for"
     return result

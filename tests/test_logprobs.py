@@ -51,7 +51,7 @@ def test_logprobs_survive_kv_evictions(builtin_target, code_prompts):
     rng = random.Random(5)
     num_evicted = 0
     for seed in range(3):
-        schedule = make_schedule(42_000 + seed, builtin_target.vocab_size, [], max_requests=5, max_new_tokens=100,
+        schedule = make_schedule(42_000 + seed, builtin_target.vocab_size, [], max_requests=6, max_new_tokens=120,
                                  logprobs_rate=1.0)
         arrivals = []
         for a in schedule.arrivals:
@@ -99,6 +99,33 @@ def test_logprobs_are_the_models_distribution(temperature, builtin_target, refer
                 assert entry.top[0] == (token, entry.logprob)
 
 
+def test_prompt_logprobs_score_every_prompt_token_even_when_the_prompt_is_cached(builtin_target, code_prompts):
+    """prompt_logprobs: positions 1.. of the prompt, each the model's logprob of that token after
+    those before it (one forward over the prompt, within 1e-4), on the first output only, the
+    same bits when the prompt cache holds the prompt (its prefix is prefilled anyway)."""
+    engine = Engine(builtin_target, make_drafter("ngram", builtin_target), EngineConfig())
+    prompt = list(code_prompts[1][:100])
+    plain = SamplingParams(max_tokens=4)
+    scored = SamplingParams(max_tokens=4, prompt_logprobs=3)
+    outputs = []
+    for params in (plain, scored, scored, plain):  # the first run leaves the prompt in the prompt cache
+        request_id = engine.add_request(prompt, params)
+        outputs.append([o for _ in range(50) for o in engine.step() if o.request_id == request_id])
+    assert outputs[3][-1].stats["cached_prompt_tokens"] > 0  # a plain request takes the cached prefix
+    outputs.pop()
+    assert all(o.prompt_logprobs is None for o in outputs[0])
+    firsts = [run[0].prompt_logprobs for run in outputs[1:]]
+    assert firsts[0] == firsts[1] and all(o.prompt_logprobs is None for run in outputs[1:] for o in run[1:])
+    assert outputs[2][-1].stats["cached_prompt_tokens"] == 0
+    entries = firsts[0]
+    assert len(entries) == len(prompt) - 1
+    expected = _model_logprobs(builtin_target, prompt)  # (P, V): row p predicts token p + 1
+    for position, entry in enumerate(entries, start=1):
+        row = expected[position - 1]
+        assert entry.logprob == pytest.approx(row[prompt[position]].item(), abs=1e-4)
+        assert [lp for _, lp in entry.top] == pytest.approx(sorted(row.tolist(), reverse=True)[:3], abs=1e-4)
+
+
 def test_stochastic_acceptance_logprobs_score_the_emitted_tokens(builtin_target, code_prompts):
     """Rejection sampling emits drafts that need not be the target's samples: each token's logprob
     is still the target's logprob of that token at its position."""
@@ -132,10 +159,11 @@ def test_no_logits_are_held_past_delivery(builtin_target, code_prompts):
     assert 0 < most <= 2 + 8
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("value", [-1, 21, True, 2.0, "3"])
-def test_bad_logprobs_are_refused_naming_the_field(value):
-    with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=value).validate()
+def test_bad_logprobs_are_refused_naming_the_field(name, value):
+    with pytest.raises(ValueError, match=f"^{name} must"):
+        SamplingParams(**{name: value}).validate()
 
 
 @pytest.mark.parametrize("kind", ["ngram", "mtp"])

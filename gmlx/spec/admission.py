@@ -142,7 +142,7 @@ class InjectionQueue:
         start_s, start = time.perf_counter(), request.num_prefilled
         num_tokens = self.token_budget(budget_s)
         chunk = mx.array(request.all_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
-        self.target.body(chunk, caches)
+        self._score_prompt(request, self.target.body(chunk, caches), start)
         request.num_prefilled += num_tokens
         mx.eval([c.keys for c in caches])
         self._measured(num_tokens, start_s)
@@ -169,6 +169,7 @@ class InjectionQueue:
         queue with its first token sampled (still lazy: read by land())."""
         request = chunk.request
         assert self.waiting and self.waiting[0] is request and request.num_prefilled == chunk.start
+        self._score_prompt(request, chunk_hidden, chunk.start)
         request.num_prefilled += chunk.num_tokens
         if chunk.is_last:
             self.waiting.popleft()
@@ -199,6 +200,7 @@ class InjectionQueue:
             start_s, start = time.perf_counter(), request.num_prefilled
             chunk = mx.array(request.all_token_ids[start : start + num_tokens], dtype=mx.int32)[None]
             hidden = self.target.body(chunk, caches)  # (1, T, D)
+            self._score_prompt(request, hidden, start)
             request.num_prefilled += num_tokens
             budget -= num_tokens
             if request.num_prefilled < request.num_prefill_tokens:
@@ -223,7 +225,7 @@ class InjectionQueue:
         # Room for the prompt and the first decode steps: no growth copy while it prefills or just
         # after; never wider than the budget charges the row.
         min_capacity = min(request.num_prefill_tokens + 64, self.reserved_tokens(request))
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and not _is_scoring_prompt(request):
             caches, num_cached = self.prompt_cache.fetch(request.all_token_ids)
             if caches is not None:
                 request.num_prefilled = num_cached
@@ -239,6 +241,15 @@ class InjectionQueue:
         mx.eval(token, last_hidden, [c.keys for c in caches])
         return Prefilled(request, caches, int(token.item()), last_hidden[0, 0])
 
+    def _score_prompt(self, request: Request, hidden: mx.array, start: int) -> None:
+        """Where the request asks for its prompt's logprobs: those of this chunk's positions
+        (hidden (1, T, D) from position start) whose next token is a prompt token."""
+        if not _is_scoring_prompt(request):
+            return
+        num_positions = min(hidden.shape[1], request.num_prompt_tokens - 1 - start)
+        if num_positions > 0:
+            logprobs.keep_prompt(request, self.target.head(hidden[:, :num_positions]), start)
+
     def _sample_first(self, request: Request, last_hidden: mx.array) -> mx.array:
         """The request's next token (1, 1) from its prefill's last hidden state (1, 1, D): its
         first, or after an eviction the one after those it generated."""
@@ -248,6 +259,12 @@ class InjectionQueue:
         token = sample(logits, rows, position)
         logprobs.keep([request], logits, token, [request.num_prefill_tokens])
         return token
+
+
+def _is_scoring_prompt(request: Request) -> bool:
+    """A request asking for its prompt's logprobs, before its first token: its prefill must run
+    every prompt position (no prompt-cache prefix); prefilled again after an eviction, it has them."""
+    return request.params.prompt_logprobs is not None and not request.num_generated
 
 
 def _rewind(request: Request) -> None:
