@@ -48,6 +48,7 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
     speculate: bool = True  # False pins the request to plain decoding (it never drafts)
     logprobs: int | None = None  # N in 0..20: each token's logprob and its position's N likeliest
+    prompt_logprobs: int | None = None  # N in 0..20: the same for the prompt's tokens, in the first chunk
 
 
 def sampling_of(msg: Sampling) -> Sampling:
@@ -119,6 +120,8 @@ class Chunk(Message, frozen=True):
     emitted_at_ns: int | None = None  # server host CLOCK_MONOTONIC when the worker sent the round
     # Where the request asked: one {token_id, token, logprob, top_logprobs} per token of token_ids.
     logprobs: list[dict] | None = None
+    # Where it asked, in its first chunk: one per prompt token (the first's logprob null).
+    prompt_logprobs: list[dict] | None = None
 
 
 class Error(Message, frozen=True):
@@ -222,6 +225,7 @@ class RowOutput(msgspec.Struct, frozen=True, array_like=True):
     stats: dict | None = None
     error: str | None = None
     logprobs: list | None = None  # where the request asked: [logprob, [[token id, logprob], ...]] per token
+    prompt_logprobs: list | None = None  # the same for prompt positions 1.., on the request's first row
 
 
 class Round(Message, frozen=True):
@@ -292,17 +296,20 @@ class WireError(ValueError):
         self.field = field
 
 
-# A CHUNK of a request that did not ask for logprobs goes out without the field, byte for byte
-# what clients from before it read (they forbid unknown fields).
+# A CHUNK goes out without its logprobs fields where they are null, byte for byte what clients
+# from before them read (they forbid unknown fields).
+_OPTIONAL_CHUNK_FIELDS = ("logprobs", "prompt_logprobs")
 _ChunkWithoutLogprobs = msgspec.defstruct(
-    "ChunkWithoutLogprobs", [(f.name, f.type, f.default) for f in msgspec.structs.fields(Chunk) if f.name != "logprobs"],
+    "ChunkWithoutLogprobs",
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(Chunk) if f.name not in _OPTIONAL_CHUNK_FIELDS],
     frozen=True)
 
 
 def encode_json(msg: Message) -> list[bytes]:
-    if type(msg) is Chunk and msg.logprobs is None:
+    if type(msg) is Chunk and msg.logprobs is None and msg.prompt_logprobs is None:
         fields = msgspec.structs.asdict(msg)
-        del fields["logprobs"]
+        for name in _OPTIONAL_CHUNK_FIELDS:
+            del fields[name]
         return [msg.TAG, _json_encoder.encode(_ChunkWithoutLogprobs(**fields))]
     return [msg.TAG, _json_encoder.encode(msg)]
 

@@ -47,6 +47,8 @@ def _valid_fields(rng: random.Random) -> dict:
         fields["speculate"] = rng.random() < 0.5
     if rng.random() < 0.25:
         fields["logprobs"] = rng.choice([0, 1, 5, 20])
+    if rng.random() < 0.15:
+        fields["prompt_logprobs"] = rng.choice([0, 1, 20])
     return fields
 
 
@@ -78,6 +80,7 @@ _OUT_OF_RANGE = {"max_tokens": [0, -1, (1 << 20) + 1, 2**32, 2**32 + 1, 2**64, 1
                  "top_k": [-1, (1 << 24) + 1, 2**32, 2**64, -(2**63)],
                  "seed": [-1, 2**63, 2**64, 10**40],
                  "logprobs": [-1, 21, 2**32, 2**64],
+                 "prompt_logprobs": [-1, 21, 2**64],
                  "token_ids": [-1, 300_000, 2**32, 2**63, 10**40]}
 
 
@@ -298,8 +301,12 @@ def _classify(replies: list[tuple[bytes, dict]]) -> str:
         chunks = [o for t, o in replies if t == b"K"]
         if [o["seq"] for o in chunks] != list(range(len(chunks))):
             return "gap"
-        # A request that asked for logprobs gets one entry per token in every chunk; others get no field.
-        has_logprobs = {"logprobs" in o for o in chunks}
-        is_aligned = all(len(o["logprobs"]) == len(o["token_ids"]) for o in chunks if "logprobs" in o)
-        return "served" if len(has_logprobs) == 1 and is_aligned else "bad_logprobs"
+        # A request that asked for logprobs gets one entry per token in every chunk; others get no
+        # field. Prompt logprobs come in the first chunk alone, led by an entry without a logprob.
+        has_logprobs = {o.get("logprobs") is not None for o in chunks}
+        is_aligned = all(len(o["logprobs"]) == len(o["token_ids"]) for o in chunks if o.get("logprobs") is not None)
+        prompt = chunks[0].get("prompt_logprobs")
+        is_prompt_ok = (not any(o.get("prompt_logprobs") is not None for o in chunks[1:])
+                        and (prompt is None or (prompt and prompt[0]["logprob"] is None)))
+        return "served" if len(has_logprobs) == 1 and is_aligned and is_prompt_ok else "bad_logprobs"
     return "failed_after_accept"

@@ -67,6 +67,8 @@ def _valid_body(rng: random.Random, model_id: str, is_chat: bool) -> dict:
                 body["top_logprobs"] = rng.choice([0, 1, 5, 20])
         else:
             body["logprobs"] = rng.choice([0, 1, 5, 20])
+    if not is_chat and rng.random() < 0.15:
+        body["echo"] = True
     if rng.random() < 0.4:
         body["stream"] = True
         if rng.random() < 0.5:
@@ -249,8 +251,9 @@ def _logprobs_problem(case: HttpCase, choices: list[dict], usage: dict) -> str |
         return None if not objects else "logprobs nobody asked for"
     is_chat = case.path == GENERATE_PATHS[1]
     num_entries = sum(len(o["content"] if is_chat else o["token_logprobs"]) for o in objects)
-    if num_entries != usage["completion_tokens"]:
-        return f"{num_entries} logprobs for {usage['completion_tokens']} completion tokens"
+    num_tokens = usage["completion_tokens"] + (usage["prompt_tokens"] if json.loads(case.body).get("echo") else 0)
+    if num_entries != num_tokens:
+        return f"{num_entries} logprobs for {num_tokens} tokens"
     return None
 
 

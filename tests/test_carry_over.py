@@ -88,6 +88,38 @@ def test_each_carry_over_sends_the_prompt_and_every_streamed_token_until_the_bou
     assert req.num_prompt_tokens == 3 and req.num_worker_losses == MAX_WORKER_LOSSES
 
 
+def test_prompt_logprobs_go_out_once_whatever_worker_is_lost():
+    """The first row's prompt logprobs make the first chunk's (the first token with a null
+    logprob); a carry-over after that chunk asks the next worker for none, one before it still
+    does; a first row without them fails the request rather than send a short list."""
+    from workers.tokenizer import load_tokenizer
+
+    _, decoder = load_tokenizer(str(model_dir()))
+    sampling = m.Sampling(max_tokens=10, seed=7, logprobs=1, prompt_logprobs=1)
+
+    def make():
+        return ClientRequest("r1", "ref", b"client", BusPayload(token_ids=[5, 6, 7], sampling=sampling),
+                             TextStream(decoder), "model", has_stop=False)
+
+    entry = [-0.5, [[9, -0.5]]]
+    req = make()
+    assert req.carry_over() is False  # still pending: nothing to carry
+    req.phase = Phase.INJECTED
+    assert req.carry_over() and req.payload.sampling.prompt_logprobs == 1  # lost before its first chunk
+    req.phase = Phase.INJECTED
+    [chunk] = req.on_row(m.RowOutput("r1", 0, [20], logprobs=[entry], prompt_logprobs=[entry, entry]), 0).messages
+    assert [e["token_id"] for e in chunk.prompt_logprobs] == [5, 6, 7]
+    assert chunk.prompt_logprobs[0]["logprob"] is None and chunk.prompt_logprobs[1]["logprob"] == -0.5
+    assert req.carry_over() and req.payload.sampling.prompt_logprobs is None
+    req.phase = Phase.INJECTED
+    [chunk] = req.on_row(m.RowOutput("r1", 0, [21], logprobs=[entry]), 0).messages
+    assert isinstance(chunk, m.Chunk) and chunk.prompt_logprobs is None and len(chunk.logprobs) == 1
+    req = make()
+    req.phase = Phase.INJECTED
+    [error] = req.on_row(m.RowOutput("r1", 0, [20], logprobs=[entry]), 0).messages
+    assert isinstance(error, m.Error) and "prompt" in error.message
+
+
 def test_an_unseeded_request_has_its_seed_pinned_when_accepted():
     seeds = {make_client_request([5], max_tokens=4, seed=None).payload.sampling.seed for _ in range(4)}
     assert len(seeds) == 4 and all(0 <= seed < 2**63 for seed in seeds)  # drawn at random, each its own

@@ -172,6 +172,34 @@ def test_logprobs_over_zmq_and_http_agree_and_do_not_depend_on_speculation(serve
     assert streamed == [e["logprob"] for e in want]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(server, oai):
+    """lm-eval's loglikelihood request: echo, logprobs 1, one new token, greedy. The answer holds
+    the prompt then the new token, each token's logprob (the first prompt token's null) as the
+    server's ZeroMQ prompt_logprobs / logprobs give them, streamed or not."""
+    prompt = PROMPT + " return"
+    with Client(server.address, timeout_s=60) as client:
+        chunks = list(client.generate(prompt=prompt, max_tokens=1, logprobs=1, prompt_logprobs=1))
+    prompt_entries = chunks[0].prompt_logprobs
+    assert prompt_entries[0]["logprob"] is None and all(e["logprob"] < 0 for e in prompt_entries[1:])
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+    want = prompt_entries + [e for c in chunks for e in c.logprobs]
+    body = dict(model=MODEL_ID, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    done = oai.completions.create(**body)
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text == prompt + "".join(c.text for c in chunks)
+    assert lp.tokens == [e["token"] for e in want] and lp.token_logprobs == [e["logprob"] for e in want]
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    events = list(oai.completions.create(**body, stream=True))
+    assert "".join(e.choices[0].text for e in events) == done.choices[0].text
+    assert [t for e in events if e.choices[0].logprobs for t in e.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+    # A token-id prompt echoes as its tokens' own texts, without logprobs where none were asked.
+    token_ids = [e["token_id"] for e in prompt_entries]
+    done = oai.completions.create(model=MODEL_ID, prompt=token_ids, max_tokens=1, temperature=0, echo=True)
+    assert done.choices[0].text.startswith("".join(e["token"] for e in prompt_entries))
+    assert done.choices[0].logprobs is None
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
@@ -431,12 +459,17 @@ def test_parse_completion_fields_and_refusals():
     assert o.parse_completion({"model": "m", "prompt": [1, 2, 3]}).token_ids == (1, 2, 3)
     assert args.num_logprobs is None and args.client_kwargs()["logprobs"] is None
     assert o.parse_completion({"model": "m", "prompt": "a", "logprobs": 0}).client_kwargs()["logprobs"] == 0
+    # echo scores the prompt where logprobs are asked, or where only its tokens' texts can spell it
+    echoes = [({"prompt": "a", "echo": True}, None), ({"prompt": "a", "echo": True, "logprobs": 2}, 2),
+              ({"prompt": [1, 2], "echo": True}, 0), ({"prompt": [1, 2], "echo": False, "logprobs": 2}, None)]
+    for extra, want in echoes:
+        assert o.parse_completion({"model": "m", **extra}).client_kwargs()["prompt_logprobs"] == want, extra
     plain = o.parse_completion({"model": "m", "prompt": "a", "speculate": False})
     assert plain.client_kwargs()["speculate"] is False and args.client_kwargs()["speculate"] is True
     bad = [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "n": 3}, "n"),
            ({"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a"}, "model"),
            ({"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
-           ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+           ({"model": "m", "prompt": "a", "echo": 1}, "echo"),
            ({"model": "m", "prompt": "a", "max_tokens": "9"}, "max_tokens"),
            ({"model": "m", "prompt": "a", "stop": ["", "x"]}, "stop"),
            ({"model": "m", "prompt": "a", "speculate": "yes"}, "speculate"),
@@ -472,7 +505,7 @@ def test_parse_chat_logprobs_is_a_switch_and_top_logprobs_its_count():
              ({"logprobs": True, "top_logprobs": 20}, 20)]
     for extra, want in cases:
         assert o.parse_chat({"model": "m", "messages": turn, **extra}, 9).num_logprobs == want, extra
-    bad = [({"logprobs": 3}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    bad = [({"logprobs": 3}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"), ({"echo": True}, "echo"),
            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
            ({"logprobs": True, "top_logprobs": -1}, "top_logprobs")]
     for extra, param in bad:

@@ -133,7 +133,8 @@ def test_clients_and_servers_from_before_logprobs_read_what_does_not_use_them():
     chunk = m.Chunk(request_id="r1", seq=2, token_ids=[1, 2], text="ab", finish_reason="length", stats={"x": 1},
                     emitted_at_ns=5)
     old = msgspec.json.decode(m.encode_json(chunk)[1], type=ChunkBeforeLogprobs)
-    assert msgspec.structs.asdict(old) == {k: v for k, v in msgspec.structs.asdict(chunk).items() if k != "logprobs"}
+    assert msgspec.structs.asdict(old) == {k: v for k, v in msgspec.structs.asdict(chunk).items()
+                                           if k not in ("logprobs", "prompt_logprobs")}
     generate = m.Generate(ref="a", prompt="def f(", max_tokens=3, temperature=0.5)
     old = msgspec.json.decode(m.encode_json(generate)[1], type=GenerateBeforeLogprobs)
     assert (old.ref, old.prompt, old.max_tokens, old.temperature, old.speculate) == ("a", "def f(", 3, 0.5, True)

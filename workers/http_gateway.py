@@ -191,7 +191,7 @@ class Gateway:
                 return StreamingResponse(self._events(relay, shape, args, first, endpoint),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await self._collect(relay, shape, first, disconnected, endpoint)
+            return await self._collect(relay, shape, args, first, disconnected, endpoint)
         except ClientGone:
             self.metrics.requests.labels(endpoint, "cancelled").inc()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
@@ -201,13 +201,15 @@ class Gateway:
                 await relay.close()
                 self.metrics.in_flight.dec()
 
-    async def _collect(self, relay: _Relay, shape: oai.ResponseShape, first, disconnected, endpoint: str) -> Response:
+    async def _collect(self, relay: _Relay, shape: oai.ResponseShape, args: oai.GenerateArgs, first, disconnected,
+                       endpoint: str) -> Response:
         texts, logprobs, chunk, last_s = [], None, first, time.monotonic()
         try:
             while chunk is not _END:
-                texts.append(chunk.text)
-                if chunk.logprobs is not None:
-                    logprobs = (logprobs or []) + chunk.logprobs
+                text, entries = args.echoed(chunk, chunk is first)
+                texts.append(text)
+                if entries is not None:
+                    logprobs = (logprobs or []) + entries
                 now_s = time.monotonic()
                 self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
                 last_s = now_s
@@ -234,17 +236,17 @@ class Gateway:
                 now_s = time.monotonic()
                 self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
                 last_s = now_s
+                text, entries = args.echoed(chunk, chunk is first)
                 if chunk.finish_reason is None:
-                    if chunk.logprobs is not None:  # tokens whose text is held back still send their logprobs
-                        if chunk.text or chunk.logprobs:
-                            yield _sse(shape.chunk(chunk.text, None, logprobs=chunk.logprobs))
-                    elif chunk.text:
-                        yield shape.text_event(chunk.text)
+                    if entries is not None:  # tokens whose text is held back still send their logprobs
+                        if text or entries:
+                            yield _sse(shape.chunk(text, None, logprobs=entries))
+                    elif text:
+                        yield shape.text_event(text)
                     chunk = await relay.next()
                     continue
                 usage = oai.usage_of(chunk.stats)
-                yield _sse(shape.chunk(chunk.text, oai.finish_reason_of(chunk.finish_reason), usage,
-                                       logprobs=chunk.logprobs))
+                yield _sse(shape.chunk(text, oai.finish_reason_of(chunk.finish_reason), usage, logprobs=entries))
                 if args.is_usage_chunk:
                     yield _sse(shape.usage_chunk(usage))
                 finish = chunk.finish_reason

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from gmlx.request import MAX_TOP_LOGPROBS, check_text
 
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
-_UNSUPPORTED_IF_SET = {"echo": (None, False),
+_UNSUPPORTED_IF_SET = {
                        "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
                        "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                        "tools": (None, []), "response_format": (None, {"type": "text"})}
@@ -58,6 +58,7 @@ class GenerateArgs:
     is_usage_chunk: bool  # stream_options.include_usage: a last chunk with usage and no choices
     is_speculate: bool  # gmlx extra: False pins the row to plain decoding (never the tokens)
     num_logprobs: int | None  # None: no logprobs; N: each token's and its position's N likeliest
+    is_echo: bool = False  # completions: the answer starts with the prompt (its logprobs too, where asked)
 
     def client_kwargs(self) -> dict:
         """ipc.client's generate() arguments."""
@@ -65,7 +66,29 @@ class GenerateArgs:
         return dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
                     messages=messages, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None,
-                    speculate=self.is_speculate, logprobs=self.num_logprobs)
+                    speculate=self.is_speculate, logprobs=self.num_logprobs,
+                    prompt_logprobs=self.num_prompt_logprobs)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Echo scores the prompt where logprobs are asked; a token-id prompt's text is made of its
+        tokens' own texts, which the prompt's logprobs carry."""
+        if not self.is_echo:
+            return None
+        if self.num_logprobs is not None:
+            return self.num_logprobs
+        return None if self.prompt is not None else 0
+
+    def echoed(self, chunk, is_first: bool) -> tuple[str, list | None]:
+        """A chunk's text and logprobs entries as the answer shows them: the first one's led by the
+        prompt's where echo is on."""
+        if not (self.is_echo and is_first):
+            return chunk.text, chunk.logprobs
+        prompt_entries = chunk.prompt_logprobs or []
+        prefix = self.prompt if self.prompt is not None else "".join(e["token"] for e in prompt_entries)
+        if self.num_logprobs is None:
+            return prefix + chunk.text, chunk.logprobs
+        return prefix + chunk.text, prompt_entries + (chunk.logprobs or [])
 
 
 def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
@@ -76,10 +99,11 @@ def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
         prompt = prompt[0]  # a batch of one
     # The legacy API's logprobs is the count of alternatives; 0 still scores the chosen tokens.
     num_logprobs = _top_count(body, "logprobs")
+    is_echo = _get(body, "echo", False, _is_bool, "a boolean")
     if isinstance(prompt, str):
-        return _common(body, _text(prompt, "prompt"), None, None, default_max_tokens, num_logprobs)
+        return _common(body, _text(prompt, "prompt"), None, None, default_max_tokens, num_logprobs, is_echo)
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return _common(body, None, tuple(prompt), None, default_max_tokens, num_logprobs)
+        return _common(body, None, tuple(prompt), None, default_max_tokens, num_logprobs, is_echo)
     raise BadRequest(f"prompt must be a string or a list of token ids (one prompt per request), got {_short(prompt)}",
                      "prompt")
 
@@ -110,6 +134,8 @@ def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
     num_top = _top_count(body, "top_logprobs")
     if num_top is not None and not is_logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.get("echo") not in (None, False):
+        raise BadRequest(f"echo is a completions field, not supported on chat, got {_short(body['echo'])}", "echo")
     num_logprobs = (num_top or 0) if is_logprobs else None
     return _common(body, None, None, turns, default_max_tokens, num_logprobs)
 
@@ -122,7 +148,7 @@ def _top_count(body: dict, name: str) -> int | None:
 
 
 def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
-            num_logprobs: int | None) -> GenerateArgs:
+            num_logprobs: int | None, is_echo: bool = False) -> GenerateArgs:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", "model")
@@ -154,6 +180,7 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
         is_usage_chunk=_get(stream_options, "include_usage", False, _is_bool, "a boolean"),
         is_speculate=_get(body, "speculate", True, _is_bool, "a boolean"),
         num_logprobs=num_logprobs,
+        is_echo=is_echo,
     )
 
 
@@ -279,8 +306,10 @@ class ResponseShape:
         for e in entries:
             offsets.append(self._text_offset)
             self._text_offset += len(e["token"])
+        # An echoed prompt's first token has no logprob and no alternatives: null, as OpenAI's.
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "top_logprobs": [None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                                 for e in entries],
                 "text_offset": offsets}
 
 

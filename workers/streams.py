@@ -87,6 +87,8 @@ class ClientRequest:
         if self.phase != Phase.INJECTED or self.num_worker_losses >= MAX_WORKER_LOSSES or num_left <= 0:
             return False
         sampling = msgspec.structs.replace(self.client_payload.sampling, max_tokens=num_left)
+        if self.next_chunk_seq > 0:  # the prompt's logprobs went out with the first chunk
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         self.payload = BusPayload(token_ids=self.client_payload.token_ids + self.generated_token_ids,
                                   sampling=sampling)
         self.num_worker_losses += 1
@@ -110,22 +112,45 @@ class ClientRequest:
         if row.finish_reason == "error":
             out.messages.append(self.fail(row.error or "the engine failed the request"))
             return out
-        if self.is_logprobs and len(row.logprobs or ()) != len(row.token_ids):  # a worker of another version
+        problem = self._logprobs_problem(row)
+        if problem is not None:  # a worker of another version
             out.is_cancel_needed = row.finish_reason is None
-            out.messages.append(self.fail("the worker sent no logprobs for the request's tokens"))
+            out.messages.append(self.fail(problem))
             return out
+        prompt_logprobs = self._prompt_logprobs(row.prompt_logprobs)
         token_ids, text = self.text_stream.take(row.token_ids, is_final=row.finish_reason is not None)
         logprobs = self._logprobs(token_ids, row.logprobs)
         if self.text_stream.is_stopped:
             if row.finish_reason is None:
                 self.phase, self.stop_reason = Phase.STOPPING, "stop"
                 out.is_cancel_needed = True
-                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, logprobs=logprobs))
+                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, logprobs=logprobs,
+                                                prompt_logprobs=prompt_logprobs))
             else:
-                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, "stop", row.stats, logprobs))
+                out.messages.append(self._chunk(token_ids, text, emitted_at_ns, "stop", row.stats, logprobs,
+                                                prompt_logprobs))
             return out
-        out.messages.append(self._chunk(token_ids, text, emitted_at_ns, row.finish_reason, row.stats, logprobs))
+        out.messages.append(self._chunk(token_ids, text, emitted_at_ns, row.finish_reason, row.stats, logprobs,
+                                        prompt_logprobs))
         return out
+
+    def _logprobs_problem(self, row: m.RowOutput) -> str | None:
+        if self.is_logprobs and len(row.logprobs or ()) != len(row.token_ids):
+            return "the worker sent no logprobs for the request's tokens"
+        is_prompt_due = self.payload.sampling.prompt_logprobs is not None and self.next_chunk_seq == 0
+        num_prompt = len(row.prompt_logprobs) + 1 if row.prompt_logprobs is not None else None
+        if is_prompt_due and row.finish_reason != "cancelled" and num_prompt != self.num_prompt_tokens:
+            return "the worker sent no logprobs for the request's prompt"
+        return None
+
+    def _prompt_logprobs(self, row_prompt_logprobs: list | None) -> list[dict] | None:
+        """The client's entries of the whole prompt: its first token has no logprob (nothing precedes it)."""
+        if row_prompt_logprobs is None or self.next_chunk_seq > 0:
+            return None
+        prompt = self.client_payload.token_ids
+        tokenizer = self.text_stream.tokenizer
+        first = logprob_entries(tokenizer, prompt[:1], [(None, [])])
+        return first + logprob_entries(tokenizer, prompt[1:], row_prompt_logprobs)
 
     def _logprobs(self, token_ids: list[int], row_logprobs: list | None) -> list[dict] | None:
         """The client's entries of the tokens delivered (a stop string may cut the row's short)."""
@@ -151,7 +176,8 @@ class ClientRequest:
         return m.Error(message=message, ref=self.ref, request_id=self.request_id,
                        field=field_name or m.field_of(message))
 
-    def _chunk(self, token_ids, text, emitted_at_ns, finish_reason=None, stats=None, logprobs=None) -> m.Chunk:
+    def _chunk(self, token_ids, text, emitted_at_ns, finish_reason=None, stats=None, logprobs=None,
+               prompt_logprobs=None) -> m.Chunk:
         self.num_delivered += len(token_ids)
         if logprobs is None and self.is_logprobs:
             logprobs = []  # every chunk of a request that asked carries a list, one entry per token
@@ -165,6 +191,6 @@ class ClientRequest:
             stats["model"] = self.model
         chunk = m.Chunk(request_id=self.request_id, seq=self.next_chunk_seq, token_ids=list(token_ids),
                         text=text, finish_reason=finish_reason, stats=stats, emitted_at_ns=emitted_at_ns,
-                        logprobs=logprobs)
+                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         self.next_chunk_seq += 1
         return chunk

@@ -200,12 +200,14 @@ class Worker:
         # round's); the wire carries one row per request per round.
         merged: dict[str, list] = {}
         for out in outputs:
-            row = merged.setdefault(out.request_id, [[], None, None, None, None])
+            row = merged.setdefault(out.request_id, [[], None, None, None, None, None])
             row[0].extend(out.new_token_ids)
             row[1:4] = out.finish_reason, out.stats, None  # the engine fails no request: errors are _reject's
             if out.logprobs is not None:
-                row[4] = (row[4] or []) + [[e.logprob, [list(pair) for pair in e.top]] for e in out.logprobs]
-        for request_id, (token_ids, finish_reason, stats, error, logprobs) in merged.items():
+                row[4] = (row[4] or []) + _wire_logprobs(out.logprobs)
+            if out.prompt_logprobs is not None:
+                row[5] = _wire_logprobs(out.prompt_logprobs)
+        for request_id, (token_ids, finish_reason, stats, error, logprobs, prompt_logprobs) in merged.items():
             if not token_ids and finish_reason is None:
                 continue
             if finish_reason is None:
@@ -213,7 +215,8 @@ class Worker:
                 self._next_seq[request_id] = seq + 1
             else:
                 seq = self._next_seq.pop(request_id, 0)
-            rows.append(m.RowOutput(request_id, seq, token_ids, finish_reason, stats, error, logprobs))
+            rows.append(m.RowOutput(request_id, seq, token_ids, finish_reason, stats, error, logprobs,
+                                    prompt_logprobs))
         if rows:
             self._num_rounds += 1
             self._publish(m.Round(worker_id=self.worker_id, round_index=self._num_rounds,
@@ -268,6 +271,11 @@ def parse_prefill_budget(value: str | None):
     if not ms >= 0 or ms == float("inf"):
         raise click.BadParameter(f"must be >= 0 milliseconds, got {value!r}")
     return ms / 1000
+
+
+def _wire_logprobs(entries) -> list:
+    """gmlx.logprobs.TokenLogprob entries as the worker link carries them: [logprob, [[id, logprob], ...]]."""
+    return [[e.logprob, [list(pair) for pair in e.top]] for e in entries]
 
 
 def _vocab_size(engine) -> int:
