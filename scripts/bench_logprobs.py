@@ -1,9 +1,15 @@
-"""What asking for logprobs costs: decode tok/s with logprobs = N against none, side by side.
+"""What asking for logprobs costs, side by side against not asking.
 
 Runs alternate (ABBA) on one engine per model; the ratio is the median of per-rep ratios.
 
     python scripts/bench_logprobs.py                                  # built-in and SmolLM2
     python scripts/bench_logprobs.py --models smollm2 --widths 1,8 --logprobs 0,5,20 --repeats 5
+    python scripts/bench_logprobs.py --models smollm2 --sections prompt --prompt-tokens 128,512
+
+Sections:
+  decode  decode tok/s of `--widths` requests with logprobs = N against none (--drafter: speculating)
+  prompt  a prompt's prefill and first token with prompt_logprobs = 1 (an evaluation harness's
+          loglikelihood: echo, logprobs 1, one token) against a plain one, no prompt cache
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,28 +44,60 @@ def main() -> None:
     parser.add_argument("--logprobs", default="0,5,20", help="the N of each side against no logprobs")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sections", default="decode,prompt")
+    parser.add_argument("--prompt-tokens", default="128,512", help="prompt lengths of the prompt section")
     args = parser.parse_args()
-    counts = [int(n) for n in args.logprobs.split(",")]
-    print("| model | drafter | width | logprobs | tok/s without | tok/s with | with / without |")
-    print("|---|---|---|---|---|---|---|")
+    sections = args.sections.split(",")
     for name in args.models.split(","):
         target = load_model(None if name == "builtin" else name)
         drafter = None if args.drafter == "none" else make_drafter(args.drafter, target)
         engine = Engine(target, drafter, EngineConfig(prompt_cache_bytes=0))
-        for width in (int(w) for w in args.widths.split(",")):
-            prompts = heldout_text_prompts(target.tokenizer, "prose", width, 128)
+        if "decode" in sections:
+            decode_section(engine, name, args)
+        if "prompt" in sections:
+            prompt_section(engine, name, args)
 
-            def run(mode: str) -> float:
-                logprobs = None if mode == OFF else int(mode)
-                params = SamplingParams(max_tokens=args.tokens, logprobs=logprobs)
-                return decode_tok_per_s(engine, prompts, params)[0]
 
-            modes = [OFF, *(str(n) for n in counts)]
-            runs = alternate(modes, args.repeats, run)
-            for n in counts:
-                ratio = median_ratio(zip(runs[str(n)], runs[OFF]))
-                print(f"| {name} | {args.drafter} | {width} | {n} | {statistics.median(runs[OFF]):.1f} | "
-                      f"{statistics.median(runs[str(n)]):.1f} | {ratio:.3f} |", flush=True)
+def decode_section(engine, name: str, args) -> None:
+    counts = [int(n) for n in args.logprobs.split(",")]
+    print("| model | drafter | width | logprobs | tok/s without | tok/s with | with / without |")
+    print("|---|---|---|---|---|---|---|")
+    target = engine.target
+    for width in (int(w) for w in args.widths.split(",")):
+        prompts = heldout_text_prompts(target.tokenizer, "prose", width, 128)
+
+        def run(mode: str) -> float:
+            logprobs = None if mode == OFF else int(mode)
+            params = SamplingParams(max_tokens=args.tokens, logprobs=logprobs)
+            return decode_tok_per_s(engine, prompts, params)[0]
+
+        modes = [OFF, *(str(n) for n in counts)]
+        runs = alternate(modes, args.repeats, run)
+        for n in counts:
+            ratio = median_ratio(zip(runs[str(n)], runs[OFF]))
+            print(f"| {name} | {args.drafter} | {width} | {n} | {statistics.median(runs[OFF]):.1f} | "
+                  f"{statistics.median(runs[str(n)]):.1f} | {ratio:.3f} |", flush=True)
+
+
+
+def prompt_section(engine, name: str, args) -> None:
+    print("| model | prompt tokens | ms without | ms with prompt_logprobs = 1 | with / without |")
+    print("|---|---|---|---|---|")
+    for num_tokens in (int(n) for n in args.prompt_tokens.split(",")):
+        [prompt] = heldout_text_prompts(engine.target.tokenizer, "prose", 1, num_tokens)
+
+        def run(mode: str) -> float:
+            params = SamplingParams(max_tokens=1, prompt_logprobs=None if mode == OFF else 1)
+            start_s = time.perf_counter()
+            engine.add_request(prompt, params)
+            while engine.has_unfinished():
+                engine.step()
+            return time.perf_counter() - start_s
+
+        runs = alternate([OFF, "on"], args.repeats, run)
+        ratio = median_ratio(zip(runs["on"], runs[OFF]))
+        print(f"| {name} | {num_tokens} | {1000 * statistics.median(runs[OFF]):.0f} | "
+              f"{1000 * statistics.median(runs['on']):.0f} | {ratio:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
