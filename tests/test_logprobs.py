@@ -172,6 +172,7 @@ def test_logprobs_on_mlx_ops_equal_plain_bit_for_bit(kind, builtin_target, code_
     # other bits than the kernel's, as exact with themselves.
     monkeypatch.setenv("GMLX_CPU_KERNELS", "0")
     assert not logprobs._has_kernel()
+    assert "logprobs in mlx ops" in cpu_kernels.format_status(cpu_kernels.status())  # gmlx doctor says which
     reference = SoloReference(builtin_target)
     engine = Engine(builtin_target, make_drafter(kind, builtin_target), EngineConfig())
     for i in range(3):

@@ -353,7 +353,8 @@ def status() -> dict:
                       tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
                       panel_prefetch_bytes=ext.panel_prefetch_bytes() if hasattr(ext, "panel_prefetch_bytes") else 0,
                       fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"),
-                      float_panels=config.is_cpu_float_kernels_enabled() and hasattr(ext, "float_matmul"))
+                      float_panels=config.is_cpu_float_kernels_enabled() and hasattr(ext, "float_matmul"),
+                      token_logprobs=config.is_cpu_kernels_enabled() and hasattr(ext, "token_logprobs"))
     return report
 
 
@@ -388,4 +389,5 @@ def format_status(report: dict) -> str:
             f"threads; norm/rope/attention/swiglu ops {ops}; activations {report.get('quant_activations', 'float')}; "
             f"{layout} where scales allow (GMLX_CPU_QUAD_LAYOUT); {layers} (GMLX_CPU_FUSED_LAYERS, "
             "GMLX_CPU_ONE_NODE_LAYERS, GMLX_CPU_LAYER_STACK); "
-            f"{floats} (GMLX_CPU_FLOAT_KERNELS)")
+            f"{floats} (GMLX_CPU_FLOAT_KERNELS)"
+            + ("; logprobs in the kernels" if report.get("token_logprobs") else "; logprobs in mlx ops"))
