@@ -115,25 +115,24 @@ def take_delivered(request, new_token_ids: list[int]) -> tuple[TokenLogprob, ...
     """The entries of the tokens about to be appended to request's output, their kept records
     consumed; records of positions before the next one are dropped."""
     first = request.num_prompt_tokens + request.num_generated
+    out = _take(request, range(first, first + len(new_token_ids)), request.params.logprobs)
     kept = request.logprobs_by_position
-    out = []
-    for offset in range(len(new_token_ids)):
-        record = kept.pop(first + offset, None)
-        assert record is not None, f"no logprobs kept for position {first + offset} of {request.request_id}"
-        round_logprobs, row, column = record
-        out.append(round_logprobs.entry(row, column, request.params.logprobs))
     for position in [p for p in kept if p < first + len(new_token_ids)]:
         del kept[position]
-    return tuple(out)
+    return out
 
 
 def take_prompt(request) -> tuple[TokenLogprob, ...]:
     """Prompt positions 1.. (position 0 has no logprob: nothing precedes it), kept by keep_prompt."""
+    return _take(request, range(1, request.num_prompt_tokens), request.params.prompt_logprobs)
+
+
+def _take(request, positions: range, num_top: int) -> tuple[TokenLogprob, ...]:
     kept = request.logprobs_by_position
     out = []
-    for position in range(1, request.num_prompt_tokens):
+    for position in positions:
         record = kept.pop(position, None)
-        assert record is not None, f"no prompt logprobs kept for position {position} of {request.request_id}"
+        assert record is not None, f"no logprobs kept for position {position} of {request.request_id}"
         round_logprobs, row, column = record
-        out.append(round_logprobs.entry(row, column, request.params.prompt_logprobs))
+        out.append(round_logprobs.entry(row, column, num_top))
     return tuple(out)

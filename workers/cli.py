@@ -84,7 +84,7 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
     ensure_fast_blas()  # before the engine imports mlx
     from gmlx.engine import Engine
     from gmlx.generate import render_chat, stream_generate
-    from gmlx.textstream import logprob_entries as entries_of
+    from gmlx.textstream import logprob_entries
 
     try:
         engine = Engine.load(EngineConfig(model_path=model, drafter=drafter,
@@ -95,11 +95,11 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
             except ValueError as exc:
                 raise ValueError(f"--chat: {exc}") from exc
         chunks = stream_generate(engine, prompt, params)
-        token_ids, text, logprob_entries, last = [], [], [], None
+        token_ids, text, token_entries, last = [], [], [], None
         for chunk in chunks:
             if chunk.logprobs is not None:
                 pairs = [(e.logprob, e.top) for e in chunk.logprobs]
-                logprob_entries += entries_of(engine.tokenizer, chunk.token_ids, pairs)
+                token_entries += logprob_entries(engine.tokenizer, chunk.token_ids, pairs)
             token_ids += chunk.token_ids
             text.append(chunk.text)
             if not as_json:
@@ -111,7 +111,7 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
         result = {"model": engine.model_path, "token_ids": token_ids, "text": "".join(text),
                   "finish_reason": last.finish_reason, "stats": last.stats}
         if logprobs is not None:
-            result["logprobs"] = logprob_entries
+            result["logprobs"] = token_entries
         click.echo(json.dumps(result))
     else:
         click.echo("")

@@ -209,7 +209,8 @@ class Gateway:
                 text, entries = args.echoed(chunk, chunk is first)
                 texts.append(text)
                 if entries is not None:
-                    logprobs = (logprobs or []) + entries
+                    logprobs = [] if logprobs is None else logprobs
+                    logprobs.extend(entries)
                 now_s = time.monotonic()
                 self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
                 last_s = now_s

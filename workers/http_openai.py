@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from gmlx.request import MAX_TOP_LOGPROBS, check_text
 
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
-_UNSUPPORTED_IF_SET = {
-                       "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
+_UNSUPPORTED_IF_SET = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
                        "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                        "tools": (None, []), "response_format": (None, {"type": "text"})}
 
@@ -296,7 +295,7 @@ class ResponseShape:
     def logprobs(self, entries: list[dict]) -> dict:
         """OpenAI's logprobs object of gmlx's entries ({token_id, token, logprob, top_logprobs}):
         the chat flavour's `content` list, or the completion flavour's parallel lists, whose
-        text_offset counts each token's own text from the completion's start."""
+        text_offset counts each token's own text from the answer's start (the prompt's, with echo)."""
         if self.kind == "chat":
             return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
                                  "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
