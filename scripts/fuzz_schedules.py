@@ -5,6 +5,7 @@ sampling), with random arrivals, budgets, caps, cancels, and preempt/resume on a
 
     python scripts/fuzz_schedules.py --num 10000                 # every drafter, round robin
     python scripts/fuzz_schedules.py --num 2000 --drafters mtp --start 123
+    python scripts/fuzz_schedules.py --num 1000 --logprobs-rate 0.5   # logprobs too, bit for bit
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="first schedule seed")
     parser.add_argument("--drafters", default="mtp,draft,ngram")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--logprobs-rate", type=float, default=0.0,
+                        help="share of requests asking for logprobs (and some for prompt logprobs)")
     args = parser.parse_args()
     target = load_model(args.model)
     reference = SoloReference(target)
@@ -45,7 +48,8 @@ def main() -> int:
     for n in range(args.num):
         seed = args.start + n
         kind = kinds[n % len(kinds)]
-        schedule = make_schedule(seed, target.vocab_size, pool, max_requests=8, caps=(0, 1, 2, 3, 4))
+        schedule = make_schedule(seed, target.vocab_size, pool, max_requests=8, caps=(0, 1, 2, 3, 4),
+                                 logprobs_rate=args.logprobs_rate)
         try:
             result = check_schedule(engines[kind], reference, schedule)
         except AssertionError as exc:
