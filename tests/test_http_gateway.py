@@ -59,6 +59,15 @@ def zmq_text(server, **kwargs) -> tuple[str, str]:
     return "".join(c.text for c in chunks), chunks[-1].finish_reason
 
 
+def http_post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def http_get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:
@@ -193,8 +202,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(server
     assert "".join(e.choices[0].text for e in events) == done.choices[0].text
     assert [t for e in events if e.choices[0].logprobs for t in e.choices[0].logprobs.token_logprobs] == \
         lp.token_logprobs
-    # A token-id prompt echoes as its tokens' own texts, without logprobs where none were asked.
+    # lm-eval's local-completions payload as it sends it (a batch of one token-id prompt) and its
+    # reading of the answer: the continuation's summed logprob and whether it is the greedy one.
     token_ids = [e["token_id"] for e in prompt_entries]
+    status, answer = http_post(server.http_url + "/v1/completions", {
+        "model": MODEL_ID, "prompt": [token_ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+        "echo": True})
+    assert status == 200, answer
+    lp = answer["choices"][0]["logprobs"]
+    context_len = 3
+    continuation = lp["token_logprobs"][context_len:-1]
+    assert continuation == [e["logprob"] for e in prompt_entries[context_len:]]
+    is_greedy = all(t == max(top.values()) for t, top in zip(continuation, lp["top_logprobs"][context_len:-1]))
+    assert is_greedy == all(e["top_logprobs"][0]["token_id"] == e["token_id"] for e in prompt_entries[context_len:])
+    # A token-id prompt echoes as its tokens' own texts, without logprobs where none were asked.
     done = oai.completions.create(model=MODEL_ID, prompt=token_ids, max_tokens=1, temperature=0, echo=True)
     assert done.choices[0].text.startswith("".join(e["token"] for e in prompt_entries))
     assert done.choices[0].logprobs is None
