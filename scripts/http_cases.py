@@ -69,6 +69,11 @@ def _valid_body(rng: random.Random, model_id: str, is_chat: bool) -> dict:
             body["logprobs"] = rng.choice([0, 1, 5, 20])
     if not is_chat and rng.random() < 0.15:
         body["echo"] = True
+    if rng.random() < 0.15:  # several choices: n samples, or a batch of prompts
+        if not is_chat and rng.random() < 0.5:
+            body["prompt"] = [rng.choice(["Hello", "héllo wörld ✓", "1 2 3"]), [5, 6, 7]]
+        else:
+            body["n"] = rng.randint(2, 4)
     if rng.random() < 0.4:
         body["stream"] = True
         if rng.random() < 0.5:
@@ -227,16 +232,19 @@ def _answer_problem(case: HttpCase, body: bytes) -> str | None:
         last = [json.loads(e[len("data: "):]) for e in events[:-1]]
         if any("error" in e for e in last):
             return f"stream ended in an error: {body[-300:]!r}"
-        finishes = [c.get("finish_reason") for e in last for c in e.get("choices", [])]
-        if not finishes or finishes[-1] not in ("stop", "length"):
-            return f"stream finish {finishes[-1:]}"
         choices = [c for e in last for c in e.get("choices", [])]
+        # Every choice ends once, with stop or length (several choices' events interleave).
+        finishes = {c["index"]: c["finish_reason"] for c in choices if c.get("finish_reason") is not None}
+        if not choices or set(finishes) != {c["index"] for c in choices}:
+            return f"a choice of the stream never finished: {sorted(finishes)}"
+        if any(f not in ("stop", "length") for f in finishes.values()):
+            return f"stream finish {sorted(finishes.values())}"
         usage = next(e["usage"] for e in last if e.get("choices") and e["choices"][0].get("finish_reason"))
         return _logprobs_problem(case, choices, usage)
     answer = json.loads(body)
-    finish = answer["choices"][0]["finish_reason"]
-    if finish not in ("stop", "length"):
-        return f"finish_reason {finish!r}"
+    finishes = [c["finish_reason"] for c in answer["choices"]]
+    if not finishes or any(f not in ("stop", "length") for f in finishes):
+        return f"finish_reason {finishes!r}"
     return _logprobs_problem(case, answer["choices"], answer["usage"])
 
 
@@ -249,9 +257,15 @@ def _logprobs_problem(case: HttpCase, choices: list[dict], usage: dict) -> str |
     objects = [c["logprobs"] for c in choices if c.get("logprobs") is not None]
     if not asked:
         return None if not objects else "logprobs nobody asked for"
+    body = json.loads(case.body)
+    indexes = {c["index"] for c in choices}
+    if {c["index"] for c in choices if c.get("logprobs") is not None} != indexes:
+        return "a choice without logprobs"
+    if len(indexes) > 1:  # echo repeats a prompt in each of its samples: count one choice's only
+        return None
     is_chat = case.path == GENERATE_PATHS[1]
     num_entries = sum(len(o["content"] if is_chat else o["token_logprobs"]) for o in objects)
-    num_tokens = usage["completion_tokens"] + (usage["prompt_tokens"] if json.loads(case.body).get("echo") else 0)
+    num_tokens = usage["completion_tokens"] + (usage["prompt_tokens"] if body.get("echo") else 0)
     if num_entries != num_tokens:
         return f"{num_entries} logprobs for {num_tokens} tokens"
     return None

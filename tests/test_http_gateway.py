@@ -221,6 +221,32 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(server
     assert done.choices[0].logprobs is None
 
 
+def test_a_batch_of_prompts_and_n_samples_are_each_the_zmq_answer_of_their_seed(server, oai):
+    """prompt as a list and n: a choice per (prompt, sample), index prompt by prompt; sample j of a
+    seeded request is the ZeroMQ answer with seed + j, streamed or not; usage counts each prompt once."""
+    prompts = [PROMPT, "class Parser:"]
+    want = [zmq_text(server, prompt=p, max_tokens=10, temperature=0.8, seed=7 + j)[0] for p in prompts for j in range(2)]
+    assert len(set(want)) > 1  # the samples differ, so the order is checked
+    done = oai.completions.create(model=MODEL_ID, prompt=prompts, n=2, max_tokens=10, temperature=0.8, seed=7)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3] and [c.text for c in done.choices] == want
+    assert done.usage.completion_tokens == 40
+    with Client(server.address, timeout_s=60) as client:
+        prompt_tokens = sum(list(client.generate(prompt=p, max_tokens=1))[-1].stats["prompt_tokens"] for p in prompts)
+    assert done.usage.prompt_tokens == prompt_tokens
+    events = list(oai.completions.create(model=MODEL_ID, prompt=prompts, n=2, max_tokens=10, temperature=0.8, seed=7,
+                                         stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", "", ""]
+    for event in events:
+        for choice in event.choices:
+            texts[choice.index] += choice.text
+    assert texts == want and events[-1].usage.completion_tokens == 40
+    assert sorted(c.finish_reason for e in events for c in e.choices if c.finish_reason) == ["length"] * 4
+    turns = [{"role": "user", "content": PROMPT}]
+    want = [zmq_text(server, messages=turns, max_tokens=8, temperature=0.8, seed=3 + j)[0] for j in range(3)]
+    done = oai.chat.completions.create(model=MODEL_ID, messages=turns, n=3, max_tokens=8, temperature=0.8, seed=3)
+    assert [c.message.content for c in done.choices] == want
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
@@ -289,7 +315,7 @@ def test_bad_parameters_get_openai_errors(server, oai):
     assert info.value.body["param"] == "top_p" and info.value.body["type"] == "invalid_request_error"
     assert "top_p" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        oai.completions.create(model=MODEL_ID, prompt=PROMPT, n=2)
+        oai.completions.create(model=MODEL_ID, prompt=PROMPT, n=17)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as info:  # checked by the front-end, named there
         oai.completions.create(model=MODEL_ID, prompt=PROMPT, extra_body={"min_p": 1.5})
@@ -485,9 +511,16 @@ def test_parse_completion_fields_and_refusals():
               ({"prompt": [1, 2], "echo": True}, 0), ({"prompt": [1, 2], "echo": False, "logprobs": 2}, None)]
     for extra, want in echoes:
         assert o.parse_completion({"model": "m", **extra}).client_kwargs()["prompt_logprobs"] == want, extra
+    # A batch of prompts and n samples each: one request per choice, prompt by prompt, seed + j.
+    batch = o.parse_completion({"model": "m", "prompt": ["a", [7, 8]], "n": 2, "seed": 5}).choices()
+    assert [(c.prompt, c.token_ids, c.seed) for c in batch] == [("a", None, 5), ("a", None, 6),
+                                                                  (None, (7, 8), 5), (None, (7, 8), 6)]
+    assert [c.seed for c in o.parse_completion({"model": "m", "prompt": "a", "n": 3}).choices()] == [None] * 3
     plain = o.parse_completion({"model": "m", "prompt": "a", "speculate": False})
     assert plain.client_kwargs()["speculate"] is False and args.client_kwargs()["speculate"] is True
-    bad = [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "n": 3}, "n"),
+    bad = [({"model": "m", "prompt": ["a", 5]}, "prompt"), ({"model": "m", "prompt": "a", "n": 17}, "n"),
+           ({"model": "m", "prompt": ["a"] * 5, "n": 4}, "n"), ({"model": "m", "prompt": "a", "n": 0}, "n"),
+           ({"model": "m", "prompt": [[1], []]}, "prompt"), ({"model": "m", "prompt": "a", "n": 2.0}, "n"),
            ({"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a"}, "model"),
            ({"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
            ({"model": "m", "prompt": "a", "echo": 1}, "echo"),

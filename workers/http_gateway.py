@@ -71,6 +71,60 @@ class ClientGone(Exception):
     pass
 
 
+async def _first_chunks(relays: list[_Relay], disconnected: asyncio.Task) -> list:
+    """Each relay's first chunk; raises the first refusal (or ClientGone) among them."""
+    results = await asyncio.gather(*(relay.next_or_gone(disconnected) for relay in relays), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+async def _merge(relays: list[_Relay], firsts: list):
+    """(choice index, chunk) of every relay as each arrives, from its first chunk to its final one.
+    One relay reads in place; several are read by a task each (closing this cancels them)."""
+    if len(relays) == 1:
+        chunk = firsts[0]
+        while chunk is not _END:
+            yield 0, chunk
+            if chunk.finish_reason is not None:
+                return
+            chunk = await relays[0].next()
+        raise RequestError("the stream ended without a finish reason")
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        chunk = firsts[index]
+        try:
+            while chunk is not _END:
+                await queue.put((index, chunk))
+                if chunk.finish_reason is not None:
+                    return
+                chunk = await relays[index].next()
+            raise RequestError("the stream ended without a finish reason")
+        except (RequestError, TimeoutError) as e:
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(relays))]
+    try:
+        num_open = len(relays)
+        while num_open:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            num_open -= item.finish_reason is not None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(relays: list[_Relay]) -> None:
+    for relay in relays:
+        await relay.close()
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -170,12 +224,13 @@ class Gateway:
             self.metrics.rejected.labels(endpoint, str(e.status)).inc()
             return error_response(e.status, str(e), e.error_type, e.param, e.code)
         self.metrics.in_flight.inc()
-        relay = _Relay(self.client, args)
+        choices = args.choices()  # one server request per choice (prompts x n)
+        relays = [_Relay(self.client, choice) for choice in choices]
         disconnected = asyncio.ensure_future(_wait_disconnect(request))
         is_streaming = False
         try:
             try:
-                first = await relay.next_or_gone(disconnected)
+                firsts = await _first_chunks(relays, disconnected)
             except RequestError as e:
                 status, error_type = (400, "invalid_request_error") if e.field else (503, "server_busy")
                 self.metrics.rejected.labels(endpoint, str(status)).inc()
@@ -183,76 +238,85 @@ class Gateway:
             except TimeoutError as e:
                 self.metrics.rejected.labels(endpoint, "503").inc()
                 return error_response(503, f"the gmlx server did not answer: {e}", "server_unavailable")
-            shape = oai.ResponseShape(kind, args.model, first.request_id if first is not _END else "0")
+            shape = oai.ResponseShape(kind, args.model, firsts[0].request_id if firsts[0] is not _END else "0")
             self.metrics.ttft_s.observe(time.monotonic() - started_s)
             if args.is_stream:
                 disconnected.cancel()  # from here StreamingResponse watches the connection
                 is_streaming = True
-                return StreamingResponse(self._events(relay, shape, args, first, endpoint),
+                return StreamingResponse(self._events(relays, shape, args, choices, firsts, endpoint),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await self._collect(relay, shape, args, first, disconnected, endpoint)
+            return await self._collect(relays, shape, args, choices, firsts, disconnected, endpoint)
         except ClientGone:
             self.metrics.requests.labels(endpoint, "cancelled").inc()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         finally:
             if not is_streaming:
                 disconnected.cancel()
-                await relay.close()
+                await _close_all(relays)
                 self.metrics.in_flight.dec()
 
-    async def _collect(self, relay: _Relay, shape: oai.ResponseShape, args: oai.GenerateArgs, first, disconnected,
-                       endpoint: str) -> Response:
-        texts, logprobs, chunk, last_s = [], None, first, time.monotonic()
+    async def _collect(self, relays: list[_Relay], shape: oai.ResponseShape, args: oai.GenerateArgs,
+                       choices: list[oai.GenerateArgs], firsts: list, disconnected, endpoint: str) -> Response:
         try:
-            while chunk is not _END:
-                text, entries = args.echoed(chunk, chunk is first)
-                texts.append(text)
-                if entries is not None:
-                    logprobs = [] if logprobs is None else logprobs
-                    logprobs.extend(entries)
-                now_s = time.monotonic()
-                self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
-                last_s = now_s
-                if chunk.finish_reason is not None:
-                    break
-                chunk = await relay.next_or_gone(disconnected)
-            if chunk is _END:
-                raise RequestError("the stream ended without a finish reason")
+            answers = await asyncio.gather(*(self._collect_one(relay, choice, first, disconnected)
+                                             for relay, choice, first in zip(relays, choices, firsts)))
         except (RequestError, TimeoutError) as e:
             self.metrics.requests.labels(endpoint, "error").inc()
             return error_response(500, f"the request failed: {e}", "server_error")
-        usage = oai.usage_of(chunk.stats)
-        self._count_finished(endpoint, chunk.finish_reason, usage)
-        return JSONResponse(shape.response("".join(texts), oai.finish_reason_of(chunk.finish_reason), usage,
-                                           logprobs))
+        usage = oai.usage_of_choices([last.stats for _, _, last in answers], args.num_per_prompt)
+        self._count_finished(endpoint, answers[0][2].finish_reason, usage)
+        return JSONResponse(shape.response([(text, oai.finish_reason_of(last.finish_reason), logprobs)
+                                            for text, logprobs, last in answers], usage))
 
-    async def _events(self, relay: _Relay, shape: oai.ResponseShape, args: oai.GenerateArgs, first, endpoint: str):
-        """The server-sent events of one stream, ending with `data: [DONE]`."""
-        chunk, last_s, finish = first, time.monotonic(), "cancelled"
+    async def _collect_one(self, relay: _Relay, choice: oai.GenerateArgs, first, disconnected) -> tuple:
+        """One choice read to its end: (text, logprobs entries or None, its final chunk)."""
+        texts, logprobs, chunk, last_s = [], None, first, time.monotonic()
+        while chunk is not _END:
+            text, entries = choice.echoed(chunk, chunk is first)
+            texts.append(text)
+            if entries is not None:
+                logprobs = [] if logprobs is None else logprobs
+                logprobs.extend(entries)
+            now_s = time.monotonic()
+            self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
+            last_s = now_s
+            if chunk.finish_reason is not None:
+                return "".join(texts), logprobs, chunk
+            chunk = await relay.next_or_gone(disconnected)
+        raise RequestError("the stream ended without a finish reason")
+
+    async def _events(self, relays: list[_Relay], shape: oai.ResponseShape, args: oai.GenerateArgs,
+                      choices: list[oai.GenerateArgs], firsts: list, endpoint: str):
+        """The server-sent events of one stream, every choice's as they come, ending with `data: [DONE]`."""
+        finish, finals = "cancelled", {}
+        merged = _merge(relays, firsts)
         try:
-            if shape.kind == "chat":  # OpenAI's first chat chunk carries the role
-                yield _sse(shape.chunk("", None, is_first=True))
-            while chunk is not _END:
+            if shape.kind == "chat":  # OpenAI's first chat chunk of a choice carries the role
+                for index in range(len(relays)):
+                    yield _sse(shape.chunk("", None, is_first=True, index=index))
+            last_s = {}
+            async for index, chunk in merged:
                 now_s = time.monotonic()
-                self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
-                last_s = now_s
-                text, entries = args.echoed(chunk, chunk is first)
+                self.metrics.on_tokens(len(chunk.token_ids), now_s - last_s[index] if index in last_s else None)
+                last_s[index] = now_s
+                text, entries = choices[index].echoed(chunk, chunk is firsts[index])
                 if chunk.finish_reason is None:
                     if entries is not None:  # tokens whose text is held back still send their logprobs
                         if text or entries:
-                            yield _sse(shape.chunk(text, None, logprobs=entries))
+                            yield _sse(shape.chunk(text, None, logprobs=entries, index=index))
                     elif text:
-                        yield shape.text_event(text)
-                    chunk = await relay.next()
+                        yield shape.text_event(text) if index == 0 else _sse(shape.chunk(text, None, index=index))
                     continue
+                finals[index] = chunk
                 usage = oai.usage_of(chunk.stats)
-                yield _sse(shape.chunk(text, oai.finish_reason_of(chunk.finish_reason), usage, logprobs=entries))
-                if args.is_usage_chunk:
-                    yield _sse(shape.usage_chunk(usage))
-                finish = chunk.finish_reason
-                self._count_finished(endpoint, finish, usage)
-                break
+                yield _sse(shape.chunk(text, oai.finish_reason_of(chunk.finish_reason), usage, logprobs=entries,
+                                       index=index))
+            usage = oai.usage_of_choices([finals[i].stats for i in range(len(relays))], args.num_per_prompt)
+            if args.is_usage_chunk:
+                yield _sse(shape.usage_chunk(usage))
+            finish = finals[0].finish_reason
+            self._count_finished(endpoint, finish, usage)
             yield "data: [DONE]\n\n"
         except (RequestError, TimeoutError) as e:
             finish = "error"
@@ -260,7 +324,8 @@ class Gateway:
             yield _sse(oai.error_body(f"the request failed: {e}", "server_error"))
             yield "data: [DONE]\n\n"
         finally:
-            await relay.close()  # a closed connection lands here: the client API sends CANCEL
+            await merged.aclose()
+            await _close_all(relays)  # a closed connection lands here: the client API sends CANCEL
             self.metrics.in_flight.dec()
             if finish == "cancelled":
                 self.metrics.requests.labels(endpoint, "cancelled").inc()

@@ -8,12 +8,16 @@ they are: it renders them with the model's own tokenizer and template, as for a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 from dataclasses import dataclass
 
 from gmlx.request import MAX_TOP_LOGPROBS, check_text
+
+# Choices one request may ask for (prompts x n): each is a request of its own to the server.
+MAX_CHOICES = 16
 
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
 _UNSUPPORTED_IF_SET = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
@@ -58,6 +62,16 @@ class GenerateArgs:
     is_speculate: bool  # gmlx extra: False pins the row to plain decoding (never the tokens)
     num_logprobs: int | None  # None: no logprobs; N: each token's and its position's N likeliest
     is_echo: bool = False  # completions: the answer starts with the prompt (its logprobs too, where asked)
+    num_per_prompt: int = 1  # OpenAI's n: samples of each prompt
+    more_prompts: tuple = ()  # completions: a batch's prompts after the first, each (text, token ids)
+
+    def choices(self) -> list[GenerateArgs]:
+        """One request's arguments per choice, in OpenAI's index order (prompt by prompt, n each):
+        sample j of a seeded request has seed + j, so every choice is reproducible on its own."""
+        prompts = [(self.prompt, self.token_ids), *self.more_prompts]
+        return [dataclasses.replace(self, prompt=prompt, token_ids=token_ids, num_per_prompt=1, more_prompts=(),
+                                    seed=None if self.seed is None else (self.seed + j) % 2**63)
+                for prompt, token_ids in prompts for j in range(self.num_per_prompt)]
 
     def client_kwargs(self) -> dict:
         """ipc.client's generate() arguments."""
@@ -94,17 +108,30 @@ def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
     """POST /v1/completions: `prompt` is a string, a list of one string, or a list of token ids."""
     body = _object(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    # One prompt (text or token ids) or a batch of them (a list of texts or of token-id lists).
+    is_batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = [_one_prompt(p) for p in (prompt if is_batch else [prompt])]
     # The legacy API's logprobs is the count of alternatives; 0 still scores the chosen tokens.
     num_logprobs = _top_count(body, "logprobs")
     is_echo = _get(body, "echo", False, _is_bool, "a boolean")
+    args = _common(body, *prompts[0], None, default_max_tokens, num_logprobs, is_echo)
+    return _with_choices(args, prompts[1:])
+
+
+def _one_prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
     if isinstance(prompt, str):
-        return _common(body, _text(prompt, "prompt"), None, None, default_max_tokens, num_logprobs, is_echo)
+        return _text(prompt, "prompt"), None
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return _common(body, None, tuple(prompt), None, default_max_tokens, num_logprobs, is_echo)
-    raise BadRequest(f"prompt must be a string or a list of token ids (one prompt per request), got {_short(prompt)}",
-                     "prompt")
+        return None, tuple(prompt)
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of either (a batch), "
+                     f"got {_short(prompt)}", "prompt")
+
+
+def _with_choices(args: GenerateArgs, more_prompts: list) -> GenerateArgs:
+    num_choices = (1 + len(more_prompts)) * args.num_per_prompt
+    if num_choices > MAX_CHOICES:
+        raise BadRequest(f"at most {MAX_CHOICES} choices a request (prompts x n), got {num_choices}", "n")
+    return dataclasses.replace(args, more_prompts=tuple(more_prompts))
 
 
 def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
@@ -136,7 +163,7 @@ def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
     if body.get("echo") not in (None, False):
         raise BadRequest(f"echo is a completions field, not supported on chat, got {_short(body['echo'])}", "echo")
     num_logprobs = (num_top or 0) if is_logprobs else None
-    return _common(body, None, None, turns, default_max_tokens, num_logprobs)
+    return _with_choices(_common(body, None, None, turns, default_max_tokens, num_logprobs), [])
 
 
 def _top_count(body: dict, name: str) -> int | None:
@@ -151,9 +178,9 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", "model")
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise BadRequest(f"n must be 1 (one choice per request), got {_short(n)}", "n")
+    n = _get(body, "n", 1, _is_int, "an integer")
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
     for name, allowed in _UNSUPPORTED_IF_SET.items():
         if name in body and body[name] not in allowed:
             raise BadRequest(f"{name} is not supported by gmlx, got {_short(body[name])}", name)
@@ -180,6 +207,7 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
         is_speculate=_get(body, "speculate", True, _is_bool, "a boolean"),
         num_logprobs=num_logprobs,
         is_echo=is_echo,
+        num_per_prompt=n,
     )
 
 
@@ -243,7 +271,8 @@ def usage_of(stats: dict | None) -> dict:
 
 
 class ResponseShape:
-    """The ids and envelope of one response, for the completion or the chat flavour."""
+    """The ids and envelope of one response, for the completion or the chat flavour; its choices
+    are numbered by `index`."""
 
     def __init__(self, kind: str, model: str, request_id: str):
         assert kind in ("completion", "chat")
@@ -251,14 +280,14 @@ class ResponseShape:
         self.model = model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.created = int(time.time())
-        self._text_offset = 0  # the completion flavour's text_offset of the next token
+        self._text_offsets: dict[int, int] = {}  # the completion flavour's text_offset of each choice's next token
         # A mid-stream event differs from the next only in its text: render the rest once.
         marker = "\x00"
         rendered = json.dumps(self.chunk(marker, None), separators=(",", ":"))
         self._event_head, self._event_tail = rendered.split(json.dumps(marker))  # exactly one marker
 
     def text_event(self, text: str) -> str:
-        """The server-sent event of a mid-stream chunk with non-empty text (and no logprobs)."""
+        """The server-sent event of choice 0's mid-stream chunk with non-empty text (and no logprobs)."""
         return f"data: {self._event_head}{json.dumps(text)}{self._event_tail}\n\n"
 
     def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
@@ -268,31 +297,34 @@ class ResponseShape:
         return out
 
     def chunk(self, text: str, finish_reason: str | None, usage: dict | None = None, is_first: bool = False,
-              logprobs: list | None = None) -> dict:
+              logprobs: list | None = None, index: int = 0) -> dict:
         """One server-sent event's object; logprobs: the gmlx chunk's entries, where the request asked."""
-        choice_logprobs = None if logprobs is None else self.logprobs(logprobs)
+        choice_logprobs = None if logprobs is None else self.logprobs(logprobs, index)
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if is_first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": choice_logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": choice_logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice], usage)
-        choice = {"index": 0, "text": text, "logprobs": choice_logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": choice_logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, [], usage)
 
-    def response(self, text: str, finish_reason: str | None, usage: dict, logprobs: list | None = None) -> dict:
-        """The whole answer of a request that did not stream."""
-        choice_logprobs = None if logprobs is None else self.logprobs(logprobs)
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": choice_logprobs,
-                      "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice], usage)
-        choice = {"index": 0, "text": text, "logprobs": choice_logprobs, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage)
+    def response(self, choices: list[tuple[str, str | None, list | None]], usage: dict) -> dict:
+        """The whole answer of a request that did not stream: (text, finish reason, logprobs
+        entries or None) of each choice, in index order."""
+        out = []
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
+            choice_logprobs = None if logprobs is None else self.logprobs(logprobs, index)
+            if self.kind == "chat":
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": choice_logprobs, "finish_reason": finish_reason})
+            else:
+                out.append({"index": index, "text": text, "logprobs": choice_logprobs, "finish_reason": finish_reason})
+        return self._envelope("chat.completion" if self.kind == "chat" else "text_completion", out, usage)
 
-    def logprobs(self, entries: list[dict]) -> dict:
+    def logprobs(self, entries: list[dict], index: int = 0) -> dict:
         """OpenAI's logprobs object of gmlx's entries ({token_id, token, logprob, top_logprobs}):
         the chat flavour's `content` list, or the completion flavour's parallel lists, whose
         text_offset counts each token's own text from the answer's start (the prompt's, with echo)."""
@@ -301,15 +333,26 @@ class ResponseShape:
                                  "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
                                                    "bytes": _bytes(t["token"])} for t in e["top_logprobs"]]}
                                 for e in entries]}
-        offsets = []
+        offsets, offset = [], self._text_offsets.get(index, 0)
         for e in entries:
-            offsets.append(self._text_offset)
-            self._text_offset += len(e["token"])
+            offsets.append(offset)
+            offset += len(e["token"])
+        self._text_offsets[index] = offset
         # An echoed prompt's first token has no logprob and no alternatives: null, as OpenAI's.
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
                                  for e in entries],
                 "text_offset": offsets}
+
+
+def usage_of_choices(stats: list[dict | None], num_per_prompt: int) -> dict:
+    """A response's usage from its choices' final stats (index order): each prompt counted once,
+    however many samples it has (n), every choice's completion tokens."""
+    usages = [usage_of(s) for s in stats]
+    prompt_tokens = sum(u["prompt_tokens"] for i, u in enumerate(usages) if i % num_per_prompt == 0)
+    completion_tokens = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _bytes(token: str) -> list[int]:
