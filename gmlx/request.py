@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,8 @@ class SamplingParams:
     speculate: bool = True  # False pins the row to plain decoding (k = 0): it never drafts
     logprobs: int | None = None  # N: each token's logprob and its position's N likeliest (gmlx/logprobs.py)
     prompt_logprobs: int | None = None  # N: the same for the prompt's tokens (1.., on the first output)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it was generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time it was generated
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -50,6 +53,11 @@ class SamplingParams:
             check_text("stop", text)
         if not isinstance(self.speculate, bool):
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

@@ -59,10 +59,13 @@ class SamplingRows:
     seeds: mx.array  # (B,) uint64
     is_all_greedy: bool
     needs_sort: bool  # some row filters by top-p or top-k
+    presence_penalty: mx.array | None = None  # (B,), where some row penalizes repeats; else None
+    frequency_penalty: mx.array | None = None  # (B,)
 
     @classmethod
     def make(cls, params_list, seeds: list[int]) -> SamplingRows:
         temps = [p.temperature for p in params_list]
+        is_penalized = any(p.presence_penalty or p.frequency_penalty for p in params_list)
         return cls(
             temperature=mx.array(temps, dtype=mx.float32),
             top_p=mx.array([p.top_p for p in params_list], dtype=mx.float32),
@@ -71,11 +74,32 @@ class SamplingRows:
             seeds=mx.array(seeds, dtype=mx.uint64),
             is_all_greedy=all(t == 0.0 for t in temps),
             needs_sort=any(p.temperature > 0 and (p.top_p < 1.0 or p.top_k > 0) for p in params_list),
+            presence_penalty=mx.array([p.presence_penalty for p in params_list], dtype=mx.float32)
+            if is_penalized else None,
+            frequency_penalty=mx.array([p.frequency_penalty for p in params_list], dtype=mx.float32)
+            if is_penalized else None,
         )
 
+    @property
+    def is_penalized(self) -> bool:
+        return self.presence_penalty is not None
 
-def sample(logits: mx.array, rows: SamplingRows, positions: mx.array) -> mx.array:
-    """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions."""
+
+def penalize(logits: mx.array, rows: SamplingRows, counts: mx.array | None) -> mx.array:
+    """OpenAI's repeat penalties: logits - frequency x count - presence x (count > 0), counts
+    (B, T, V) of each token among a row's generated tokens before each position (None: as is).
+    Each position's counts are integers whatever loop samples it, so its bits are plain decoding's."""
+    if counts is None:
+        return logits
+    frequency = rows.frequency_penalty[:, None, None]
+    presence = rows.presence_penalty[:, None, None]
+    return logits.astype(mx.float32) - frequency * counts - presence * (counts > 0).astype(mx.float32)
+
+
+def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, counts: mx.array | None = None) -> mx.array:
+    """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions; counts:
+    where rows penalize repeats, penalize()'s (the drafters sample without them)."""
+    logits = penalize(logits, rows, counts)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if rows.is_all_greedy:
         return greedy
@@ -88,9 +112,10 @@ def sample(logits: mx.array, rows: SamplingRows, positions: mx.array) -> mx.arra
     return mx.where(rows.temperature[:, None] == 0.0, greedy, sampled)
 
 
-def probabilities(logits: mx.array, rows: SamplingRows) -> mx.array:
+def probabilities(logits: mx.array, rows: SamplingRows, counts: mx.array | None = None) -> mx.array:
     """The distribution `sample` draws from, (B, T, V): softmax of the filtered, scaled logits;
     one-hot on the argmax for greedy rows."""
+    logits = penalize(logits, rows, counts)
     greedy = mx.argmax(logits, axis=-1)  # (B, T)
     one_hot = (mx.arange(logits.shape[-1])[None, None, :] == greedy[..., None]).astype(mx.float32)
     if rows.is_all_greedy:

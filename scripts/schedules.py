@@ -43,10 +43,11 @@ class ScheduleResult:
 
 def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_requests: int = 6,
                   caps=(0, 1, 2, 4), temperatures=(0.0, 0.8), opt_out_rate: float = 0.0,
-                  max_new_tokens: int = 40, logprobs_rate: float = 0.0) -> Schedule:
+                  max_new_tokens: int = 40, logprobs_rate: float = 0.0, penalty_rate: float = 0.0) -> Schedule:
     """A random schedule; opt_out_rate is the share of requests with speculate=False and
-    logprobs_rate of those asking for logprobs (each drawn only when > 0, so the schedules of a
-    seed without them stay what they were); max_tokens are drawn in 1..max_new_tokens."""
+    logprobs_rate of those asking for logprobs, penalty_rate of those penalizing repeats (each
+    drawn only when > 0, so the schedules of a seed without them stay what they were);
+    max_tokens are drawn in 1..max_new_tokens."""
     rng = random.Random(seed)
     arrivals, round_index = [], 0
     for _ in range(rng.randint(1, max_requests)):
@@ -68,6 +69,9 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
         if logprobs_rate > 0 and rng.random() < logprobs_rate:
             params = dataclasses.replace(params, logprobs=rng.choice((0, 1, 5, 20)),
                                          prompt_logprobs=rng.choice((None, 0, 3)))
+        if penalty_rate > 0 and rng.random() < penalty_rate:
+            params = dataclasses.replace(params, presence_penalty=rng.choice((0.0, 0.5, 2.0)),
+                                         frequency_penalty=rng.choice((0.0, 0.3, -0.5, 2.0)))
         arrivals.append(Arrival(round_index, tuple(prompt), params, cancel))
     return Schedule(seed, rng.choice(caps), rng.random() < 0.8, rng.random() < 0.8,
                     rng.choice((0, 2, 4, 32)), tuple(arrivals))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 import mlx.core as mx
+import numpy as np
 
 from gmlx import logprobs
 from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches
@@ -144,6 +145,20 @@ class DecodeBatch:
         if first_positions is not None:
             logprobs.keep(self.requests, logits, tokens, first_positions)
 
+    def repeat_counts(self, inputs: mx.array, vocab_size: int) -> mx.array | None:
+        """Where some row penalizes repeats (sampling.penalize): (B, T, V) counts of each token among
+        a row's generated tokens before each position sampled from inputs (B, T), the pending
+        token then the drafts: its delivered tokens (less the pending one where it is delivered,
+        the last of them) and inputs[:, :j + 1]. None where no row penalizes."""
+        if not self.sampling.is_penalized:
+            return None
+        base = np.zeros((self.num_rows, vocab_size), dtype=np.float32)
+        for i, request in enumerate(self.requests):
+            if request.params.presence_penalty or request.params.frequency_penalty:
+                base[i] = generated_counts(request, vocab_size, is_pending_delivered=self.is_delivered[i])
+        is_input = inputs.astype(mx.int32)[..., None] == mx.arange(vocab_size, dtype=mx.int32)
+        return mx.array(base)[:, None, :] + mx.cumsum(is_input.astype(mx.float32), axis=1)
+
     def keep_rows(self, rows: list[int]) -> None:
         if rows == list(range(self.num_rows)):
             return
@@ -236,3 +251,10 @@ class DraftRows:
     def draft_sampling(self) -> SamplingRows:
         is_coupled = self.batch.mode is BatchMode.SCALAR or self.batch.is_draft_coupled
         return self._sampling if is_coupled else self._greedy_sampling
+
+
+def generated_counts(request: Request, vocab_size: int, is_pending_delivered: bool = False) -> np.ndarray:
+    """(V,) how often each token is among the request's generated tokens, less its last one where
+    that is a batch's delivered pending token (counted again as the next forward's input)."""
+    ids = request.output_token_ids[:-1] if is_pending_delivered else request.output_token_ids
+    return np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size)[:vocab_size].astype(np.float32)
