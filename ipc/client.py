@@ -224,19 +224,21 @@ class Client:
     def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop=None, min_p: float = 0.0, messages=None, speculate: bool = True,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None):
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
         """Yield Chunk objects as the server decodes; raises RequestError if it rejects the request.
 
         Give one of prompt, token_ids or messages ([{"role": ..., "content": ...}, ...], rendered
         with the model's chat template). speculate=False pins the request to plain decoding.
         logprobs=N (0..20): each chunk's `logprobs` holds every token's logprob and the N likeliest;
-        prompt_logprobs=N: the first chunk's `prompt_logprobs` holds the same for the prompt's tokens."""
+        prompt_logprobs=N: the first chunk's `prompt_logprobs` holds the same for the prompt's tokens.
+        presence_penalty and frequency_penalty (in [-2, 2]) are OpenAI's repeat penalties."""
         stream = self._router.open()
         try:
             self._sock.send_multipart(_generate_message(
                 stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs))
+                prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
             while not stream.is_done:
                 chunk = stream.take(self._next(stream))
                 if chunk is not None:
@@ -301,14 +303,15 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, *, token_ids=None, max_tokens: int = 64,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                        stop=None, min_p: float = 0.0, messages=None, speculate: bool = True,
-                       logprobs: int | None = None, prompt_logprobs: int | None = None):
+                       logprobs: int | None = None, prompt_logprobs: int | None = None,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
         """Client.generate's asyncio twin (same arguments)."""
         stream = self._open()
         try:
             await self._sock.send_multipart(_generate_message(
                 stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs))
+                prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
             while not stream.is_done:
                 chunk = stream.take(await self._next(stream))
                 if chunk is not None:

@@ -49,6 +49,8 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     speculate: bool = True  # False pins the request to plain decoding (it never drafts)
     logprobs: int | None = None  # N in 0..20: each token's logprob and its position's N likeliest
     prompt_logprobs: int | None = None  # N in 0..20: the same for the prompt's tokens, in the first chunk
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: off a token's logit once generated
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: off a token's logit per time generated
 
 
 def sampling_of(msg: Sampling) -> Sampling:

@@ -49,6 +49,8 @@ def _valid_fields(rng: random.Random) -> dict:
         fields["logprobs"] = rng.choice([0, 1, 5, 20])
     if rng.random() < 0.15:
         fields["prompt_logprobs"] = rng.choice([0, 1, 20])
+    if rng.random() < 0.2:
+        fields.update(presence_penalty=rng.choice([0.0, -2.0, 0.5, 2.0]), frequency_penalty=rng.choice([0.0, 1.5, -0.3]))
     return fields
 
 
@@ -104,7 +106,7 @@ def wrong_type(rng):
 
 def float_edge(rng):
     fields = _valid_fields(rng)
-    fields[rng.choice(["temperature", "top_p", "min_p"])] = rng.choice(
+    fields[rng.choice(["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"])] = rng.choice(
         [-1e-300, 1e300, -0.0, 1.0000001, 5e-324, 1e999, -1e999])
     body = json.dumps(fields).replace("Infinity", "1e999").encode()
     return FuzzFrame("float_edge", [m.Generate.TAG, body], False)

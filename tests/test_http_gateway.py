@@ -247,6 +247,21 @@ def test_a_batch_of_prompts_and_n_samples_are_each_the_zmq_answer_of_their_seed(
     assert [c.message.content for c in done.choices] == want
 
 
+def test_repeat_penalties_over_http_are_the_zmq_answers(server, oai):
+    """presence_penalty and frequency_penalty (refused until session 48) reach the engine as over
+    ZeroMQ; a value outside OpenAI's [-2, 2] is a 400 naming it."""
+    prompt = "x = [1, 1, 1, 1"
+    plain = zmq_text(server, prompt=prompt, max_tokens=16)[0]
+    want = zmq_text(server, prompt=prompt, max_tokens=16, presence_penalty=2.0, frequency_penalty=1.0)[0]
+    assert want != plain  # the penalties change this greedy answer
+    done = oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=2.0,
+                                  frequency_penalty=1.0)
+    assert done.choices[0].text == want
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL_ID, prompt=prompt, frequency_penalty=2.5)
+    assert info.value.body["param"] == "frequency_penalty"
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()

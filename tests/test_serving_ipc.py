@@ -30,12 +30,14 @@ def bus():
 @given(token_ids=st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=64),
        seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
        temperature=st.floats(0, 10), top_k=st.integers(0, 2**31), max_tokens=st.integers(1, 2**32 - 1),
-       speculate=st.booleans())
-def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_tokens, speculate):
+       speculate=st.booleans(), logprobs=st.one_of(st.none(), st.integers(0, 20)),
+       penalty=st.floats(-2, 2))
+def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_tokens, speculate, logprobs, penalty):
     owner = RequestBus.create(num_slots=2, max_tokens=64)
     try:
         reader = RequestBus.attach(owner.name)
-        payload = BusPayload(token_ids, m.Sampling(max_tokens, temperature, 1.0, top_k, 0.0, seed, speculate))
+        payload = BusPayload(token_ids, m.Sampling(max_tokens, temperature, 1.0, top_k, 0.0, seed, speculate, logprobs,
+                                                   logprobs, penalty, -penalty))
         slot, generation = owner.write(payload)
         assert reader.read(slot, generation) == payload
         reader.close()

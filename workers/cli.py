@@ -50,17 +50,23 @@ def _check_cap(ctx, param, value):
 @click.option("--speculative-width-cap", type=int, default=None, callback=_check_cap)
 @click.option("--speculate/--no-speculate", default=True, show_default=True,
               help="--no-speculate pins this request to plain decoding")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="in [-2, 2]: taken off a token's logit once it was generated (OpenAI's)")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="in [-2, 2]: taken off a token's logit per time it was generated (OpenAI's)")
 @click.option("--logprobs", type=int, default=None,
               help="N in 0..20, with --json: each token's logprob and its position's N likeliest tokens")
 @click.option("--server", default=None, help="send to a running gmlx server at this address")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
 def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-             speculative_width_cap, speculate, logprobs, server, chat, as_json) -> None:
+             speculative_width_cap, speculate, presence_penalty, frequency_penalty, logprobs, server, chat,
+             as_json) -> None:
     """Generate a completion for PROMPT, streaming text to stdout."""
     from gmlx.request import SamplingParams, check_text
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate, logprobs=logprobs)
+                            min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate, logprobs=logprobs,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     try:
         if logprobs is not None and not as_json:
             raise ValueError("logprobs: --logprobs prints them in the --json object; add --json")

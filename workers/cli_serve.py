@@ -262,7 +262,9 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
             for chunk in client.generate(prompt, token_ids=token_ids, messages=messages, max_tokens=params.max_tokens,
                                          temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                          min_p=params.min_p, seed=params.seed, stop=list(params.stop) or None,
-                                         speculate=params.speculate, logprobs=params.logprobs):
+                                         speculate=params.speculate, logprobs=params.logprobs,
+                                         presence_penalty=params.presence_penalty,
+                                         frequency_penalty=params.frequency_penalty):
                 token_ids_out.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs or ())
                 texts.append(chunk.text)

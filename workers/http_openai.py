@@ -21,7 +21,6 @@ MAX_CHOICES = 16
 
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
 _UNSUPPORTED_IF_SET = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
-                       "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                        "tools": (None, []), "response_format": (None, {"type": "text"})}
 
 
@@ -62,6 +61,8 @@ class GenerateArgs:
     is_speculate: bool  # gmlx extra: False pins the row to plain decoding (never the tokens)
     num_logprobs: int | None  # None: no logprobs; N: each token's and its position's N likeliest
     is_echo: bool = False  # completions: the answer starts with the prompt (its logprobs too, where asked)
+    presence_penalty: float = 0.0  # checked by the server (SamplingParams), named there
+    frequency_penalty: float = 0.0
     num_per_prompt: int = 1  # OpenAI's n: samples of each prompt
     more_prompts: tuple = ()  # completions: a batch's prompts after the first, each (text, token ids)
 
@@ -80,7 +81,8 @@ class GenerateArgs:
                     messages=messages, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None,
                     speculate=self.is_speculate, logprobs=self.num_logprobs,
-                    prompt_logprobs=self.num_prompt_logprobs)
+                    prompt_logprobs=self.num_prompt_logprobs, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -208,6 +210,8 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
         num_logprobs=num_logprobs,
         is_echo=is_echo,
         num_per_prompt=n,
+        presence_penalty=_get(body, "presence_penalty", 0.0, _is_number, "a number"),
+        frequency_penalty=_get(body, "frequency_penalty", 0.0, _is_number, "a number"),
     )
 
 
