@@ -1,15 +1,18 @@
-"""What asking for logprobs costs, side by side against not asking.
+"""What a request's options cost (logprobs, prompt logprobs, repeat penalties), side by side
+against a request without them.
 
 Runs alternate (ABBA) on one engine per model; the ratio is the median of per-rep ratios.
 
-    python scripts/bench_logprobs.py                                  # built-in and SmolLM2
-    python scripts/bench_logprobs.py --models smollm2 --widths 1,8 --logprobs 0,5,20 --repeats 5
-    python scripts/bench_logprobs.py --models smollm2 --sections prompt --prompt-tokens 128,512
+    python scripts/bench_request_options.py                            # built-in and SmolLM2
+    python scripts/bench_request_options.py --models smollm2 --widths 1,8 --logprobs 0,5,20 --repeats 5
+    python scripts/bench_request_options.py --models smollm2 --sections prompt --prompt-tokens 128,512
+    python scripts/bench_request_options.py --models smollm2 --sections penalties --drafter ngram
 
 Sections:
-  decode  decode tok/s of `--widths` requests with logprobs = N against none (--drafter: speculating)
-  prompt  a prompt's prefill and first token with prompt_logprobs = 1 (an evaluation harness's
-          loglikelihood: echo, logprobs 1, one token) against a plain one, no prompt cache
+  decode     decode tok/s of `--widths` requests with logprobs = N against none (--drafter: speculating)
+  prompt     a prompt's prefill and first token with prompt_logprobs = 1 (an evaluation harness's
+             loglikelihood: echo, logprobs 1, one token) against a plain one, no prompt cache
+  penalties  decode tok/s with presence_penalty 0.5 and frequency_penalty 0.5 against none
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def main() -> None:
     parser.add_argument("--logprobs", default="0,5,20", help="the N of each side against no logprobs")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sections", default="decode,prompt")
+    parser.add_argument("--sections", default="decode,prompt,penalties")
     parser.add_argument("--prompt-tokens", default="128,512", help="prompt lengths of the prompt section")
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -56,6 +59,8 @@ def main() -> None:
             decode_section(engine, name, args)
         if "prompt" in sections:
             prompt_section(engine, name, args)
+        if "penalties" in sections:
+            penalties_section(engine, name, args)
 
 
 def decode_section(engine, name: str, args) -> None:
@@ -78,6 +83,23 @@ def decode_section(engine, name: str, args) -> None:
             print(f"| {name} | {args.drafter} | {width} | {n} | {statistics.median(runs[OFF]):.1f} | "
                   f"{statistics.median(runs[str(n)]):.1f} | {ratio:.3f} |", flush=True)
 
+
+
+def penalties_section(engine, name: str, args) -> None:
+    print("| model | drafter | width | tok/s without | tok/s with penalties | with / without |")
+    print("|---|---|---|---|---|---|")
+    for width in (int(w) for w in args.widths.split(",")):
+        prompts = heldout_text_prompts(engine.target.tokenizer, "prose", width, 128)
+
+        def run(mode: str) -> float:
+            penalty = 0.0 if mode == OFF else 0.5
+            params = SamplingParams(max_tokens=args.tokens, presence_penalty=penalty, frequency_penalty=penalty)
+            return decode_tok_per_s(engine, prompts, params)[0]
+
+        runs = alternate([OFF, "on"], args.repeats, run)
+        ratio = median_ratio(zip(runs["on"], runs[OFF]))
+        print(f"| {name} | {args.drafter} | {width} | {statistics.median(runs[OFF]):.1f} | "
+              f"{statistics.median(runs['on']):.1f} | {ratio:.3f} |", flush=True)
 
 
 def prompt_section(engine, name: str, args) -> None:
