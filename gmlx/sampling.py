@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 _GOLDEN = 0x9E3779B9
 
@@ -85,18 +86,57 @@ class SamplingRows:
         return self.presence_penalty is not None
 
 
-def penalize(logits: mx.array, rows: SamplingRows, counts: mx.array | None) -> mx.array:
-    """OpenAI's repeat penalties: logits - frequency x count - presence x (count > 0), counts
-    (B, T, V) of each token among a row's generated tokens before each position (None: as is).
-    Each position's counts are integers whatever loop samples it, so its bits are plain decoding's."""
-    if counts is None:
+@dataclass(frozen=True)
+class RepeatCounts:
+    """penalize()'s input, sparse: per row and sampled position, the ids (B, T, L) that may have been
+    generated before it and their counts (B, T, L). An id may appear more than once, always with
+    the same count, so writing its penalized logit twice writes one value."""
+
+    ids: mx.array
+    counts: mx.array
+
+    @classmethod
+    def make(cls, history_ids: np.ndarray, history_counts: np.ndarray, is_real: np.ndarray,
+             inputs: mx.array | None) -> RepeatCounts:
+        """From each row's generated tokens before the first position (history_ids / counts (B, H),
+        padded with a repeat of a real entry, or id 0 with count 0 where a row has none; is_real
+        (B, H) 1 for the entries that are not padding) and the inputs (B, T) the positions are
+        sampled after: position j's history is the row's and inputs[:, :j + 1] (None: one
+        position, the history alone)."""
+        ids, counts = mx.array(history_ids, dtype=mx.int32), mx.array(history_counts, dtype=mx.float32)
+        if inputs is None:
+            return cls(ids[:, None, :], counts[:, None, :])
+        num_positions = inputs.shape[1]
+        inputs = inputs.astype(mx.int32)
+        # Sums of 0/1 and integer counts: exact in float32, in any order.
+        is_upto = (mx.arange(num_positions)[:, None] >= mx.arange(num_positions)[None, :]).astype(mx.float32)
+        is_history = (inputs[:, :, None] == ids[:, None, :]).astype(mx.float32)  # (B, T, H)
+        history_part = counts[:, None, :] + is_upto @ is_history  # (B, T, H)
+        is_input = (inputs[:, :, None] == inputs[:, None, :]).astype(mx.float32)  # (B, T, T)
+        real_counts = counts * mx.array(is_real, dtype=mx.float32)  # a padding repeat must not count twice
+        input_base = (is_history * real_counts[:, None, :]).sum(axis=-1)  # (B, T): each input's count in the history
+        input_part = input_base[:, None, :] + is_upto @ is_input  # (B, T, T)
+        all_ids = mx.concatenate([mx.broadcast_to(ids[:, None, :], history_part.shape),
+                                  mx.broadcast_to(inputs[:, None, :], input_part.shape)], axis=-1)
+        return cls(all_ids, mx.concatenate([history_part, input_part], axis=-1))
+
+
+def penalize(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None) -> mx.array:
+    """OpenAI's repeat penalties: logits - frequency x count - presence x (count > 0), counts of
+    each token among a row's generated tokens before each position (None: as is). Only the
+    tokens counted change; each position's counts are integers whatever loop samples it, so its
+    bits are plain decoding's."""
+    if repeats is None:
         return logits
+    logits = logits.astype(mx.float32)
     frequency = rows.frequency_penalty[:, None, None]
     presence = rows.presence_penalty[:, None, None]
-    return logits.astype(mx.float32) - frequency * counts - presence * (counts > 0).astype(mx.float32)
+    values = mx.take_along_axis(logits, repeats.ids, axis=-1)
+    counts = repeats.counts
+    return mx.put_along_axis(logits, repeats.ids, values - frequency * counts - presence * (counts > 0), axis=-1)
 
 
-def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, counts: mx.array | None = None) -> mx.array:
+def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, counts: RepeatCounts | None = None) -> mx.array:
     """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions; counts:
     where rows penalize repeats, penalize()'s (the drafters sample without them)."""
     logits = penalize(logits, rows, counts)
@@ -112,7 +152,7 @@ def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, counts: mx
     return mx.where(rows.temperature[:, None] == 0.0, greedy, sampled)
 
 
-def probabilities(logits: mx.array, rows: SamplingRows, counts: mx.array | None = None) -> mx.array:
+def probabilities(logits: mx.array, rows: SamplingRows, counts: RepeatCounts | None = None) -> mx.array:
     """The distribution `sample` draws from, (B, T, V): softmax of the filtered, scaled logits;
     one-hot on the argmax for greedy rows."""
     logits = penalize(logits, rows, counts)

@@ -20,8 +20,8 @@ from gmlx import config, logprobs
 from gmlx.cache.ragged import RaggedKVCache, make_ragged_cache
 from gmlx.models.loader import LoadedModel
 from gmlx.request import Request, RequestStatus
-from gmlx.sampling import SamplingRows, sample
-from gmlx.spec.batch import generated_counts
+from gmlx.sampling import RepeatCounts, SamplingRows, sample
+from gmlx.spec.batch import generated_history, pad_histories
 
 MIN_CHUNK_TOKENS = 1  # a time budget never shrinks a chunk below this: prefill must progress
 FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
@@ -259,7 +259,7 @@ class InjectionQueue:
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
         counts = None
         if rows.is_penalized:  # every generated token precedes it (an evicted row's, prefilled again)
-            counts = mx.array(generated_counts(request, logits.shape[-1]))[None, None, :]
+            counts = RepeatCounts.make(*pad_histories([generated_history(request)]), None)
         token = sample(logits, rows, position, counts)
         logprobs.keep([request], logits, token, [request.num_prefill_tokens])
         return token

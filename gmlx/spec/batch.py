@@ -16,7 +16,7 @@ import numpy as np
 from gmlx import logprobs
 from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches
 from gmlx.request import Request, SamplingParams
-from gmlx.sampling import SamplingRows
+from gmlx.sampling import RepeatCounts, SamplingRows
 
 _GREEDY = SamplingParams()
 
@@ -145,19 +145,16 @@ class DecodeBatch:
         if first_positions is not None:
             logprobs.keep(self.requests, logits, tokens, first_positions)
 
-    def repeat_counts(self, inputs: mx.array, vocab_size: int) -> mx.array | None:
-        """Where some row penalizes repeats (sampling.penalize): (B, T, V) counts of each token among
-        a row's generated tokens before each position sampled from inputs (B, T), the pending
-        token then the drafts: its delivered tokens (less the pending one where it is delivered,
-        the last of them) and inputs[:, :j + 1]. None where no row penalizes."""
+    def repeat_counts(self, inputs: mx.array) -> RepeatCounts | None:
+        """Where some row penalizes repeats (sampling.penalize): the counts of its generated tokens
+        before each position sampled from inputs (B, T), the pending token then the drafts: its
+        delivered tokens (less the pending one where it is delivered, the last of them) and
+        inputs[:, :j + 1]. None where no row penalizes."""
         if not self.sampling.is_penalized:
             return None
-        base = np.zeros((self.num_rows, vocab_size), dtype=np.float32)
-        for i, request in enumerate(self.requests):
-            if request.params.presence_penalty or request.params.frequency_penalty:
-                base[i] = generated_counts(request, vocab_size, is_pending_delivered=self.is_delivered[i])
-        is_input = inputs.astype(mx.int32)[..., None] == mx.arange(vocab_size, dtype=mx.int32)
-        return mx.array(base)[:, None, :] + mx.cumsum(is_input.astype(mx.float32), axis=1)
+        histories = [generated_history(r, self.is_delivered[i]) if r.params.presence_penalty or
+                     r.params.frequency_penalty else None for i, r in enumerate(self.requests)]
+        return RepeatCounts.make(*pad_histories(histories), inputs)
 
     def keep_rows(self, rows: list[int]) -> None:
         if rows == list(range(self.num_rows)):
@@ -253,8 +250,24 @@ class DraftRows:
         return self._sampling if is_coupled else self._greedy_sampling
 
 
-def generated_counts(request: Request, vocab_size: int, is_pending_delivered: bool = False) -> np.ndarray:
-    """(V,) how often each token is among the request's generated tokens, less its last one where
-    that is a batch's delivered pending token (counted again as the next forward's input)."""
+def generated_history(request: Request, is_pending_delivered: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, counts) of the distinct tokens among the request's generated ones, less its last one
+    where that is a batch's delivered pending token (counted again as the next forward's input)."""
     ids = request.output_token_ids[:-1] if is_pending_delivered else request.output_token_ids
-    return np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size)[:vocab_size].astype(np.float32)
+    return np.unique(np.asarray(ids, dtype=np.int32), return_counts=True)
+
+
+def pad_histories(histories: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(B, H) ids, counts and is-real flags of each row's history (None: a row that does not
+    penalize), padded with a repeat of its first entry (the same id and count: its penalized
+    logit is written twice with one value), or id 0 counted 0 where it has none."""
+    width = max([1, *(len(h[0]) for h in histories if h is not None)])
+    ids = np.zeros((len(histories), width), dtype=np.int32)
+    counts = np.zeros((len(histories), width), dtype=np.float32)
+    is_real = np.zeros((len(histories), width), dtype=np.float32)
+    for i, history in enumerate(histories):
+        if history is not None and len(history[0]):
+            num_real = len(history[0])
+            ids[i], counts[i] = history[0][0], history[1][0]
+            ids[i, :num_real], counts[i, :num_real], is_real[i, :num_real] = history[0], history[1], 1.0
+    return ids, counts, is_real

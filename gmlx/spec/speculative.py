@@ -69,7 +69,7 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
     positions = batch.positions(num_draft + 1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     hidden, logits, chunk_hidden = _forward(target, verify_in, batch.caches, chunks)  # (B, k+1, D), (B, k+1, V)
-    counts = batch.repeat_counts(verify_in, logits.shape[-1])
+    counts = batch.repeat_counts(verify_in)
     targets = sample(logits, batch.sampling, positions, counts)  # (B, k+1)
     rows = mx.arange(batch.num_rows)
     if is_stochastic:
@@ -169,7 +169,7 @@ def capture_round(target: LoadedModel, batch: DecodeBatch) -> tuple[list[list[in
     positions = batch.positions(1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     hidden, logits = target.forward(batch.pending[:, None], batch.caches)
-    tokens = sample(logits, batch.sampling, positions, batch.repeat_counts(batch.pending[:, None], logits.shape[-1]))[:, 0]
+    tokens = sample(logits, batch.sampling, positions, batch.repeat_counts(batch.pending[:, None]))[:, 0]
     batch.keep_logprobs(logits, tokens[:, None], logprob_positions)
     mx.eval(tokens, hidden)
     batch.pending = tokens
@@ -181,7 +181,7 @@ def _dispatch_plain(target: LoadedModel, batch: DecodeBatch, chunks: tuple[Segme
     positions = batch.positions(1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     _, logits, chunk_hidden = _forward(target, batch.pending[:, None], batch.caches, chunks)
-    counts = batch.repeat_counts(batch.pending[:, None], logits.shape[-1])
+    counts = batch.repeat_counts(batch.pending[:, None])
     batch.pending = sample(logits, batch.sampling, positions, counts)[:, 0]
     batch.keep_logprobs(logits, batch.pending[:, None], logprob_positions)
     mx.async_eval(batch.pending, *chunk_hidden)  # the chunks' hidden: outputs of their own when fused
