@@ -51,14 +51,18 @@ class _Relay:
         return chunk
 
     async def next_or_gone(self, disconnected: asyncio.Task):
-        """next(), unless the HTTP client disconnects first (then ClientGone)."""
+        """next(), unless the HTTP client disconnects first (then ClientGone). Cancelled, it
+        leaves no read running (close() may follow at once)."""
         item = asyncio.ensure_future(self.next())
-        await asyncio.wait({item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        if item.done():
-            return item.result()
-        item.cancel()
-        await asyncio.wait({item})  # the generator's cleanup has run once this returns
-        raise ClientGone()
+        try:
+            await asyncio.wait({item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not item.done():
+                item.cancel()
+                await asyncio.wait({item})  # the generator's cleanup has run once this returns
+        if item.cancelled():
+            raise ClientGone()
+        return item.result()
 
     async def close(self) -> None:
         # Shielded: Starlette cancels a stream's scope when its connection drops, and the
@@ -80,28 +84,31 @@ async def _first_chunks(relays: list[_Relay], disconnected: asyncio.Task) -> lis
     return results
 
 
+async def _chunks_of(first, read_next):
+    """One request's chunks from its first to its final one (read_next: the relay's next or
+    next_or_gone); RequestError where the stream ends without a finish reason."""
+    chunk = first
+    while chunk is not _END:
+        yield chunk
+        if chunk.finish_reason is not None:
+            return
+        chunk = await read_next()
+    raise RequestError("the stream ended without a finish reason")
+
+
 async def _merge(relays: list[_Relay], firsts: list):
     """(choice index, chunk) of every relay as each arrives, from its first chunk to its final one.
     One relay reads in place; several are read by a task each (closing this cancels them)."""
     if len(relays) == 1:
-        chunk = firsts[0]
-        while chunk is not _END:
+        async for chunk in _chunks_of(firsts[0], relays[0].next):
             yield 0, chunk
-            if chunk.finish_reason is not None:
-                return
-            chunk = await relays[0].next()
-        raise RequestError("the stream ended without a finish reason")
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int) -> None:
-        chunk = firsts[index]
         try:
-            while chunk is not _END:
+            async for chunk in _chunks_of(firsts[index], relays[index].next):
                 await queue.put((index, chunk))
-                if chunk.finish_reason is not None:
-                    return
-                chunk = await relays[index].next()
-            raise RequestError("the stream ended without a finish reason")
         except (RequestError, TimeoutError) as e:
             await queue.put((index, e))
 
@@ -258,10 +265,16 @@ class Gateway:
 
     async def _collect(self, relays: list[_Relay], shape: oai.ResponseShape, args: oai.GenerateArgs,
                        choices: list[oai.GenerateArgs], firsts: list, disconnected, endpoint: str) -> Response:
+        readers = [asyncio.ensure_future(self._collect_one(relay, choice, first, disconnected))
+                   for relay, choice, first in zip(relays, choices, firsts)]
         try:
-            answers = await asyncio.gather(*(self._collect_one(relay, choice, first, disconnected)
-                                             for relay, choice, first in zip(relays, choices, firsts)))
-        except (RequestError, TimeoutError) as e:
+            answers = await asyncio.gather(*readers)
+        except BaseException as e:
+            for reader in readers:  # none may still read a relay when the caller closes them
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            if not isinstance(e, (RequestError, TimeoutError)):
+                raise
             self.metrics.requests.labels(endpoint, "error").inc()
             return error_response(500, f"the request failed: {e}", "server_error")
         usage = oai.usage_of_choices([last.stats for _, _, last in answers], args.num_per_prompt)
@@ -271,8 +284,8 @@ class Gateway:
 
     async def _collect_one(self, relay: _Relay, choice: oai.GenerateArgs, first, disconnected) -> tuple:
         """One choice read to its end: (text, logprobs entries or None, its final chunk)."""
-        texts, logprobs, chunk, last_s = [], None, first, time.monotonic()
-        while chunk is not _END:
+        texts, logprobs, last_s = [], None, time.monotonic()
+        async for chunk in _chunks_of(first, lambda: relay.next_or_gone(disconnected)):
             text, entries = choice.echoed(chunk, chunk is first)
             texts.append(text)
             if entries is not None:
@@ -281,10 +294,7 @@ class Gateway:
             now_s = time.monotonic()
             self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
             last_s = now_s
-            if chunk.finish_reason is not None:
-                return "".join(texts), logprobs, chunk
-            chunk = await relay.next_or_gone(disconnected)
-        raise RequestError("the stream ended without a finish reason")
+        return "".join(texts), logprobs, chunk
 
     async def _events(self, relays: list[_Relay], shape: oai.ResponseShape, args: oai.GenerateArgs,
                       choices: list[oai.GenerateArgs], firsts: list, endpoint: str):
