@@ -67,39 +67,33 @@ def decode_section(engine, name: str, args) -> None:
     counts = [int(n) for n in args.logprobs.split(",")]
     print("| model | drafter | width | logprobs | tok/s without | tok/s with | with / without |")
     print("|---|---|---|---|---|---|---|")
-    target = engine.target
-    for width in (int(w) for w in args.widths.split(",")):
-        prompts = heldout_text_prompts(target.tokenizer, "prose", width, 128)
-
-        def run(mode: str) -> float:
-            logprobs = None if mode == OFF else int(mode)
-            params = SamplingParams(max_tokens=args.tokens, logprobs=logprobs)
-            return decode_tok_per_s(engine, prompts, params)[0]
-
-        modes = [OFF, *(str(n) for n in counts)]
-        runs = alternate(modes, args.repeats, run)
+    sides = {str(n): SamplingParams(max_tokens=args.tokens, logprobs=n) for n in counts}
+    for width, runs in _decode_runs(engine, args, sides):
         for n in counts:
-            ratio = median_ratio(zip(runs[str(n)], runs[OFF]))
-            print(f"| {name} | {args.drafter} | {width} | {n} | {statistics.median(runs[OFF]):.1f} | "
-                  f"{statistics.median(runs[str(n)]):.1f} | {ratio:.3f} |", flush=True)
-
+            print(f"| {name} | {args.drafter} | {width} | {n} | {_row(runs, str(n))}", flush=True)
 
 
 def penalties_section(engine, name: str, args) -> None:
     print("| model | drafter | width | tok/s without | tok/s with penalties | with / without |")
     print("|---|---|---|---|---|---|")
+    sides = {"on": SamplingParams(max_tokens=args.tokens, presence_penalty=0.5, frequency_penalty=0.5)}
+    for width, runs in _decode_runs(engine, args, sides):
+        print(f"| {name} | {args.drafter} | {width} | {_row(runs, 'on')}", flush=True)
+
+
+def _decode_runs(engine, args, sides: dict[str, SamplingParams]):
+    """(width, mode -> tok/s of each rep) at each of --widths: OFF (a plain request) and each side."""
+    params_of = {OFF: SamplingParams(max_tokens=args.tokens), **sides}
     for width in (int(w) for w in args.widths.split(",")):
         prompts = heldout_text_prompts(engine.target.tokenizer, "prose", width, 128)
+        yield width, alternate(list(params_of), args.repeats,
+                               lambda mode: decode_tok_per_s(engine, prompts, params_of[mode])[0])
 
-        def run(mode: str) -> float:
-            penalty = 0.0 if mode == OFF else 0.5
-            params = SamplingParams(max_tokens=args.tokens, presence_penalty=penalty, frequency_penalty=penalty)
-            return decode_tok_per_s(engine, prompts, params)[0]
 
-        runs = alternate([OFF, "on"], args.repeats, run)
-        ratio = median_ratio(zip(runs["on"], runs[OFF]))
-        print(f"| {name} | {args.drafter} | {width} | {statistics.median(runs[OFF]):.1f} | "
-              f"{statistics.median(runs['on']):.1f} | {ratio:.3f} |", flush=True)
+def _row(runs: dict, mode: str) -> str:
+    """Without, with, and the median of per-rep ratios, as the tables' last three cells."""
+    ratio = median_ratio(zip(runs[mode], runs[OFF]))
+    return f"{statistics.median(runs[OFF]):.1f} | {statistics.median(runs[mode]):.1f} | {ratio:.3f} |"
 
 
 def prompt_section(engine, name: str, args) -> None:
