@@ -136,10 +136,10 @@ def penalize(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None)
     return mx.put_along_axis(logits, repeats.ids, values - frequency * counts - presence * (counts > 0), axis=-1)
 
 
-def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, counts: RepeatCounts | None = None) -> mx.array:
-    """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions; counts:
+def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, repeats: RepeatCounts | None = None) -> mx.array:
+    """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions; repeats:
     where rows penalize repeats, penalize()'s (the drafters sample without them)."""
-    logits = penalize(logits, rows, counts)
+    logits = penalize(logits, rows, repeats)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if rows.is_all_greedy:
         return greedy
@@ -152,10 +152,10 @@ def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, counts: Re
     return mx.where(rows.temperature[:, None] == 0.0, greedy, sampled)
 
 
-def probabilities(logits: mx.array, rows: SamplingRows, counts: RepeatCounts | None = None) -> mx.array:
+def probabilities(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None = None) -> mx.array:
     """The distribution `sample` draws from, (B, T, V): softmax of the filtered, scaled logits;
     one-hot on the argmax for greedy rows."""
-    logits = penalize(logits, rows, counts)
+    logits = penalize(logits, rows, repeats)
     greedy = mx.argmax(logits, axis=-1)  # (B, T)
     one_hot = (mx.arange(logits.shape[-1])[None, None, :] == greedy[..., None]).astype(mx.float32)
     if rows.is_all_greedy:

@@ -238,7 +238,8 @@ class Client:
             self._sock.send_multipart(_generate_message(
                 stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
+                prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty))
             while not stream.is_done:
                 chunk = stream.take(self._next(stream))
                 if chunk is not None:
@@ -311,7 +312,8 @@ class AsyncClient:
             await self._sock.send_multipart(_generate_message(
                 stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
+                prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty))
             while not stream.is_done:
                 chunk = stream.take(await self._next(stream))
                 if chunk is not None:

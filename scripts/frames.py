@@ -50,7 +50,8 @@ def _valid_fields(rng: random.Random) -> dict:
     if rng.random() < 0.15:
         fields["prompt_logprobs"] = rng.choice([0, 1, 20])
     if rng.random() < 0.2:
-        fields.update(presence_penalty=rng.choice([0.0, -2.0, 0.5, 2.0]), frequency_penalty=rng.choice([0.0, 1.5, -0.3]))
+        fields.update(presence_penalty=rng.choice([0.0, -2.0, 0.5, 2.0]),
+                      frequency_penalty=rng.choice([0.0, 1.5, -0.3]))
     return fields
 
 

@@ -225,7 +225,8 @@ def test_a_batch_of_prompts_and_n_samples_are_each_the_zmq_answer_of_their_seed(
     """prompt as a list and n: a choice per (prompt, sample), index prompt by prompt; sample j of a
     seeded request is the ZeroMQ answer with seed + j, streamed or not; usage counts each prompt once."""
     prompts = [PROMPT, "class Parser:"]
-    want = [zmq_text(server, prompt=p, max_tokens=10, temperature=0.8, seed=7 + j)[0] for p in prompts for j in range(2)]
+    want = [zmq_text(server, prompt=p, max_tokens=10, temperature=0.8, seed=7 + j)[0]
+            for p in prompts for j in range(2)]
     assert len(set(want)) > 1  # the samples differ, so the order is checked
     done = oai.completions.create(model=MODEL_ID, prompt=prompts, n=2, max_tokens=10, temperature=0.8, seed=7)
     assert [c.index for c in done.choices] == [0, 1, 2, 3] and [c.text for c in done.choices] == want

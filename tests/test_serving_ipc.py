@@ -106,7 +106,8 @@ def test_client_messages_round_trip():
     assert m.decode_json(m.encode_json(msg)) == msg
     chunk = m.Chunk(request_id="r1", seq=2, token_ids=[1, 2], text="ab", finish_reason="length", stats={"x": 1})
     assert m.decode_json(m.encode_json(chunk)) == chunk
-    entry = {"token_id": 1, "token": "a", "logprob": -0.5, "top_logprobs": [{"token_id": 1, "token": "a", "logprob": -0.5}]}
+    entry = {"token_id": 1, "token": "a", "logprob": -0.5,
+             "top_logprobs": [{"token_id": 1, "token": "a", "logprob": -0.5}]}
     with_logprobs = m.Chunk(request_id="r1", seq=3, token_ids=[1], text="a", logprobs=[entry])
     assert m.decode_json(m.encode_json(with_logprobs)) == with_logprobs
 

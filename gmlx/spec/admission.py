@@ -257,10 +257,10 @@ class InjectionQueue:
         logits = self.target.head(last_hidden)  # (1, 1, V)
         rows = SamplingRows.make([request.params], [request.seed])
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
-        counts = None
+        repeats = None
         if rows.is_penalized:  # every generated token precedes it (an evicted row's, prefilled again)
-            counts = RepeatCounts.make(*pad_histories([generated_history(request)]), None)
-        token = sample(logits, rows, position, counts)
+            repeats = RepeatCounts.make(*pad_histories([generated_history(request)]), None)
+        token = sample(logits, rows, position, repeats)
         logprobs.keep([request], logits, token, [request.num_prefill_tokens])
         return token
 

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from gmlx.sampling import ACCEPT_STREAM, RESIDUAL_STREAM, SamplingRows, probabilities, uniform_noise
+from gmlx.sampling import ACCEPT_STREAM, RESIDUAL_STREAM, RepeatCounts, SamplingRows, probabilities, uniform_noise
 
 
 def stochastic_accept(logits: mx.array, targets: mx.array, drafts: mx.array, draft_probs: mx.array,
                       num_draft_by_row: list[int], sampling: SamplingRows,
-                      positions: mx.array, counts: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                      positions: mx.array, repeats: RepeatCounts | None = None) -> tuple[mx.array, mx.array]:
     """(accepted drafts (B,), next token (B,)) for verify logits (B, k+1, V), the target's own
     samples (B, k+1), drafts (B, k) drawn from draft_probs (B, k, V), positions (B, k+1)."""
     num_rows, num_draft = drafts.shape
-    probs = probabilities(logits, sampling, counts)  # (B, k+1, V), repeat penalties applied where asked
+    probs = probabilities(logits, sampling, repeats)  # (B, k+1, V), repeat penalties applied where asked
     p_draft = mx.take_along_axis(probs[:, :num_draft], drafts[..., None], axis=-1)[..., 0]  # (B, k)
     q_draft = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]  # (B, k)
     seeds = mx.broadcast_to(sampling.seeds[:, None], (num_rows, num_draft)).reshape(-1)

@@ -69,12 +69,12 @@ def speculative_round(target: LoadedModel, batch: DecodeBatch, drafter, num_draf
     positions = batch.positions(num_draft + 1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     hidden, logits, chunk_hidden = _forward(target, verify_in, batch.caches, chunks)  # (B, k+1, D), (B, k+1, V)
-    counts = batch.repeat_counts(verify_in)
-    targets = sample(logits, batch.sampling, positions, counts)  # (B, k+1)
+    repeats = batch.repeat_counts(verify_in)
+    targets = sample(logits, batch.sampling, positions, repeats)  # (B, k+1)
     rows = mx.arange(batch.num_rows)
     if is_stochastic:
         accepted, batch.pending = stochastic_accept(logits, targets, drafts, draft_probs, num_draft_by_row,
-                                                    batch.sampling, positions, counts)
+                                                    batch.sampling, positions, repeats)
         # Accepted drafts need not be the target's own samples: emit the drafts, then the next token.
         emitted = mx.concatenate([drafts, batch.pending[:, None]], axis=1)  # (B, k+1)
         emitted = mx.where(mx.arange(num_draft + 1)[None, :] == accepted[:, None], batch.pending[:, None], emitted)
@@ -181,8 +181,8 @@ def _dispatch_plain(target: LoadedModel, batch: DecodeBatch, chunks: tuple[Segme
     positions = batch.positions(1, first_offset=1)
     logprob_positions = batch.logprob_positions(1)
     _, logits, chunk_hidden = _forward(target, batch.pending[:, None], batch.caches, chunks)
-    counts = batch.repeat_counts(batch.pending[:, None])
-    batch.pending = sample(logits, batch.sampling, positions, counts)[:, 0]
+    repeats = batch.repeat_counts(batch.pending[:, None])
+    batch.pending = sample(logits, batch.sampling, positions, repeats)[:, 0]
     batch.keep_logprobs(logits, batch.pending[:, None], logprob_positions)
     mx.async_eval(batch.pending, *chunk_hidden)  # the chunks' hidden: outputs of their own when fused
     batch.is_delivered = [False] * batch.num_rows
