@@ -232,3 +232,26 @@ def test_token_logprobs_kernel_rows_stand_alone_and_match_mlx(num_rows, vocab, n
     # A top entry's logprob is the chosen logprob of that token, to the bit.
     again = cpu_kernels.token_logprobs(logits, mx.array(top_ids[:, -1]), num_top)[0]
     assert np.array_equal(np.array(again), top_lps[:, -1])
+
+
+def test_logprob_entries_decode_each_token_once_per_model(builtin_target):
+    """A logprobs entry names up to 21 tokens: the front-end's TokenTexts decodes each id once for
+    all its streams, and gives what decoding the id alone gives."""
+    from gmlx.textstream import TokenTexts, logprob_entries
+
+    class CountingDecoder:
+        def __init__(self, tokenizer):
+            self.tokenizer, self.num_calls = tokenizer, 0
+
+        def decode(self, ids):
+            self.num_calls += 1
+            return self.tokenizer.decode(ids)
+
+    decoder = CountingDecoder(builtin_target.tokenizer)
+    texts = TokenTexts(decoder)
+    pairs = [(-1.0, [(7, -1.0), (8, -2.0)]), (-0.5, [(8, -0.5), (7, -3.0)])]
+    for _ in range(3):
+        entries = logprob_entries(texts, [7, 8], pairs)
+    assert decoder.num_calls == 2
+    assert [e["token"] for e in entries] == [builtin_target.tokenizer.decode([7]), builtin_target.tokenizer.decode([8])]
+    assert [t["token"] for t in entries[1]["top_logprobs"]] == [entries[1]["token"], entries[0]["token"]]

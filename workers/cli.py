@@ -90,7 +90,7 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
     ensure_fast_blas()  # before the engine imports mlx
     from gmlx.engine import Engine
     from gmlx.generate import render_chat, stream_generate
-    from gmlx.textstream import logprob_entries
+    from gmlx.textstream import TokenTexts, logprob_entries
 
     try:
         engine = Engine.load(EngineConfig(model_path=model, drafter=drafter,
@@ -102,10 +102,11 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
                 raise ValueError(f"--chat: {exc}") from exc
         chunks = stream_generate(engine, prompt, params)
         token_ids, text, token_entries, last = [], [], [], None
+        token_texts = TokenTexts(engine.tokenizer)
         for chunk in chunks:
             if chunk.logprobs is not None:
                 pairs = [(e.logprob, e.top) for e in chunk.logprobs]
-                token_entries += logprob_entries(engine.tokenizer, chunk.token_ids, pairs)
+                token_entries += logprob_entries(token_texts, chunk.token_ids, pairs)
             token_ids += chunk.token_ids
             text.append(chunk.text)
             if not as_json:

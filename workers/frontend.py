@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from gmlx.textstream import TextStream
+from gmlx.textstream import TextStream, TokenTexts
 from ipc import messages as m
 from ipc.auth import (ServerAuth, default_secret_path, insecure_bind_message, insecure_worker_bind_message,
                       is_loopback, read_worker_secret, write_worker_secret)
@@ -85,6 +85,7 @@ class Frontend:
         self._pool: WorkerPool | None = None
         self._tokenizer = None  # transformers' tokenizer, for encode
         self._decoder = None  # the same, with a fast decode for the text streams
+        self._token_texts: TokenTexts | None = None  # each token's own text, for logprobs entries
         self._model_path: str | None = None
         self._limits: ModelLimits | None = None
         self._requests: dict[str, ClientRequest] = {}
@@ -274,8 +275,8 @@ class Frontend:
             self._reply(client_id, m.Error(message=str(e), ref=msg.ref, field=e.field))
             return
         request_id = f"r{next(self._request_ids)}"
-        req = ClientRequest(request_id, msg.ref, client_id, payload, TextStream(self._decoder, stop),
-                            self._model_path, has_stop=bool(stop))
+        req = ClientRequest(request_id, msg.ref, client_id, payload,
+                            TextStream(self._decoder, stop, self._token_texts), self._model_path, has_stop=bool(stop))
         self._requests[request_id] = req
         self._pending.append(req)
         self._reply(client_id, m.Accepted(ref=msg.ref, request_id=request_id,
@@ -398,6 +399,7 @@ class Frontend:
     def _load_tokenizer(self, hello: m.Hello) -> None:
         self._tokenizer_import.join()  # transformers' lazy module breaks under concurrent imports
         self._tokenizer, self._decoder = load_tokenizer(hello.model_path)
+        self._token_texts = TokenTexts(self._decoder)
         self._model_path = hello.model_path
         max_prompt_tokens = min(hello.max_context_tokens - 1, self._bus.max_tokens)
         max_prompt_bytes = prompt_byte_limit(max_prompt_tokens, max_token_bytes(self._tokenizer))

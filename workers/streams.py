@@ -148,15 +148,15 @@ class ClientRequest:
         if row_prompt_logprobs is None or self.next_chunk_seq > 0:
             return None
         prompt = self.client_payload.token_ids
-        tokenizer = self.text_stream.tokenizer
-        first = logprob_entries(tokenizer, prompt[:1], [(None, [])])
-        return first + logprob_entries(tokenizer, prompt[1:], row_prompt_logprobs)
+        token_texts = self.text_stream.token_texts
+        first = logprob_entries(token_texts, prompt[:1], [(None, [])])
+        return first + logprob_entries(token_texts, prompt[1:], row_prompt_logprobs)
 
     def _logprobs(self, token_ids: list[int], row_logprobs: list | None) -> list[dict] | None:
         """The client's entries of the tokens delivered (a stop string may cut the row's short)."""
         if not self.is_logprobs:
             return None
-        return logprob_entries(self.text_stream.tokenizer, token_ids, row_logprobs)
+        return logprob_entries(self.text_stream.token_texts, token_ids, row_logprobs)
 
     @property
     def is_logprobs(self) -> bool:
