@@ -581,7 +581,7 @@ class Engine:
                 break
         # The prompt's logprobs ride the first output (a first token is always delivered alone).
         prompt_entries = None
-        if request.params.prompt_logprobs is not None and not request.num_generated:
+        if request.is_scoring_prompt:
             prompt_entries = logprobs.take_prompt(request)
         entries = None if request.params.logprobs is None else logprobs.take_delivered(request, new)
         request.output_token_ids.extend(new)

@@ -66,6 +66,11 @@ class SamplingParams:
                     raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
 
     @property
+    def is_penalized(self) -> bool:
+        """Whether it penalizes repeats (sampling.penalize)."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -164,6 +169,13 @@ class Request:
         """What a prefill of this request runs: its prompt, and after an eviction every token it
         generated before it (their KV is rebuilt; the next token is sampled from the last)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_scoring_prompt(self) -> bool:
+        """It asks for its prompt's logprobs and has no token yet: its prefill runs every prompt
+        position (no prompt-cache prefix) and its first output carries them; prefilled again
+        after an eviction, it has them already."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_generated(self) -> int:

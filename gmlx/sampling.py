@@ -66,7 +66,7 @@ class SamplingRows:
     @classmethod
     def make(cls, params_list, seeds: list[int]) -> SamplingRows:
         temps = [p.temperature for p in params_list]
-        is_penalized = any(p.presence_penalty or p.frequency_penalty for p in params_list)
+        is_penalized = any(p.is_penalized for p in params_list)
         return cls(
             temperature=mx.array(temps, dtype=mx.float32),
             top_p=mx.array([p.top_p for p in params_list], dtype=mx.float32),

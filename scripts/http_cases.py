@@ -255,12 +255,12 @@ def _logprobs_problem(case: HttpCase, choices: list[dict], usage: dict) -> str |
     """Where a valid request asked for logprobs: one entry per completion token, else none at all."""
     if not case.is_valid:
         return None
-    value = json.loads(case.body).get("logprobs")
+    body = json.loads(case.body)
+    value = body.get("logprobs")
     asked = value is not None and value is not False  # the legacy API's 0 asks, chat's false does not
     objects = [c["logprobs"] for c in choices if c.get("logprobs") is not None]
     if not asked:
         return None if not objects else "logprobs nobody asked for"
-    body = json.loads(case.body)
     indexes = {c["index"] for c in choices}
     if {c["index"] for c in choices if c.get("logprobs") is not None} != indexes:
         return "a choice without logprobs"

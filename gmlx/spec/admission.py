@@ -226,7 +226,7 @@ class InjectionQueue:
         # Room for the prompt and the first decode steps: no growth copy while it prefills or just
         # after; never wider than the budget charges the row.
         min_capacity = min(request.num_prefill_tokens + 64, self.reserved_tokens(request))
-        if self.prompt_cache is not None and not _is_scoring_prompt(request):
+        if self.prompt_cache is not None and not request.is_scoring_prompt:
             caches, num_cached = self.prompt_cache.fetch(request.all_token_ids)
             if caches is not None:
                 request.num_prefilled = num_cached
@@ -245,7 +245,7 @@ class InjectionQueue:
     def _score_prompt(self, request: Request, hidden: mx.array, start: int) -> None:
         """Where the request asks for its prompt's logprobs: those of this chunk's positions
         (hidden (1, T, D) from position start) whose next token is a prompt token."""
-        if not _is_scoring_prompt(request):
+        if not request.is_scoring_prompt:
             return
         num_positions = min(hidden.shape[1], request.num_prompt_tokens - 1 - start)
         if num_positions > 0:
@@ -263,12 +263,6 @@ class InjectionQueue:
         token = sample(logits, rows, position, repeats)
         logprobs.keep([request], logits, token, [request.num_prefill_tokens])
         return token
-
-
-def _is_scoring_prompt(request: Request) -> bool:
-    """A request asking for its prompt's logprobs, before its first token: its prefill must run
-    every prompt position (no prompt-cache prefix); prefilled again after an eviction, it has them."""
-    return request.params.prompt_logprobs is not None and not request.num_generated
 
 
 def _rewind(request: Request) -> None:

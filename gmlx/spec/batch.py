@@ -152,8 +152,8 @@ class DecodeBatch:
         inputs[:, :j + 1]. None where no row penalizes."""
         if not self.sampling.is_penalized:
             return None
-        histories = [generated_history(r, self.is_delivered[i]) if r.params.presence_penalty or
-                     r.params.frequency_penalty else None for i, r in enumerate(self.requests)]
+        histories = [generated_history(r, self.is_delivered[i]) if r.params.is_penalized else None
+                     for i, r in enumerate(self.requests)]
         return RepeatCounts.make(*pad_histories(histories), inputs)
 
     def keep_rows(self, rows: list[int]) -> None:
