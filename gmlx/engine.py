@@ -141,6 +141,9 @@ class Engine:
             raise ValueError("token_ids: the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < self.target.vocab_size for t in token_ids):
             raise ValueError(f"token_ids: every id must be an integer in [0, {self.target.vocab_size})")
+        bad = next((t for t, _ in params.logit_bias or () if t >= self.target.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: {bad} is not a token id in [0, {self.target.vocab_size})")
         if len(token_ids) >= self.max_context_tokens:
             raise ValueError(
                 f"token_ids: prompt of {len(token_ids)} tokens does not fit the context "

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap on logit_bias tokens; it also bounds the bus slot's header
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # N: the same for the prompt's tokens (1.., on the first output)
     presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it was generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time it was generated
+    # OpenAI's: (token id, value added to its logit before sampling) pairs; a dict is taken and
+    # stored as its pairs, so the parameters stay hashable (a dict's order changes no bit).
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()) or None)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -64,6 +73,8 @@ class SamplingParams:
                 _check_int(name, value)
                 if not 0 <= value <= MAX_TOP_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
 
     @property
     def is_penalized(self) -> bool:
@@ -73,6 +84,23 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_logit_bias(logit_bias) -> None:
+    """Distinct token ids (their upper bound is the model's to check) with numbers in [-100, 100]."""
+    if not isinstance(logit_bias, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in logit_bias):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {logit_bias!r:.200}")
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(logit_bias)}")
+    if len({token_id for token_id, _ in logit_bias}) < len(logit_bias):
+        raise ValueError("logit_bias must name each token once")
+    for token_id, value in logit_bias:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"logit_bias must map token ids (integers >= 0), got the key {token_id!r}")
+        _check_number("logit_bias", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must hold values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {value} for token {token_id}")
 
 
 def _check_int(name: str, value) -> None:

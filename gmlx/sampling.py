@@ -9,6 +9,7 @@ sample whenever their filtered distributions agree on the argmax.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -62,11 +63,14 @@ class SamplingRows:
     needs_sort: bool  # some row filters by top-p or top-k
     presence_penalty: mx.array | None = None  # (B,), where some row penalizes repeats; else None
     frequency_penalty: mx.array | None = None  # (B,)
+    bias_ids: mx.array | None = None  # (B, 1, L) int32, where some row has a logit_bias; else None
+    bias_values: mx.array | None = None  # (B, 1, L) float32: what bias() adds at bias_ids
 
     @classmethod
     def make(cls, params_list, seeds: list[int]) -> SamplingRows:
         temps = [p.temperature for p in params_list]
         is_penalized = any(p.is_penalized for p in params_list)
+        bias_ids, bias_values = _pad_biases([p.logit_bias for p in params_list])
         return cls(
             temperature=mx.array(temps, dtype=mx.float32),
             top_p=mx.array([p.top_p for p in params_list], dtype=mx.float32),
@@ -79,11 +83,35 @@ class SamplingRows:
             if is_penalized else None,
             frequency_penalty=mx.array([p.frequency_penalty for p in params_list], dtype=mx.float32)
             if is_penalized else None,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
 
     @property
     def is_penalized(self) -> bool:
         return self.presence_penalty is not None
+
+    def without_bias(self) -> SamplingRows:
+        """These rows for a drafter: its logits may cover another vocabulary (a draft model's, a
+        head's draft ids), and the verify applies the bias to every token it keeps anyway."""
+        return self if self.bias_ids is None else dataclasses.replace(self, bias_ids=None, bias_values=None)
+
+
+def _pad_biases(biases: list) -> tuple[mx.array | None, mx.array | None]:
+    """Each row's logit_bias as ids and values (B, 1, L): a row's list padded with a repeat of its
+    first entry (writing one value twice writes it once), a row without one with id 0 + 0.0."""
+    if not any(biases):
+        return None, None
+    width = max(len(b) for b in biases if b)
+    ids = np.zeros((len(biases), 1, width), dtype=np.int32)
+    values = np.zeros((len(biases), 1, width), dtype=np.float32)
+    for i, row_bias in enumerate(biases):
+        if row_bias:
+            items = list(row_bias)
+            items += [items[0]] * (width - len(items))
+            ids[i, 0] = [token_id for token_id, _ in items]
+            values[i, 0] = [value for _, value in items]
+    return mx.array(ids), mx.array(values)
 
 
 @dataclass(frozen=True)
@@ -121,6 +149,23 @@ class RepeatCounts:
         return cls(all_ids, mx.concatenate([history_part, input_part], axis=-1))
 
 
+def bias(logits: mx.array, rows: SamplingRows) -> mx.array:
+    """OpenAI's logit_bias: each row's values added to its tokens' logits at every position (no
+    bias: as is). Position-independent, so every loop adds the same values to the same logits."""
+    if rows.bias_ids is None:
+        return logits
+    logits = logits.astype(mx.float32)
+    shape = (*logits.shape[:2], rows.bias_ids.shape[-1])
+    ids = mx.broadcast_to(rows.bias_ids, shape)
+    values = mx.take_along_axis(logits, ids, axis=-1) + rows.bias_values
+    return mx.put_along_axis(logits, ids, values, axis=-1)
+
+
+def adjust(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None) -> mx.array:
+    """The logits sampling draws from: the raw ones with each row's bias, then its repeat penalties."""
+    return penalize(bias(logits, rows), rows, repeats)
+
+
 def penalize(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None) -> mx.array:
     """OpenAI's repeat penalties: logits - frequency x count - presence x (count > 0), counts of
     each token among a row's generated tokens before each position (None: as is). Only the
@@ -139,7 +184,7 @@ def penalize(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None)
 def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, repeats: RepeatCounts | None = None) -> mx.array:
     """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions; repeats:
     where rows penalize repeats, penalize()'s (the drafters sample without them)."""
-    logits = penalize(logits, rows, repeats)
+    logits = adjust(logits, rows, repeats)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if rows.is_all_greedy:
         return greedy
@@ -155,7 +200,7 @@ def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, repeats: R
 def probabilities(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None = None) -> mx.array:
     """The distribution `sample` draws from, (B, T, V): softmax of the filtered, scaled logits;
     one-hot on the argmax for greedy rows."""
-    logits = penalize(logits, rows, repeats)
+    logits = adjust(logits, rows, repeats)
     greedy = mx.argmax(logits, axis=-1)  # (B, T)
     one_hot = (mx.arange(logits.shape[-1])[None, None, :] == greedy[..., None]).astype(mx.float32)
     if rows.is_all_greedy:

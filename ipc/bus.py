@@ -7,10 +7,10 @@ front-end reuse it. Slot ownership is decided by messages, never by flags in sha
 memory, so no cross-process memory ordering is relied on.
 
 Layout (little-endian):
-    segment header (64 B): magic "GMLXBUS2", num_slots u32, slot_bytes u32, max_tokens u32
+    segment header (64 B): magic "GMLXBUS3", num_slots u32, slot_bytes u32, max_tokens u32
     slot i at 64 + i * slot_bytes:
         generation u64, num_tokens u32, num_sampling_bytes u32,
-        the request's ipc.messages.Sampling as msgpack                  (256 B in all)
+        the request's ipc.messages.Sampling as msgpack                 (8 KiB in all)
         token ids, int32 x num_tokens
 The generation is bumped on every write; the worker checks it before and after copying,
 so a descriptor that outlived its slot (a restarted worker, say) is refused, not misread.
@@ -39,11 +39,11 @@ logger = logging.getLogger(__name__)
 
 NAME_PREFIX = "gmlx_"
 SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared memory; absent on macOS
-_MAGIC = b"GMLXBUS2"  # 2: 256-byte slot headers; a worker reading another layout refuses the segment
+_MAGIC = b"GMLXBUS3"  # 3: 8 KiB slot headers; a worker reading another layout refuses the segment
 _SEGMENT_HEADER = struct.Struct("<8sIII")
 _SEGMENT_HEADER_BYTES = 64
 _SLOT_HEADER = struct.Struct("<QII")
-_SLOT_HEADER_BYTES = 256  # the sampling struct takes ~185 B of msgpack at its widest
+_SLOT_HEADER_BYTES = 8192  # the sampling struct takes ~4.4 KB of msgpack at its widest (300 logit_bias tokens)
 _MAX_SAMPLING_BYTES = _SLOT_HEADER_BYTES - _SLOT_HEADER.size
 _sampling_encoder = msgspec.msgpack.Encoder()
 _sampling_decoder = msgspec.msgpack.Decoder(Sampling)

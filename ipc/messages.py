@@ -22,6 +22,7 @@ MAX_CLIENT_FRAME_BYTES = 2 << 20  # the client link's ZMQ_MAXMSGSIZE: one messag
 MAX_NESTING_DEPTH = 16  # JSON arrays/objects inside each other; a GENERATE needs 2
 MAX_REF_CHARS = 256  # `ref` and `request_id` strings, checked as the body is decoded
 U32_MAX = 2**32 - 1  # the widest max_tokens and top_k a request may carry
+MAX_LOGIT_BIAS_ENTRIES = 300  # gmlx.request's (ipc imports nothing of gmlx); workers/validate.py checks they agree
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -29,6 +30,7 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 Key = Annotated[str, msgspec.Meta(max_length=MAX_REF_CHARS)]  # a client's ref or a request id
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]  # the model's vocabulary bounds it further
 
 
 # --- client link (JSON) -----------------------------------------------------------------
@@ -51,6 +53,8 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None  # N in 0..20: the same for the prompt's tokens, in the first chunk
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: off a token's logit once generated
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: off a token's logit per time generated
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit; JSON keys are the ids as text.
+    logit_bias: Annotated[dict[TokenId, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
 
 
 def sampling_of(msg: Sampling) -> Sampling:

@@ -52,6 +52,9 @@ def _valid_fields(rng: random.Random) -> dict:
     if rng.random() < 0.2:
         fields.update(presence_penalty=rng.choice([0.0, -2.0, 0.5, 2.0]),
                       frequency_penalty=rng.choice([0.0, 1.5, -0.3]))
+    if rng.random() < 0.15:  # ids below every model's vocabulary, JSON keys as text
+        fields["logit_bias"] = {str(rng.randrange(1000)): rng.choice([-100, -2.5, 3, 100])
+                                for _ in range(rng.randint(1, 5))}
     return fields
 
 

@@ -36,6 +36,8 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--logprobs-rate", type=float, default=0.0,
                         help="share of requests asking for logprobs (and some for prompt logprobs)")
+    parser.add_argument("--penalty-rate", type=float, default=0.0, help="share of requests penalizing repeats")
+    parser.add_argument("--bias-rate", type=float, default=0.0, help="share of requests with a logit_bias")
     args = parser.parse_args()
     target = load_model(args.model)
     reference = SoloReference(target)
@@ -49,7 +51,8 @@ def main() -> int:
         seed = args.start + n
         kind = kinds[n % len(kinds)]
         schedule = make_schedule(seed, target.vocab_size, pool, max_requests=8, caps=(0, 1, 2, 3, 4),
-                                 logprobs_rate=args.logprobs_rate)
+                                 logprobs_rate=args.logprobs_rate, penalty_rate=args.penalty_rate,
+                                 bias_rate=args.bias_rate)
         try:
             result = check_schedule(engines[kind], reference, schedule)
         except AssertionError as exc:

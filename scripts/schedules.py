@@ -43,10 +43,12 @@ class ScheduleResult:
 
 def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_requests: int = 6,
                   caps=(0, 1, 2, 4), temperatures=(0.0, 0.8), opt_out_rate: float = 0.0,
-                  max_new_tokens: int = 40, logprobs_rate: float = 0.0, penalty_rate: float = 0.0) -> Schedule:
+                  max_new_tokens: int = 40, logprobs_rate: float = 0.0, penalty_rate: float = 0.0,
+                  bias_rate: float = 0.0) -> Schedule:
     """A random schedule; opt_out_rate is the share of requests with speculate=False and
-    logprobs_rate of those asking for logprobs, penalty_rate of those penalizing repeats (each
-    drawn only when > 0, so the schedules of a seed without them stay what they were);
+    logprobs_rate of those asking for logprobs, penalty_rate of those penalizing repeats,
+    bias_rate of those with a logit_bias (each drawn only when > 0, so the schedules of a seed
+    without them stay what they were);
     max_tokens are drawn in 1..max_new_tokens."""
     rng = random.Random(seed)
     arrivals, round_index = [], 0
@@ -72,6 +74,13 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
         if penalty_rate > 0 and rng.random() < penalty_rate:
             params = dataclasses.replace(params, presence_penalty=rng.choice((0.0, 0.5, 2.0)),
                                          frequency_penalty=rng.choice((0.0, 0.3, -0.5, 2.0)))
+        if bias_rate > 0 and rng.random() < bias_rate:
+            # The prompt's own tokens are the likely ones to come next: ban, damp, boost or (rarely,
+            # as it ends all speculation) force them.
+            ids = {rng.choice(prompt) if rng.random() < 0.7 else rng.randrange(vocab_size)
+                   for _ in range(rng.randint(1, 4))}
+            values = (-100.0, -100.0, -4.0, 2.5, 2.5, 6.0, 6.0, -4.0, 100.0)
+            params = dataclasses.replace(params, logit_bias={t: rng.choice(values) for t in ids})
         arrivals.append(Arrival(round_index, tuple(prompt), params, cancel))
     return Schedule(seed, rng.choice(caps), rng.random() < 0.8, rng.random() < 0.8,
                     rng.choice((0, 2, 4, 32)), tuple(arrivals))

@@ -36,6 +36,9 @@ def test_generate_json_prints_one_object_last(drafter):
     (["--drafter", "medusa"], "medusa"),
     (["--logprobs", "21", "--json"], "logprobs"),
     (["--logprobs", "2"], "--json"),  # they are printed in the JSON object only
+    (["--logit-bias", "7"], "ID=BIAS"),
+    (["--logit-bias", "7=200"], "logit_bias"),
+    (["--logit-bias", "99999999=1"], "logit_bias: 99999999 is not a token id"),
 ])
 def test_bad_options_exit_nonzero_naming_the_option(args, name):
     done = run_gmlx("generate", "x", *args)

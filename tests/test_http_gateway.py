@@ -263,6 +263,27 @@ def test_repeat_penalties_over_http_are_the_zmq_answers(server, oai):
     assert info.value.body["param"] == "frequency_penalty"
 
 
+def test_logit_bias_over_http_is_the_zmq_answer(server, oai):
+    """logit_bias (refused until session 49) reaches the engine as over ZeroMQ, on both endpoints;
+    a key that is not a token id, an id outside the vocabulary or a value outside [-100, 100] is a
+    400 naming it."""
+    with Client(server.address, timeout_s=60) as client:
+        first = list(client.generate(PROMPT, max_tokens=8))[0].token_ids[0]
+    want = zmq_text(server, prompt=PROMPT, max_tokens=8, logit_bias={first: -100, 5: 2.5})[0]
+    assert want != zmq_text(server, prompt=PROMPT, max_tokens=8)[0]
+    bias = {str(first): -100, "5": 2.5}
+    done = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0, logit_bias=bias)
+    assert done.choices[0].text == want
+    turns = [{"role": "user", "content": PROMPT}]
+    want_chat = zmq_text(server, messages=turns, max_tokens=8, logit_bias={first: -100, 5: 2.5})[0]
+    chat = oai.chat.completions.create(model=MODEL_ID, messages=turns, max_tokens=8, temperature=0, logit_bias=bias)
+    assert chat.choices[0].message.content == want_chat
+    for bad in ({"x": 1}, {"-3": 1}, {"5": "1"}, {str(10**6): 1}, {"5": 101}, {str(i): 1 for i in range(301)}):
+        status, reply = http_post(server.http_url + "/v1/completions",
+                                  {"model": MODEL_ID, "prompt": PROMPT, "logit_bias": bad})
+        assert status == 400 and reply["error"]["param"] == "logit_bias", (bad, reply)
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()

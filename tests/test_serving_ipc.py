@@ -31,18 +31,34 @@ def bus():
        seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
        temperature=st.floats(0, 10), top_k=st.integers(0, 2**31), max_tokens=st.integers(1, 2**32 - 1),
        speculate=st.booleans(), logprobs=st.one_of(st.none(), st.integers(0, 20)),
-       penalty=st.floats(-2, 2))
-def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_tokens, speculate, logprobs, penalty):
+       penalty=st.floats(-2, 2),
+       logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-100, 100), max_size=300)))
+def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_tokens, speculate, logprobs, penalty,
+                                     logit_bias):
     owner = RequestBus.create(num_slots=2, max_tokens=64)
     try:
         reader = RequestBus.attach(owner.name)
         payload = BusPayload(token_ids, m.Sampling(max_tokens, temperature, 1.0, top_k, 0.0, seed, speculate, logprobs,
-                                                   logprobs, penalty, -penalty))
+                                                   logprobs, penalty, -penalty, logit_bias))
         slot, generation = owner.write(payload)
         assert reader.read(slot, generation) == payload
         reader.close()
     finally:
         owner.close()
+
+
+def test_the_widest_sampling_fits_a_slot_header():
+    # Every field at its widest encoding, 300 logit_bias tokens with 32-bit ids among them.
+    widest = m.Sampling(2**32 - 1, 0.1, 0.1, 2**32 - 1, 0.1, 2**63 - 1, False, 20, 20, -0.1, -0.1,
+                        {2**32 - 1 - i: -0.1 for i in range(m.MAX_LOGIT_BIAS_ENTRIES)})
+    bus = RequestBus.create(num_slots=1, max_tokens=8)
+    try:
+        reader = RequestBus.attach(bus.name)
+        payload = BusPayload([1, 2], widest)
+        assert reader.read(*bus.write(payload)) == payload
+        reader.close()
+    finally:
+        bus.close()
 
 
 def test_bus_is_bounded_and_slots_come_back(bus):

@@ -33,6 +33,18 @@ def _check_cap(ctx, param, value):
     return value
 
 
+def _parse_logit_bias(ctx, param, values) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS options as SamplingParams.logit_bias (None when none are given)."""
+    bias = {}
+    for value in values:
+        token_id, _, number = value.partition("=")
+        try:
+            bias[int(token_id)] = float(number)
+        except ValueError:
+            raise click.BadParameter(f"expected ID=BIAS (a token id and a number), got {value!r}") from None
+    return bias or None
+
+
 @main.command()
 @click.argument("prompt")
 @click.option("--model", default=None,
@@ -54,19 +66,22 @@ def _check_cap(ctx, param, value):
               help="in [-2, 2]: taken off a token's logit once it was generated (OpenAI's)")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
               help="in [-2, 2]: taken off a token's logit per time it was generated (OpenAI's)")
+@click.option("--logit-bias", multiple=True, callback=_parse_logit_bias, metavar="ID=BIAS",
+              help="add BIAS (in [-100, 100]) to token ID's logit before sampling (repeatable; OpenAI's logit_bias)")
 @click.option("--logprobs", type=int, default=None,
               help="N in 0..20, with --json: each token's logprob and its position's N likeliest tokens")
 @click.option("--server", default=None, help="send to a running gmlx server at this address")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
 def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-             speculative_width_cap, speculate, presence_penalty, frequency_penalty, logprobs, server, chat,
-             as_json) -> None:
+             speculative_width_cap, speculate, presence_penalty, frequency_penalty, logit_bias, logprobs, server,
+             chat, as_json) -> None:
     """Generate a completion for PROMPT, streaming text to stdout."""
     from gmlx.request import SamplingParams, check_text
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate, logprobs=logprobs,
-                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            logit_bias=logit_bias)
     try:
         if logprobs is not None and not as_json:
             raise ValueError("logprobs: --logprobs prints them in the --json object; add --json")

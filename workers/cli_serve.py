@@ -264,7 +264,8 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
                                          min_p=params.min_p, seed=params.seed, stop=list(params.stop) or None,
                                          speculate=params.speculate, logprobs=params.logprobs,
                                          presence_penalty=params.presence_penalty,
-                                         frequency_penalty=params.frequency_penalty):
+                                         frequency_penalty=params.frequency_penalty,
+                                         logit_bias=None if params.logit_bias is None else dict(params.logit_bias)):
                 token_ids_out.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs or ())
                 texts.append(chunk.text)

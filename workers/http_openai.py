@@ -20,8 +20,9 @@ from gmlx.request import MAX_TOP_LOGPROBS, check_text
 MAX_CHOICES = 16
 
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
-_UNSUPPORTED_IF_SET = {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
-                       "tools": (None, []), "response_format": (None, {"type": "text"})}
+_UNSUPPORTED_IF_SET = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+                       "response_format": (None, {"type": "text"})}
+_MAX_TOKEN_ID_DIGITS = 10  # a u32; the server checks the vocabulary
 
 
 class BadRequest(ValueError):
@@ -63,6 +64,7 @@ class GenerateArgs:
     is_echo: bool = False  # completions: the answer starts with the prompt (its logprobs too, where asked)
     presence_penalty: float = 0.0  # checked by the server (SamplingParams), named there
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias); the server checks both
     num_per_prompt: int = 1  # OpenAI's n: samples of each prompt
     more_prompts: tuple = ()  # completions: a batch's prompts after the first, each (text, token ids)
 
@@ -82,7 +84,8 @@ class GenerateArgs:
                     top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None,
                     speculate=self.is_speculate, logprobs=self.num_logprobs,
                     prompt_logprobs=self.num_prompt_logprobs, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty)
+                    frequency_penalty=self.frequency_penalty,
+                    logit_bias=None if self.logit_bias is None else dict(self.logit_bias))
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -212,7 +215,23 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
         num_per_prompt=n,
         presence_penalty=_get(body, "presence_penalty", 0.0, _is_number, "a number"),
         frequency_penalty=_get(body, "frequency_penalty", 0.0, _is_number, "a number"),
+        logit_bias=_logit_bias(body),
     )
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias, an object of token ids written as text to numbers, as pairs; the
+    values' range, the count and the ids' vocabulary are the server's to check and name."""
+    bias = _get(body, "logit_bias", {}, lambda value: isinstance(value, dict), "an object")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS):
+            raise BadRequest(f"logit_bias keys must be token ids, got {_short(key)}", "logit_bias")
+        if not _is_number(value):
+            raise BadRequest(f"logit_bias values must be numbers, got {_short(value)} for token {key}",
+                             "logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs) or None
 
 
 def _get(body: dict, name: str, default, is_ok, kind: str):
