@@ -22,7 +22,7 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 BODY_LIMIT_BYTES = 1 << 20  # ipc.messages.MAX_MESSAGE_BYTES: the gateway reads no further
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "speculate", "n",
              "stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "echo", "presence_penalty",
-             "frequency_penalty", "logit_bias", "user")
+             "frequency_penalty", "logit_bias", "best_of", "user")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ def _valid_body(rng: random.Random, model_id: str, is_chat: bool) -> dict:
         body["stream"] = True
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
+    elif not is_chat and rng.random() < 0.1:  # best_of: a whole answer, ranked, never streamed
+        body["best_of"] = body.get("n", 1) + rng.randint(0, 2)
     return body
 
 
@@ -267,6 +269,8 @@ def _logprobs_problem(case: HttpCase, choices: list[dict], usage: dict) -> str |
     if {c["index"] for c in choices if c.get("logprobs") is not None} != indexes:
         return "a choice without logprobs"
     if len(indexes) > 1:  # echo repeats a prompt in each of its samples: count one choice's only
+        return None
+    if body.get("best_of", 1) > body.get("n", 1):  # usage counts every sample, the answer holds one
         return None
     is_chat = case.path == GENERATE_PATHS[1]
     num_entries = sum(len(o["content"] if is_chat else o["token_logprobs"]) for o in objects)

@@ -284,6 +284,28 @@ def test_logit_bias_over_http_is_the_zmq_answer(server, oai):
         assert status == 400 and reply["error"]["param"] == "logit_bias", (bad, reply)
 
 
+def test_best_of_answers_the_samples_with_the_highest_logprob_per_token(server, oai):
+    """best_of 4, n 2 (refused until session 49): sample j is the seed + j request over ZeroMQ, and
+    the answer holds the two with the highest mean token logprob, best first; usage counts all four."""
+    samples = []
+    with Client(server.address, timeout_s=60) as client:
+        for j in range(4):
+            chunks = list(client.generate(PROMPT, max_tokens=6, temperature=1.0, seed=11 + j, logprobs=0))
+            entries = [e for c in chunks for e in c.logprobs]
+            samples.append((sum(e["logprob"] for e in entries) / len(entries), "".join(c.text for c in chunks)))
+    want = [text for _, text in sorted(samples, key=lambda s: -s[0])[:2]]
+    done = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11, n=2,
+                                  best_of=4)
+    assert [c.text for c in done.choices] == want and [c.index for c in done.choices] == [0, 1]
+    assert all(c.logprobs is None for c in done.choices) and done.usage.completion_tokens == 24
+    with_logprobs = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11,
+                                           best_of=4, logprobs=1)
+    assert with_logprobs.choices[0].text == want[0] and len(with_logprobs.choices[0].logprobs.tokens) == 6
+    for body in ({"best_of": 3, "stream": True}, {"best_of": 1, "n": 2}):
+        status, reply = http_post(server.http_url + "/v1/completions", {"model": MODEL_ID, "prompt": PROMPT, **body})
+        assert status == 400 and reply["error"]["param"] == "best_of", (body, reply)
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
@@ -565,7 +587,13 @@ def test_parse_completion_fields_and_refusals():
            ({"model": "m", "prompt": "a", "stop": ["", "x"]}, "stop"),
            ({"model": "m", "prompt": "a", "speculate": "yes"}, "speculate"),
            ({"model": "m", "prompt": "a", "stream_options": {"include_usage": "yes"}}, "include_usage"),
-           ({"model": "m", "prompt": "a", "temperature": True}, "temperature")]
+           ({"model": "m", "prompt": "a", "temperature": True}, "temperature"),
+           ({"model": "m", "prompt": "a", "best_of": 0}, "best_of"),
+           ({"model": "m", "prompt": ["a"] * 3, "best_of": 6}, "best_of"),
+           ({"model": "m", "prompt": "a", "logit_bias": [1]}, "logit_bias"),
+           ({"model": "m", "prompt": "a", "logit_bias": {"1.5": 1}}, "logit_bias"),
+           ({"model": "m", "prompt": "a", "logit_bias": {"12345678901": 1}}, "logit_bias"),
+           ({"model": "m", "prompt": "a", "logit_bias": {"1": None}}, "logit_bias")]
     for body, param in bad:
         with pytest.raises(o.BadRequest) as info:
             o.parse_completion(body)
@@ -597,6 +625,7 @@ def test_parse_chat_logprobs_is_a_switch_and_top_logprobs_its_count():
     for extra, want in cases:
         assert o.parse_chat({"model": "m", "messages": turn, **extra}, 9).num_logprobs == want, extra
     bad = [({"logprobs": 3}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"), ({"echo": True}, "echo"),
+           ({"best_of": 2}, "best_of"),
            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
            ({"logprobs": True, "top_logprobs": -1}, "top_logprobs")]
     for extra, param in bad:

@@ -277,24 +277,31 @@ class Gateway:
                 raise
             self.metrics.requests.labels(endpoint, "error").inc()
             return error_response(500, f"the request failed: {e}", "server_error")
-        usage = oai.usage_of_choices([last.stats for _, _, last in answers], args.num_per_prompt)
+        usage = oai.usage_of_choices([last.stats for _, _, last, _ in answers], args.num_per_prompt)
         self._count_finished(endpoint, answers[0][2].finish_reason, usage)
+        if args.is_ranked:  # best_of: each prompt's best n, their logprobs only where they were asked
+            answers = oai.best_of_each_prompt(answers, [score for *_, score in answers], args.num_per_prompt,
+                                              args.num_returned)
+            answers = [(text, logprobs if args.num_logprobs is not None else None, last, score)
+                       for text, logprobs, last, score in answers]
         return JSONResponse(shape.response([(text, oai.finish_reason_of(last.finish_reason), logprobs)
-                                            for text, logprobs, last in answers], usage))
+                                            for text, logprobs, last, _ in answers], usage))
 
     async def _collect_one(self, relay: _Relay, choice: oai.GenerateArgs, first, disconnected) -> tuple:
-        """One choice read to its end: (text, logprobs entries or None, its final chunk)."""
-        texts, logprobs, last_s = [], None, time.monotonic()
+        """One choice read to its end: (text, logprobs entries or None, its final chunk, its
+        completion's logprob per token: -inf unless logprobs were asked)."""
+        texts, logprobs, generated, last_s = [], None, [], time.monotonic()
         async for chunk in _chunks_of(first, lambda: relay.next_or_gone(disconnected)):
             text, entries = choice.echoed(chunk, chunk is first)
             texts.append(text)
             if entries is not None:
                 logprobs = [] if logprobs is None else logprobs
                 logprobs.extend(entries)
+            generated.extend(chunk.logprobs or ())
             now_s = time.monotonic()
             self.metrics.on_tokens(len(chunk.token_ids), None if chunk is first else now_s - last_s)
             last_s = now_s
-        return "".join(texts), logprobs, chunk
+        return "".join(texts), logprobs, chunk, oai.mean_logprob(generated)
 
     async def _events(self, relays: list[_Relay], shape: oai.ResponseShape, args: oai.GenerateArgs,
                       choices: list[oai.GenerateArgs], firsts: list, endpoint: str):

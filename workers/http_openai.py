@@ -20,8 +20,7 @@ from gmlx.request import MAX_TOP_LOGPROBS, check_text
 MAX_CHOICES = 16
 
 # Fields OpenAI defines that change the output and that gmlx cannot honour: refused, not ignored.
-_UNSUPPORTED_IF_SET = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
-                       "response_format": (None, {"type": "text"})}
+_UNSUPPORTED_IF_SET = {"suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"})}
 _MAX_TOKEN_ID_DIGITS = 10  # a u32; the server checks the vocabulary
 
 
@@ -65,14 +64,17 @@ class GenerateArgs:
     presence_penalty: float = 0.0  # checked by the server (SamplingParams), named there
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias); the server checks both
-    num_per_prompt: int = 1  # OpenAI's n: samples of each prompt
+    num_per_prompt: int = 1  # samples drawn of each prompt: OpenAI's best_of, n where it is not given
+    num_returned: int = 1  # OpenAI's n: of those, the ones with the highest logprob per token are answered
     more_prompts: tuple = ()  # completions: a batch's prompts after the first, each (text, token ids)
+    is_ranked: bool = False  # best_of > n: each sample's token logprobs are asked for, to rank it
 
     def choices(self) -> list[GenerateArgs]:
         """One request's arguments per choice, in OpenAI's index order (prompt by prompt, n each):
         sample j of a seeded request has seed + j, so every choice is reproducible on its own."""
         prompts = [(self.prompt, self.token_ids), *self.more_prompts]
-        return [dataclasses.replace(self, prompt=prompt, token_ids=token_ids, num_per_prompt=1, more_prompts=(),
+        return [dataclasses.replace(self, prompt=prompt, token_ids=token_ids, num_per_prompt=1, num_returned=1,
+                                    more_prompts=(),
                                     seed=None if self.seed is None else (self.seed + j) % 2**63)
                 for prompt, token_ids in prompts for j in range(self.num_per_prompt)]
 
@@ -82,7 +84,8 @@ class GenerateArgs:
         return dict(prompt=self.prompt, token_ids=None if self.token_ids is None else list(self.token_ids),
                     messages=messages, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=list(self.stop) or None,
-                    speculate=self.is_speculate, logprobs=self.num_logprobs,
+                    speculate=self.is_speculate,
+                    logprobs=0 if self.num_logprobs is None and self.is_ranked else self.num_logprobs,
                     prompt_logprobs=self.num_prompt_logprobs, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty,
                     logit_bias=None if self.logit_bias is None else dict(self.logit_bias))
@@ -120,7 +123,18 @@ def parse_completion(body, default_max_tokens: int = 16) -> GenerateArgs:
     num_logprobs = _top_count(body, "logprobs")
     is_echo = _get(body, "echo", False, _is_bool, "a boolean")
     args = _common(body, *prompts[0], None, default_max_tokens, num_logprobs, is_echo)
-    return _with_choices(args, prompts[1:])
+    return _with_choices(_with_best_of(body, args), prompts[1:])
+
+
+def _with_best_of(body: dict, args: GenerateArgs) -> GenerateArgs:
+    """best_of samples of each prompt, of which the n with the highest logprob per token are
+    answered (OpenAI's legacy completions): only a whole answer can be ranked, so not streamed."""
+    best_of = _get(body, "best_of", args.num_returned, _is_int, "an integer")
+    if not args.num_returned <= best_of <= MAX_CHOICES:
+        raise BadRequest(f"best_of must be in [n, {MAX_CHOICES}] (n = {args.num_returned}), got {best_of}", "best_of")
+    if best_of > args.num_returned and args.is_stream:
+        raise BadRequest("best_of above n cannot be streamed: the best are known only at the end", "best_of")
+    return dataclasses.replace(args, num_per_prompt=best_of, is_ranked=best_of > args.num_returned)
 
 
 def _one_prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
@@ -135,7 +149,8 @@ def _one_prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:
 def _with_choices(args: GenerateArgs, more_prompts: list) -> GenerateArgs:
     num_choices = (1 + len(more_prompts)) * args.num_per_prompt
     if num_choices > MAX_CHOICES:
-        raise BadRequest(f"at most {MAX_CHOICES} choices a request (prompts x n), got {num_choices}", "n")
+        param = "best_of" if args.is_ranked else "n"
+        raise BadRequest(f"at most {MAX_CHOICES} samples a request (prompts x {param}), got {num_choices}", param)
     return dataclasses.replace(args, more_prompts=tuple(more_prompts))
 
 
@@ -165,6 +180,9 @@ def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
     num_top = _top_count(body, "top_logprobs")
     if num_top is not None and not is_logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest(f"best_of is a completions field, not supported on chat, got {_short(body['best_of'])}",
+                         "best_of")
     if body.get("echo") not in (None, False):
         raise BadRequest(f"echo is a completions field, not supported on chat, got {_short(body['echo'])}", "echo")
     num_logprobs = (num_top or 0) if is_logprobs else None
@@ -213,6 +231,7 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
         num_logprobs=num_logprobs,
         is_echo=is_echo,
         num_per_prompt=n,
+        num_returned=n,
         presence_penalty=_get(body, "presence_penalty", 0.0, _is_number, "a number"),
         frequency_penalty=_get(body, "frequency_penalty", 0.0, _is_number, "a number"),
         logit_bias=_logit_bias(body),
@@ -366,6 +385,21 @@ class ResponseShape:
                 "top_logprobs": [None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
                                  for e in entries],
                 "text_offset": offsets}
+
+
+def best_of_each_prompt(answers: list, scores: list[float], num_per_prompt: int, num_returned: int) -> list:
+    """Of each prompt's num_per_prompt answers (index order), the num_returned with the highest
+    scores (mean token logprob), in the order of their scores; ties keep the earlier sample."""
+    best = []
+    for start in range(0, len(answers), num_per_prompt):
+        order = sorted(range(start, start + num_per_prompt), key=lambda i: (-scores[i], i))
+        best += [answers[i] for i in order[:num_returned]]
+    return best
+
+
+def mean_logprob(entries: list[dict]) -> float:
+    """A completion's logprob per token: what best_of ranks its samples by."""
+    return sum(e["logprob"] for e in entries) / len(entries) if entries else -math.inf
 
 
 def usage_of_choices(stats: list[dict | None], num_per_prompt: int) -> dict:
