@@ -1,4 +1,4 @@
-"""What a request's options cost (logprobs, prompt logprobs, repeat penalties), side by side
+"""What a request's options cost (logprobs, prompt logprobs, repeat penalties, logit_bias), side by side
 against a request without them.
 
 Runs alternate (ABBA) on one engine per model; the ratio is the median of per-rep ratios.
@@ -13,6 +13,7 @@ Sections:
   prompt     a prompt's prefill and first token with prompt_logprobs = 1 (an evaluation harness's
              loglikelihood: echo, logprobs 1, one token) against a plain one, no prompt cache
   penalties  decode tok/s with presence_penalty 0.5 and frequency_penalty 0.5 against none
+  bias       decode tok/s with a logit_bias of 300 tokens (-100 on ids prose never reaches) against none
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gmlx.config import EngineConfig  # noqa: E402
 from gmlx.drafters import make_drafter  # noqa: E402
 from gmlx.engine import Engine  # noqa: E402
 from gmlx.models.loader import load_model  # noqa: E402
-from gmlx.request import SamplingParams  # noqa: E402
+from gmlx.request import MAX_LOGIT_BIAS_ENTRIES, SamplingParams  # noqa: E402
 
 OFF = "off"
 
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--logprobs", default="0,5,20", help="the N of each side against no logprobs")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sections", default="decode,prompt,penalties")
+    parser.add_argument("--sections", default="decode,prompt,penalties,bias")
     parser.add_argument("--prompt-tokens", default="128,512", help="prompt lengths of the prompt section")
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -61,6 +62,8 @@ def main() -> None:
             prompt_section(engine, name, args)
         if "penalties" in sections:
             penalties_section(engine, name, args)
+        if "bias" in sections:
+            bias_section(engine, name, args)
 
 
 def decode_section(engine, name: str, args) -> None:
@@ -74,10 +77,23 @@ def decode_section(engine, name: str, args) -> None:
 
 
 def penalties_section(engine, name: str, args) -> None:
-    print("| model | drafter | width | tok/s without | tok/s with penalties | with / without |")
+    _one_option_section(engine, name, args, "penalties",
+                        SamplingParams(max_tokens=args.tokens, presence_penalty=0.5, frequency_penalty=0.5))
+
+
+def bias_section(engine, name: str, args) -> None:
+    # A ban list at the cap: the vocabulary's last 300 ids, which prose never reaches, so both
+    # sides decode the same tokens and only the bias's cost differs.
+    vocab_size = engine.target.vocab_size
+    banned = {token_id: -100.0 for token_id in range(vocab_size - MAX_LOGIT_BIAS_ENTRIES, vocab_size)}
+    _one_option_section(engine, name, args, f"a {len(banned)}-token logit_bias",
+                        SamplingParams(max_tokens=args.tokens, logit_bias=banned))
+
+
+def _one_option_section(engine, name: str, args, option: str, params: SamplingParams) -> None:
+    print(f"| model | drafter | width | tok/s without | tok/s with {option} | with / without |")
     print("|---|---|---|---|---|---|")
-    sides = {"on": SamplingParams(max_tokens=args.tokens, presence_penalty=0.5, frequency_penalty=0.5)}
-    for width, runs in _decode_runs(engine, args, sides):
+    for width, runs in _decode_runs(engine, args, {"on": params}):
         print(f"| {name} | {args.drafter} | {width} | {_row(runs, 'on')}", flush=True)
 
 
