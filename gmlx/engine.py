@@ -141,9 +141,11 @@ class Engine:
             raise ValueError("token_ids: the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < self.target.vocab_size for t in token_ids):
             raise ValueError(f"token_ids: every id must be an integer in [0, {self.target.vocab_size})")
-        bad = next((t for t, _ in params.logit_bias or () if t >= self.target.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: {bad} is not a token id in [0, {self.target.vocab_size})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if t >= self.target.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: {bad} is not a token id in [0, {self.target.vocab_size})")
         if len(token_ids) >= self.max_context_tokens:
             raise ValueError(
                 f"token_ids: prompt of {len(token_ids)} tokens does not fit the context "
@@ -159,7 +161,9 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, arrival_seq=self.counters["num_requests"],
-                          max_new_tokens=min(params.max_tokens, self.max_row_tokens - len(token_ids)))
+                          max_new_tokens=min(params.max_tokens, self.max_row_tokens - len(token_ids)),
+                          end_token_ids=frozenset(params.stop_token_ids).union(
+                              () if params.ignore_eos else self.target.eos_token_ids))
         self.requests[request_id] = request
         self.queue.push(request)
         self.counters["num_requests"] += 1
@@ -571,11 +575,12 @@ class Engine:
     # --- delivery ----------------------------------------------------------------------
 
     def _deliver(self, request: Request, tokens: list[int]) -> bool:
-        """Append tokens in order, stopping at EOS or the budget; False once it finished."""
+        """Append tokens in order, stopping at an end token (EOS, stop_token_ids) or the budget;
+        False once it finished."""
         budget = request.max_new_tokens
         new, status = [], None
         for token in tokens:
-            if token in self.target.eos_token_ids:
+            if token in request.end_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 break
             new.append(token)

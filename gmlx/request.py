@@ -11,6 +11,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap on logit_bias tokens; it also bounds the bus slot's header
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may name (vLLM's extra); it also bounds the bus header
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +31,16 @@ class SamplingParams:
     # OpenAI's: (token id, value added to its logit before sampling) pairs; a dict is taken and
     # stored as its pairs, so the parameters stay hashable (a dict's order changes no bit).
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    # vLLM's extras, which serving benchmarks send to fix output lengths:
+    ignore_eos: bool = False  # the model's EOS tokens are tokens like any other: they end nothing
+    min_tokens: int = 0  # the tokens that would end it (EOS, stop_token_ids) are not sampled before this many
+    stop_token_ids: tuple[int, ...] = ()  # these end it as EOS does (not delivered); a list is taken
 
     def __post_init__(self):
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()) or None)
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -75,6 +82,17 @@ class SamplingParams:
                     raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
+        if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, "
+                             f"got {self.stop_token_ids!r:.200}")
+        for token_id in self.stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {token_id!r}")
 
     @property
     def is_penalized(self) -> bool:
@@ -187,6 +205,17 @@ class Request:
     # Where it asks for logprobs: those of each position sampled and not yet delivered, by
     # absolute position (gmlx/logprobs.py).
     logprobs_by_position: dict = field(default_factory=dict, compare=False, repr=False)
+    # The tokens that end it, not delivered: the model's EOS unless it ignores them, and its
+    # stop_token_ids (the engine sets them as it takes the request).
+    end_token_ids: frozenset = frozenset()
+
+    @property
+    def min_tokens_floor(self) -> tuple[tuple[int, ...], int] | None:
+        """(the tokens that would end it, the absolute position from which they may be sampled)
+        where it asks for min_tokens: generated token g sits at position num_prompt_tokens + g."""
+        if self.params.min_tokens == 0 or not self.end_token_ids:
+            return None
+        return tuple(sorted(self.end_token_ids)), self.num_prompt_tokens + self.params.min_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

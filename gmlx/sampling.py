@@ -65,12 +65,16 @@ class SamplingRows:
     frequency_penalty: mx.array | None = None  # (B,)
     bias_ids: mx.array | None = None  # (B, 1, L) int32, where some row has a logit_bias; else None
     bias_values: mx.array | None = None  # (B, 1, L) float32: what bias() adds at bias_ids
+    floor_ids: mx.array | None = None  # (B, 1, L) int32: end tokens held back (min_tokens); else None
+    floor_until: mx.array | None = None  # (B, 1, 1) int32: the first position they may be sampled at
 
     @classmethod
-    def make(cls, params_list, seeds: list[int]) -> SamplingRows:
+    def make(cls, params_list, seeds: list[int], floors: list | None = None) -> SamplingRows:
+        """floors: each row's Request.min_tokens_floor, where some row has one."""
         temps = [p.temperature for p in params_list]
         is_penalized = any(p.is_penalized for p in params_list)
         bias_ids, bias_values = _pad_biases([p.logit_bias for p in params_list])
+        floor_ids, floor_until = _pad_floors(floors or [])
         return cls(
             temperature=mx.array(temps, dtype=mx.float32),
             top_p=mx.array([p.top_p for p in params_list], dtype=mx.float32),
@@ -85,16 +89,21 @@ class SamplingRows:
             if is_penalized else None,
             bias_ids=bias_ids,
             bias_values=bias_values,
+            floor_ids=floor_ids,
+            floor_until=floor_until,
         )
 
     @property
     def is_penalized(self) -> bool:
         return self.presence_penalty is not None
 
-    def without_bias(self) -> SamplingRows:
-        """These rows for a drafter: its logits may cover another vocabulary (a draft model's, a
-        head's draft ids), and the verify applies the bias to every token it keeps anyway."""
-        return self if self.bias_ids is None else dataclasses.replace(self, bias_ids=None, bias_values=None)
+    def for_drafting(self) -> SamplingRows:
+        """These rows for a drafter, without logit bias and min_tokens: its logits may cover another
+        vocabulary (a draft model's, a head's draft ids), and the verify applies both to every
+        token it keeps anyway."""
+        if self.bias_ids is None and self.floor_ids is None:
+            return self
+        return dataclasses.replace(self, bias_ids=None, bias_values=None, floor_ids=None, floor_until=None)
 
 
 def _pad_biases(biases: list) -> tuple[mx.array | None, mx.array | None]:
@@ -149,6 +158,21 @@ class RepeatCounts:
         return cls(all_ids, mx.concatenate([history_part, input_part], axis=-1))
 
 
+def _pad_floors(floors: list) -> tuple[mx.array | None, mx.array | None]:
+    """Each row's min_tokens floor as ids (B, 1, L), padded as _pad_biases pads, and the position
+    (B, 1, 1) from which they may be sampled (0 for a row without one: never held back)."""
+    if not any(floors):
+        return None, None
+    width = max(len(f[0]) for f in floors if f)
+    ids = np.zeros((len(floors), 1, width), dtype=np.int32)
+    until = np.zeros((len(floors), 1, 1), dtype=np.int32)
+    for i, floor in enumerate(floors):
+        if floor:
+            row_ids, until[i, 0, 0] = floor
+            ids[i, 0] = list(row_ids) + [row_ids[0]] * (width - len(row_ids))
+    return mx.array(ids), mx.array(until)
+
+
 def bias(logits: mx.array, rows: SamplingRows) -> mx.array:
     """OpenAI's logit_bias: each row's values added to its tokens' logits at every position (no
     bias: as is). Position-independent, so every loop adds the same values to the same logits."""
@@ -161,9 +185,24 @@ def bias(logits: mx.array, rows: SamplingRows) -> mx.array:
     return mx.put_along_axis(logits, ids, values, axis=-1)
 
 
-def adjust(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None) -> mx.array:
-    """The logits sampling draws from: the raw ones with each row's bias, then its repeat penalties."""
-    return penalize(bias(logits, rows), rows, repeats)
+def hold_back(logits: mx.array, rows: SamplingRows, positions: mx.array | None) -> mx.array:
+    """min_tokens: a row's end tokens at -inf at positions (B, T) before its floor. A function of
+    the absolute position alone, so every loop holds back the same positions."""
+    if rows.floor_ids is None:
+        return logits
+    assert positions is not None, "min_tokens needs the sampled positions"
+    logits = logits.astype(mx.float32)
+    ids = mx.broadcast_to(rows.floor_ids, (*logits.shape[:2], rows.floor_ids.shape[-1]))
+    is_early = (positions[:, :, None] < rows.floor_until)  # (B, T, 1)
+    values = mx.where(is_early, mx.array(-float("inf"), dtype=mx.float32), mx.take_along_axis(logits, ids, axis=-1))
+    return mx.put_along_axis(logits, ids, values, axis=-1)
+
+
+def adjust(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None,
+           positions: mx.array | None = None) -> mx.array:
+    """The logits sampling draws from: the raw ones with each row's bias and repeat penalties,
+    then its end tokens held back before min_tokens (last, so nothing lifts them again)."""
+    return hold_back(penalize(bias(logits, rows), rows, repeats), rows, positions)
 
 
 def penalize(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None) -> mx.array:
@@ -184,7 +223,7 @@ def penalize(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None)
 def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, repeats: RepeatCounts | None = None) -> mx.array:
     """Tokens (B, T) for logits (B, T, V); positions (B, T) are absolute token positions; repeats:
     where rows penalize repeats, penalize()'s (the drafters sample without them)."""
-    logits = adjust(logits, rows, repeats)
+    logits = adjust(logits, rows, repeats, positions)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if rows.is_all_greedy:
         return greedy
@@ -197,10 +236,11 @@ def sample(logits: mx.array, rows: SamplingRows, positions: mx.array, repeats: R
     return mx.where(rows.temperature[:, None] == 0.0, greedy, sampled)
 
 
-def probabilities(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None = None) -> mx.array:
+def probabilities(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None = None,
+                  positions: mx.array | None = None) -> mx.array:
     """The distribution `sample` draws from, (B, T, V): softmax of the filtered, scaled logits;
     one-hot on the argmax for greedy rows."""
-    logits = adjust(logits, rows, repeats)
+    logits = adjust(logits, rows, repeats, positions)
     greedy = mx.argmax(logits, axis=-1)  # (B, T)
     one_hot = (mx.arange(logits.shape[-1])[None, None, :] == greedy[..., None]).astype(mx.float32)
     if rows.is_all_greedy:

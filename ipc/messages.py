@@ -22,7 +22,8 @@ MAX_CLIENT_FRAME_BYTES = 2 << 20  # the client link's ZMQ_MAXMSGSIZE: one messag
 MAX_NESTING_DEPTH = 16  # JSON arrays/objects inside each other; a GENERATE needs 2
 MAX_REF_CHARS = 256  # `ref` and `request_id` strings, checked as the body is decoded
 U32_MAX = 2**32 - 1  # the widest max_tokens and top_k a request may carry
-MAX_LOGIT_BIAS_ENTRIES = 300  # gmlx.request's (ipc imports nothing of gmlx); workers/validate.py checks they agree
+# gmlx.request's (ipc imports nothing of gmlx); workers/validate.py checks they agree.
+MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS = 300, 64
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,6 +56,9 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: off a token's logit per time generated
     # OpenAI's: token id -> a number in [-100, 100] added to its logit; JSON keys are the ids as text.
     logit_bias: Annotated[dict[TokenId, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    ignore_eos: bool = False  # vLLM's: the model's EOS tokens end nothing
+    min_tokens: int = 0  # vLLM's: EOS and stop_token_ids are not sampled before this many tokens
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []  # end it as EOS does
 
 
 def sampling_of(msg: Sampling) -> Sampling:

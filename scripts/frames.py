@@ -55,6 +55,9 @@ def _valid_fields(rng: random.Random) -> dict:
     if rng.random() < 0.15:  # ids below every model's vocabulary, JSON keys as text
         fields["logit_bias"] = {str(rng.randrange(1000)): rng.choice([-100, -2.5, 3, 100])
                                 for _ in range(rng.randint(1, 5))}
+    if rng.random() < 0.15:  # vLLM's extras: end tokens held back, added, or EOS ignored
+        fields.update(min_tokens=rng.randint(0, fields["max_tokens"]), ignore_eos=rng.random() < 0.5,
+                      stop_token_ids=[rng.randrange(1000) for _ in range(rng.randint(0, 3))])
     return fields
 
 
@@ -87,6 +90,7 @@ _OUT_OF_RANGE = {"max_tokens": [0, -1, (1 << 20) + 1, 2**32, 2**32 + 1, 2**64, 1
                  "seed": [-1, 2**63, 2**64, 10**40],
                  "logprobs": [-1, 21, 2**32, 2**64],
                  "prompt_logprobs": [-1, 21, 2**64],
+                 "min_tokens": [-1, (1 << 20) + 1, 2**64],
                  "token_ids": [-1, 300_000, 2**32, 2**63, 10**40]}
 
 

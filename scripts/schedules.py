@@ -44,11 +44,12 @@ class ScheduleResult:
 def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_requests: int = 6,
                   caps=(0, 1, 2, 4), temperatures=(0.0, 0.8), opt_out_rate: float = 0.0,
                   max_new_tokens: int = 40, logprobs_rate: float = 0.0, penalty_rate: float = 0.0,
-                  bias_rate: float = 0.0) -> Schedule:
+                  bias_rate: float = 0.0, end_rate: float = 0.0, eos_token_id: int = 0) -> Schedule:
     """A random schedule; opt_out_rate is the share of requests with speculate=False and
     logprobs_rate of those asking for logprobs, penalty_rate of those penalizing repeats,
-    bias_rate of those with a logit_bias (each drawn only when > 0, so the schedules of a seed
-    without them stay what they were);
+    bias_rate of those with a logit_bias, end_rate of those with stop_token_ids, min_tokens or
+    ignore_eos (each drawn only when > 0, so the schedules of a seed without them stay what they
+    were; eos_token_id is the model's, which some end_rate draws make likely);
     max_tokens are drawn in 1..max_new_tokens."""
     rng = random.Random(seed)
     arrivals, round_index = [], 0
@@ -81,6 +82,16 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
                    for _ in range(rng.randint(1, 4))}
             values = (-100.0, -100.0, -4.0, 2.5, 2.5, 6.0, 6.0, -4.0, 100.0)
             params = dataclasses.replace(params, logit_bias={t: rng.choice(values) for t in ids})
+        if end_rate > 0 and rng.random() < end_rate:
+            # Stop tokens the answer is likely to hold (the prompt's), held back for a while; or
+            # EOS made likely by a bias, and ignored.
+            min_tokens = rng.randint(0, params.max_tokens)
+            if rng.random() < 0.7:
+                params = dataclasses.replace(params, min_tokens=min_tokens,
+                                             stop_token_ids=tuple({rng.choice(prompt) for _ in range(rng.randint(1, 3))}))
+            else:
+                params = dataclasses.replace(params, min_tokens=min_tokens, ignore_eos=rng.random() < 0.5,
+                                             logit_bias={eos_token_id: rng.choice((3.0, 8.0, 100.0))})
         arrivals.append(Arrival(round_index, tuple(prompt), params, cancel))
     return Schedule(seed, rng.choice(caps), rng.random() < 0.8, rng.random() < 0.8,
                     rng.choice((0, 2, 4, 32)), tuple(arrivals))

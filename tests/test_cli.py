@@ -39,6 +39,8 @@ def test_generate_json_prints_one_object_last(drafter):
     (["--logit-bias", "7"], "ID=BIAS"),
     (["--logit-bias", "7=200"], "logit_bias"),
     (["--logit-bias", "99999999=1"], "logit_bias: 99999999 is not a token id"),
+    (["--min-tokens", "65"], "min_tokens"),
+    (["--stop-token-id", "99999999"], "stop_token_ids: 99999999 is not a token id"),
 ])
 def test_bad_options_exit_nonzero_naming_the_option(args, name):
     done = run_gmlx("generate", "x", *args)

@@ -306,6 +306,26 @@ def test_best_of_answers_the_samples_with_the_highest_logprob_per_token(server, 
         assert status == 400 and reply["error"]["param"] == "best_of", (body, reply)
 
 
+def test_vllm_end_token_extras_over_http_are_the_zmq_answers(server, oai):
+    """ignore_eos, min_tokens and stop_token_ids (vLLM's extras, which serving benchmarks send)
+    reach the engine as over ZeroMQ; bad ones are a 400 naming them."""
+    with Client(server.address, timeout_s=60) as client:
+        plain = [t for c in client.generate(PROMPT, max_tokens=12) for t in c.token_ids]
+    extras = [dict(stop_token_ids=[plain[4]]), dict(stop_token_ids=[plain[4]], min_tokens=6),
+              dict(logit_bias={0: 100}, ignore_eos=True), dict(logit_bias={0: 100}, min_tokens=3)]
+    for extra in extras:
+        want = zmq_text(server, prompt=PROMPT, max_tokens=12, **extra)
+        body = {**extra, "logit_bias": {str(k): v for k, v in extra.get("logit_bias", {}).items()}}
+        done = oai.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=body)
+        assert (done.choices[0].text, done.choices[0].finish_reason) == want, extra
+    for bad, param in (({"min_tokens": 13}, "min_tokens"), ({"min_tokens": "2"}, "min_tokens"),
+                       ({"ignore_eos": 1}, "ignore_eos"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+                       ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [1] * 65}, "stop_token_ids")):
+        status, reply = http_post(server.http_url + "/v1/completions",
+                                  {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 12, **bad})
+        assert status == 400 and reply["error"]["param"] == param, (bad, reply)
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()

@@ -283,10 +283,11 @@ def test_generate_cli_through_the_server(server, engine, model_path):
 
 
 def test_generate_cli_logprobs_in_process_equal_the_servers(server, model_path):
-    """`gmlx generate --logprobs 3 --logit-bias ... --json`: the same tokens and logprobs, to the last
-    bit, in process and through the server (speculating there), at a temperature."""
+    """`gmlx generate --logprobs 3 --logit-bias ... --stop-token-id ... --json`: the same tokens and
+    logprobs, to the last bit, in process and through the server (speculating there), at a temperature."""
     args = ["generate", "def parse(", "--max-tokens", "12", "--temperature", "0.8", "--seed", "4",
-            "--logprobs", "3", "--logit-bias", "7=3", "--logit-bias", "12=-100", "--json"]
+            "--logprobs", "3", "--logit-bias", "7=3", "--logit-bias", "12=-100", "--stop-token-id", "13",
+            "--min-tokens", "2", "--json"]
     results = []
     for where in (["--server", server.address], ["--model", str(model_path)]):
         cmd = [sys.executable, "-c", "from workers.cli import main; main()", *args, *where]

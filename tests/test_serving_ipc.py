@@ -32,14 +32,16 @@ def bus():
        temperature=st.floats(0, 10), top_k=st.integers(0, 2**31), max_tokens=st.integers(1, 2**32 - 1),
        speculate=st.booleans(), logprobs=st.one_of(st.none(), st.integers(0, 20)),
        penalty=st.floats(-2, 2),
-       logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-100, 100), max_size=300)))
+       logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-100, 100), max_size=300)),
+       stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=64))
 def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_tokens, speculate, logprobs, penalty,
-                                     logit_bias):
+                                     logit_bias, stop_token_ids):
     owner = RequestBus.create(num_slots=2, max_tokens=64)
     try:
         reader = RequestBus.attach(owner.name)
         payload = BusPayload(token_ids, m.Sampling(max_tokens, temperature, 1.0, top_k, 0.0, seed, speculate, logprobs,
-                                                   logprobs, penalty, -penalty, logit_bias))
+                                                   logprobs, penalty, -penalty, logit_bias, speculate,
+                                                   max_tokens // 2, stop_token_ids))
         slot, generation = owner.write(payload)
         assert reader.read(slot, generation) == payload
         reader.close()
@@ -48,9 +50,10 @@ def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_to
 
 
 def test_the_widest_sampling_fits_a_slot_header():
-    # Every field at its widest encoding, 300 logit_bias tokens with 32-bit ids among them.
+    # Every field at its widest encoding: 300 logit_bias tokens and 64 stop tokens of 32-bit ids.
     widest = m.Sampling(2**32 - 1, 0.1, 0.1, 2**32 - 1, 0.1, 2**63 - 1, False, 20, 20, -0.1, -0.1,
-                        {2**32 - 1 - i: -0.1 for i in range(m.MAX_LOGIT_BIAS_ENTRIES)})
+                        {2**32 - 1 - i: -0.1 for i in range(m.MAX_LOGIT_BIAS_ENTRIES)}, True, 2**32 - 1,
+                        [2**32 - 1] * m.MAX_STOP_TOKEN_IDS)
     bus = RequestBus.create(num_slots=1, max_tokens=8)
     try:
         reader = RequestBus.attach(bus.name)

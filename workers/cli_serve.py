@@ -265,7 +265,9 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
                                          speculate=params.speculate, logprobs=params.logprobs,
                                          presence_penalty=params.presence_penalty,
                                          frequency_penalty=params.frequency_penalty,
-                                         logit_bias=None if params.logit_bias is None else dict(params.logit_bias)):
+                                         logit_bias=None if params.logit_bias is None else dict(params.logit_bias),
+                                         ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
+                                         stop_token_ids=params.stop_token_ids):
                 token_ids_out.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs or ())
                 texts.append(chunk.text)

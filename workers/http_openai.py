@@ -64,6 +64,9 @@ class GenerateArgs:
     presence_penalty: float = 0.0  # checked by the server (SamplingParams), named there
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias); the server checks both
+    ignore_eos: bool = False  # vLLM's extras, checked by the server
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
     num_per_prompt: int = 1  # samples drawn of each prompt: OpenAI's best_of, n where it is not given
     num_returned: int = 1  # OpenAI's n: of those, the ones with the highest logprob per token are answered
     more_prompts: tuple = ()  # completions: a batch's prompts after the first, each (text, token ids)
@@ -88,7 +91,8 @@ class GenerateArgs:
                     logprobs=0 if self.num_logprobs is None and self.is_ranked else self.num_logprobs,
                     prompt_logprobs=self.num_prompt_logprobs, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty,
-                    logit_bias=None if self.logit_bias is None else dict(self.logit_bias))
+                    logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+                    ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -235,6 +239,9 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
         presence_penalty=_get(body, "presence_penalty", 0.0, _is_number, "a number"),
         frequency_penalty=_get(body, "frequency_penalty", 0.0, _is_number, "a number"),
         logit_bias=_logit_bias(body),
+        ignore_eos=_get(body, "ignore_eos", False, _is_bool, "a boolean"),
+        min_tokens=_get(body, "min_tokens", 0, _is_int, "an integer"),
+        stop_token_ids=tuple(_get(body, "stop_token_ids", [], _is_token_ids, "a list of token ids")),
     )
 
 
@@ -288,6 +295,10 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(_is_int(t) and t >= 0 for t in value)
 
 
 def _is_bool(value) -> bool:

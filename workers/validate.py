@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gmlx.request import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from gmlx.request import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS, SamplingParams
 from ipc import messages as m
 from ipc.bus import BusPayload
 
@@ -22,7 +22,7 @@ MAX_PROMPT_BYTES = 256 << 10  # UTF-8 bytes of `prompt`, whatever the model's co
 MAX_CHAT_MESSAGES = 256  # entries of `messages`
 MAX_ROLE_BYTES = 64  # UTF-8 bytes of one message's `role`
 assert MAX_MAX_TOKENS <= m.U32_MAX and MAX_TOP_K <= m.U32_MAX
-assert m.MAX_LOGIT_BIAS_ENTRIES == MAX_LOGIT_BIAS_ENTRIES
+assert (m.MAX_LOGIT_BIAS_ENTRIES, m.MAX_STOP_TOKEN_IDS) == (MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS)
 
 
 class InvalidRequest(ValueError):
@@ -76,9 +76,10 @@ def validate_generate(msg: m.Generate, tokenizer, limits: ModelLimits) -> tuple[
         bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token_ids: {bad} is not a token id in [0, {limits.vocab_size})", field)
-    if sampling.logit_bias and max(sampling.logit_bias) >= limits.vocab_size:
-        raise InvalidRequest(f"logit_bias: {max(sampling.logit_bias)} is not a token id in "
-                             f"[0, {limits.vocab_size})", "logit_bias")
+    for name, ids in (("logit_bias", sampling.logit_bias or ()), ("stop_token_ids", sampling.stop_token_ids)):
+        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{name}: {bad} is not a token id in [0, {limits.vocab_size})", name)
     if not token_ids:
         raise InvalidRequest(f"{field}: the prompt is empty", field)
     if len(token_ids) > limits.max_prompt_tokens:

@@ -255,7 +255,7 @@ class InjectionQueue:
         """The request's next token (1, 1) from its prefill's last hidden state (1, 1, D): its
         first, or after an eviction the one after those it generated."""
         logits = self.target.head(last_hidden)  # (1, 1, V)
-        rows = SamplingRows.make([request.params], [request.seed])
+        rows = SamplingRows.make([request.params], [request.seed], [request.min_tokens_floor])
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
         repeats = None
         if rows.is_penalized:  # every generated token precedes it (an evicted row's, prefilled again)

@@ -183,8 +183,8 @@ class DecodeBatch:
 
     @property
     def draft_sampling(self) -> SamplingRows:
-        """How drafters sample: coupled to each row's noise (without its logit bias), or greedy
-        (the spec's batch loop)."""
+        """How drafters sample: coupled to each row's noise (without its logit bias and min_tokens),
+        or greedy (the spec's batch loop)."""
         is_coupled = self.mode is BatchMode.SCALAR or self.is_draft_coupled
         return self._coupled_sampling if is_coupled else self._greedy_sampling
 
@@ -204,8 +204,9 @@ class DecodeBatch:
 
     def _refresh_sampling(self) -> None:
         seeds = [r.seed for r in self.requests]
-        self.sampling = SamplingRows.make([r.params for r in self.requests], seeds)
-        self._coupled_sampling = self.sampling.without_bias()
+        self.sampling = SamplingRows.make([r.params for r in self.requests], seeds,
+                                          [r.min_tokens_floor for r in self.requests])
+        self._coupled_sampling = self.sampling.for_drafting()
         self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
         self.draft_rows = [i for i, r in enumerate(self.requests) if r.params.speculate]
         self.has_logprob_rows = any(r.params.logprobs is not None for r in self.requests)
@@ -223,7 +224,7 @@ class DraftRows:
         self.index = mx.array(rows, dtype=mx.int32)
         self.requests = [batch.requests[i] for i in rows]
         seeds = [r.seed for r in self.requests]
-        self._sampling = SamplingRows.make([r.params for r in self.requests], seeds).without_bias()
+        self._sampling = SamplingRows.make([r.params for r in self.requests], seeds).for_drafting()
         self._greedy_sampling = SamplingRows.make([_GREEDY] * len(seeds), seeds)
 
     @property

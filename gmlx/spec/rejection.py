@@ -22,7 +22,7 @@ def stochastic_accept(logits: mx.array, targets: mx.array, drafts: mx.array, dra
     """(accepted drafts (B,), next token (B,)) for verify logits (B, k+1, V), the target's own
     samples (B, k+1), drafts (B, k) drawn from draft_probs (B, k, V), positions (B, k+1)."""
     num_rows, num_draft = drafts.shape
-    probs = probabilities(logits, sampling, repeats)  # (B, k+1, V), repeat penalties applied where asked
+    probs = probabilities(logits, sampling, repeats, positions)  # (B, k+1, V): penalties, bias, min_tokens
     p_draft = mx.take_along_axis(probs[:, :num_draft], drafts[..., None], axis=-1)[..., 0]  # (B, k)
     q_draft = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]  # (B, k)
     seeds = mx.broadcast_to(sampling.seeds[:, None], (num_rows, num_draft)).reshape(-1)
