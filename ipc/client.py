@@ -244,7 +244,7 @@ class Client:
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty, logit_bias=logit_bias, ignore_eos=ignore_eos,
-                min_tokens=min_tokens, stop_token_ids=list(stop_token_ids)))
+                min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
             while not stream.is_done:
                 chunk = stream.take(self._next(stream))
                 if chunk is not None:
@@ -320,7 +320,7 @@ class AsyncClient:
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty, logit_bias=logit_bias, ignore_eos=ignore_eos,
-                min_tokens=min_tokens, stop_token_ids=list(stop_token_ids)))
+                min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
             while not stream.is_done:
                 chunk = stream.take(await self._next(stream))
                 if chunk is not None:

@@ -58,7 +58,7 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logit_bias: Annotated[dict[TokenId, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     ignore_eos: bool = False  # vLLM's: the model's EOS tokens end nothing
     min_tokens: int = 0  # vLLM's: EOS and stop_token_ids are not sampled before this many tokens
-    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []  # end it as EOS does
+    stop_token_ids: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()  # end it as EOS does
 
 
 def sampling_of(msg: Sampling) -> Sampling:
