@@ -154,10 +154,7 @@ def _generate_message(ref: str, prompt, token_ids, messages, stop, **sampling) -
     if isinstance(stop, str):
         stop = [stop]
     if messages is not None:
-        try:
-            messages = [m.ChatMessage(role=turn["role"], content=turn["content"]) for turn in messages]
-        except (KeyError, TypeError):
-            raise ValueError(f"messages: each entry needs a role and a content, got {messages!r:.200}") from None
+        messages = _chat_messages(messages)
     token_ids = None if token_ids is None else list(token_ids)
     try:
         return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=token_ids, messages=messages,
@@ -167,6 +164,22 @@ def _generate_message(ref: str, prompt, token_ids, messages, stop, **sampling) -
                  "messages": [text for turn in messages or [] for text in (turn.role, turn.content)]}
         field = next(name for name, values in texts.items() if any(not _is_utf8(v) for v in values))
         raise ValueError(f"{field}: not valid Unicode text (a lone surrogate, which UTF-8 cannot carry)") from None
+
+
+def _tokenize_message(ref: str, prompt, messages) -> m.Tokenize:
+    messages = None if messages is None else _chat_messages(messages)
+    texts = {"prompt": [prompt], "messages": [text for turn in messages or [] for text in (turn.role, turn.content)]}
+    field = next((name for name, values in texts.items() if any(not _is_utf8(v) for v in values)), None)
+    if field is not None:
+        raise ValueError(f"{field}: not valid Unicode text (a lone surrogate, which UTF-8 cannot carry)")
+    return m.Tokenize(ref=ref, prompt=prompt, messages=messages)
+
+
+def _chat_messages(messages) -> list[m.ChatMessage]:
+    try:
+        return [m.ChatMessage(role=turn["role"], content=turn["content"]) for turn in messages]
+    except (KeyError, TypeError):
+        raise ValueError(f"messages: each entry needs a role and a content, got {messages!r:.200}") from None
 
 
 def _is_utf8(text) -> bool:
@@ -257,10 +270,23 @@ class Client:
 
     def stats(self) -> dict:
         """The engine counters, summed over the server's workers."""
+        return self._ask(lambda ref: m.StatsRequest(ref=ref)).stats
+
+    def tokenize(self, prompt: str | None = None, *, messages=None) -> list[int]:
+        """The token ids generate() would prefill for this prompt, or for these messages rendered
+        with the model's chat template; RequestError naming the field if the server refuses."""
+        return self._ask(lambda ref: _tokenize_message(ref, prompt, messages)).token_ids
+
+    def detokenize(self, token_ids) -> str:
+        """The text of token ids, decoded as the streams decode them (special tokens kept)."""
+        return self._ask(lambda ref: m.Detokenize(ref=ref, token_ids=list(token_ids))).text
+
+    def _ask(self, make_message):
+        """One question, one answer: the reply to make_message(ref), or RequestError."""
         stream = self._router.open()
         try:
-            self._sock.send_multipart(m.encode_json(m.StatsRequest(ref=stream.ref)))
-            return _check(self._next(stream), stream, 0).stats
+            self._sock.send_multipart(m.encode_json(make_message(stream.ref)))
+            return _check(self._next(stream), stream, 0)
         finally:
             self._router.close(stream)
 
@@ -332,10 +358,21 @@ class AsyncClient:
             self._router.close(stream)
 
     async def stats(self) -> dict:
+        return (await self._ask(lambda ref: m.StatsRequest(ref=ref))).stats
+
+    async def tokenize(self, prompt: str | None = None, *, messages=None) -> list[int]:
+        """Client.tokenize's asyncio twin."""
+        return (await self._ask(lambda ref: _tokenize_message(ref, prompt, messages))).token_ids
+
+    async def detokenize(self, token_ids) -> str:
+        """Client.detokenize's asyncio twin."""
+        return (await self._ask(lambda ref: m.Detokenize(ref=ref, token_ids=list(token_ids)))).text
+
+    async def _ask(self, make_message):
         stream = self._open()
         try:
-            await self._sock.send_multipart(m.encode_json(m.StatsRequest(ref=stream.ref)))
-            return _check(await self._next(stream), stream, 0).stats
+            await self._sock.send_multipart(m.encode_json(make_message(stream.ref)))
+            return _check(await self._next(stream), stream, 0)
         finally:
             self._router.close(stream)
 

@@ -24,6 +24,7 @@ MAX_REF_CHARS = 256  # `ref` and `request_id` strings, checked as the body is de
 U32_MAX = 2**32 - 1  # the widest max_tokens and top_k a request may carry
 # gmlx.request's (ipc imports nothing of gmlx); workers/validate.py checks they agree.
 MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS = 300, 64
+MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids one DETOKENIZE may ask for: above any context gmlx serves
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -107,6 +108,24 @@ class StatsRequest(Message, frozen=True):
     ref: Key
 
 
+class Tokenize(Message, frozen=True, kw_only=True, omit_defaults=True):
+    """Client -> front-end: the token ids of a prompt, or of a chat rendered with the model's
+    template, exactly as GENERATE would prefill them. Exactly one of prompt / messages."""
+
+    TAG: ClassVar[bytes] = b"Z"
+    ref: Key  # echoed in TOKENS or ERROR
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class Detokenize(Message, frozen=True):
+    """Client -> front-end: the text of token ids, as the streams decode it (special tokens kept)."""
+
+    TAG: ClassVar[bytes] = b"D"
+    ref: Key  # echoed in TEXT or ERROR
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
 class Accepted(Message, frozen=True):
     """Front-end -> client: the request passed validation and has an id."""
 
@@ -149,6 +168,23 @@ class StatsReply(Message, frozen=True):
     TAG: ClassVar[bytes] = b"T"
     ref: str
     stats: dict
+
+
+class Tokens(Message, frozen=True):
+    """Front-end -> client: TOKENIZE's answer."""
+
+    TAG: ClassVar[bytes] = b"N"
+    ref: str
+    token_ids: list[int]
+    max_prompt_tokens: int  # the longest prompt a GENERATE may carry
+
+
+class Text(Message, frozen=True):
+    """Front-end -> client: DETOKENIZE's answer."""
+
+    TAG: ClassVar[bytes] = b"X"
+    ref: str
+    text: str
 
 
 # --- worker link (msgpack) --------------------------------------------------------------
@@ -272,8 +308,8 @@ class Dead(Message, frozen=True):
     message: str
 
 
-CLIENT_TO_SERVER = (Generate, Cancel, StatsRequest)
-SERVER_TO_CLIENT = (Accepted, Chunk, Error, StatsReply)
+CLIENT_TO_SERVER = (Generate, Cancel, StatsRequest, Tokenize, Detokenize)
+SERVER_TO_CLIENT = (Accepted, Chunk, Error, StatsReply, Tokens, Text)
 WORKER_LINK = (Hello, Welcome, Ready, Start, Inject, Abort, Taken, StatsQuery, StatsAnswer,
                Round, Heartbeat, Ping, Shutdown, Dead)
 
@@ -413,7 +449,8 @@ _REQUEST_FIELDS = frozenset(Generate.__struct_fields__)
 
 
 def readable_ref(frames: list[bytes]) -> str | None:
-    """The `ref` of a GENERATE or STATS that failed to decode, when it can be read cheaply."""
-    if len(frames) != 2 or bytes(frames[0]) not in (Generate.TAG, StatsRequest.TAG):
+    """The `ref` of a GENERATE, STATS, TOKENIZE or DETOKENIZE that failed to decode, when it can
+    be read cheaply."""
+    if len(frames) != 2 or bytes(frames[0]) not in (Generate.TAG, StatsRequest.TAG, Tokenize.TAG, Detokenize.TAG):
         return None
     return peek_ref(frames[1])

@@ -80,6 +80,22 @@ def valid_stats(rng):
     return FuzzFrame("valid_stats", _json(m.StatsRequest.TAG, {"ref": _ref(rng)}), True)
 
 
+def valid_tokenize(rng):
+    if rng.random() < 0.5:
+        fields = {"ref": _ref(rng), "prompt": rng.choice(["Hello", "héllo wörld ✓", "x" * 40, "\n\t "])}
+        return FuzzFrame("valid_tokenize", _json(m.Tokenize.TAG, fields), True)
+    token_ids = [rng.randrange(VOCAB_SIZE_GUESS) for _ in range(rng.randint(0, 40))]
+    return FuzzFrame("valid_tokenize", _json(m.Detokenize.TAG, {"ref": _ref(rng), "token_ids": token_ids}), True)
+
+
+def bad_tokenize(rng):
+    fields = rng.choice([{}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, {"prompt": 5},
+                         {"prompt": "\ud800"}, {"token_ids": [1, -1]}, {"token_ids": [2**32]},
+                         {"token_ids": [300_000]}, {"token_ids": "abc"}, {"prompt": "a", "extra": 1}])
+    tag = m.Detokenize.TAG if "token_ids" in fields else m.Tokenize.TAG
+    return FuzzFrame("bad_tokenize", _json(tag, {"ref": _ref(rng), **fields}), False)
+
+
 def cancel_unknown(rng):
     request_id = rng.choice([f"r{rng.randint(0, 10**6)}", "", "x" * 300, _ref(rng)])
     return FuzzFrame("cancel_unknown", _json(m.Cancel.TAG, {"request_id": request_id}), False)
@@ -237,7 +253,7 @@ def msgpack_body(rng):
 
 
 CLASSES = {f.__name__: f for f in (
-    valid_generate, valid_stats, cancel_unknown, int_out_of_range, wrong_type, float_edge, unknown_field,
+    valid_generate, valid_stats, valid_tokenize, bad_tokenize, cancel_unknown, int_out_of_range, wrong_type, float_edge, unknown_field,
     missing_ref, prompt_and_ids, empty_prompt, deep_nesting, huge_prompt, long_token_ids, oversized_body,
     stop_abuse, long_ref, bad_json, bad_tag, worker_message, frame_count, mutated_valid, msgpack_body)}
 # Large frames cost the fuzzer more than the server: draw them less often.
@@ -253,12 +269,12 @@ def draw(rng: random.Random, name: str | None = None) -> FuzzFrame:
 
 @dataclass(frozen=True)
 class Observation:
-    outcome: str  # served | stats | error+ref | error | silent | failed_after_accept | hang
+    outcome: str  # served | stats | answered | error+ref | error | silent | failed_after_accept | hang
     first_reply_s: float | None  # send -> first reply to the fuzzed frame
 
 
 # Classes the server must refuse every time (the rest may, by chance, draw a valid request).
-ALWAYS_REFUSED = frozenset({"int_out_of_range", "unknown_field", "missing_ref", "prompt_and_ids", "empty_prompt",
+ALWAYS_REFUSED = frozenset({"bad_tokenize", "int_out_of_range", "unknown_field", "missing_ref", "prompt_and_ids", "empty_prompt",
                             "deep_nesting", "huge_prompt", "long_token_ids", "oversized_body", "stop_abuse",
                             "long_ref", "bad_json", "bad_tag", "worker_message", "frame_count", "msgpack_body"})
 
@@ -303,6 +319,8 @@ def _classify(replies: list[tuple[bytes, dict]]) -> str:
     tag, obj = replies[0]
     if tag == b"T":
         return "stats"
+    if tag in (m.Tokens.TAG, m.Text.TAG):
+        return "answered"
     if tag == b"E":
         return "error+ref" if obj.get("ref") is not None else "error"
     assert tag == b"A", (tag, obj)

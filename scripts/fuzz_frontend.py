@@ -27,7 +27,7 @@ import zmq  # noqa: E402
 import frames  # noqa: E402
 from serving_support import Server, model_dir  # noqa: E402
 
-OUTCOMES = ("served", "stats", "error+ref", "error", "silent", "failed_after_accept", "gap", "bad_logprobs", "hang")
+OUTCOMES = ("served", "stats", "answered", "error+ref", "error", "silent", "failed_after_accept", "gap", "bad_logprobs", "hang")
 
 
 def main() -> int:
@@ -69,8 +69,9 @@ def main() -> int:
         server.kill()
     elapsed_s = time.monotonic() - start_s
     _print_table(outcomes, reply_ms)
-    num_valid = sum(outcomes[n][o] for n in ("valid_generate", "valid_stats") for o in OUTCOMES)
-    num_valid_served = outcomes["valid_generate"]["served"] + outcomes["valid_stats"]["stats"]
+    num_valid = sum(outcomes[n][o] for n in ("valid_generate", "valid_stats", "valid_tokenize") for o in OUTCOMES)
+    num_valid_served = (outcomes["valid_generate"]["served"] + outcomes["valid_stats"]["stats"]
+                        + outcomes["valid_tokenize"]["answered"])
     print(f"\n{num_sent} frames in {elapsed_s:.0f} s; front-end crashes: {num_crashes}; "
           f"hangs: {sum(c['hang'] for c in outcomes.values())}; "
           f"valid requests served: {num_valid_served}/{num_valid}")
@@ -90,7 +91,7 @@ def _start(model: Path, drafter: str):
 def _problem(frame: frames.FuzzFrame, seen: frames.Observation) -> str | None:
     if seen.outcome in ("hang", "gap", "failed_after_accept", "bad_logprobs"):
         return seen.outcome
-    if frame.is_valid and seen.outcome not in ("served", "stats"):
+    if frame.is_valid and seen.outcome not in ("served", "stats", "answered"):
         return f"a valid request got {seen.outcome}"
     if frame.name in frames.ALWAYS_REFUSED and seen.outcome not in ("error", "error+ref"):
         return f"a hostile frame got {seen.outcome}"

@@ -113,6 +113,22 @@ def valid_chat(rng, model_id):
     return _post("valid_chat", rng, _encode(body), True, is_valid=True, is_stream=bool(body.get("stream")))
 
 
+def tokenizer_route(rng, model_id):
+    """/tokenize or /detokenize, well formed (served) or with one field broken (a 4xx)."""
+    if rng.random() < 0.5:
+        body = {"prompt": rng.choice(["Hello", "héllo wörld ✓", "x" * 40])} if rng.random() < 0.7 else \
+            {"messages": [{"role": "user", "content": "Hi"}]}
+        path = "/tokenize"
+    else:
+        body, path = {"tokens": [rng.randrange(256) for _ in range(rng.randint(0, 30))]}, "/detokenize"
+    if rng.random() < 0.5:
+        body["model"] = model_id
+    is_valid = rng.random() < 0.6
+    if not is_valid:
+        body[rng.choice([*body, "prompt", "tokens", "model"])] = weird_value(rng)
+    return HttpCase("tokenizer_route", "POST", path, _encode(body), is_valid=is_valid)
+
+
 def weird_field(rng, model_id):
     is_chat = rng.random() < 0.5
     body = _valid_body(rng, model_id, is_chat)
@@ -188,7 +204,7 @@ def dropped_stream(rng, model_id):
 
 
 CLASSES = {f.__name__: f for f in (
-    valid_completion, valid_chat, weird_field, weird_message, lone_surrogate, not_an_object, bad_json, oversized,
+    valid_completion, valid_chat, tokenizer_route, weird_field, weird_message, lone_surrogate, not_an_object, bad_json, oversized,
     wrong_route, odd_headers, dropped_stream)}
 # Served (a complete 200 answer) or refused (4xx with an error body), never anything else.
 REFUSED = frozenset({"lone_surrogate", "not_an_object", "bad_json", "oversized", "wrong_route"})

@@ -326,6 +326,30 @@ def test_vllm_end_token_extras_over_http_are_the_zmq_answers(server, oai):
         assert status == 400 and reply["error"]["param"] == param, (bad, reply)
 
 
+def test_tokenize_and_detokenize_answer_as_the_zmq_client(server):
+    """vLLM's /tokenize and /detokenize (session 49): the ids and text the ZeroMQ client gets; a
+    chat is rendered as a chat completion renders it; bad bodies are 400s naming the field."""
+    turns = [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]
+    with Client(server.address, timeout_s=60) as client:
+        want_ids = client.tokenize(PROMPT)
+        want_chat = client.tokenize(messages=[{"role": "user", "content": PROMPT}])
+        want_text = client.detokenize(want_chat)
+    status, reply = http_post(server.http_url + "/tokenize", {"model": MODEL_ID, "prompt": PROMPT})
+    assert status == 200 and reply["tokens"] == want_ids and reply["count"] == len(want_ids)
+    assert reply["max_model_len"] > len(want_ids)
+    status, reply = http_post(server.http_url + "/tokenize", {"messages": turns})
+    assert status == 200 and reply["tokens"] == want_chat
+    status, reply = http_post(server.http_url + "/detokenize", {"model": MODEL_ID, "tokens": want_chat})
+    assert status == 200 and reply == {"prompt": want_text}
+    bad = [("/tokenize", {"prompt": 5}, 400, "prompt"), ("/tokenize", {}, 400, "prompt"),
+           ("/tokenize", {"prompt": "a", "messages": turns}, 400, "prompt"),
+           ("/tokenize", {"messages": []}, 400, "messages"), ("/tokenize", {"model": "x", "prompt": "a"}, 404, "model"),
+           ("/detokenize", {"tokens": [1, "2"]}, 400, "tokens"), ("/detokenize", {"tokens": [10**6]}, 400, "token_ids")]
+    for path, body, want_status, param in bad:
+        status, reply = http_post(server.http_url + path, body)
+        assert (status, reply["error"]["param"]) == (want_status, param), (path, body, reply)
+
+
 def test_raw_stream_ends_with_done(server):
     body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()

@@ -188,6 +188,39 @@ def test_speculate_false_streams_the_same_tokens(server, engine):
             assert got == sampled
 
 
+def test_tokenize_gives_what_generate_prefills_and_detokenize_what_streams_spell(server, engine, chat_tokenizer):
+    """TOKENIZE / DETOKENIZE (session 49): a prompt's and a chat's ids are the ones a generation
+    prefills (ACCEPTED's count, and solo decoding of them streams the same tokens); the text of a
+    stream's ids is the stream's text; bad ones are errors naming the field, for both clients."""
+    prompt = "import json\n\ndef load(path):"
+    with Client(server.address, timeout_s=60) as client:
+        ids = client.tokenize(prompt)
+        assert ids == engine.tokenizer.encode(prompt)
+        chat_ids = client.tokenize(messages=CHAT)
+        assert chat_ids == rendered_ids(chat_tokenizer, CHAT)
+        chunks = list(client.generate(messages=CHAT, max_tokens=12))
+        assert chunks[-1].stats["prompt_tokens"] == len(chat_ids)
+        out = [t for c in chunks for t in c.token_ids]
+        assert out == solo(engine, chat_ids, max_tokens=12)
+        assert client.detokenize(out) == "".join(c.text for c in chunks)
+        assert client.detokenize(chat_ids + out) == chat_tokenizer.decode(chat_ids + out)
+        for call, field in ((lambda: client.tokenize(), "prompt"), (lambda: client.tokenize("a", messages=CHAT), "prompt"),
+                            (lambda: client.detokenize([engine.target.vocab_size]), "token_ids"),
+                            (lambda: client.detokenize([-1]), "token_ids")):
+            with pytest.raises(RequestError) as info:
+                call()
+            assert info.value.field == field
+        with pytest.raises(ValueError, match="^prompt: not valid Unicode"):
+            client.tokenize("\ud800")
+        assert client.stats()["num_workers"] == 1  # the connection still serves
+
+    async def run_async():
+        async with AsyncClient(server.address, timeout_s=60) as client:
+            return await client.tokenize(prompt), await client.detokenize(ids)
+
+    assert asyncio.run(run_async()) == (ids, chat_tokenizer.decode(ids))
+
+
 def test_raw_chat_frame_is_answered(server):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -35,7 +35,8 @@ from workers.streams import MAX_WORKER_LOSSES, ClientRequest, Phase
 from workers.stats import StatsQueries, merge_worker_stats
 from workers.supervisor import EXIT_FRONTEND_FAILED, WorkerHandle, WorkerPool, WorkerSpec, WorkerState
 from workers.tokenizer import load_tokenizer, max_token_bytes
-from workers.validate import InvalidRequest, ModelLimits, prompt_byte_limit, validate_generate
+from workers.validate import (InvalidRequest, ModelLimits, detokenize, prompt_byte_limit, tokenize,
+                              validate_generate)
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +250,8 @@ class Frontend:
                 self._on_generate(client_id, msg)
             elif isinstance(msg, m.Cancel):
                 self._on_cancel(client_id, msg.request_id)
+            elif isinstance(msg, (m.Tokenize, m.Detokenize)):
+                self._on_tokenize(client_id, msg)
             else:
                 self._on_stats(client_id, msg.ref)
         except Exception as e:  # a front-end bug met by this message: answer it, keep serving
@@ -282,6 +285,25 @@ class Frontend:
         self._reply(client_id, m.Accepted(ref=msg.ref, request_id=request_id,
                                           prompt_tokens=len(payload.token_ids), model=self._model_path))
         self._dispatch()
+
+    def _on_tokenize(self, client_id: bytes, msg: m.Tokenize | m.Detokenize) -> None:
+        """TOKENIZE / DETOKENIZE: answered at once with the model's tokenizer; no worker is asked."""
+        if self._tokenizer is None:
+            self.num_rejected += 1
+            self._reply(client_id, m.Error(message="no model is loaded yet", ref=msg.ref,
+                                           retry_after_ms=BUSY_RETRY_AFTER_MS))
+            return
+        try:
+            if isinstance(msg, m.Tokenize):
+                reply = m.Tokens(ref=msg.ref, token_ids=tokenize(msg, self._tokenizer, self._limits),
+                                 max_prompt_tokens=self._limits.max_prompt_tokens)
+            else:
+                reply = m.Text(ref=msg.ref, text=detokenize(msg, self._decoder, self._limits))
+        except InvalidRequest as e:
+            self.num_rejected += 1
+            self._reply(client_id, m.Error(message=str(e), ref=msg.ref, field=e.field))
+            return
+        self._reply(client_id, reply)
 
     def _on_cancel(self, client_id: bytes, request_id: str) -> None:
         req = self._requests.get(request_id)

@@ -159,7 +159,9 @@ class Gateway:
     def make_app(self) -> Starlette:
         routes = [Route("/health", self.health), Route("/metrics", self.metrics_page),
                   Route("/v1/models", self.models), Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"])]
         return Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
 
     # --- plain endpoints ----------------------------------------------------------------
@@ -189,6 +191,45 @@ class Gateway:
         card = {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "gmlx",
                 "max_model_len": self._max_context_tokens}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as a generation would prefill them."""
+        async def answer(body) -> dict:
+            args = oai.parse_tokenize(body)
+            self._check_model(args.model)
+            token_ids = await self.client.tokenize(**args.client_kwargs())
+            return {"count": len(token_ids), "max_model_len": self._max_context_tokens, "tokens": token_ids}
+
+        return await self._ask(request, answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids."""
+        async def answer(body) -> dict:
+            model, token_ids = oai.parse_detokenize(body)
+            self._check_model(model)
+            return {"prompt": await self.client.detokenize(token_ids)}
+
+        return await self._ask(request, answer)
+
+    async def _ask(self, request: Request, answer) -> Response:
+        """A question the server answers at once: its body parsed and answered, or an error."""
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        try:
+            return JSONResponse(await answer(await _read_json(request)))
+        except oai.BadRequest as e:
+            return error_response(e.status, str(e), e.error_type, e.param, e.code)
+        except RequestError as e:
+            status, error_type = (400, "invalid_request_error") if e.field else (503, "server_busy")
+            return error_response(status, str(e), error_type, e.field)
+        except TimeoutError as e:
+            return error_response(503, f"the gmlx server did not answer: {e}", "server_unavailable")
+
+    def _check_model(self, model: str | None) -> None:
+        """BadRequest (404) unless model is absent or the one served here."""
+        if model is not None and model != self.config.model_id:
+            raise oai.BadRequest(f"model {model!r} is not served here (this server has "
+                                 f"{self.config.model_id!r})", "model", 404, code="model_not_found")
 
     async def _not_found(self, request: Request, exc) -> Response:
         return error_response(404, f"no route {request.url.path}", "invalid_request_error", code="not_found")
@@ -224,9 +265,7 @@ class Gateway:
                 args = oai.parse_chat(body, default_max_tokens=self._max_context_tokens)
             else:
                 args = oai.parse_completion(body)
-            if args.model != self.config.model_id:
-                raise oai.BadRequest(f"model {args.model!r} is not served here (this server has "
-                                     f"{self.config.model_id!r})", "model", 404, code="model_not_found")
+            self._check_model(args.model)
         except oai.BadRequest as e:
             self.metrics.rejected.labels(endpoint, str(e.status)).inc()
             return error_response(e.status, str(e), e.error_type, e.param, e.code)

@@ -161,7 +161,25 @@ def _with_choices(args: GenerateArgs, more_prompts: list) -> GenerateArgs:
 def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
     """POST /v1/chat/completions: each message's content a string or a list of text parts."""
     body = _object(body)
-    messages = body.get("messages")
+    turns = _chat_turns(body.get("messages"))
+    if "max_completion_tokens" in body and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    # Chat's logprobs is a switch and top_logprobs the count, which needs the switch on.
+    is_logprobs = _get(body, "logprobs", False, _is_bool, "a boolean")
+    num_top = _top_count(body, "top_logprobs")
+    if num_top is not None and not is_logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest(f"best_of is a completions field, not supported on chat, got {_short(body['best_of'])}",
+                         "best_of")
+    if body.get("echo") not in (None, False):
+        raise BadRequest(f"echo is a completions field, not supported on chat, got {_short(body['echo'])}", "echo")
+    num_logprobs = (num_top or 0) if is_logprobs else None
+    return _with_choices(_common(body, None, None, turns, default_max_tokens, num_logprobs), [])
+
+
+def _chat_turns(messages) -> tuple[tuple[str, str], ...]:
+    """A chat's (role, text) turns; each message's content a string or a list of text parts."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
     for i, message in enumerate(messages):
@@ -176,21 +194,43 @@ def parse_chat(body, default_max_tokens: int) -> GenerateArgs:
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
         _text(message["role"], "messages")
         _text(_text_of(content), "messages")
-    if "max_completion_tokens" in body and body.get("max_tokens") is None:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
-    turns = tuple((msg["role"], _text_of(msg["content"])) for msg in messages)
-    # Chat's logprobs is a switch and top_logprobs the count, which needs the switch on.
-    is_logprobs = _get(body, "logprobs", False, _is_bool, "a boolean")
-    num_top = _top_count(body, "top_logprobs")
-    if num_top is not None and not is_logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-    if body.get("best_of") not in (None, 1):
-        raise BadRequest(f"best_of is a completions field, not supported on chat, got {_short(body['best_of'])}",
-                         "best_of")
-    if body.get("echo") not in (None, False):
-        raise BadRequest(f"echo is a completions field, not supported on chat, got {_short(body['echo'])}", "echo")
-    num_logprobs = (num_top or 0) if is_logprobs else None
-    return _with_choices(_common(body, None, None, turns, default_max_tokens, num_logprobs), [])
+    return tuple((msg["role"], _text_of(msg["content"])) for msg in messages)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeArgs:
+    """POST /tokenize (vLLM's): a prompt or a chat to count and list the tokens of."""
+
+    model: str | None
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...] | None
+
+    def client_kwargs(self) -> dict:
+        messages = None if self.messages is None else [{"role": r, "content": c} for r, c in self.messages]
+        return dict(prompt=self.prompt, messages=messages)
+
+
+def parse_tokenize(body) -> TokenizeArgs:
+    body = _object(body)
+    model = _get(body, "model", None, _is_str, "a string")
+    if ("prompt" in body) == ("messages" in body):
+        raise BadRequest("give exactly one of prompt (a string) or messages", "prompt")
+    if "messages" in body:
+        return TokenizeArgs(model, None, _chat_turns(body["messages"]))
+    prompt = body["prompt"]
+    if not isinstance(prompt, str):
+        raise BadRequest(f"prompt must be a string, got {_short(prompt)}", "prompt")
+    return TokenizeArgs(model, _text(prompt, "prompt"), None)
+
+
+def parse_detokenize(body) -> tuple[str | None, list[int]]:
+    """POST /detokenize (vLLM's): (model or None, the token ids to decode)."""
+    body = _object(body)
+    model = _get(body, "model", None, _is_str, "a string")
+    tokens = body.get("tokens")
+    if not _is_token_ids(tokens):
+        raise BadRequest(f"tokens must be a list of token ids, got {_short(tokens)}", "tokens")
+    return model, tokens
 
 
 def _top_count(body: dict, name: str) -> int | None:
@@ -295,6 +335,10 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_str(value) -> bool:
+    return isinstance(value, str)
 
 
 def _is_token_ids(value) -> bool:

@@ -61,31 +61,54 @@ def validate_generate(msg: m.Generate, tokenizer, limits: ModelLimits) -> tuple[
     num_inputs = sum(x is not None for x in (msg.prompt, msg.token_ids, msg.messages))
     if num_inputs != 1:
         raise InvalidRequest("prompt: give exactly one of prompt, token_ids or messages", "prompt")
-    if msg.messages is not None:
-        field = "messages"
-        token_ids = _render_chat(msg.messages, tokenizer)
-    elif msg.prompt is not None:
-        field = "prompt"
-        try:
-            token_ids = list(tokenizer.encode(msg.prompt))
-        except Exception as e:  # user text the tokenizer chokes on ends only this request
-            raise InvalidRequest(f"prompt: cannot be tokenized ({type(e).__name__}: {e})", field) from None
+    if msg.token_ids is None:
+        field, token_ids = _encode(msg.prompt, msg.messages, tokenizer)
     else:
         field = "token_ids"
         token_ids = msg.token_ids
-        bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token_ids: {bad} is not a token id in [0, {limits.vocab_size})", field)
-    for name, ids in (("logit_bias", sampling.logit_bias or ()), ("stop_token_ids", sampling.stop_token_ids)):
-        bad = next((t for t in ids if t >= limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"{name}: {bad} is not a token id in [0, {limits.vocab_size})", name)
+        _check_vocabulary(field, token_ids, limits)
+    _check_vocabulary("logit_bias", sampling.logit_bias or (), limits)
+    _check_vocabulary("stop_token_ids", sampling.stop_token_ids, limits)
     if not token_ids:
         raise InvalidRequest(f"{field}: the prompt is empty", field)
     if len(token_ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"{field}: {len(token_ids)} prompt tokens exceed the limit of "
                              f"{limits.max_prompt_tokens}", field)
     return BusPayload(token_ids=token_ids, sampling=sampling), stop
+
+
+def tokenize(msg: m.Tokenize, tokenizer, limits: ModelLimits) -> list[int]:
+    """TOKENIZE's token ids: what a GENERATE with the same prompt or messages prefills (however
+    long: a count is what a caller often wants to know); InvalidRequest otherwise."""
+    if (msg.prompt is None) == (msg.messages is None):
+        raise InvalidRequest("prompt: give exactly one of prompt or messages", "prompt")
+    _check_text_limits(msg.prompt, msg.messages, limits)
+    return _encode(msg.prompt, msg.messages, tokenizer)[1]
+
+
+def detokenize(msg: m.Detokenize, decoder, limits: ModelLimits) -> str:
+    """DETOKENIZE's text, special tokens kept as the streams keep them; InvalidRequest otherwise."""
+    _check_vocabulary("token_ids", msg.token_ids, limits)
+    try:
+        return decoder.decode(msg.token_ids)
+    except Exception as e:  # an id the model has and its tokenizer lacks (padded vocabularies)
+        raise InvalidRequest(f"token_ids: cannot be decoded ({type(e).__name__}: {e})", "token_ids") from None
+
+
+def _encode(prompt: str | None, messages: list[m.ChatMessage] | None, tokenizer) -> tuple[str, list[int]]:
+    """(the field, the token ids) of a prompt text or a chat, exactly one of them given."""
+    if messages is not None:
+        return "messages", _render_chat(messages, tokenizer)
+    try:
+        return "prompt", list(tokenizer.encode(prompt))
+    except Exception as e:  # user text the tokenizer chokes on ends only this request
+        raise InvalidRequest(f"prompt: cannot be tokenized ({type(e).__name__}: {e})", "prompt") from None
+
+
+def _check_vocabulary(field: str, token_ids, limits: ModelLimits) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{field}: {bad} is not a token id in [0, {limits.vocab_size})", field)
 
 
 def _render_chat(messages: list[m.ChatMessage], tokenizer) -> list[int]:
@@ -108,16 +131,7 @@ def _check_limits(msg: m.Generate, limits: ModelLimits) -> None:
         value = getattr(msg, name)
         if isinstance(value, int) and value > maximum:  # the type itself is SamplingParams' to check
             raise InvalidRequest(f"{name} must be <= {maximum}, got {value}", name)
-    if msg.prompt is not None:
-        # len() counts characters, each at least one byte: only a near-limit prompt is encoded.
-        num_bytes = len(msg.prompt)
-        if num_bytes <= limits.max_prompt_bytes < 4 * num_bytes:
-            num_bytes = len(msg.prompt.encode("utf-8", "surrogatepass"))
-        if num_bytes > limits.max_prompt_bytes:
-            raise InvalidRequest(f"prompt: over {limits.max_prompt_bytes} bytes, more than the "
-                                 f"{limits.max_prompt_tokens}-token limit can hold", "prompt")
-    if msg.messages is not None:
-        _check_chat_limits(msg.messages, limits)
+    _check_text_limits(msg.prompt, msg.messages, limits)
     if msg.token_ids is not None and len(msg.token_ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"token_ids: {len(msg.token_ids)} prompt tokens exceed the limit of "
                              f"{limits.max_prompt_tokens}", "token_ids")
@@ -127,6 +141,20 @@ def _check_limits(msg: m.Generate, limits: ModelLimits) -> None:
         for s in msg.stop:
             if isinstance(s, str) and len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
                 raise InvalidRequest(f"stop: a stop string over {MAX_STOP_BYTES} bytes", "stop")
+
+
+def _check_text_limits(prompt: str | None, messages: list[m.ChatMessage] | None, limits: ModelLimits) -> None:
+    """A prompt or a chat is held to the prompt's byte limit before it is tokenized."""
+    if prompt is not None:
+        # len() counts characters, each at least one byte: only a near-limit prompt is encoded.
+        num_bytes = len(prompt)
+        if num_bytes <= limits.max_prompt_bytes < 4 * num_bytes:
+            num_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+        if num_bytes > limits.max_prompt_bytes:
+            raise InvalidRequest(f"prompt: over {limits.max_prompt_bytes} bytes, more than the "
+                                 f"{limits.max_prompt_tokens}-token limit can hold", "prompt")
+    if messages is not None:
+        _check_chat_limits(messages, limits)
 
 
 def _check_chat_limits(messages: list[m.ChatMessage], limits: ModelLimits) -> None:
