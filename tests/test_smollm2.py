@@ -199,6 +199,16 @@ def test_chat_over_http_is_rendered_with_the_ggufs_template():
             done = oai.chat.completions.create(model=SMOLLM2.name, messages=messages, max_tokens=12, temperature=0)
         assert done.choices[0].message.content == want and want.strip()
         assert done.usage.prompt_tokens > 20  # the template's system turn came with it
+        # /tokenize renders the chat as the completion did; banning its answer's first token moves it.
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", data=json.dumps(
+            {"messages": messages}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert json.load(reply)["count"] == done.usage.prompt_tokens
+        with Client(server.address, timeout_s=120) as client:
+            first = list(client.generate(messages=messages, max_tokens=1))[0].token_ids[0]
+            banned = "".join(c.text for c in client.generate(messages=messages, max_tokens=12,
+                                                               logit_bias={first: -100}))
+        assert banned != want and banned.strip()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as reply:
             assert json.load(reply)["data"][0]["max_model_len"] == 8192  # the GGUF's context_length
     finally:
