@@ -95,6 +95,9 @@ def test_health_and_models(server, oai):
     status, body = http_get(server.http_url + "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     assert [model.id for model in oai.models.list()] == [MODEL_ID]
+    assert oai.models.retrieve(MODEL_ID).id == MODEL_ID
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("another-model")
     assert http_get(server.http_url + "/v1/nothing-here")[0] == 404
 
 

@@ -158,7 +158,8 @@ class Gateway:
 
     def make_app(self) -> Starlette:
         routes = [Route("/health", self.health), Route("/metrics", self.metrics_page),
-                  Route("/v1/models", self.models), Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"])]
@@ -188,9 +189,21 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         if (denied := self._check_auth(request)) is not None:
             return denied
-        card = {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "gmlx",
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's GET /v1/models/{id} (the SDK's models.retrieve): the card, or a 404."""
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        try:
+            self._check_model(request.path_params["model"])
+        except oai.BadRequest as e:
+            return error_response(e.status, str(e), e.error_type, e.param, e.code)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "gmlx",
                 "max_model_len": self._max_context_tokens}
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt's or a chat's token ids, as a generation would prefill them."""
