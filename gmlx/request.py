@@ -11,6 +11,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap on logit_bias tokens; it also bounds the bus slot's header
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty in (0, 10]: 1 is off, above 1 discourages repeats
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may name (vLLM's extra); it also bounds the bus header
 
 
@@ -31,6 +32,9 @@ class SamplingParams:
     # OpenAI's: (token id, value added to its logit before sampling) pairs; a dict is taken and
     # stored as its pairs, so the parameters stay hashable (a dict's order changes no bit).
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    # vLLM's and transformers' (llama.cpp's repeat_penalty over the whole context): a logit of a
+    # token in the prompt or generated before is divided by it where positive, else multiplied.
+    repetition_penalty: float = 1.0
     # vLLM's extras, which serving benchmarks send to fix output lengths:
     ignore_eos: bool = False  # the model's EOS tokens are tokens like any other: they end nothing
     min_tokens: int = 0  # the tokens that would end it (EOS, stop_token_ids) are not sampled before this many
@@ -82,6 +86,10 @@ class SamplingParams:
                     raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         _check_int("min_tokens", self.min_tokens)
@@ -97,7 +105,7 @@ class SamplingParams:
     @property
     def is_penalized(self) -> bool:
         """Whether it penalizes repeats (sampling.penalize)."""
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:
@@ -208,6 +216,8 @@ class Request:
     # The tokens that end it, not delivered: the model's EOS unless it ignores them, and its
     # stop_token_ids (the engine sets them as it takes the request).
     end_token_ids: frozenset = frozenset()
+    # Its prompt's distinct ids, kept once computed (a repetition penalty reads them every round).
+    distinct_prompt_ids: object = field(default=None, compare=False, repr=False)
 
     @property
     def min_tokens_floor(self) -> tuple[tuple[int, ...], int] | None:

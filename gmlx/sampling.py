@@ -63,6 +63,7 @@ class SamplingRows:
     needs_sort: bool  # some row filters by top-p or top-k
     presence_penalty: mx.array | None = None  # (B,), where some row penalizes repeats; else None
     frequency_penalty: mx.array | None = None  # (B,)
+    repetition_penalty: mx.array | None = None  # (B,); 1 where a row has none
     bias_ids: mx.array | None = None  # (B, 1, L) int32, where some row has a logit_bias; else None
     bias_values: mx.array | None = None  # (B, 1, L) float32: what bias() adds at bias_ids
     floor_ids: mx.array | None = None  # (B, 1, L) int32: end tokens held back (min_tokens); else None
@@ -86,6 +87,8 @@ class SamplingRows:
             presence_penalty=mx.array([p.presence_penalty for p in params_list], dtype=mx.float32)
             if is_penalized else None,
             frequency_penalty=mx.array([p.frequency_penalty for p in params_list], dtype=mx.float32)
+            if is_penalized else None,
+            repetition_penalty=mx.array([p.repetition_penalty for p in params_list], dtype=mx.float32)
             if is_penalized else None,
             bias_ids=bias_ids,
             bias_values=bias_values,
@@ -127,22 +130,28 @@ def _pad_biases(biases: list) -> tuple[mx.array | None, mx.array | None]:
 class RepeatCounts:
     """penalize()'s input, sparse: per row and sampled position, the ids (B, T, L) that may have been
     generated before it and their counts (B, T, L). An id may appear more than once, always with
-    the same count, so writing its penalized logit twice writes one value."""
+    the same count, so writing its penalized logit twice writes one value. The same holds for
+    seen_ids (B, T, S) and is_seen (B, T, S): the tokens in the prompt or generated before each
+    position, where some row has a repetition penalty (else None)."""
 
     ids: mx.array
     counts: mx.array
+    seen_ids: mx.array | None = None
+    is_seen: mx.array | None = None
 
     @classmethod
     def make(cls, history_ids: np.ndarray, history_counts: np.ndarray, is_real: np.ndarray,
-             inputs: mx.array | None) -> RepeatCounts:
+             inputs: mx.array | None, seen_ids: np.ndarray | None = None) -> RepeatCounts:
         """From each row's generated tokens before the first position (history_ids / counts (B, H),
         padded with a repeat of a real entry, or id 0 with count 0 where a row has none; is_real
         (B, H) 1 for the entries that are not padding) and the inputs (B, T) the positions are
         sampled after: position j's history is the row's and inputs[:, :j + 1] (None: one
-        position, the history alone)."""
+        position, the history alone). seen_ids (B, S): each row's distinct prompt and history
+        ids, padded with a repeat of its first (where some row has a repetition penalty)."""
         ids, counts = mx.array(history_ids, dtype=mx.int32), mx.array(history_counts, dtype=mx.float32)
         if inputs is None:
-            return cls(ids[:, None, :], counts[:, None, :])
+            seen = None if seen_ids is None else mx.array(seen_ids, dtype=mx.int32)[:, None, :]
+            return cls(ids[:, None, :], counts[:, None, :], seen, None if seen is None else mx.ones(seen.shape, mx.bool_))
         num_positions = inputs.shape[1]
         inputs = inputs.astype(mx.int32)
         # Sums of 0/1 and integer counts: exact in float32, in any order.
@@ -155,7 +164,16 @@ class RepeatCounts:
         input_part = input_base[:, None, :] + is_upto @ is_input  # (B, T, T)
         all_ids = mx.concatenate([mx.broadcast_to(ids[:, None, :], history_part.shape),
                                   mx.broadcast_to(inputs[:, None, :], input_part.shape)], axis=-1)
-        return cls(all_ids, mx.concatenate([history_part, input_part], axis=-1))
+        if seen_ids is None:
+            return cls(all_ids, mx.concatenate([history_part, input_part], axis=-1))
+        # An input is seen at position j where the prompt or history holds it, or inputs[:, :j + 1] do.
+        seen = mx.array(seen_ids, dtype=mx.int32)  # (B, S)
+        is_in_seen = (inputs[:, :, None] == seen[:, None, :]).any(axis=-1)  # (B, T)
+        is_input_seen = is_in_seen[:, None, :] | (input_part > input_base[:, None, :])  # (B, T, T)
+        seen_all = mx.concatenate([mx.broadcast_to(seen[:, None, :], (*inputs.shape, seen.shape[-1])),
+                                   mx.broadcast_to(inputs[:, None, :], is_input_seen.shape)], axis=-1)
+        is_seen = mx.concatenate([mx.ones((*inputs.shape, seen.shape[-1]), mx.bool_), is_input_seen], axis=-1)
+        return cls(all_ids, mx.concatenate([history_part, input_part], axis=-1), seen_all, is_seen)
 
 
 def _pad_floors(floors: list) -> tuple[mx.array | None, mx.array | None]:
@@ -207,12 +225,17 @@ def adjust(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None,
 
 def penalize(logits: mx.array, rows: SamplingRows, repeats: RepeatCounts | None) -> mx.array:
     """OpenAI's repeat penalties: logits - frequency x count - presence x (count > 0), counts of
-    each token among a row's generated tokens before each position (None: as is). Only the
-    tokens counted change; each position's counts are integers whatever loop samples it, so its
-    bits are plain decoding's."""
+    each token among a row's generated tokens before each position (None: as is), after the
+    repetition penalty where a row has one. Only the tokens counted change; each position's
+    counts and seen flags are the same whatever loop samples it, so its bits are plain decoding's."""
     if repeats is None:
         return logits
     logits = logits.astype(mx.float32)
+    if repeats.seen_ids is not None:  # transformers' repetition penalty first, as vLLM orders them
+        penalty = rows.repetition_penalty[:, None, None]
+        values = mx.take_along_axis(logits, repeats.seen_ids, axis=-1)
+        repeated = mx.where(values > 0, values / penalty, values * penalty)
+        logits = mx.put_along_axis(logits, repeats.seen_ids, mx.where(repeats.is_seen, repeated, values), axis=-1)
     frequency = rows.frequency_penalty[:, None, None]
     presence = rows.presence_penalty[:, None, None]
     values = mx.take_along_axis(logits, repeats.ids, axis=-1)

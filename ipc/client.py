@@ -239,7 +239,8 @@ class Client:
                  stop=None, min_p: float = 0.0, messages=None, speculate: bool = True,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
-                 ignore_eos: bool = False, min_tokens: int = 0, stop_token_ids=()):
+                 repetition_penalty: float = 1.0, ignore_eos: bool = False, min_tokens: int = 0,
+                 stop_token_ids=()):
         """Yield Chunk objects as the server decodes; raises RequestError if it rejects the request.
 
         Give one of prompt, token_ids or messages ([{"role": ..., "content": ...}, ...], rendered
@@ -247,7 +248,9 @@ class Client:
         logprobs=N (0..20): each chunk's `logprobs` holds every token's logprob and the N likeliest;
         prompt_logprobs=N: the first chunk's `prompt_logprobs` holds the same for the prompt's tokens.
         presence_penalty and frequency_penalty (in [-2, 2]) are OpenAI's repeat penalties;
-        logit_bias ({token id: number in [-100, 100]}, at most 300) is OpenAI's too. ignore_eos,
+        logit_bias ({token id: number in [-100, 100]}, at most 300) is OpenAI's too.
+        repetition_penalty (in (0, 10], 1 = off) is transformers': a prompt's or an earlier
+        answer token's logit is divided by it where positive, else multiplied. ignore_eos,
         min_tokens and stop_token_ids (at most 64) are vLLM's: EOS ends nothing; EOS and the stop
         token ids are not sampled before min_tokens; the stop token ids end it as EOS does."""
         stream = self._router.open()
@@ -256,7 +259,8 @@ class Client:
                 stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, logit_bias=logit_bias, ignore_eos=ignore_eos,
+                frequency_penalty=frequency_penalty, logit_bias=logit_bias, repetition_penalty=repetition_penalty,
+                ignore_eos=ignore_eos,
                 min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
             while not stream.is_done:
                 chunk = stream.take(self._next(stream))
@@ -337,7 +341,8 @@ class AsyncClient:
                        stop=None, min_p: float = 0.0, messages=None, speculate: bool = True,
                        logprobs: int | None = None, prompt_logprobs: int | None = None,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
-                       ignore_eos: bool = False, min_tokens: int = 0, stop_token_ids=()):
+                       repetition_penalty: float = 1.0, ignore_eos: bool = False, min_tokens: int = 0,
+                       stop_token_ids=()):
         """Client.generate's asyncio twin (same arguments)."""
         stream = self._open()
         try:
@@ -345,7 +350,8 @@ class AsyncClient:
                 stream.ref, prompt, token_ids, messages, stop, max_tokens=max_tokens, temperature=temperature,
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, logit_bias=logit_bias, ignore_eos=ignore_eos,
+                frequency_penalty=frequency_penalty, logit_bias=logit_bias, repetition_penalty=repetition_penalty,
+                ignore_eos=ignore_eos,
                 min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
             while not stream.is_done:
                 chunk = stream.take(await self._next(stream))

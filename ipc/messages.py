@@ -57,6 +57,7 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: off a token's logit per time generated
     # OpenAI's: token id -> a number in [-100, 100] added to its logit; JSON keys are the ids as text.
     logit_bias: Annotated[dict[TokenId, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    repetition_penalty: float = 1.0  # vLLM's, in (0, 10]: prompt and generated tokens' logits / it (x it if < 0)
     ignore_eos: bool = False  # vLLM's: the model's EOS tokens end nothing
     min_tokens: int = 0  # vLLM's: EOS and stop_token_ids are not sampled before this many tokens
     stop_token_ids: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()  # end it as EOS does

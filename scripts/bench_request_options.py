@@ -13,6 +13,7 @@ Sections:
   prompt     a prompt's prefill and first token with prompt_logprobs = 1 (an evaluation harness's
              loglikelihood: echo, logprobs 1, one token) against a plain one, no prompt cache
   penalties  decode tok/s with presence_penalty 0.5 and frequency_penalty 0.5 against none
+  repetition decode tok/s with repetition_penalty 1.3 (prompt and answer tokens) against none
   bias       decode tok/s with a logit_bias of 300 tokens (-100 on ids prose never reaches) against none
 """
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--logprobs", default="0,5,20", help="the N of each side against no logprobs")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sections", default="decode,prompt,penalties,bias")
+    parser.add_argument("--sections", default="decode,prompt,penalties,repetition,bias")
     parser.add_argument("--prompt-tokens", default="128,512", help="prompt lengths of the prompt section")
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -62,6 +63,8 @@ def main() -> None:
             prompt_section(engine, name, args)
         if "penalties" in sections:
             penalties_section(engine, name, args)
+        if "repetition" in sections:
+            repetition_section(engine, name, args)
         if "bias" in sections:
             bias_section(engine, name, args)
 
@@ -79,6 +82,11 @@ def decode_section(engine, name: str, args) -> None:
 def penalties_section(engine, name: str, args) -> None:
     _one_option_section(engine, name, args, "penalties",
                         SamplingParams(max_tokens=args.tokens, presence_penalty=0.5, frequency_penalty=0.5))
+
+
+def repetition_section(engine, name: str, args) -> None:
+    _one_option_section(engine, name, args, "repetition_penalty 1.3",
+                        SamplingParams(max_tokens=args.tokens, repetition_penalty=1.3))
 
 
 def bias_section(engine, name: str, args) -> None:

@@ -51,7 +51,7 @@ def _valid_fields(rng: random.Random) -> dict:
         fields["prompt_logprobs"] = rng.choice([0, 1, 20])
     if rng.random() < 0.2:
         fields.update(presence_penalty=rng.choice([0.0, -2.0, 0.5, 2.0]),
-                      frequency_penalty=rng.choice([0.0, 1.5, -0.3]))
+                      frequency_penalty=rng.choice([0.0, 1.5, -0.3]), repetition_penalty=rng.choice([1.0, 1.3, 0.5, 10]))
     if rng.random() < 0.15:  # ids below every model's vocabulary, JSON keys as text
         fields["logit_bias"] = {str(rng.randrange(1000)): rng.choice([-100, -2.5, 3, 100])
                                 for _ in range(rng.randint(1, 5))}
@@ -130,7 +130,8 @@ def wrong_type(rng):
 
 def float_edge(rng):
     fields = _valid_fields(rng)
-    fields[rng.choice(["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"])] = rng.choice(
+    fields[rng.choice(["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty"])] = rng.choice(
         [-1e-300, 1e300, -0.0, 1.0000001, 5e-324, 1e999, -1e999])
     body = json.dumps(fields).replace("Infinity", "1e999").encode()
     return FuzzFrame("float_edge", [m.Generate.TAG, body], False)

@@ -22,7 +22,7 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 BODY_LIMIT_BYTES = 1 << 20  # ipc.messages.MAX_MESSAGE_BYTES: the gateway reads no further
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "speculate", "n",
              "stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "echo", "presence_penalty",
-             "frequency_penalty", "logit_bias", "best_of", "ignore_eos", "min_tokens",
+             "frequency_penalty", "repetition_penalty", "logit_bias", "best_of", "ignore_eos", "min_tokens",
              "stop_token_ids", "user")
 
 
@@ -63,7 +63,8 @@ def _valid_body(rng: random.Random, model_id: str, is_chat: bool) -> dict:
     if rng.random() < 0.3:
         body["speculate"] = rng.random() < 0.5
     if rng.random() < 0.2:
-        body.update(presence_penalty=rng.choice([0, -2, 0.5, 2]), frequency_penalty=rng.choice([0.0, 1.5, -0.3]))
+        body.update(presence_penalty=rng.choice([0, -2, 0.5, 2]), frequency_penalty=rng.choice([0.0, 1.5, -0.3]),
+                    repetition_penalty=rng.choice([1, 1.3, 0.5]))
     if rng.random() < 0.15:
         body["logit_bias"] = {str(rng.randrange(1000)): rng.choice([-100, -2.5, 3, 100]) for _ in range(rng.randint(1, 5))}
     if rng.random() < 0.15:

@@ -74,7 +74,8 @@ def make_schedule(seed: int, vocab_size: int, prompt_pool: list[list[int]], max_
                                          prompt_logprobs=rng.choice((None, 0, 3)))
         if penalty_rate > 0 and rng.random() < penalty_rate:
             params = dataclasses.replace(params, presence_penalty=rng.choice((0.0, 0.5, 2.0)),
-                                         frequency_penalty=rng.choice((0.0, 0.3, -0.5, 2.0)))
+                                         frequency_penalty=rng.choice((0.0, 0.3, -0.5, 2.0)),
+                                         repetition_penalty=rng.choice((1.0, 1.0, 1.3, 0.8, 2.5)))
         if bias_rate > 0 and rng.random() < bias_rate:
             # The prompt's own tokens are the likely ones to come next: ban, damp, boost or (rarely,
             # as it ends all speculation) force them.

@@ -264,6 +264,15 @@ def test_repeat_penalties_over_http_are_the_zmq_answers(server, oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=MODEL_ID, prompt=prompt, frequency_penalty=2.5)
     assert info.value.body["param"] == "frequency_penalty"
+    # vLLM's repetition_penalty (session 49), an extra: the prompt's tokens count too
+    want = zmq_text(server, prompt=prompt, max_tokens=16, repetition_penalty=1.5)[0]
+    assert want != plain
+    done = oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body={"repetition_penalty": 1.5})
+    assert done.choices[0].text == want
+    status, reply = http_post(server.http_url + "/v1/completions", {"model": MODEL_ID, "prompt": prompt,
+                                                                    "repetition_penalty": 0})
+    assert status == 400 and reply["error"]["param"] == "repetition_penalty"
 
 
 def test_logit_bias_over_http_is_the_zmq_answer(server, oai):

@@ -40,8 +40,9 @@ def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_to
     try:
         reader = RequestBus.attach(owner.name)
         payload = BusPayload(token_ids, m.Sampling(max_tokens, temperature, 1.0, top_k, 0.0, seed, speculate, logprobs,
-                                                   logprobs, penalty, -penalty, logit_bias, speculate,
-                                                   max_tokens // 2, tuple(stop_token_ids)))
+                                                   logprobs, penalty, -penalty, logit_bias,
+                                                   repetition_penalty=1 + penalty / 4, ignore_eos=speculate,
+                                                   min_tokens=max_tokens // 2, stop_token_ids=tuple(stop_token_ids)))
         slot, generation = owner.write(payload)
         assert reader.read(slot, generation) == payload
         reader.close()
@@ -52,8 +53,8 @@ def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_to
 def test_the_widest_sampling_fits_a_slot_header():
     # Every field at its widest encoding: 300 logit_bias tokens and 64 stop tokens of 32-bit ids.
     widest = m.Sampling(2**32 - 1, 0.1, 0.1, 2**32 - 1, 0.1, 2**63 - 1, False, 20, 20, -0.1, -0.1,
-                        {2**32 - 1 - i: -0.1 for i in range(m.MAX_LOGIT_BIAS_ENTRIES)}, True, 2**32 - 1,
-                        (2**32 - 1,) * m.MAX_STOP_TOKEN_IDS)
+                        {2**32 - 1 - i: -0.1 for i in range(m.MAX_LOGIT_BIAS_ENTRIES)}, repetition_penalty=0.1,
+                        ignore_eos=True, min_tokens=2**32 - 1, stop_token_ids=(2**32 - 1,) * m.MAX_STOP_TOKEN_IDS)
     bus = RequestBus.create(num_slots=1, max_tokens=8)
     try:
         reader = RequestBus.attach(bus.name)

@@ -68,6 +68,8 @@ def _parse_logit_bias(ctx, param, values) -> dict[int, float] | None:
               help="in [-2, 2]: taken off a token's logit per time it was generated (OpenAI's)")
 @click.option("--logit-bias", multiple=True, callback=_parse_logit_bias, metavar="ID=BIAS",
               help="add BIAS (in [-100, 100]) to token ID's logit before sampling (repeatable; OpenAI's logit_bias)")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="in (0, 10]: a prompt's or an earlier answer token's logit is divided by it (transformers')")
 @click.option("--ignore-eos", is_flag=True, help="the model's EOS tokens end nothing (vLLM's ignore_eos)")
 @click.option("--min-tokens", type=int, default=0, show_default=True,
               help="EOS and --stop-token-id tokens are not sampled before this many tokens (vLLM's)")
@@ -78,15 +80,16 @@ def _parse_logit_bias(ctx, param, values) -> dict[int, float] | None:
 @click.option("--server", default=None, help="send to a running gmlx server at this address")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line")
 def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-             speculative_width_cap, speculate, presence_penalty, frequency_penalty, logit_bias, ignore_eos,
-             min_tokens, stop_token_ids, logprobs, server, chat, as_json) -> None:
+             speculative_width_cap, speculate, presence_penalty, frequency_penalty, logit_bias, repetition_penalty,
+             ignore_eos, min_tokens, stop_token_ids, logprobs, server, chat, as_json) -> None:
     """Generate a completion for PROMPT, streaming text to stdout."""
     from gmlx.request import SamplingParams, check_text
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate, logprobs=logprobs,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                            logit_bias=logit_bias, ignore_eos=ignore_eos, min_tokens=min_tokens,
+                            logit_bias=logit_bias, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
+                            min_tokens=min_tokens,
                             stop_token_ids=tuple(stop_token_ids))
     try:
         if logprobs is not None and not as_json:

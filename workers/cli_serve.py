@@ -266,6 +266,7 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
                                          presence_penalty=params.presence_penalty,
                                          frequency_penalty=params.frequency_penalty,
                                          logit_bias=None if params.logit_bias is None else dict(params.logit_bias),
+                                         repetition_penalty=params.repetition_penalty,
                                          ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
                                          stop_token_ids=params.stop_token_ids):
                 token_ids_out.extend(chunk.token_ids)

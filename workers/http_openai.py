@@ -64,7 +64,8 @@ class GenerateArgs:
     presence_penalty: float = 0.0  # checked by the server (SamplingParams), named there
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias); the server checks both
-    ignore_eos: bool = False  # vLLM's extras, checked by the server
+    repetition_penalty: float = 1.0  # vLLM's extras, checked by the server
+    ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     num_per_prompt: int = 1  # samples drawn of each prompt: OpenAI's best_of, n where it is not given
@@ -92,7 +93,8 @@ class GenerateArgs:
                     prompt_logprobs=self.num_prompt_logprobs, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty,
                     logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
-                    ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
+                    repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                    min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -279,6 +281,7 @@ def _common(body: dict, prompt, token_ids, messages, default_max_tokens: int,
         presence_penalty=_get(body, "presence_penalty", 0.0, _is_number, "a number"),
         frequency_penalty=_get(body, "frequency_penalty", 0.0, _is_number, "a number"),
         logit_bias=_logit_bias(body),
+        repetition_penalty=_get(body, "repetition_penalty", 1.0, _is_number, "a number"),
         ignore_eos=_get(body, "ignore_eos", False, _is_bool, "a boolean"),
         min_tokens=_get(body, "min_tokens", 0, _is_int, "an integer"),
         stop_token_ids=tuple(_get(body, "stop_token_ids", [], _is_token_ids, "a list of token ids")),

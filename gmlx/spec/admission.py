@@ -21,7 +21,7 @@ from gmlx.cache.ragged import RaggedKVCache, make_ragged_cache
 from gmlx.models.loader import LoadedModel
 from gmlx.request import Request, RequestStatus
 from gmlx.sampling import RepeatCounts, SamplingRows, sample
-from gmlx.spec.batch import generated_history, pad_histories
+from gmlx.spec.batch import generated_history, pad_histories, seen_tokens
 
 MIN_CHUNK_TOKENS = 1  # a time budget never shrinks a chunk below this: prefill must progress
 FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
@@ -259,7 +259,8 @@ class InjectionQueue:
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
         repeats = None
         if rows.is_penalized:  # every generated token precedes it (an evicted row's, prefilled again)
-            repeats = RepeatCounts.make(*pad_histories([generated_history(request)]), None)
+            history = generated_history(request)
+            repeats = RepeatCounts.make(*pad_histories([history]), None, seen_tokens([request], [history]))
         token = sample(logits, rows, position, repeats)
         logprobs.keep([request], logits, token, [request.num_prefill_tokens])
         return token

@@ -154,7 +154,7 @@ class DecodeBatch:
             return None
         histories = [generated_history(r, self.is_delivered[i]) if r.params.is_penalized else None
                      for i, r in enumerate(self.requests)]
-        return RepeatCounts.make(*pad_histories(histories), inputs)
+        return RepeatCounts.make(*pad_histories(histories), inputs, seen_tokens(self.requests, histories))
 
     def keep_rows(self, rows: list[int]) -> None:
         if rows == list(range(self.num_rows)):
@@ -259,6 +259,24 @@ def generated_history(request: Request, is_pending_delivered: bool = False) -> t
     where that is a batch's delivered pending token (counted again as the next forward's input)."""
     ids = request.output_token_ids[:-1] if is_pending_delivered else request.output_token_ids
     return np.unique(np.asarray(ids, dtype=np.int32), return_counts=True)
+
+
+def seen_tokens(requests: list[Request], histories: list) -> np.ndarray | None:
+    """(B, S): each row's distinct prompt and history ids where some row has a repetition
+    penalty, padded with a repeat of its first (id 0 for a row without one: a penalty of 1
+    leaves every logit as it is). None where no row has one."""
+    if all(r.params.repetition_penalty == 1.0 for r in requests):
+        return None
+    rows = []
+    for request, history in zip(requests, histories):
+        if request.params.repetition_penalty == 1.0:
+            rows.append(np.zeros(1, dtype=np.int32))
+            continue
+        if request.distinct_prompt_ids is None:
+            request.distinct_prompt_ids = np.unique(np.asarray(request.prompt_token_ids, dtype=np.int32))
+        rows.append(np.union1d(request.distinct_prompt_ids, history[0]).astype(np.int32))
+    width = max(len(row) for row in rows)
+    return np.stack([np.concatenate([row, np.full(width - len(row), row[0], dtype=np.int32)]) for row in rows])
 
 
 def pad_histories(histories: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
