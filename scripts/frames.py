@@ -215,7 +215,7 @@ def bad_json(rng):
 
 
 def bad_tag(rng):
-    tag = rng.choice([b"", b"GG", b"\x00", b"Z", b"g", b"K", b"A", b"E", b"T", b"i", b"h", b"\xff" * 9])
+    tag = rng.choice([b"", b"GG", b"\x00", b"Q", b"g", b"K", b"A", b"E", b"T", b"i", b"h", b"\xff" * 9])
     return FuzzFrame("bad_tag", [tag, json.dumps(_valid_fields(rng)).encode()], False)
 
 
@@ -275,6 +275,7 @@ class Observation:
 
 
 # Classes the server must refuse every time (the rest may, by chance, draw a valid request).
+SERVED = ("served", "stats", "answered")  # the outcomes a valid frame may get: its reply, whole
 ALWAYS_REFUSED = frozenset({"bad_tokenize", "int_out_of_range", "unknown_field", "missing_ref", "prompt_and_ids", "empty_prompt",
                             "deep_nesting", "huge_prompt", "long_token_ids", "oversized_body", "stop_abuse",
                             "long_ref", "bad_json", "bad_tag", "worker_message", "frame_count", "msgpack_body"})

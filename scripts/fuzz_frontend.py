@@ -91,7 +91,7 @@ def _start(model: Path, drafter: str):
 def _problem(frame: frames.FuzzFrame, seen: frames.Observation) -> str | None:
     if seen.outcome in ("hang", "gap", "failed_after_accept", "bad_logprobs"):
         return seen.outcome
-    if frame.is_valid and seen.outcome not in ("served", "stats", "answered"):
+    if frame.is_valid and seen.outcome not in frames.SERVED:
         return f"a valid request got {seen.outcome}"
     if frame.name in frames.ALWAYS_REFUSED and seen.outcome not in ("error", "error+ref"):
         return f"a hostile frame got {seen.outcome}"

@@ -170,7 +170,7 @@ def send_json(sock, tag: bytes, body) -> None:
 BAD_REQUESTS = [  # (frames, the field the error must name)
     ([b"G"], None),
     ([b"G", b"{}", b"extra"], None),
-    ([b"Z", b"{}"], "type"),
+    ([b"Q", b"{}"], "type"),
     ([b"A", b'{"ref": "x", "request_id": "r1", "prompt_tokens": 1, "model": "m"}'], "type"),
     ([b"G", b"{not json"], None),
     ([b"G", b'{"prompt": "def f("}'], "ref"),

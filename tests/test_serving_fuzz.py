@@ -35,7 +35,7 @@ def check(server, frame: frames.FuzzFrame, seen: frames.Observation) -> None:
     assert seen.outcome != "hang", (frame.name, frame.frames[:1])
     assert server.proc.poll() is None, server.log()
     if frame.is_valid:
-        assert seen.outcome in ("served", "stats"), (frame, seen)
+        assert seen.outcome in frames.SERVED, (frame, seen)
     if frame.name in frames.ALWAYS_REFUSED:
         assert seen.outcome in ("error", "error+ref"), (frame, seen)
     assert seen.outcome not in ("gap", "failed_after_accept", "bad_logprobs"), (frame, seen)
