@@ -109,21 +109,26 @@ class SamplingRows:
         return dataclasses.replace(self, bias_ids=None, bias_values=None, floor_ids=None, floor_until=None)
 
 
+def pad_with_first(rows: list, dtype) -> np.ndarray:
+    """(B, L) of per-row sequences, each padded with a repeat of its first entry and a row of
+    None or nothing with zeros: a sparse write then writes a padded entry's one value twice."""
+    width = max([1, *(len(row) for row in rows if row is not None)])
+    out = np.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        if row is not None and len(row):
+            out[i] = row[0]
+            out[i, : len(row)] = row
+    return out
+
+
 def _pad_biases(biases: list) -> tuple[mx.array | None, mx.array | None]:
-    """Each row's logit_bias as ids and values (B, 1, L): a row's list padded with a repeat of its
-    first entry (writing one value twice writes it once), a row without one with id 0 + 0.0."""
+    """Each row's logit_bias as ids and values (B, 1, L), padded with its first entry; a row
+    without one adds 0.0 to id 0."""
     if not any(biases):
         return None, None
-    width = max(len(b) for b in biases if b)
-    ids = np.zeros((len(biases), 1, width), dtype=np.int32)
-    values = np.zeros((len(biases), 1, width), dtype=np.float32)
-    for i, row_bias in enumerate(biases):
-        if row_bias:
-            items = list(row_bias)
-            items += [items[0]] * (width - len(items))
-            ids[i, 0] = [token_id for token_id, _ in items]
-            values[i, 0] = [value for _, value in items]
-    return mx.array(ids), mx.array(values)
+    ids = pad_with_first([None if b is None else [t for t, _ in b] for b in biases], np.int32)
+    values = pad_with_first([None if b is None else [v for _, v in b] for b in biases], np.float32)
+    return mx.array(ids)[:, None, :], mx.array(values)[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -177,18 +182,13 @@ class RepeatCounts:
 
 
 def _pad_floors(floors: list) -> tuple[mx.array | None, mx.array | None]:
-    """Each row's min_tokens floor as ids (B, 1, L), padded as _pad_biases pads, and the position
+    """Each row's min_tokens floor as ids (B, 1, L), padded with its first, and the position
     (B, 1, 1) from which they may be sampled (0 for a row without one: never held back)."""
     if not any(floors):
         return None, None
-    width = max(len(f[0]) for f in floors if f)
-    ids = np.zeros((len(floors), 1, width), dtype=np.int32)
-    until = np.zeros((len(floors), 1, 1), dtype=np.int32)
-    for i, floor in enumerate(floors):
-        if floor:
-            row_ids, until[i, 0, 0] = floor
-            ids[i, 0] = list(row_ids) + [row_ids[0]] * (width - len(row_ids))
-    return mx.array(ids), mx.array(until)
+    ids = pad_with_first([None if f is None else f[0] for f in floors], np.int32)
+    until = np.array([0 if f is None else f[1] for f in floors], dtype=np.int32)
+    return mx.array(ids)[:, None, :], mx.array(until)[:, None, None]
 
 
 def bias(logits: mx.array, rows: SamplingRows) -> mx.array:

@@ -142,6 +142,17 @@ def error_response(status: int, message: str, error_type: str, param: str | None
     return JSONResponse(oai.error_body(message, error_type, param, code), status_code=status)
 
 
+def refusal(e: oai.BadRequest | RequestError | TimeoutError) -> JSONResponse:
+    """The answer to a request refused before any token: by the gateway (its status), by the
+    server (a 400 naming the field it blamed, else a 503: busy, no worker), or unanswered (503)."""
+    if isinstance(e, oai.BadRequest):
+        return error_response(e.status, str(e), e.error_type, e.param, e.code)
+    if isinstance(e, RequestError):
+        status, error_type = (400, "invalid_request_error") if e.field else (503, "server_busy")
+        return error_response(status, str(e), error_type, e.field)
+    return error_response(503, f"the gmlx server did not answer: {e}", "server_unavailable")
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig):
         config.validate()
@@ -198,7 +209,7 @@ class Gateway:
         try:
             self._check_model(request.path_params["model"])
         except oai.BadRequest as e:
-            return error_response(e.status, str(e), e.error_type, e.param, e.code)
+            return refusal(e)
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict:
@@ -230,13 +241,8 @@ class Gateway:
             return denied
         try:
             return JSONResponse(await answer(await _read_json(request)))
-        except oai.BadRequest as e:
-            return error_response(e.status, str(e), e.error_type, e.param, e.code)
-        except RequestError as e:
-            status, error_type = (400, "invalid_request_error") if e.field else (503, "server_busy")
-            return error_response(status, str(e), error_type, e.field)
-        except TimeoutError as e:
-            return error_response(503, f"the gmlx server did not answer: {e}", "server_unavailable")
+        except (oai.BadRequest, RequestError, TimeoutError) as e:
+            return refusal(e)
 
     def _check_model(self, model: str | None) -> None:
         """BadRequest (404) unless model is absent or the one served here."""
@@ -280,8 +286,7 @@ class Gateway:
                 args = oai.parse_completion(body)
             self._check_model(args.model)
         except oai.BadRequest as e:
-            self.metrics.rejected.labels(endpoint, str(e.status)).inc()
-            return error_response(e.status, str(e), e.error_type, e.param, e.code)
+            return self._rejected(endpoint, refusal(e))
         self.metrics.in_flight.inc()
         choices = args.choices()  # one server request per choice (prompts x n)
         relays = [_Relay(self.client, choice) for choice in choices]
@@ -290,13 +295,8 @@ class Gateway:
         try:
             try:
                 firsts = await _first_chunks(relays, disconnected)
-            except RequestError as e:
-                status, error_type = (400, "invalid_request_error") if e.field else (503, "server_busy")
-                self.metrics.rejected.labels(endpoint, str(status)).inc()
-                return error_response(status, str(e), error_type, e.field)
-            except TimeoutError as e:
-                self.metrics.rejected.labels(endpoint, "503").inc()
-                return error_response(503, f"the gmlx server did not answer: {e}", "server_unavailable")
+            except (RequestError, TimeoutError) as e:
+                return self._rejected(endpoint, refusal(e))
             shape = oai.ResponseShape(kind, args.model, firsts[0].request_id if firsts[0] is not _END else "0")
             self.metrics.ttft_s.observe(time.monotonic() - started_s)
             if args.is_stream:
@@ -398,6 +398,10 @@ class Gateway:
             self.metrics.in_flight.dec()
             if finish == "cancelled":
                 self.metrics.requests.labels(endpoint, "cancelled").inc()
+
+    def _rejected(self, endpoint: str, response: JSONResponse) -> JSONResponse:
+        self.metrics.rejected.labels(endpoint, str(response.status_code)).inc()
+        return response
 
     def _count_finished(self, endpoint: str, finish_reason: str, usage: dict) -> None:
         self.metrics.requests.labels(endpoint, finish_reason).inc()

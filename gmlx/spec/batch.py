@@ -16,7 +16,7 @@ import numpy as np
 from gmlx import logprobs
 from gmlx.cache.ragged import RaggedKVCache, concat_layer_caches
 from gmlx.request import Request, SamplingParams
-from gmlx.sampling import RepeatCounts, SamplingRows
+from gmlx.sampling import RepeatCounts, SamplingRows, pad_with_first
 
 _GREEDY = SamplingParams()
 
@@ -270,26 +270,20 @@ def seen_tokens(requests: list[Request], histories: list) -> np.ndarray | None:
     rows = []
     for request, history in zip(requests, histories):
         if request.params.repetition_penalty == 1.0:
-            rows.append(np.zeros(1, dtype=np.int32))
+            rows.append(None)
             continue
         if request.distinct_prompt_ids is None:
             request.distinct_prompt_ids = np.unique(np.asarray(request.prompt_token_ids, dtype=np.int32))
-        rows.append(np.union1d(request.distinct_prompt_ids, history[0]).astype(np.int32))
-    width = max(len(row) for row in rows)
-    return np.stack([np.concatenate([row, np.full(width - len(row), row[0], dtype=np.int32)]) for row in rows])
+        rows.append(np.union1d(request.distinct_prompt_ids, history[0]))
+    return pad_with_first(rows, np.int32)
 
 
 def pad_histories(histories: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(B, H) ids, counts and is-real flags of each row's history (None: a row that does not
     penalize), padded with a repeat of its first entry (the same id and count: its penalized
     logit is written twice with one value), or id 0 counted 0 where it has none."""
-    width = max([1, *(len(h[0]) for h in histories if h is not None)])
-    ids = np.zeros((len(histories), width), dtype=np.int32)
-    counts = np.zeros((len(histories), width), dtype=np.float32)
-    is_real = np.zeros((len(histories), width), dtype=np.float32)
-    for i, history in enumerate(histories):
-        if history is not None and len(history[0]):
-            num_real = len(history[0])
-            ids[i], counts[i] = history[0][0], history[1][0]
-            ids[i, :num_real], counts[i, :num_real], is_real[i, :num_real] = history[0], history[1], 1.0
+    ids = pad_with_first([None if h is None else h[0] for h in histories], np.int32)
+    counts = pad_with_first([None if h is None else h[1] for h in histories], np.float32)
+    lengths = np.array([0 if h is None else len(h[0]) for h in histories])
+    is_real = (np.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(np.float32)
     return ids, counts, is_real
