@@ -9,7 +9,7 @@ import pytest
 from workers.bench import WorkloadOptions, parse_target, run_benchmark
 from workers.bench.best_of import versus_best, versus_best_table
 from workers.bench.metrics import StreamRecord, percentile, summarize
-from workers.bench.report import paired, paired_range, results_table
+from workers.bench.report import paired, paired_range, results_table, workload_line
 from workers.bench.workload import Lengths, heldout_files, poisson_arrivals
 
 TINY = dict(prompt_tokens="uniform:8,24", max_tokens="8", seed=3)
@@ -50,6 +50,28 @@ def test_closed_loop_against_engine_reports_every_metric():
     # One repeat: no range across repeats to show.
     assert "| x base | x base paired | repeats' range |" in header and "| 1.00x | 1.00x | - |" in line
     assert results["machine"]["logical_cores"] >= 1
+
+
+def test_ignore_eos_reaches_every_target_that_can_and_mlx_lm_refuses_it():
+    """--ignore-eos (fixed-length answers, as vLLM's benchmark sends them): gmlx's targets get it
+    as ignore_eos, llama-server's body carries it, and the mlx-lm target, which has no such
+    option, is refused rather than compared on shorter answers."""
+    from click.testing import CliRunner
+
+    from workers.bench.cli import bench
+    from workers.bench.llama_server import completion_body
+    from workers.bench.workload import RequestSpec, Workload
+
+    spec = RequestSpec(3, "x", 12, None, "main")
+    for is_ignore_eos in (False, True):
+        workload = Workload("closed", (spec,), 1, 0.0, {}, is_ignore_eos)
+        assert json.loads(completion_body([1, 2], spec, workload))["ignore_eos"] is is_ignore_eos
+        assert workload.describe()["ignore_eos"] is is_ignore_eos
+    results = run_engine(WorkloadOptions(kind="closed", num_requests=2, concurrency=2, is_ignore_eos=True, **TINY),
+                         "engine")
+    assert results["workload"]["ignore_eos"] is True and "EOS ignored" in workload_line(results)
+    done = CliRunner().invoke(bench, ["--target", "mlx-lm", "--ignore-eos"])
+    assert done.exit_code != 0 and "--ignore-eos" in done.output
 
 
 def test_scripted_arrivals_preempt_the_lone_stream_only_when_preempt_is_on():

@@ -79,6 +79,9 @@ def _parse_levels(ctx, param, value):
 @click.option("--max-tokens", default="64", show_default=True, callback=_check_lengths,
               help="Output budget per request, same forms as --prompt-tokens.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--ignore-eos", is_flag=True,
+              help="Fixed-length answers: every request decodes its whole --max-tokens (EOS ends nothing), on gmlx "
+                   "and llama-server targets; mlx_lm.server cannot, so an mlx-lm target refuses it.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs per target and level; ratios are medians of per-repeat ratios.")
 @click.option("--restart-per-repeat", is_flag=True,
@@ -99,7 +102,8 @@ def _parse_levels(ctx, param, value):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens, load_kind, concurrency,
           num_requests, requests_per_client, rate, burst_size, burst_interval_s, long_max_tokens, arrival_delay_s,
-          arrival_interval_s, prompt_source, prompt_tokens, max_tokens, temperature, repeats, restart_per_repeat,
+          arrival_interval_s, prompt_source, prompt_tokens, max_tokens, temperature, ignore_eos, repeats,
+          restart_per_repeat,
           warmup, seed, timeout_s, baseline, best_of, out, plots_dir, as_json, quiet) -> None:
     """Benchmark gmlx (in-process engine or server), mlx_lm.server and llama.cpp's llama-server under the
     same load.
@@ -137,6 +141,9 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
             specs.append(parse_target(text, own))
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--target") from None
+    if ignore_eos and any(s.kind == "mlx-lm" for s in specs):
+        raise click.BadParameter("mlx_lm.server has no way to ignore EOS: its answers would be shorter than the "
+                                 "others'; drop --ignore-eos or the mlx-lm target", param_hint="--ignore-eos")
     comparators = _comparators(best_of, [s.name for s in specs])
     options = WorkloadOptions(
         kind=load_kind, num_requests=num_requests or 16, concurrency=concurrency[0],
@@ -144,7 +151,8 @@ def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens,
         rate_per_s=rate,
         burst_size=burst_size, burst_interval_s=burst_interval_s, long_max_tokens=long_max_tokens,
         arrival_delay_s=arrival_delay_s, arrival_interval_s=arrival_interval_s, prompt_source=prompt_source,
-        prompt_tokens=prompt_tokens, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        prompt_tokens=prompt_tokens, max_tokens=max_tokens, temperature=temperature, seed=seed,
+        is_ignore_eos=ignore_eos)
     command = "gmlx bench " + " ".join(shlex.quote(a) for a in sys.argv[_first_arg_index():])
     try:
         results = run_benchmark(options, specs, concurrencies=concurrency, repeats=repeats, is_warmup=warmup,

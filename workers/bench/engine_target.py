@@ -70,7 +70,7 @@ class EngineTarget:
                                   prompt_tokens=len(prompts[spec.index]))
             records.append(record)
             params = SamplingParams(max_tokens=spec.max_tokens, temperature=workload.temperature,
-                                    seed=spec.index)
+                                    seed=spec.index, ignore_eos=workload.is_ignore_eos)
             try:
                 by_request_id[engine.add_request(prompts[spec.index], params)] = record
             except ValueError as exc:

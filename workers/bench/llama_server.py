@@ -68,6 +68,14 @@ def llama_server_argv(binary: Path, gguf: Path, port: int, num_slots: int, slot_
             "-t", str(num_threads), "-tb", str(num_threads), "--no-webui", *repack_flag]
 
 
+def completion_body(prompt_ids: list[int], spec: RequestSpec, workload: Workload) -> str:
+    """llama-server's /completion body for one request: plain temperature sampling (top-k/top-p/
+    min-p off) like gmlx's, temperature 0 greedy, EOS ignored where the workload asks (both
+    servers then decode every request's whole max_tokens)."""
+    return json.dumps({"prompt": prompt_ids, "n_predict": spec.max_tokens, "temperature": workload.temperature,
+                       "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": spec.index, "stream": True,
+                       "cache_prompt": True, "ignore_eos": workload.is_ignore_eos})
+
 class LlamaServerTarget:
     def __init__(self, spec: TargetSpec, workdir: Path, default_num_slots: int):
         self.spec = spec
@@ -122,19 +130,15 @@ class LlamaServerTarget:
         token_ids = {spec.index: self.encode(spec.prompt) for spec in workload.requests}
 
         def stream(spec: RequestSpec, record: StreamRecord, now_s, on_tokens) -> None:
-            self._stream(token_ids[spec.index], spec, record, now_s, workload.temperature, timeout_s, on_tokens)
+            body = completion_body(token_ids[spec.index], spec, workload)
+            self._stream(body, record, now_s, timeout_s, on_tokens)
 
         records = run_threaded(workload, stream, progress, timeout_s)
         return {"records": records, "counters": {}, "events": [], "server_stats": {}}
 
-    def _stream(self, prompt_ids: list[int], spec: RequestSpec, record: StreamRecord, now_s, temperature: float,
-                timeout_s: float, on_tokens) -> None:
+    def _stream(self, body: str, record: StreamRecord, now_s, timeout_s: float, on_tokens) -> None:
         import http.client
 
-        # Plain temperature sampling (top-k/top-p/min-p off) like gmlx; temperature 0 is greedy.
-        body = json.dumps({"prompt": prompt_ids, "n_predict": spec.max_tokens, "temperature": temperature,
-                           "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": spec.index, "stream": True,
-                           "cache_prompt": True, "ignore_eos": False})
         conn = http.client.HTTPConnection(servers.LOOPBACK, self.port, timeout=timeout_s)
         try:
             conn.request("POST", "/completion", body, {"Content-Type": "application/json"})

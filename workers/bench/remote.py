@@ -134,7 +134,8 @@ class GmlxServerTarget:
 
             async def send_one(spec: RequestSpec, record: StreamRecord, now_s) -> None:
                 async for chunk in client.generate(prompt=spec.prompt, max_tokens=spec.max_tokens,
-                                                   temperature=workload.temperature, seed=spec.index):
+                                                   temperature=workload.temperature, seed=spec.index,
+                                                   ignore_eos=workload.is_ignore_eos):
                     time_s = now_s()
                     record.add_chunk(time_s, len(chunk.token_ids))
                     if chunk.emitted_at_ns:  # both CLOCK_MONOTONIC on this machine

@@ -104,6 +104,8 @@ def workload_line(results: dict) -> str:
             continue  # a sweep: the count is per level
         if w.get(key) is not None:
             parts.append(f"{key} {w[key]}")
+    if w.get("ignore_eos"):
+        parts.append("EOS ignored")
     return ", ".join(parts)
 
 

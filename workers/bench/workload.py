@@ -38,6 +38,7 @@ class Workload:
     concurrency: int | None = None  # closed loop only: requests in flight
     temperature: float = 0.0
     settings: dict = field(default_factory=dict)  # how it was made, for the results
+    is_ignore_eos: bool = False  # every request runs to its max_tokens (EOS ends nothing)
 
     @property
     def is_open_loop(self) -> bool:
@@ -45,7 +46,7 @@ class Workload:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "concurrency": self.concurrency, "num_requests": len(self.requests),
-                "temperature": self.temperature, **self.settings}
+                "temperature": self.temperature, "ignore_eos": self.is_ignore_eos, **self.settings}
 
 
 # --- length distributions --------------------------------------------------------------
@@ -192,6 +193,7 @@ class WorkloadOptions:
     max_tokens: str = "64"
     temperature: float = 0.0
     seed: int = 0
+    is_ignore_eos: bool = False  # fixed-length answers: each request decodes its whole max_tokens
 
 
 def make_workload(options: WorkloadOptions, tokenizer_file: Path) -> Workload:
@@ -232,4 +234,4 @@ def make_workload(options: WorkloadOptions, tokenizer_file: Path) -> Workload:
     settings = {k: getattr(o, k) for k in (*count, *relevant, "prompt_source", "prompt_tokens", "max_tokens",
                                            "seed")}
     return Workload(o.kind, tuple(requests), o.concurrency if o.kind == "closed" else None,
-                    o.temperature, settings)
+                    o.temperature, settings, o.is_ignore_eos)
