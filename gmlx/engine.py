@@ -133,12 +133,18 @@ class Engine:
 
     # --- the public API ---------------------------------------------------------------
 
-    def add_request(self, token_ids, params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; ValueError naming the bad field."""
+    def add_request(self, token_ids, params: SamplingParams, request_id: str | None = None,
+                    num_generated: int = 0) -> str:
+        """Queue a request; ValueError naming the bad field. num_generated: the last that many of
+        token_ids are its own tokens, generated elsewhere before (a carried-over request): they
+        are prefilled, and counted as generated wherever its sampling counts them."""
         params.validate()
         token_ids = list(token_ids) if token_ids is not None else []
         if not token_ids:
             raise ValueError("token_ids: the prompt is empty")
+        if not 0 <= num_generated < min(len(token_ids), params.max_tokens):
+            raise ValueError(f"num_generated: {num_generated} leaves no prompt or no token to generate "
+                             f"({len(token_ids)} tokens, max_tokens {params.max_tokens})")
         if not all(isinstance(t, int) and 0 <= t < self.target.vocab_size for t in token_ids):
             raise ValueError(f"token_ids: every id must be an integer in [0, {self.target.vocab_size})")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
@@ -160,8 +166,10 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, token_ids, params, seed, arrival_seq=self.counters["num_requests"],
-                          max_new_tokens=min(params.max_tokens, self.max_row_tokens - len(token_ids)),
+        num_prompt = len(token_ids) - num_generated
+        request = Request(request_id, token_ids[:num_prompt], params, seed, arrival_seq=self.counters["num_requests"],
+                          output_token_ids=token_ids[num_prompt:],
+                          max_new_tokens=min(params.max_tokens, self.max_row_tokens - num_prompt),
                           end_token_ids=frozenset(params.stop_token_ids).union(
                               () if params.ignore_eos else self.target.eos_token_ids))
         self.requests[request_id] = request

@@ -9,7 +9,7 @@ memory, so no cross-process memory ordering is relied on.
 Layout (little-endian):
     segment header (64 B): magic "GMLXBUS3", num_slots u32, slot_bytes u32, max_tokens u32
     slot i at 64 + i * slot_bytes:
-        generation u64, num_tokens u32, num_sampling_bytes u32,
+        generation u64, num_tokens u32, num_sampling_bytes u32, num_generated u32,
         the request's ipc.messages.Sampling as msgpack                 (8 KiB in all)
         token ids, int32 x num_tokens
 The generation is bumped on every write; the worker checks it before and after copying,
@@ -42,7 +42,7 @@ SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared memory; absent on macOS
 _MAGIC = b"GMLXBUS3"  # 3: 8 KiB slot headers; a worker reading another layout refuses the segment
 _SEGMENT_HEADER = struct.Struct("<8sIII")
 _SEGMENT_HEADER_BYTES = 64
-_SLOT_HEADER = struct.Struct("<QII")
+_SLOT_HEADER = struct.Struct("<QIII")
 _SLOT_HEADER_BYTES = 8192  # the sampling struct takes ~4.4 KB of msgpack at its widest (300 logit_bias tokens)
 _MAX_SAMPLING_BYTES = _SLOT_HEADER_BYTES - _SLOT_HEADER.size
 _sampling_encoder = msgspec.msgpack.Encoder()
@@ -116,7 +116,7 @@ class RequestBus:
         generation = self._generations[slot] + 1
         self._generations[slot] = generation
         offset = self._slot_offset(slot)
-        _SLOT_HEADER.pack_into(self._shm.buf, offset, generation, num_tokens, len(sampling))
+        _SLOT_HEADER.pack_into(self._shm.buf, offset, generation, num_tokens, len(sampling), payload.num_generated)
         self._shm.buf[offset + _SLOT_HEADER.size : offset + _SLOT_HEADER.size + len(sampling)] = sampling
         tokens = np.ndarray((num_tokens,), dtype="<i4", buffer=self._shm.buf,
                             offset=offset + _SLOT_HEADER_BYTES)
@@ -137,9 +137,9 @@ class RequestBus:
             raise StaleSlotError(f"slot {slot} out of range")
         offset = self._slot_offset(slot)
         header = _SLOT_HEADER.unpack_from(self._shm.buf, offset)
-        found_generation, num_tokens, num_sampling_bytes = header
+        found_generation, num_tokens, num_sampling_bytes, num_generated = header
         if (found_generation != generation or num_tokens > self.max_tokens
-                or num_sampling_bytes > _MAX_SAMPLING_BYTES):
+                or num_sampling_bytes > _MAX_SAMPLING_BYTES or num_generated > num_tokens):
             raise StaleSlotError(f"slot {slot} holds generation {found_generation}, not {generation}")
         start = offset + _SLOT_HEADER.size
         sampling_bytes = bytes(self._shm.buf[start : start + num_sampling_bytes])
@@ -151,7 +151,7 @@ class RequestBus:
             sampling = _sampling_decoder.decode(sampling_bytes)
         except msgspec.DecodeError as e:  # only a torn write could do this; the generation check should catch it
             raise StaleSlotError(f"slot {slot} holds no readable sampling parameters: {e}") from None
-        return BusPayload(token_ids, sampling)
+        return BusPayload(token_ids, sampling, num_generated)
 
     # --- both ---
 

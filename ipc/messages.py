@@ -74,6 +74,9 @@ class BusPayload(msgspec.Struct, frozen=True):
 
     token_ids: list[int]
     sampling: Sampling
+    # The last num_generated of token_ids are the request's own tokens, streamed by a worker that
+    # was lost (a carry-over): the next one counts them as generated (penalties, min_tokens, max_tokens).
+    num_generated: int = 0
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

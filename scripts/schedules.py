@@ -20,6 +20,7 @@ class Arrival:
     token_ids: tuple[int, ...]
     params: SamplingParams
     cancel_after_rounds: int | None  # cancel this many rounds after arrival, None = never
+    num_generated: int = 0  # a carried-over request: the last that many token_ids are its own tokens
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ def run_schedule(engine: Engine, schedule: Schedule, max_rounds: int = 2000) -> 
         for round_index in range(max_rounds):
             while pending and pending[0][1].round_index <= round_index:
                 index, arrival = pending.pop(0)
-                request_id = engine.add_request(list(arrival.token_ids), arrival.params)
+                request_id = engine.add_request(list(arrival.token_ids), arrival.params,
+                                                num_generated=arrival.num_generated)
                 ids[request_id] = index
                 result.tokens[index] = []
                 result.logprobs[index] = []

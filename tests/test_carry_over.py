@@ -1,9 +1,10 @@
 """A request carried over to another worker when its own died mid-stream (workers/streams.py).
 
-The next worker prefills the prompt and every token already streamed, with max_tokens what is
-left and the same seed. Exactness rests on two engine properties: a position's logits do not
-depend on whether its tokens were prefilled or decoded, and sampling draws from (seed,
-position) alone. The in-process tests check the continuation equals the rest of the
+The next worker prefills the prompt and every token already streamed, marked as generated
+(BusPayload.num_generated), with the same seed and max_tokens. Exactness rests on three engine
+properties: a position's logits do not depend on whether its tokens were prefilled or decoded,
+sampling draws from (seed, position) alone, and what sampling counts (repeat penalties,
+min_tokens, max_tokens) counts the carried tokens as generated. The in-process tests check the continuation equals the rest of the
 uninterrupted stream, cut at random points, arriving at random rounds beside the other cuts, on a float32 model
 and on the GGUF-like model (int8 activations, float16 KV); the live test kills a worker.
 """
@@ -45,18 +46,29 @@ def test_a_continuation_from_any_cut_is_the_rest_of_the_stream(target_name, draf
             sampled = i % 2 == 1
             params = SamplingParams(max_tokens=rng.randint(8, 40), temperature=0.8 if sampled else 0.0,
                                     top_p=0.9 if sampled else 1.0, seed=rng.getrandbits(63))
+            if i % 3 == 2:  # what counts generated tokens: penalties, min_tokens (stopping on a likely token)
+                params = dataclasses.replace(params, presence_penalty=0.5, frequency_penalty=0.3,
+                                             repetition_penalty=1.2, min_tokens=rng.randint(0, 8),
+                                             stop_token_ids=(prompt[-1],))
             full, reason = reference.tokens(prompt, params)
             if len(full) < 2:
                 continue
             cut = rng.randrange(1, len(full))  # tokens streamed before the worker died
-            rest = dataclasses.replace(params, max_tokens=params.max_tokens - cut)
-            pairs.append((Arrival(rng.randint(0, 6), tuple(prompt + full[:cut]), rest, None), (full[cut:], reason)))
+            pairs.append((Arrival(rng.randint(0, 6), tuple(prompt + full[:cut]), params, None, num_generated=cut),
+                          (full[cut:], reason)))
         assert len(pairs) >= 4
         pairs.sort(key=lambda pair: pair[0].round_index)
         # At random rounds, under a random width cap: they join running batches as any request does.
         schedule = Schedule(0, rng.choice((0, 1, 2, 4)), True, True, 2, tuple(arrival for arrival, _ in pairs))
         result = run_schedule(engine, schedule)
         assert [(result.tokens[i], result.finish[i]) for i in range(len(pairs))] == [e for _, e in pairs]
+
+
+def test_num_generated_must_leave_a_prompt_and_a_token_to_generate(builtin_target):
+    engine = Engine(builtin_target, None, EngineConfig())
+    for token_ids, num_generated, max_tokens in (([1, 2], 2, 8), ([1, 2, 3], 1, 1), ([1, 2], -1, 8)):
+        with pytest.raises(ValueError, match="^num_generated: "):
+            engine.add_request(token_ids, SamplingParams(max_tokens=max_tokens), num_generated=num_generated)
 
 
 def make_client_request(prompt: list[int], max_tokens: int, seed: int | None = 7,
@@ -83,8 +95,8 @@ def test_each_carry_over_sends_the_prompt_and_every_streamed_token_until_the_bou
             break
         assert req.carry_over()
         assert (req.phase, req.worker_id, req.next_row_seq) == (Phase.PENDING, None, 0)
-        assert req.payload.token_ids == [5, 6, 7, *streamed]
-        assert req.payload.sampling.max_tokens == 10 - len(streamed) and req.payload.sampling.seed == 7
+        assert req.payload.token_ids == [5, 6, 7, *streamed] and req.payload.num_generated == len(streamed)
+        assert req.payload.sampling == req.client_payload.sampling  # max_tokens and seed the client's
     assert req.num_prompt_tokens == 3 and req.num_worker_losses == MAX_WORKER_LOSSES
 
 

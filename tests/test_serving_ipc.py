@@ -42,7 +42,8 @@ def test_bus_round_trips_any_payload(token_ids, seed, temperature, top_k, max_to
         payload = BusPayload(token_ids, m.Sampling(max_tokens, temperature, 1.0, top_k, 0.0, seed, speculate, logprobs,
                                                    logprobs, penalty, -penalty, logit_bias,
                                                    repetition_penalty=1 + penalty / 4, ignore_eos=speculate,
-                                                   min_tokens=max_tokens // 2, stop_token_ids=tuple(stop_token_ids)))
+                                                   min_tokens=max_tokens // 2, stop_token_ids=tuple(stop_token_ids)),
+                             num_generated=len(token_ids) // 2)
         slot, generation = owner.write(payload)
         assert reader.read(slot, generation) == payload
         reader.close()

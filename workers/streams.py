@@ -82,15 +82,16 @@ class ClientRequest:
 
     def carry_over(self) -> bool:
         """Its worker died: make it ready for the next one, whose payload holds the prompt and
-        the tokens streamed so far, and max_tokens what is left; False when it cannot go on."""
+        the tokens streamed so far, marked as generated (so its penalties, min_tokens and
+        max_tokens go on counting them); False when it cannot go on."""
         num_left = self.client_payload.sampling.max_tokens - len(self.generated_token_ids)
         if self.phase != Phase.INJECTED or self.num_worker_losses >= MAX_WORKER_LOSSES or num_left <= 0:
             return False
-        sampling = msgspec.structs.replace(self.client_payload.sampling, max_tokens=num_left)
+        sampling = self.client_payload.sampling
         if self.next_chunk_seq > 0:  # the prompt's logprobs went out with the first chunk
             sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         self.payload = BusPayload(token_ids=self.client_payload.token_ids + self.generated_token_ids,
-                                  sampling=sampling)
+                                  sampling=sampling, num_generated=len(self.generated_token_ids))
         self.num_worker_losses += 1
         self.phase, self.worker_id, self.next_row_seq = Phase.PENDING, None, 0
         return True

@@ -173,7 +173,8 @@ class Worker:
                 return
             taken_slots.append(msg.slot)
         try:
-            self.engine.add_request(payload.token_ids, sampling_params(payload.sampling), request_id=msg.request_id)
+            self.engine.add_request(payload.token_ids, sampling_params(payload.sampling), request_id=msg.request_id,
+                                    num_generated=payload.num_generated)
         except ValueError as e:  # a bad request ends only itself
             self._reject(msg.request_id, str(e))
             return
