@@ -38,6 +38,8 @@ def main() -> int:
                         help="share of requests asking for logprobs (and some for prompt logprobs)")
     parser.add_argument("--penalty-rate", type=float, default=0.0, help="share of requests penalizing repeats")
     parser.add_argument("--bias-rate", type=float, default=0.0, help="share of requests with a logit_bias")
+    parser.add_argument("--end-rate", type=float, default=0.0,
+                        help="share of requests with stop_token_ids, min_tokens or ignore_eos")
     args = parser.parse_args()
     target = load_model(args.model)
     reference = SoloReference(target)
@@ -52,7 +54,8 @@ def main() -> int:
         kind = kinds[n % len(kinds)]
         schedule = make_schedule(seed, target.vocab_size, pool, max_requests=8, caps=(0, 1, 2, 3, 4),
                                  logprobs_rate=args.logprobs_rate, penalty_rate=args.penalty_rate,
-                                 bias_rate=args.bias_rate)
+                                 bias_rate=args.bias_rate, end_rate=args.end_rate,
+                                 eos_token_id=min(target.eos_token_ids))
         try:
             result = check_schedule(engines[kind], reference, schedule)
         except AssertionError as exc:

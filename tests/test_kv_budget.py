@@ -221,8 +221,10 @@ def test_reserving_all_a_row_may_generate_evicts_none(builtin_target):
 
 def _long_schedule(seed: int, vocab_size: int, source: list[int]):
     """make_schedule's arrivals, switches and sampling, each prompt a 150-235-token cut of
-    source text, up to 120 new tokens: rows that join narrow and grow past 256 tokens."""
-    schedule = make_schedule(seed, vocab_size, [], max_requests=6, max_new_tokens=120)
+    source text, up to 120 new tokens: rows that join narrow and grow past 256 tokens. Some
+    penalize repeats or hold back end tokens, which an evicted row's prefill must count again."""
+    schedule = make_schedule(seed, vocab_size, [], max_requests=6, max_new_tokens=120, penalty_rate=0.3,
+                             end_rate=0.2)
     rng = random.Random(seed)
 
     def cut(arrival):
