@@ -155,8 +155,10 @@ class RepeatCounts:
         ids, padded with a repeat of its first (where some row has a repetition penalty)."""
         ids, counts = mx.array(history_ids, dtype=mx.int32), mx.array(history_counts, dtype=mx.float32)
         if inputs is None:
-            seen = None if seen_ids is None else mx.array(seen_ids, dtype=mx.int32)[:, None, :]
-            return cls(ids[:, None, :], counts[:, None, :], seen, None if seen is None else mx.ones(seen.shape, mx.bool_))
+            if seen_ids is None:
+                return cls(ids[:, None, :], counts[:, None, :])
+            seen = mx.array(seen_ids, dtype=mx.int32)[:, None, :]  # all seen: the history is all before
+            return cls(ids[:, None, :], counts[:, None, :], seen, mx.ones(seen.shape, mx.bool_))
         num_positions = inputs.shape[1]
         inputs = inputs.astype(mx.int32)
         # Sums of 0/1 and integer counts: exact in float32, in any order.

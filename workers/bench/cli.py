@@ -103,8 +103,7 @@ def _parse_levels(ctx, param, value):
 def bench(targets, model, drafter, preempt, resume, width_cap, num_draft_tokens, load_kind, concurrency,
           num_requests, requests_per_client, rate, burst_size, burst_interval_s, long_max_tokens, arrival_delay_s,
           arrival_interval_s, prompt_source, prompt_tokens, max_tokens, temperature, ignore_eos, repeats,
-          restart_per_repeat,
-          warmup, seed, timeout_s, baseline, best_of, out, plots_dir, as_json, quiet) -> None:
+          restart_per_repeat, warmup, seed, timeout_s, baseline, best_of, out, plots_dir, as_json, quiet) -> None:
     """Benchmark gmlx (in-process engine or server), mlx_lm.server and llama.cpp's llama-server under the
     same load.
 
