@@ -160,19 +160,24 @@ def _generate_message(ref: str, prompt, token_ids, messages, stop, **sampling) -
         return m.encode_json(m.Generate(ref=ref, prompt=prompt, token_ids=token_ids, messages=messages,
                                         stop=None if stop is None else list(stop), **sampling))
     except UnicodeEncodeError:
-        texts = {"prompt": [prompt], "stop": stop or [],
-                 "messages": [text for turn in messages or [] for text in (turn.role, turn.content)]}
-        field = next(name for name, values in texts.items() if any(not _is_utf8(v) for v in values))
-        raise ValueError(f"{field}: not valid Unicode text (a lone surrogate, which UTF-8 cannot carry)") from None
+        raise _not_unicode(prompt, messages, stop) from None
 
 
-def _tokenize_message(ref: str, prompt, messages) -> m.Tokenize:
+def _tokenize_message(ref: str, prompt, messages) -> list[bytes]:
+    """A TOKENIZE, as generate() would send the same prompt or messages."""
     messages = None if messages is None else _chat_messages(messages)
-    texts = {"prompt": [prompt], "messages": [text for turn in messages or [] for text in (turn.role, turn.content)]}
-    field = next((name for name, values in texts.items() if any(not _is_utf8(v) for v in values)), None)
-    if field is not None:
-        raise ValueError(f"{field}: not valid Unicode text (a lone surrogate, which UTF-8 cannot carry)")
-    return m.Tokenize(ref=ref, prompt=prompt, messages=messages)
+    try:
+        return m.encode_json(m.Tokenize(ref=ref, prompt=prompt, messages=messages))
+    except UnicodeEncodeError:
+        raise _not_unicode(prompt, messages) from None
+
+
+def _not_unicode(prompt, messages, stop=None) -> ValueError:
+    """The error naming the field whose text UTF-8 cannot carry (a lone surrogate)."""
+    texts = {"prompt": [prompt], "stop": stop or [],
+             "messages": [text for turn in messages or [] for text in (turn.role, turn.content)]}
+    field = next(name for name, values in texts.items() if any(not _is_utf8(v) for v in values))
+    return ValueError(f"{field}: not valid Unicode text (a lone surrogate, which UTF-8 cannot carry)")
 
 
 def _chat_messages(messages) -> list[m.ChatMessage]:
@@ -260,8 +265,7 @@ class Client:
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty, logit_bias=logit_bias, repetition_penalty=repetition_penalty,
-                ignore_eos=ignore_eos,
-                min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
+                ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
             while not stream.is_done:
                 chunk = stream.take(self._next(stream))
                 if chunk is not None:
@@ -274,7 +278,7 @@ class Client:
 
     def stats(self) -> dict:
         """The engine counters, summed over the server's workers."""
-        return self._ask(lambda ref: m.StatsRequest(ref=ref)).stats
+        return self._ask(lambda ref: m.encode_json(m.StatsRequest(ref=ref))).stats
 
     def tokenize(self, prompt: str | None = None, *, messages=None) -> list[int]:
         """The token ids generate() would prefill for this prompt, or for these messages rendered
@@ -283,13 +287,13 @@ class Client:
 
     def detokenize(self, token_ids) -> str:
         """The text of token ids, decoded as the streams decode them (special tokens kept)."""
-        return self._ask(lambda ref: m.Detokenize(ref=ref, token_ids=list(token_ids))).text
+        return self._ask(lambda ref: m.encode_json(m.Detokenize(ref=ref, token_ids=list(token_ids)))).text
 
-    def _ask(self, make_message):
-        """One question, one answer: the reply to make_message(ref), or RequestError."""
+    def _ask(self, make_frames):
+        """One question, one answer: the reply to the message make_frames(ref), or RequestError."""
         stream = self._router.open()
         try:
-            self._sock.send_multipart(m.encode_json(make_message(stream.ref)))
+            self._sock.send_multipart(make_frames(stream.ref))
             return _check(self._next(stream), stream, 0)
         finally:
             self._router.close(stream)
@@ -351,8 +355,7 @@ class AsyncClient:
                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, speculate=speculate, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty, logit_bias=logit_bias, repetition_penalty=repetition_penalty,
-                ignore_eos=ignore_eos,
-                min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
+                ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids)))
             while not stream.is_done:
                 chunk = stream.take(await self._next(stream))
                 if chunk is not None:
@@ -364,7 +367,7 @@ class AsyncClient:
             self._router.close(stream)
 
     async def stats(self) -> dict:
-        return (await self._ask(lambda ref: m.StatsRequest(ref=ref))).stats
+        return (await self._ask(lambda ref: m.encode_json(m.StatsRequest(ref=ref)))).stats
 
     async def tokenize(self, prompt: str | None = None, *, messages=None) -> list[int]:
         """Client.tokenize's asyncio twin."""
@@ -372,12 +375,12 @@ class AsyncClient:
 
     async def detokenize(self, token_ids) -> str:
         """Client.detokenize's asyncio twin."""
-        return (await self._ask(lambda ref: m.Detokenize(ref=ref, token_ids=list(token_ids)))).text
+        return (await self._ask(lambda ref: m.encode_json(m.Detokenize(ref=ref, token_ids=list(token_ids))))).text
 
-    async def _ask(self, make_message):
+    async def _ask(self, make_frames):
         stream = self._open()
         try:
-            await self._sock.send_multipart(m.encode_json(make_message(stream.ref)))
+            await self._sock.send_multipart(make_frames(stream.ref))
             return _check(await self._next(stream), stream, 0)
         finally:
             self._router.close(stream)

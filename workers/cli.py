@@ -89,8 +89,7 @@ def generate(prompt, model, drafter, max_tokens, temperature, top_p, top_k, min_
                             min_p=min_p, seed=seed, stop=tuple(stop), speculate=speculate, logprobs=logprobs,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                             logit_bias=logit_bias, repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
-                            min_tokens=min_tokens,
-                            stop_token_ids=tuple(stop_token_ids))
+                            min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids))
     try:
         if logprobs is not None and not as_json:
             raise ValueError("logprobs: --logprobs prints them in the --json object; add --json")

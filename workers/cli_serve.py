@@ -249,6 +249,15 @@ def _configure_logging() -> None:
                             format="%(asctime)s %(levelname)s [front-end] %(name)s: %(message)s")
 
 
+def _client_sampling(params) -> dict:
+    """generate()'s sampling arguments of a SamplingParams: the wire's Sampling fields, by name."""
+    from ipc import messages as m
+
+    sampling = {name: getattr(params, name) for name in m.Sampling.__struct_fields__}
+    sampling["logit_bias"] = None if params.logit_bias is None else dict(params.logit_bias)
+    return sampling
+
+
 def generate_via_server(address: str, prompt: str | None, params, as_json: bool = False, *,
                         token_ids=None, messages=None, timeout_s: float = 60.0) -> None:
     """`gmlx generate --server`: one request against a running server, printed like the
@@ -259,16 +268,8 @@ def generate_via_server(address: str, prompt: str | None, params, as_json: bool 
     code = 0
     with Client(address, timeout_s=timeout_s) as client:
         try:
-            for chunk in client.generate(prompt, token_ids=token_ids, messages=messages, max_tokens=params.max_tokens,
-                                         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                         min_p=params.min_p, seed=params.seed, stop=list(params.stop) or None,
-                                         speculate=params.speculate, logprobs=params.logprobs,
-                                         presence_penalty=params.presence_penalty,
-                                         frequency_penalty=params.frequency_penalty,
-                                         logit_bias=None if params.logit_bias is None else dict(params.logit_bias),
-                                         repetition_penalty=params.repetition_penalty,
-                                         ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
-                                         stop_token_ids=params.stop_token_ids):
+            for chunk in client.generate(prompt, token_ids=token_ids, messages=messages,
+                                         stop=list(params.stop) or None, **_client_sampling(params)):
                 token_ids_out.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs or ())
                 texts.append(chunk.text)

@@ -331,12 +331,12 @@ class Gateway:
             return error_response(500, f"the request failed: {e}", "server_error")
         usage = oai.usage_of_choices([last.stats for _, _, last, _ in answers], args.num_per_prompt)
         self._count_finished(endpoint, answers[0][2].finish_reason, usage)
-        if args.is_ranked:  # best_of: each prompt's best n, their logprobs only where they were asked
+        if args.is_ranked:  # best_of: each prompt's best n
             answers = oai.best_of_each_prompt(answers, [score for *_, score in answers], args.num_per_prompt,
                                               args.num_returned)
-            answers = [(text, logprobs if args.num_logprobs is not None else None, last, score)
-                       for text, logprobs, last, score in answers]
-        return JSONResponse(shape.response([(text, oai.finish_reason_of(last.finish_reason), logprobs)
+        # Logprobs only where the request asked (best_of asks for them to rank its samples).
+        return JSONResponse(shape.response([(text, oai.finish_reason_of(last.finish_reason),
+                                             logprobs if args.num_logprobs is not None else None)
                                             for text, logprobs, last, _ in answers], usage))
 
     async def _collect_one(self, relay: _Relay, choice: oai.GenerateArgs, first, disconnected) -> tuple:

@@ -20,8 +20,8 @@ from gmlx import config, logprobs
 from gmlx.cache.ragged import RaggedKVCache, make_ragged_cache
 from gmlx.models.loader import LoadedModel
 from gmlx.request import Request, RequestStatus
-from gmlx.sampling import RepeatCounts, SamplingRows, sample
-from gmlx.spec.batch import generated_history, pad_histories, seen_tokens
+from gmlx.sampling import SamplingRows, sample
+from gmlx.spec.batch import repeat_counts
 
 MIN_CHUNK_TOKENS = 1  # a time budget never shrinks a chunk below this: prefill must progress
 FIRST_BUDGETED_TOKENS = 16  # the first chunk under a time budget, before any chunk was timed
@@ -257,10 +257,8 @@ class InjectionQueue:
         logits = self.target.head(last_hidden)  # (1, 1, V)
         rows = SamplingRows.make([request.params], [request.seed], [request.min_tokens_floor])
         position = mx.array([[request.num_prefill_tokens]], dtype=mx.int32)
-        repeats = None
-        if rows.is_penalized:  # every generated token precedes it (an evicted row's, prefilled again)
-            history = generated_history(request)
-            repeats = RepeatCounts.make(*pad_histories([history]), None, seen_tokens([request], [history]))
+        # Every generated token precedes it (an evicted or carried-over row's, prefilled again).
+        repeats = repeat_counts([request], [False], None) if rows.is_penalized else None
         token = sample(logits, rows, position, repeats)
         logprobs.keep([request], logits, token, [request.num_prefill_tokens])
         return token

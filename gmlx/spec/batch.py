@@ -152,9 +152,7 @@ class DecodeBatch:
         inputs[:, :j + 1]. None where no row penalizes."""
         if not self.sampling.is_penalized:
             return None
-        histories = [generated_history(r, self.is_delivered[i]) if r.params.is_penalized else None
-                     for i, r in enumerate(self.requests)]
-        return RepeatCounts.make(*pad_histories(histories), inputs, seen_tokens(self.requests, histories))
+        return repeat_counts(self.requests, self.is_delivered, inputs)
 
     def keep_rows(self, rows: list[int]) -> None:
         if rows == list(range(self.num_rows)):
@@ -252,6 +250,15 @@ class DraftRows:
     def draft_sampling(self) -> SamplingRows:
         is_coupled = self.batch.mode is BatchMode.SCALAR or self.batch.is_draft_coupled
         return self._sampling if is_coupled else self._greedy_sampling
+
+
+def repeat_counts(requests: list[Request], is_delivered: list[bool], inputs: mx.array | None) -> RepeatCounts:
+    """sampling.penalize's input for these rows (is_delivered: whether each row's last generated
+    token is a pending one counted again among the inputs; inputs None: one position after the
+    history alone, as a prefill's first token)."""
+    histories = [generated_history(r, is_pending) if r.params.is_penalized else None
+                 for r, is_pending in zip(requests, is_delivered)]
+    return RepeatCounts.make(*pad_histories(histories), inputs, seen_tokens(requests, histories))
 
 
 def generated_history(request: Request, is_pending_delivered: bool = False) -> tuple[np.ndarray, np.ndarray]:
