@@ -6,6 +6,7 @@ beside this tree's in the same process, the two alternating cell by cell in one 
 
     PYTHONPATH=. python3 scripts/bench_attention.py --old /tmp/old/_cpu_kernels.so --cpu-time
     PYTHONPATH=. python3 scripts/bench_attention.py --keys 1500 --new 4 --threads 2
+    PYTHONPATH=. python3 scripts/bench_attention.py --kv-dtype float16   # a float16 KV cache
 
 --cpu-time times in process CPU seconds (with 2 threads that counts both threads' work).
 """
@@ -39,11 +40,11 @@ def load_extension(path: str, name: str = "gmlx.platform._cpu_kernels"):
     return module
 
 
-def layers_fn(ext, num_keys: int, num_new: int):
+def layers_fn(ext, num_keys: int, num_new: int, kv_dtype=mx.float32):
     key_q, key_k, key_v = mx.random.split(mx.random.key(num_keys * 100 + num_new), 3)
     q = mx.random.normal((1, NUM_Q_HEADS, num_new, HEAD_DIM), key=key_q)  # (B, Hq, T, D)
     shape = (NUM_LAYERS, 1, NUM_KV_HEADS, num_keys, HEAD_DIM)  # one (B, Hkv, S, D) per layer
-    keys, values = mx.random.normal(shape, key=key_k), mx.random.normal(shape, key=key_v)
+    keys, values = (mx.random.normal(shape, key=key).astype(kv_dtype) for key in (key_k, key_v))
     layers = [(keys[i], values[i]) for i in range(NUM_LAYERS)]
     mx.eval(q, layers)
     offset = mx.array([num_keys - num_new], dtype=mx.int32)
@@ -61,7 +62,7 @@ def measure(ext, args) -> dict[str, float]:
         ext.set_num_threads(num_threads)
         for num_keys in args.keys:
             for num_new in args.new:
-                seconds = best_of_s(layers_fn(ext, num_keys, num_new), args.reps, clock=clock)
+                seconds = best_of_s(layers_fn(ext, num_keys, num_new, args.kv_dtype), args.reps, clock=clock)
                 results[f"{num_threads},{num_keys},{num_new}"] = 1e3 * seconds
     return results
 
@@ -71,7 +72,7 @@ def compare(args) -> None:
     builds = {"old": load_extension(args.old, "gmlx_old._cpu_kernels"), "new": load_extension(args.extension)}
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"{platform.machine()}; {'CPU' if args.cpu_time else 'wall'} ms for {NUM_LAYERS} layers (Hq {NUM_Q_HEADS}, "
-          f"Hkv {NUM_KV_HEADS}, D {HEAD_DIM}), best of {args.reps} x {args.rounds} alternating rounds")
+          f"Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, {args.kv_dtype} KV), best of {args.reps} x {args.rounds} alternating rounds")
     print("| threads | keys S | new T | old ms | new ms | old / new |")
     print("|---|---|---|---|---|---|")
     for num_threads in args.threads:
@@ -79,7 +80,7 @@ def compare(args) -> None:
             ext.set_num_threads(num_threads)
         for num_keys in args.keys:
             for num_new in args.new:
-                fns = {side: layers_fn(ext, num_keys, num_new) for side, ext in builds.items()}
+                fns = {side: layers_fn(ext, num_keys, num_new, args.kv_dtype) for side, ext in builds.items()}
                 best = {side: float("inf") for side in builds}
                 for _ in range(args.rounds):
                     for side, fn in fns.items():
@@ -99,8 +100,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="alternations of old and new (with --old)")
     parser.add_argument("--cpu-time", action="store_true")
+    parser.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32",
+                        help="the KV cache's dtype (float16: what int8-activation models keep by default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    args.kv_dtype = getattr(mx, args.kv_dtype)
     if args.old:
         return compare(args)
     results = measure(load_extension(args.extension), args)
