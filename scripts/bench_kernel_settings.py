@@ -13,6 +13,7 @@ issue 17) and each count's cost over one. `default` is the setting's default (th
     python3 scripts/bench_kernel_settings.py num_threads 2,1 --format float32
     python3 scripts/bench_kernel_settings.py prefetch_chunks default,0,8 --measure forwards --reps 10
     python3 scripts/bench_kernel_settings.py amx 0,1 --measure batch --widths 8,16,32 --reps 8
+    python3 scripts/bench_kernel_settings.py yielding_spin default,0 --reps 10
 
 --measure batch times a forward of one position for each of B rows (B from --widths; a wide
 plain decode step) at 160 KV tokens a row, best of 10.
@@ -50,7 +51,10 @@ SETTERS = {
     "num_threads": "set_num_threads",
     "panel_prefetch_bytes": "set_panel_prefetch_bytes",  # float32 panels' software prefetch distance
     "amx": "set_amx",  # the tiles' groups of 8-16 rows on AMX (1) or VNNI (0)
+    "yielding_spin": "set_yielding_spin",  # idle pool workers poll with yields (1, the default) or pause only (0)
 }
+# Setters that take a switch, not an integer with -1 for the default: the value each -1 means.
+SWITCH_DEFAULTS = {"yielding_spin": True}
 
 
 def main() -> None:
@@ -76,7 +80,7 @@ def main() -> None:
         sys.exit("gmlx's CPU kernels are not built or not switched on here")
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": args.format}):
         engine = Engine.load(EngineConfig(model_path=str(resolve_model_path(args.model)), prompt_cache_bytes=0))
-    setter = getattr(cpu_kernels.extension(), SETTERS[args.setting])
+    setter = make_setter(args.setting)
     gmlx_tok_per_s(engine, 32)  # warm: first-use allocations and the KV heap
     if args.measure == "decode":
         measure = decode_measure(engine, args.tokens)
@@ -94,6 +98,14 @@ def main() -> None:
     print(f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.model} {args.format}, "
           f"{args.reps} ABBA reps, {args.measure}")
     report(args.setting, runs, str(values[0]))
+
+
+def make_setter(setting: str):
+    """The extension's setter for setting, taking the script's integers (-1: the default)."""
+    set_value = getattr(cpu_kernels.extension(), SETTERS[setting])
+    if setting not in SWITCH_DEFAULTS:
+        return set_value
+    return lambda value: set_value(SWITCH_DEFAULTS[setting] if value < 0 else value != 0)
 
 
 def decode_measure(engine: Engine, num_tokens: int):
