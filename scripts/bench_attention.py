@@ -62,7 +62,7 @@ def measure(ext, args) -> dict[str, float]:
         ext.set_num_threads(num_threads)
         for num_keys in args.keys:
             for num_new in args.new:
-                seconds = best_of_s(layers_fn(ext, num_keys, num_new, args.kv_dtype), args.reps, clock=clock)
+                seconds = best_of_s(layers_fn(ext, num_keys, num_new, getattr(mx, args.kv_dtype)), args.reps, clock=clock)
                 results[f"{num_threads},{num_keys},{num_new}"] = 1e3 * seconds
     return results
 
@@ -80,7 +80,7 @@ def compare(args) -> None:
             ext.set_num_threads(num_threads)
         for num_keys in args.keys:
             for num_new in args.new:
-                fns = {side: layers_fn(ext, num_keys, num_new, args.kv_dtype) for side, ext in builds.items()}
+                fns = {side: layers_fn(ext, num_keys, num_new, getattr(mx, args.kv_dtype)) for side, ext in builds.items()}
                 best = {side: float("inf") for side in builds}
                 for _ in range(args.rounds):
                     for side, fn in fns.items():
@@ -104,7 +104,6 @@ def main() -> None:
                         help="the KV cache's dtype (float16: what int8-activation models keep by default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    args.kv_dtype = getattr(mx, args.kv_dtype)
     if args.old:
         return compare(args)
     results = measure(load_extension(args.extension), args)
