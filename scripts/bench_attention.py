@@ -62,7 +62,8 @@ def measure(ext, args) -> dict[str, float]:
         ext.set_num_threads(num_threads)
         for num_keys in args.keys:
             for num_new in args.new:
-                seconds = best_of_s(layers_fn(ext, num_keys, num_new, getattr(mx, args.kv_dtype)), args.reps, clock=clock)
+                run = layers_fn(ext, num_keys, num_new, getattr(mx, args.kv_dtype))
+                seconds = best_of_s(run, args.reps, clock=clock)
                 results[f"{num_threads},{num_keys},{num_new}"] = 1e3 * seconds
     return results
 
@@ -72,7 +73,8 @@ def compare(args) -> None:
     builds = {"old": load_extension(args.old, "gmlx_old._cpu_kernels"), "new": load_extension(args.extension)}
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"{platform.machine()}; {'CPU' if args.cpu_time else 'wall'} ms for {NUM_LAYERS} layers (Hq {NUM_Q_HEADS}, "
-          f"Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, {args.kv_dtype} KV), best of {args.reps} x {args.rounds} alternating rounds")
+          f"Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, {args.kv_dtype} KV), best of {args.reps} x {args.rounds} "
+          "alternating rounds")
     print("| threads | keys S | new T | old ms | new ms | old / new |")
     print("|---|---|---|---|---|---|")
     for num_threads in args.threads:
@@ -80,7 +82,8 @@ def compare(args) -> None:
             ext.set_num_threads(num_threads)
         for num_keys in args.keys:
             for num_new in args.new:
-                fns = {side: layers_fn(ext, num_keys, num_new, getattr(mx, args.kv_dtype)) for side, ext in builds.items()}
+                kv_dtype = getattr(mx, args.kv_dtype)
+                fns = {side: layers_fn(ext, num_keys, num_new, kv_dtype) for side, ext in builds.items()}
                 best = {side: float("inf") for side in builds}
                 for _ in range(args.rounds):
                     for side, fn in fns.items():
