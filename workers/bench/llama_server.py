@@ -76,6 +76,7 @@ def completion_body(prompt_ids: list[int], spec: RequestSpec, workload: Workload
                        "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": spec.index, "stream": True,
                        "cache_prompt": True, "ignore_eos": workload.is_ignore_eos})
 
+
 class LlamaServerTarget:
     def __init__(self, spec: TargetSpec, workdir: Path, default_num_slots: int):
         self.spec = spec
