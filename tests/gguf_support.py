@@ -14,6 +14,8 @@ import gguf
 import numpy as np
 from mlx.utils import tree_flatten
 
+from gmlx.models.llama3_rope import factors_of
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|endoftext|>{{ message['role'] }}: {{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}"
@@ -62,6 +64,10 @@ def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = N
     writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":  # as llama.cpp's converter stores it: divisors, not the numbers
+        divisors = factors_of(scaling, config["rope_theta"], config["head_dim"])
+        writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
     _add_tokenizer(writer, folder)
     is_permuted = architecture in ("llama", "mistral")
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}

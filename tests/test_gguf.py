@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -20,6 +21,10 @@ from gmlx.models.gguf_tokenizer import load_gguf_tokenizer
 from gmlx.models.loader import load_model
 
 TOKEN_IDS = [[5, 17, 300, 41, 9, 1000, 77, 3]]
+# Llama 3's rope scaling on the tiny model: at base 1000 and head dim 16 the band between
+# original/8 and original (32-256 positions) holds three rotary pairs, enough to recover it.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+                  "original_max_position_embeddings": 256}
 TEXTS = ["def main(argv):\n    return 0\n", "  two spaces, tabs\tand ünïcödé 日本", "x = [1, 2, 3]  # 12345"]
 
 
@@ -30,6 +35,8 @@ def tiny_folders(tmp_path_factory):
         "llama": make_random_model_dir(root / "llama", "llama", seed=1),
         "qwen3": make_random_model_dir(root / "qwen3", "qwen3", seed=2, tie_word_embeddings=True),
         "qwen2": make_random_model_dir(root / "qwen2", "qwen2", seed=3),  # q/k/v biases
+        "llama3": make_random_model_dir(root / "llama3", "llama", seed=4, rope_theta=1000.0,
+                                        max_position_embeddings=2048, rope_scaling=LLAMA3_SCALING),
     }
 
 
@@ -48,6 +55,26 @@ def test_f32_gguf_computes_what_the_folder_computes(tiny_folders, mlx_lm_referen
     got = logits_of(loaded.model, TOKEN_IDS)
     assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
     assert loaded.path == str(path) and loaded.num_layers == 2
+
+
+@pytest.mark.parametrize("quant_type", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q5_0])
+def test_llama3_rope_freqs_become_the_folder_rope_scaling(tiny_folders, mlx_lm_reference, tmp_path, quant_type):
+    # llama.cpp stores Llama 3.1+'s scaling as one divisor per rotary pair; the loader must give
+    # mlx-lm back the numbers (Q5_0: read through the gguf package, where tensors become float16).
+    folder = tiny_folders["llama3"]
+    path = write_gguf_from_folder(folder, tmp_path / "llama3.gguf", quant_type=quant_type)
+    with env_overrides({"GMLX_CPU_FLOAT_KERNELS": "0"}):
+        loaded = load_model(path)
+    config = json.loads((folder / "config.json").read_text())
+    assert loaded.model.args.rope_scaling == config["rope_scaling"]
+    if quant_type != gguf.GGMLQuantizationType.F32:
+        return  # 5-bit weights: the logits differ by their rounding
+    token_ids = [[(37 * i) % 2000 + 5 for i in range(300)]]  # past the original context
+    expected = logits_of(mlx_lm_reference(str(folder)), token_ids)
+    assert mx.abs(logits_of(loaded.model, token_ids) - expected).max().item() < 1e-4
+    # The scaling shows in these logits: the same weights without it are far off.
+    unscaled = make_random_model_dir(tmp_path / "unscaled", seed=4, rope_theta=1000.0, max_position_embeddings=2048)
+    assert mx.abs(logits_of(mlx_lm_reference(str(unscaled)), token_ids) - expected).max().item() > 1e-2
 
 
 def test_q8_0_stays_quantized_or_is_dequantized_as_the_compute_format_says(tiny_folders, mlx_lm_reference,
@@ -180,3 +207,27 @@ def test_serve_streams_a_gguf_model_like_the_in_process_engine(tiny_folders, tmp
         assert "".join(c.text for c in chunks) == engine.tokenizer.decode(expected)
     finally:
         assert server.terminate() == 0, server.log()
+
+
+@pytest.mark.parametrize("scaling, base, num_dims", [
+    ({"factor": 32.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 500000.0, 64),  # Llama 3.2
+    ({"factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 500000.0, 128),  # Llama 3.1
+    ({"factor": 8.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 256}, 1000.0, 16),  # the tiny test model
+])
+def test_llama3_numbers_come_back_from_their_divisors(scaling, base, num_dims):
+    from gmlx.models.llama3_rope import factors_of, scaling_of
+
+    scaling = {"rope_type": "llama3", "low_freq_factor": 1.0, **scaling}
+    divisors = [float(np.float32(d)) for d in factors_of(scaling, base, num_dims)]  # as a GGUF holds them
+    assert 1.0 in divisors and scaling["factor"] in divisors and len(set(divisors)) > 3
+    assert scaling_of(divisors, base, "test") == scaling
+
+
+def test_rope_divisors_no_llama3_scaling_gives_are_refused_by_name():
+    from gmlx.models.llama3_rope import scaling_of
+
+    assert scaling_of([1.0] * 8, 10000.0, "x") is None  # a tensor of ones: no scaling
+    with pytest.raises(ValueError, match=r"GGUF a\.gguf: rope_freqs"):
+        scaling_of([1.0, 2.0, 3.0, 4.0, 2.0, 1.0, 5.0, 6.0], 10000.0, "GGUF a.gguf")  # not monotone
+    with pytest.raises(ValueError, match=r"GGUF b\.gguf: rope_freqs .*between the bands"):
+        scaling_of([1.0] * 6 + [4.0, 4.0], 10000.0, "GGUF b.gguf")  # a step: nothing to recover it from

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from gmlx.models.gguf_check import check_gguf_structure
 from gmlx.models.gguf_tokenizer import make_tokenizer
+from gmlx.models.llama3_rope import scaling_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Tensors that become config, not parameters: Llama 3's per-pair RoPE divisors (llama3_rope.py).
+_ROPE_FREQS = "rope_freqs.weight"
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)$")
 _TOP_TENSOR = re.compile(r"^(\w+)\.(weight|bias|scales|biases)$")
 
@@ -106,7 +109,9 @@ def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict
             raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
                              f"which the gguf package cannot dequantize") from exc
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        weights[tensor.name] = mx.array(values.reshape(shape)).astype(mx.float16)
+        # The RoPE divisors are matched to a formula to 1e-4: float16 would round them past that.
+        dtype = mx.float32 if tensor.name == _ROPE_FREQS else mx.float16
+        weights[tensor.name] = mx.array(values.reshape(shape)).astype(dtype)
     return weights, metadata
 
 
@@ -121,9 +126,6 @@ def _make_config(path: Path, metadata: dict, raw_weights: dict) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF {path}: architecture {arch!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if "rope_freqs.weight" in raw_weights:
-        raise ValueError(f"GGUF {path}: per-frequency rope scaling (rope_freqs, Llama 3.1 style) "
-                         f"is not supported")
 
     def field(name, default=None):
         value = metadata.get(f"{arch}.{name}", default)
@@ -152,6 +154,14 @@ def _make_config(path: Path, metadata: dict, raw_weights: dict) -> dict:
     }
     if metadata.get(f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(field("rope.scaling.factor"))}
+    if _ROPE_FREQS in raw_weights:  # Llama 3.1+: the scaling as stored divisors, one per rotary pair
+        divisors = raw_weights[_ROPE_FREQS].astype(mx.float32).reshape(-1).tolist()
+        if 2 * len(divisors) != config["head_dim"]:
+            raise ValueError(f"GGUF {path}: rope_freqs holds {len(divisors)} divisors for head dim "
+                             f"{config['head_dim']} (expected {config['head_dim'] // 2})")
+        scaling = scaling_of(divisors, config["rope_theta"], f"GGUF {path}")
+        if scaling is not None:
+            config["rope_scaling"] = scaling
     for key in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{key}" in metadata:
             config[key] = int(metadata[f"tokenizer.ggml.{key}"])
@@ -163,6 +173,8 @@ def _rename_weights(path: Path, config: dict, raw_weights: dict) -> dict:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}
     for name, value in raw_weights.items():
+        if name == _ROPE_FREQS:
+            continue  # in the config (_make_config)
         if (match := _LAYER_TENSOR.match(name)) is not None:
             layer, part, kind = match.groups()
             if part not in _LAYER_NAMES:
