@@ -453,3 +453,75 @@ def test_kernel_attention_decodes_like_mlx(model_type, quantized_qwen3, tmp_path
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_qwen3_speculative_and_batched_equal_plain_with_kernels(kind, quantized_qwen3, code_prompts):
     assert check_schedules_with_drafter(quantized_qwen3, kind, code_prompts, range(700, 703)) > 0
+
+
+# ------------------------------------------------------------------------------ Llama 3's scaled RoPE
+
+# At base 1000 and head dim 16 three rotary pairs fall between the bands (tests/test_gguf.py).
+LLAMA3_CONFIG = {"rope_theta": 1000.0, "max_position_embeddings": 2048, "rope_scaling": {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 256}}
+
+
+@pytest.fixture(scope="module")
+def quantized_llama3(tmp_path_factory):
+    """A tiny llama with Llama 3's scaled rope, quantized as a GGUF arrives (the fused layers' layout)."""
+    from gmlx.models import random_model
+
+    folder = tmp_path_factory.mktemp("llama3")
+    config = random_model.tiny_config("llama", **LLAMA3_CONFIG)
+    source = random_model.make_random_model_dir(folder / "float", config)
+    return load_quantized_copy(random_model.make_random_model(config), config, source, folder / "q4", is_gguf_like=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_llama3_rope_is_close_to_mlx_and_each_row_its_own(seed, ext):
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    from gmlx.platform.cpu_decode_ops import kernel_freqs
+
+    head_dim = (16, 64, 128, 80)[seed]
+    module = Llama3RoPE(head_dim, 2048, False, (1000.0, 500000.0, 1e4, 1e6)[seed], LLAMA3_CONFIG["rope_scaling"])
+    x = 4.0 * mx.random.normal((3, 5, 2, head_dim), key=mx.random.key(seed)).transpose(0, 2, 1, 3)  # (B, H, T, D)
+    offsets = mx.array([3, 700, 2900], dtype=mx.int32)
+    freqs = kernel_freqs(module)
+    together = {}
+    for num_threads in (1, 2):
+        ext.set_num_threads(num_threads)
+        together[num_threads] = cpu_kernels.rope(x, head_dim, False, 1.0, 1.0, offsets, freqs)
+        mx.eval(together[num_threads])
+    assert bitwise_equal(together[1], together[2])
+    expected = module(x, offset=offsets)
+    assert mx.allclose(together[1], expected, rtol=1e-3, atol=1e-3).item()
+    assert not mx.allclose(cpu_kernels.rope(x, head_dim, False, 1000.0, 1.0, offsets), expected,
+                           rtol=1e-3, atol=1e-3).item()  # the frequencies are what changed it
+    for row in range(3):
+        alone = cpu_kernels.rope(x[row : row + 1], head_dim, False, 1.0, 1.0, offsets[row : row + 1], freqs)
+        assert bitwise_equal(alone, together[1][row : row + 1]), row
+
+
+def test_rope_refuses_frequencies_that_do_not_fit():
+    x = mx.zeros((2, 1, 3, 8))
+    offset = mx.array(0, dtype=mx.int32)
+    with pytest.raises(ValueError, match="3 freqs for rope dims 8"):
+        cpu_kernels.rope(x, 8, False, 1.0, 1.0, offset, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="positive"):
+        cpu_kernels.rope(x, 8, False, 1.0, 1.0, offset, [1.0, 2.0, 0.0, 4.0])
+
+
+def test_llama3_layers_run_fused_and_decode_like_mlx_lm(quantized_llama3, mlx_lm_reference):
+    from gmlx.platform.cpu_decode_ops import KernelLlama3RoPE
+    from gmlx.platform.cpu_layers import FusedLlamaBlock
+
+    layers = quantized_llama3.model.model.layers
+    assert all(type(layer) is FusedLlamaBlock and type(layer.self_attn.rope) is KernelLlama3RoPE for layer in layers)
+    assert quantized_llama3.model.model.__dict__.get("_stack_call") is not None  # every layer in one node a step
+    prompt = mx.array([[(37 * i) % 1000 + 3 for i in range(300)]])  # past the original context
+    cache = make_ragged_cache(quantized_llama3.num_layers)
+    _, logits = quantized_llama3.forward(prompt, cache)
+    expected = mlx_lm_reference(quantized_llama3.path)(prompt).astype(mx.float32)  # mlx's own ops and rope
+    assert mx.abs(logits[:, -50:] - expected[:, -50:]).max().item() < 0.02 * mx.abs(expected).max().item()
+
+
+def test_llama3_speculative_and_batched_equal_plain_with_kernels(quantized_llama3, code_prompts):
+    assert check_schedules_with_drafter(quantized_llama3, "ngram", code_prompts, range(710, 713)) > 0

@@ -22,6 +22,7 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE
 
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import use_kernel_attention
@@ -41,6 +42,31 @@ class KernelRoPE(nn.RoPE):
         if not isinstance(offset, mx.array):
             offset = mx.array(offset, dtype=mx.int32)
         return cpu_kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+
+
+class KernelLlama3RoPE(Llama3RoPE):
+    """mlx-lm's Llama 3 scaled rope in the kernels: its frequencies as mx.fast.rope takes them."""
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if not isinstance(offset, mx.array):
+            offset = mx.array(offset, dtype=mx.int32)
+        return cpu_kernels.rope(x, self.dims, self.traditional, 1.0, 1.0, offset, kernel_freqs(self))
+
+
+def kernel_freqs(rope: Llama3RoPE) -> tuple[float, ...]:
+    """A Llama 3 rope's frequencies as floats, read once (a list crosses into the kernels per call)."""
+    freqs = rope.__dict__.get("_kernel_freqs")
+    if freqs is None:
+        freqs = tuple(rope._freqs.astype(mx.float32).tolist())
+        object.__setattr__(rope, "_kernel_freqs", freqs)  # outside the module's dict: no parameter
+    return freqs
+
+
+def rope_constants(rope: nn.Module) -> tuple:
+    """(dims, traditional, base, scale, freqs) of a kernel rope, as the fused layer ops take them."""
+    if isinstance(rope, Llama3RoPE):
+        return rope.dims, rope.traditional, 1.0, 1.0, kernel_freqs(rope)
+    return rope.dims, rope.traditional, rope.base, rope.scale, ()
 
 
 class KernelRMSNorm(nn.RMSNorm):
@@ -85,9 +111,11 @@ def _use_kernel_mlps(model: nn.Module) -> int:
     return len(modules)
 
 
-_SWAPS = {nn.RoPE: KernelRoPE, FusedRoPE: KernelRoPE, nn.RMSNorm: KernelRMSNorm, FusedRMSNorm: KernelRMSNorm}
+_SWAPS = {nn.RoPE: KernelRoPE, FusedRoPE: KernelRoPE, Llama3RoPE: KernelLlama3RoPE, nn.RMSNorm: KernelRMSNorm,
+          FusedRMSNorm: KernelRMSNorm}
 # The op each kind reproduces: mlx's own module call.
-_REFERENCES = {KernelRoPE: nn.RoPE.__call__, KernelRMSNorm: nn.RMSNorm.__call__}
+_REFERENCES = {KernelRoPE: nn.RoPE.__call__, KernelLlama3RoPE: Llama3RoPE.__call__,
+               KernelRMSNorm: nn.RMSNorm.__call__}
 
 
 def _probe_input(module: nn.Module) -> tuple[mx.array, tuple]:
@@ -108,8 +136,8 @@ def _is_close(module: nn.Module) -> bool:
 
 
 def _probe_key(module: nn.Module) -> tuple:
-    if isinstance(module, nn.RoPE):
-        return type(module), module.dims, module.traditional, module.base, module.scale
+    if isinstance(module, (nn.RoPE, Llama3RoPE)):
+        return (type(module), *rope_constants(module))
     return type(module), module["weight"].shape[0], module.eps
 
 

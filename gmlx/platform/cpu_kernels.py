@@ -240,15 +240,16 @@ class LayerCall:
     from the modules once: building a step's graph re-read them through ~18 module attribute
     lookups a layer (~0.6 ms a SmolLM2 step). A layer's weights never change after load."""
 
-    def __init__(self, block):
+    def __init__(self, block, rope: tuple):
+        """rope: the attention's (dims, traditional, base, scale, freqs) (cpu_decode_ops.rope_constants)."""
         attention, mlp = block.self_attn, block.mlp
-        norm, rope = block.input_layernorm, attention.rope
+        norm = block.input_layernorm
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         # qwen3's q and k norms over each head ride after the products (the ops take them there).
         head_norms = [attention.q_norm["weight"], attention.k_norm["weight"]] if "q_norm" in attention else []
         self.inputs_weights = (norm["weight"], norm.eps, [packed_weights(p) for p in projections] + head_norms)
         self.inputs_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
-                             attention.q_proj.bits, rope.dims, rope.traditional, rope.base, rope.scale)
+                             attention.q_proj.bits, *rope)
         self.scale = attention.scale
         self.output_weights, self.output_bits = packed_weights(attention.o_proj), attention.o_proj.bits
         post_norm = block.post_attention_layernorm
@@ -260,8 +261,7 @@ class LayerCall:
                               [packed_weights(p) for p in (*projections, attention.o_proj, mlp.gate_proj, mlp.up_proj,
                                                            mlp.down_proj)] + head_norms)
         self.layer_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
-                            mlp.gate_proj.num_outputs, attention.q_proj.bits, attention.scale, rope.dims,
-                            rope.traditional, rope.base, rope.scale)
+                            mlp.gate_proj.num_outputs, attention.q_proj.bits, attention.scale, *rope)
         self.kv_heads_and_dim = self.layer_shape[1:3]  # the KV buffers' (Hkv, Dh)
 
     def layer(self, x, offset, keys, values):
@@ -313,9 +313,10 @@ def has_token_logprobs() -> bool:
     return is_available() and hasattr(extension(), "token_logprobs")
 
 
-def rope(x, dims: int, traditional: bool, base: float, scale: float, offset):
-    """mx.fast.rope for float32 x (B, ..., T, D); offset an int32 array, scalar or one per row b."""
-    return extension().rope(x, dims, traditional, base, scale, offset)
+def rope(x, dims: int, traditional: bool, base: float, scale: float, offset, freqs=()):
+    """mx.fast.rope for float32 x (B, ..., T, D); offset an int32 array, scalar or one per row b;
+    freqs: mx.fast.rope's (dims / 2 of them; base is then unused)."""
+    return extension().rope(x, dims, traditional, base, scale, offset, list(freqs))
 
 
 def ragged_attention(q, keys, values, offset, scale: float):

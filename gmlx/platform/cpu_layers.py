@@ -40,7 +40,7 @@ from gmlx import config
 from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import _KernelAttention
-from gmlx.platform.cpu_decode_ops import KernelRMSNorm, KernelRoPE, _KernelMLP
+from gmlx.platform.cpu_decode_ops import KernelLlama3RoPE, KernelRMSNorm, KernelRoPE, _KernelMLP, rope_constants
 from gmlx.platform.cpu_float import KernelLinear
 from gmlx.platform.cpu_quantized import KernelQuantizedLinear
 
@@ -56,7 +56,7 @@ class _FusedBlock:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not isinstance(cache, RaggedKVCache):
             return super().__call__(x, mask, cache)
-        call = self.__dict__.get("_layer_call") or cpu_kernels.LayerCall(self)  # set by use_fused_layers
+        call = self.__dict__.get("_layer_call") or layer_call(self)  # set by use_fused_layers
         offset = cache.offset  # (B,) each row's first new position, before the write
         if call.is_one_node:
             num_new = x.shape[1]
@@ -190,9 +190,14 @@ def is_fusable(block: nn.Module) -> bool:
         norms += [attn.q_norm, attn.k_norm]
     elif "q_norm" in attn:
         return False
-    return (isinstance(attn, _KernelAttention) and type(attn.rope) is KernelRoPE
+    return (isinstance(attn, _KernelAttention) and type(attn.rope) in (KernelRoPE, KernelLlama3RoPE)
             and isinstance(mlp, _KernelMLP) and all(_is_packed(p) for p in products)
             and len({p.bits for p in products}) == 1 and all(type(n) is KernelRMSNorm for n in norms))
+
+
+def layer_call(block: nn.Module) -> cpu_kernels.LayerCall:
+    """The block's fused-op arguments, its rope's constants included."""
+    return cpu_kernels.LayerCall(block, rope_constants(block.self_attn.rope))
 
 
 def _is_probe_exact(block: nn.Module) -> bool:
@@ -227,7 +232,7 @@ def use_fused_layers(model: nn.Module) -> int:
     for block in blocks:
         block.__class__ = _FUSED_BLOCKS[type(block)]
         # Outside the module's dict (object's setattr), so the arguments are no parameters or children.
-        object.__setattr__(block, "_layer_call", cpu_kernels.LayerCall(block))
+        object.__setattr__(block, "_layer_call", layer_call(block))
     _use_layer_stack(model.model)
     return len(blocks)
 

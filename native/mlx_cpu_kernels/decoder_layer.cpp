@@ -78,6 +78,7 @@ RopeArgs head_rope_args(const float* x, const SegmentRows& rows, int64_t num_hea
   args.traditional = rope.traditional;
   args.base = rope.base;
   args.scale = rope.scale;
+  args.freqs = rope.freqs.empty() ? nullptr : rope.freqs.data();
   return args;
 }
 
@@ -145,10 +146,11 @@ void check_heads(int num_q_heads, int num_kv_heads, const std::string& who) {
 }
 
 // RoPE over the first rope_dims of each head: even, at most head_dim.
-void check_rope_dims(int rope_dims, int head_dim, const std::string& who) {
+void check_rope_dims(int rope_dims, const std::vector<float>& rope_freqs, int head_dim, const std::string& who) {
   if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
     throw std::invalid_argument(who + ": rope dims must be even and at most head_dim");
   }
+  check_rope(rope_dims, rope_freqs, head_dim, who);
 }
 
 // An offset is a scalar or one per row of x (B, ...).
@@ -380,12 +382,13 @@ void fill_copied(const mx::array& buffer, void* y) {
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight, float eps,
                                         const mx::array& offset, const std::vector<mx::array>& quads,
                                         int num_q_heads, int num_kv_heads, int head_dim, int bits,
-                                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale) {
+                                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
+                                        const std::vector<float>& rope_freqs) {
   if (x.ndim() != 3 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(2) || x.shape(2) % 32 != 0) {
     throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
   }
   check_head_norms(quads, 3, head_dim, "attention_inputs");
-  check_rope_dims(rope_dims, head_dim, "attention_inputs");
+  check_rope_dims(rope_dims, rope_freqs, head_dim, "attention_inputs");
   check_offset(offset, x, "attention_inputs");
   const int dims = x.shape(2);
   check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
@@ -398,7 +401,8 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
   return mx::array::make_arrays(
       {q_shape, kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
-                                       head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}),
+                                       head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale,
+                                                             rope_freqs}),
       with_head_norms({as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s),
                        as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]},
                       quads, 3, s));
@@ -441,7 +445,8 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      const mx::array& post_norm_weight, float eps,
                                      const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
                                      int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
-                                     bool rope_traditional, float rope_base, float rope_scale) {
+                                     bool rope_traditional, float rope_base, float rope_scale,
+                                     const std::vector<float>& rope_freqs) {
   if (x.ndim() != 3 || x.shape(2) % 32 != 0 || hidden_dims % 32 != 0) {
     throw std::invalid_argument("decoder_layer: x must be (B, T, D), D and hidden_dims multiples of 32");
   }
@@ -451,7 +456,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
   }
   check_head_norms(weights, 7, head_dim, "decoder_layer");
   check_heads(num_q_heads, num_kv_heads, "decoder_layer");
-  check_rope_dims(rope_dims, head_dim, "decoder_layer");
+  check_rope_dims(rope_dims, rope_freqs, head_dim, "decoder_layer");
   const mx::Shape kv_shape = {x.shape(0), num_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, head_dim};
   if (keys.shape() != kv_shape || values.shape() != kv_shape || keys.shape(2) < x.shape(1)) {
     throw std::invalid_argument("decoder_layer: keys and values must be (B, Hkv, S, Dh) with S >= T");
@@ -470,7 +475,8 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
   return mx::array::make_arrays(
       {x.shape(), kv_shape, kv_shape}, {mx::float32, kv_dtype, kv_dtype},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kLayer, bits, eps, num_q_heads, num_kv_heads, head_dim,
-                                       hidden_dims, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale},
+                                       hidden_dims,
+                                       RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs},
                                        attention_scale),
       with_head_norms(std::move(inputs), weights, 7, s));
 }
@@ -534,17 +540,18 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
 LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
                        const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads,
                        int num_kv_heads, int head_dim, int hidden_dims, int bits, float attention_scale,
-                       int rope_dims, bool rope_traditional, float rope_base, float rope_scale)
+                       int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
+                       const std::vector<float>& rope_freqs)
     : input_norms_(input_norms),
       post_norms_(post_norms),
       weights_(weights),
       shape_{bits, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
-             RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale}, attention_scale} {
+             RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs}, attention_scale} {
   if (input_norms.empty() || post_norms.size() != input_norms.size() || weights.size() != input_norms.size()) {
     throw std::invalid_argument("LayerStack: one input norm, post norm and weight list per layer, at least one");
   }
   check_heads(num_q_heads, num_kv_heads, "LayerStack");
-  check_rope_dims(rope_dims, head_dim, "LayerStack");
+  check_rope_dims(rope_dims, rope_freqs, head_dim, "LayerStack");
   if (hidden_dims % 32 != 0) throw std::invalid_argument("LayerStack: hidden_dims must be a multiple of 32");
   const int dims = input_norms[0].ndim() == 1 ? input_norms[0].shape(0) : 0;
   if (dims % 32 != 0 || dims == 0) throw std::invalid_argument("LayerStack: norm weights (D,), D a multiple of 32");
@@ -692,7 +699,7 @@ bool DecoderLayerOp::is_equivalent(const mx::Primitive& other) const {
   return kind_ == o.kind_ && bits_ == o.bits_ && eps_ == o.eps_ && num_q_heads_ == o.num_q_heads_ &&
          num_kv_heads_ == o.num_kv_heads_ && head_dim_ == o.head_dim_ && hidden_dims_ == o.hidden_dims_ &&
          rope_.dims == o.rope_.dims && rope_.traditional == o.rope_.traditional && rope_.base == o.rope_.base &&
-         rope_.scale == o.rope_.scale && attention_scale_ == o.attention_scale_;
+         rope_.scale == o.rope_.scale && rope_.freqs == o.rope_.freqs && attention_scale_ == o.attention_scale_;
 }
 
 }  // namespace gmlx_kernels

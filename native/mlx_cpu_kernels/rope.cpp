@@ -79,7 +79,8 @@ void fill_rope_angles(const RopeArgs& args, RopeAngles& angles) {
   const int half = args.dims / 2;
   AnglesJob job{&args, std::vector<double>(half), &angles};
   for (int i = 0; i < half; ++i) {
-    job.inv_freqs[i] = std::pow(static_cast<double>(args.base), -static_cast<double>(i) / half);
+    job.inv_freqs[i] = args.freqs != nullptr ? 1.0 / static_cast<double>(args.freqs[i])
+                                             : std::pow(static_cast<double>(args.base), -static_cast<double>(i) / half);
   }
   const int64_t num_positions = args.num_b * args.num_t;
   angles.cosines.resize(num_positions * half);
@@ -100,19 +101,31 @@ void rotate(const RopeArgs& args) {
   rotate_with(args, angles);
 }
 
-mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset) {
-  if (x.ndim() < 2) throw std::invalid_argument("rope: x needs >= 2 dims (..., T, D)");
-  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
-    throw std::invalid_argument("rope: dims " + std::to_string(dims) + " must be even and at most D = " +
-                                std::to_string(x.shape(-1)));
+void check_rope(int dims, const std::vector<float>& freqs, int64_t head_dim, const std::string& who) {
+  if (dims <= 0 || dims % 2 != 0 || dims > head_dim) {
+    throw std::invalid_argument(who + ": dims " + std::to_string(dims) + " must be even and at most D = " +
+                                std::to_string(head_dim));
   }
+  if (!freqs.empty() && freqs.size() != static_cast<size_t>(dims / 2)) {
+    throw std::invalid_argument(who + ": " + std::to_string(freqs.size()) + " freqs for rope dims " +
+                                std::to_string(dims) + " (expected none or dims / 2)");
+  }
+  for (float f : freqs) {
+    if (!(f > 0.0f) || !std::isfinite(f)) throw std::invalid_argument(who + ": freqs must be positive and finite");
+  }
+}
+
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset,
+               const std::vector<float>& freqs) {
+  if (x.ndim() < 2) throw std::invalid_argument("rope: x needs >= 2 dims (..., T, D)");
+  check_rope(dims, freqs, x.shape(-1), "rope");
   const bool is_per_row = x.ndim() >= 3 && offset.size() == static_cast<size_t>(x.shape(0));
   if (offset.ndim() > 1 || (offset.ndim() == 1 && offset.size() != 1 && !is_per_row)) {
     throw std::invalid_argument("rope: offset must be a scalar or one per row of x's first dim");
   }
   if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("rope: offset must be integer");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale),
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale, freqs),
                    {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)});
 }
 
@@ -127,7 +140,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   encoder.set_output_array(y);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), offset = mx::array::unsafe_weak_copy(offset),
                     y_data = y.data<float>(), dims = dims_, traditional = traditional_, base = base_,
-                    scale = scale_]() {
+                    scale = scale_, freqs = freqs_]() {  // the task may outlive this primitive: a copy
     RopeArgs job;
     const int ndim = x.ndim();
     job.num_b = ndim > 2 ? x.shape(0) : 1;
@@ -167,6 +180,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
     job.traditional = traditional;
     job.base = base;
     job.scale = scale;
+    job.freqs = freqs.empty() ? nullptr : freqs.data();
     rotate(job);
   });
 }
@@ -177,7 +191,8 @@ void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 bool Rope::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Rope&>(other);
-  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ &&
+         freqs_ == o.freqs_;
 }
 
 }  // namespace gmlx_kernels

@@ -1,6 +1,7 @@
 // Rotary position embedding as one MLX primitive, with a position per batch row.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -11,10 +12,14 @@ namespace gmlx_kernels {
 namespace mx = mlx::core;
 
 // mx.fast.rope's arithmetic for float32 x (B, ..., T, D): element pairs of the first
-// `dims` features turn by (offset[b] + t) * scale * base^(-2i / dims); offset is an int
-// scalar or one per row b. The angle's cosine and sine come from double precision, so
-// a position's rotation is the same bits in every call, whatever else the call holds.
-mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset);
+// `dims` features turn by (offset[b] + t) * scale * base^(-2i / dims), or with `freqs`
+// (dims / 2 of them, mx.fast.rope's: Llama 3's scaled rope) by (offset[b] + t) * scale / freqs[i];
+// offset is an int scalar or one per row b. The angle's cosine and sine come from double
+// precision, so a position's rotation is the same bits in every call, whatever else it holds.
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset,
+               const std::vector<float>& freqs = {});
+// ValueError-style check of a rope's dims and freqs against a head of head_dim features.
+void check_rope(int dims, const std::vector<float>& freqs, int64_t head_dim, const std::string& who);
 
 // The rotation on raw buffers (the fused decoder-layer ops call it): x viewed as (B, M, T, D)
 // at the given strides, y (B, M, T, D) contiguous; the very arithmetic of `rope`.
@@ -28,6 +33,7 @@ struct RopeArgs {
   int dims;
   bool traditional;
   float base, scale;
+  const float* freqs = nullptr;  // dims / 2 of them, or nullptr: base^(2i / dims)
 };
 void rotate(const RopeArgs& args);
 
@@ -42,8 +48,9 @@ void rotate_with(const RopeArgs& args, const RopeAngles& angles);
 
 class Rope : public mx::Primitive {
  public:
-  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale)
-      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale, std::vector<float> freqs)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale),
+        freqs_(std::move(freqs)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -55,6 +62,7 @@ class Rope : public mx::Primitive {
   bool traditional_;
   float base_;
   float scale_;
+  std::vector<float> freqs_;
 };
 
 }  // namespace gmlx_kernels
