@@ -44,8 +44,10 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = None,
-                           quant_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
-    """A GGUF of the mlx-lm folder's model: 2-D weights stored as `quant_type`, the rest F32."""
+                           quant_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+                           end_of_turn_id: int | None = None) -> Path:
+    """A GGUF of the mlx-lm folder's model: 2-D weights stored as `quant_type`, the rest F32;
+    end_of_turn_id: an end-of-turn token (tokenizer.ggml.eot_token_id) besides its EOS."""
     import mlx.core as mx
     import mlx_lm
 
@@ -69,6 +71,8 @@ def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = N
         divisors = factors_of(scaling, config["rope_theta"], config["head_dim"])
         writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
     _add_tokenizer(writer, folder)
+    if end_of_turn_id is not None:
+        writer.add_eot_token_id(end_of_turn_id)
     is_permuted = architecture in ("llama", "mistral")
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     for name, value in tree_flatten(model.parameters()):

@@ -119,6 +119,25 @@ def test_other_quant_types_are_dequantized_with_a_log_line(tiny_folders, mlx_lm_
         assert (error <= group_max / 16 + 1e-3).all().item()  # within one 5-bit step of its group
 
 
+def test_an_end_of_turn_token_ends_generation_as_eos_does(tiny_folders, tmp_path):
+    # Llama 3 instruct GGUFs end a turn with <|eot_id|>, not their EOS; llama.cpp stops on both.
+    from gmlx.config import EngineConfig
+    from gmlx.engine import Engine
+    from gmlx.request import SamplingParams
+    from schedules import run_alone
+
+    prompt, params = TOKEN_IDS[0], SamplingParams(max_tokens=12, temperature=0.0)
+    plain = load_model(write_gguf_from_folder(tiny_folders["llama"], tmp_path / "plain.gguf"))
+    tokens, reason, _ = run_alone(Engine(plain, None, EngineConfig()), prompt, params)
+    assert reason == "length" and len(tokens) == 12
+    end_of_turn = tokens[4]  # a token the answer reaches: with it as end of turn the answer stops before it
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "eot.gguf", end_of_turn_id=end_of_turn)
+    loaded = load_model(path)
+    assert loaded.eos_token_ids == plain.eos_token_ids | {end_of_turn}
+    stopped, reason, _ = run_alone(Engine(loaded, None, EngineConfig()), prompt, params)
+    assert reason == "stop" and stopped == tokens[: tokens.index(end_of_turn)]
+
+
 def test_gguf_tokenizer_matches_the_folder_tokenizer_and_renders_chat(tiny_folders, tmp_path):
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "tok.gguf")
     loaded = load_model(path)

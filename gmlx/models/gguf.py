@@ -45,6 +45,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 # Tensors that become config, not parameters: Llama 3's per-pair RoPE divisors (llama3_rope.py).
 _ROPE_FREQS = "rope_freqs.weight"
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)$")
@@ -162,9 +163,14 @@ def _make_config(path: Path, metadata: dict, raw_weights: dict) -> dict:
         scaling = scaling_of(divisors, config["rope_theta"], f"GGUF {path}")
         if scaling is not None:
             config["rope_scaling"] = scaling
-    for key in ("bos_token_id", "eos_token_id"):
-        if f"tokenizer.ggml.{key}" in metadata:
-            config[key] = int(metadata[f"tokenizer.ggml.{key}"])
+    if "tokenizer.ggml.bos_token_id" in metadata:
+        config["bos_token_id"] = int(metadata["tokenizer.ggml.bos_token_id"])
+    # llama.cpp ends generation at end-of-turn and end-of-message tokens too (Llama 3 instruct
+    # models end a turn with <|eot_id|>, which is not their EOS).
+    end_ids = list(dict.fromkeys(int(metadata[f"tokenizer.ggml.{key}"]) for key in _END_TOKEN_KEYS
+                                 if f"tokenizer.ggml.{key}" in metadata))
+    if end_ids:
+        config["eos_token_id"] = end_ids[0] if len(end_ids) == 1 else end_ids
     return config
 
 
