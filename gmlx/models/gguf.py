@@ -2,7 +2,8 @@
 
 `mx.load` reads GGUF natively: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0 as MLX affine triplets
 (weight, scales, biases; group 32). It refuses every other type, so a file holding K-quants is
-read with the `gguf` package instead and dequantized to float16 (said in a log line).
+read with the `gguf` package instead (said in a log line): its quantized matrices requantized to
+MLX 8-bit, group 32, the rest float16.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict
                          f"mlx said: {mx_error})") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     types = sorted({t.tensor_type.name for t in reader.tensors})
-    logger.warning("GGUF %s: tensor types %s include some MLX cannot keep quantized; "
-                   "dequantizing every tensor to float16 with the gguf package", path, ", ".join(types))
+    logger.warning("GGUF %s: tensor types %s include some MLX cannot keep quantized; reading them with the "
+                   "gguf package: quantized matrices requantized to 8 bits (group 32), the rest float16",
+                   path, ", ".join(types))
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     weights = {}
     for tensor in reader.tensors:
         try:
@@ -110,10 +113,33 @@ def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict
             raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
                              f"which the gguf package cannot dequantize") from exc
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        # The RoPE divisors are matched to a formula to 1e-4: float16 would round them past that.
-        dtype = mx.float32 if tensor.name == _ROPE_FREQS else mx.float16
-        weights[tensor.name] = mx.array(values.reshape(shape)).astype(dtype)
+        array = mx.array(values.reshape(shape))
+        if tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % _GROUP_SIZE == 0:
+            weights.update(_requantized(tensor.name, array))
+        else:
+            # The RoPE divisors are matched to a formula to 1e-4: float16 would round them past that.
+            weights[tensor.name] = array.astype(mx.float32 if tensor.name == _ROPE_FREQS else mx.float16)
     return weights, metadata
+
+
+def _requantized(name: str, values: mx.array) -> dict:
+    """A dequantized K-quant (or Q5) matrix as MLX 8-bit affine triplets, group 32, at half
+    float16's bytes: a 32-value group of these types holds at most 32 distinct levels, and 256
+    keep each value within ~1/400 of its group's range (1/510 from the levels, the rest from
+    float16 scales). The compute format then picks its kernels as for Q8_0."""
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    rows, columns = values.shape
+    groups = values.astype(mx.float32).reshape(rows, columns // _GROUP_SIZE, _GROUP_SIZE)
+    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+    # Scales and biases float16 as a Q8_0 file's (the kernels' layouts keep them so), and the
+    # levels rounded against those very values, so that rounding costs no accuracy twice.
+    scales = ((high - low) / 255).astype(mx.float16)
+    biases = low.astype(mx.float16)
+    step = mx.where(scales == 0, 1.0, scales.astype(mx.float32))
+    levels = mx.clip(mx.round((groups - biases.astype(mx.float32)) / step), 0, 255).astype(mx.uint32)
+    packed = levels.reshape(rows, columns // 4, 4)
+    weight = packed[..., 0] | (packed[..., 1] << 8) | (packed[..., 2] << 16) | (packed[..., 3] << 24)
+    return {f"{base}.weight": weight, f"{base}.scales": scales.squeeze(-1), f"{base}.biases": biases.squeeze(-1)}
 
 
 def _to_python(value):
