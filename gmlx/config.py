@@ -265,7 +265,7 @@ CPU_QUANT_ACTIVATIONS = ("int8", "float")
 
 
 def cpu_quant_activations() -> str:
-    """GMLX_CPU_QUANT_ACTIVATIONS: what the CPU kernels' 4-bit products multiply the weights
+    """GMLX_CPU_QUANT_ACTIVATIONS: what the CPU kernels' 4- and 8-bit products multiply the weights
     with. `int8` (default): each row of x quantized per 32 inputs to int8 (like llama.cpp's Q8
     activations) and integer dot products; other numerics than mlx, kept only where a load-time
     probe finds them close to dequantize + matmul. `float`: float32 x, mlx's numerics to the

@@ -29,10 +29,10 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-# Modules the int8 mode swaps in: 4-bit ones, and the output head at 8 bits too. 8-bit weights
-# measured 1.0-1.6x at 1-4 rows but 0.5-1.0x at 16-64 (prefill, BENCHMARKS.md), so 8-bit layers
-# stay float; the head sees decode rows only (a prompt's last position), 3x faster in int8.
-INT8_ACTIVATIONS_BITS = (4,)
+# Modules the int8 mode swaps in: 4- and 8-bit ones (the head included). 8-bit layers stayed on
+# float x until session 51: then, on SmolLM2 Q8_0 (Zen 4), int8 x decoded 3.1x faster (AVX2
+# kernels forced: 3.0x) and prefilled 2.2-2.5x faster (AVX2: 1.1x) (BENCHMARKS.md, session 51).
+INT8_ACTIVATIONS_BITS = (4, 8)
 INT8_ACTIVATIONS_HEAD_BITS = (4, 8)
 # Load-time probe of the int8-activation path: largest |error| against dequantize + float32
 # matmul, relative to the largest |reference|. Measured on random normal x: 0.3-0.7%

@@ -9,7 +9,7 @@ rows share the call (a batch of 20 decode rows must give each row what it gets a
 and mlx's own product at some row counts would not), and mlx's CPU product is slower at
 every row count measured. The kernels sum in another order than mlx, so a probe at load
 checks each weight shape against dequantize + float32 matmul within a tolerance before
-any module is swapped. With GMLX_CPU_QUANT_ACTIVATIONS=int8 the 4-bit products quantize
+any module is swapped. With GMLX_CPU_QUANT_ACTIVATIONS=int8 the 4- and 8-bit products quantize
 their input rows to int8 (integer dots, like llama.cpp's Q4 x Q8), behind a looser probe of
 their own; where it fails, the whole model keeps the float path.
 """
