@@ -45,9 +45,10 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = None,
                            quant_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                           end_of_turn_id: int | None = None) -> Path:
+                           end_of_turn_id: int | None = None, rope_scaling: dict | None = None) -> Path:
     """A GGUF of the mlx-lm folder's model: 2-D weights stored as `quant_type`, the rest F32;
-    end_of_turn_id: an end-of-turn token (tokenizer.ggml.eot_token_id) besides its EOS."""
+    end_of_turn_id: an end-of-turn token (tokenizer.ggml.eot_token_id) besides its EOS;
+    rope_scaling: the scaling the file says, in place of the folder's (for files mlx-lm cannot build)."""
     import mlx.core as mx
     import mlx_lm
 
@@ -66,10 +67,16 @@ def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = N
     writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
-    scaling = config.get("rope_scaling") or {}
+    scaling = rope_scaling or config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "llama3":  # as llama.cpp's converter stores it: divisors, not the numbers
         divisors = factors_of(scaling, config["rope_theta"], config["head_dim"])
         writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
+    elif scaling.get("rope_type") in ("yarn", "longrope"):  # metadata: the type, factor and original context
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling["rope_type"]))
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        for key, value in scaling.get("gguf_extras", {}).items():
+            writer.add_float32(f"{architecture}.rope.scaling.{key}", value)
     _add_tokenizer(writer, folder)
     if end_of_turn_id is not None:
         writer.add_eot_token_id(end_of_turn_id)

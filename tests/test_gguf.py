@@ -232,6 +232,32 @@ def test_serve_streams_a_gguf_model_like_the_in_process_engine(tiny_folders, tmp
         assert server.terminate() == 0, server.log()
 
 
+def test_yarn_metadata_becomes_the_folder_rope_scaling(mlx_lm_reference, tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+            "beta_slow": 1.0}
+    folder = make_random_model_dir(tmp_path / "yarn", seed=6, max_position_embeddings=2048, rope_scaling=yarn)
+    loaded = load_model(write_gguf_from_folder(folder, tmp_path / "yarn.gguf"))
+    assert loaded.model.args.rope_scaling == yarn
+    token_ids = [[(37 * i) % 2000 + 5 for i in range(200)]]
+    with env_overrides({"GMLX_CPU_FLOAT_KERNELS": "0"}):
+        loaded = load_model(write_gguf_from_folder(folder, tmp_path / "yarn.gguf"))
+    expected = logits_of(mlx_lm_reference(str(folder)), token_ids)
+    assert mx.abs(logits_of(loaded.model, token_ids) - expected).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 128}, "'longrope' is not supported"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+      "gguf_extras": {"yarn_attn_factor": 0.5}}, "yarn_attn_factor = 0.5 is not supported"),
+])
+def test_rope_scaling_gmlx_cannot_match_is_refused_by_name(tmp_path, scaling, message):
+    # llama.cpp would scale these; running them unscaled would be silently wrong.
+    path = write_gguf_from_folder(make_random_model_dir(tmp_path / "src", seed=7), tmp_path / "scaled.gguf",
+                                  rope_scaling=scaling)
+    with pytest.raises(ValueError, match=rf"GGUF .*scaled\.gguf: .*{message}"):
+        load_model(path)
+
+
 @pytest.mark.parametrize("scaling, base, num_dims", [
     ({"factor": 32.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 500000.0, 64),  # Llama 3.2
     ({"factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 500000.0, 128),  # Llama 3.1

@@ -179,8 +179,14 @@ def _make_config(path: Path, metadata: dict, raw_weights: dict) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in raw_weights,
         "mlp_bias": False,
     }
-    if metadata.get(f"{arch}.rope.scaling.type") == "linear":
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(field("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        config["rope_scaling"] = _yarn_scaling(path, field, metadata, arch)
+    elif scaling_type not in (None, "none"):  # llama.cpp would scale; running unscaled would be silently wrong
+        raise ValueError(f"GGUF {path}: rope scaling {scaling_type!r} is not supported "
+                         f"(supported: linear, yarn, and Llama 3's rope_freqs)")
     if _ROPE_FREQS in raw_weights:  # Llama 3.1+: the scaling as stored divisors, one per rotary pair
         divisors = raw_weights[_ROPE_FREQS].astype(mx.float32).reshape(-1).tolist()
         if 2 * len(divisors) != config["head_dim"]:
@@ -198,6 +204,22 @@ def _make_config(path: Path, metadata: dict, raw_weights: dict) -> dict:
     if end_ids:
         config["eos_token_id"] = end_ids[0] if len(end_ids) == 1 else end_ids
     return config
+
+
+def _yarn_scaling(path: Path, field, metadata: dict, arch: str) -> dict:
+    """mlx-lm's `rope_scaling` for a YaRN file: llama.cpp's defaults (beta_fast 32, beta_slow 1,
+    ext_factor 1, attention factor 1 + 0.1 ln(factor)) are mlx-lm's; a file that changes the
+    last two, or a DeepSeek log multiplier, is refused by name rather than run otherwise."""
+    for key, default in (("attn_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_ext_factor", 1.0),
+                         ("yarn_log_multiplier", 0.0)):
+        value = metadata.get(f"{arch}.rope.scaling.{key}")
+        if value is not None and float(value) != default and not (key == "yarn_ext_factor" and float(value) < 0):
+            raise ValueError(f"GGUF {path}: YaRN with rope.scaling.{key} = {value} is not supported "
+                             f"(only {default})")
+    return {"rope_type": "yarn", "factor": float(field("rope.scaling.factor")),
+            "original_max_position_embeddings": int(field("rope.scaling.original_context_length")),
+            "beta_fast": float(metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))}
 
 
 def _rename_weights(path: Path, config: dict, raw_weights: dict) -> dict:
