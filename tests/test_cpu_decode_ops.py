@@ -455,48 +455,59 @@ def test_qwen3_speculative_and_batched_equal_plain_with_kernels(kind, quantized_
     assert check_schedules_with_drafter(quantized_qwen3, kind, code_prompts, range(700, 703)) > 0
 
 
-# ------------------------------------------------------------------------------ Llama 3's scaled RoPE
+# ------------------------------------------------------------------------------ scaled RoPE (Llama 3, YaRN)
 
-# At base 1000 and head dim 16 three rotary pairs fall between the bands (tests/test_gguf.py).
-LLAMA3_CONFIG = {"rope_theta": 1000.0, "max_position_embeddings": 2048, "rope_scaling": {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
-    "original_max_position_embeddings": 256}}
+# At base 1000 and head dim 16 three rotary pairs fall between Llama 3's bands (tests/test_gguf.py);
+# YaRN's factor 4 makes its rotated features 1.139x.
+SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+               "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+             "beta_slow": 1.0},
+}
 
 
-@pytest.fixture(scope="module")
-def quantized_llama3(tmp_path_factory):
-    """A tiny llama with Llama 3's scaled rope, quantized as a GGUF arrives (the fused layers' layout)."""
+@pytest.fixture(scope="module", params=sorted(SCALINGS))
+def quantized_scaled(request, tmp_path_factory):
+    """A tiny llama with a scaled rope, quantized as a GGUF arrives (the fused layers' layout)."""
     from gmlx.models import random_model
 
-    folder = tmp_path_factory.mktemp("llama3")
-    config = random_model.tiny_config("llama", **LLAMA3_CONFIG)
+    folder = tmp_path_factory.mktemp(request.param)
+    config = random_model.tiny_config("llama", rope_theta=1000.0, max_position_embeddings=2048,
+                                      rope_scaling=SCALINGS[request.param])
     source = random_model.make_random_model_dir(folder / "float", config)
     return load_quantized_copy(random_model.make_random_model(config), config, source, folder / "q4", is_gguf_like=True)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_llama3_rope_is_close_to_mlx_and_each_row_its_own(seed, ext):
-    from mlx_lm.models.rope_utils import Llama3RoPE
+def scaled_rope_module(kind: str, head_dim: int, base: float):
+    from mlx_lm.models.rope_utils import initialize_rope
 
-    from gmlx.platform.cpu_decode_ops import kernel_freqs
+    return initialize_rope(head_dim, base, False, SCALINGS[kind], 2048)
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+@pytest.mark.parametrize("seed", range(4))
+def test_scaled_rope_is_close_to_mlx_and_each_row_its_own(kind, seed, ext):
+    from gmlx.platform.cpu_decode_ops import rope_constants
 
     head_dim = (16, 64, 128, 80)[seed]
-    module = Llama3RoPE(head_dim, 2048, False, (1000.0, 500000.0, 1e4, 1e6)[seed], LLAMA3_CONFIG["rope_scaling"])
+    module = scaled_rope_module(kind, head_dim, (1000.0, 500000.0, 1e4, 1e6)[seed])
     x = 4.0 * mx.random.normal((3, 5, 2, head_dim), key=mx.random.key(seed)).transpose(0, 2, 1, 3)  # (B, H, T, D)
     offsets = mx.array([3, 700, 2900], dtype=mx.int32)
-    freqs = kernel_freqs(module)
+    args = rope_constants(module)[:4]
+    freqs, mscale = rope_constants(module)[4:]
     together = {}
     for num_threads in (1, 2):
         ext.set_num_threads(num_threads)
-        together[num_threads] = cpu_kernels.rope(x, head_dim, False, 1.0, 1.0, offsets, freqs)
+        together[num_threads] = cpu_kernels.rope(x, *args, offsets, freqs, mscale)
         mx.eval(together[num_threads])
     assert bitwise_equal(together[1], together[2])
     expected = module(x, offset=offsets)
     assert mx.allclose(together[1], expected, rtol=1e-3, atol=1e-3).item()
     assert not mx.allclose(cpu_kernels.rope(x, head_dim, False, 1000.0, 1.0, offsets), expected,
-                           rtol=1e-3, atol=1e-3).item()  # the frequencies are what changed it
+                           rtol=1e-3, atol=1e-3).item()  # the scaling is what changed it
     for row in range(3):
-        alone = cpu_kernels.rope(x[row : row + 1], head_dim, False, 1.0, 1.0, offsets[row : row + 1], freqs)
+        alone = cpu_kernels.rope(x[row : row + 1], *args, offsets[row : row + 1], freqs, mscale)
         assert bitwise_equal(alone, together[1][row : row + 1]), row
 
 
@@ -509,19 +520,20 @@ def test_rope_refuses_frequencies_that_do_not_fit():
         cpu_kernels.rope(x, 8, False, 1.0, 1.0, offset, [1.0, 2.0, 0.0, 4.0])
 
 
-def test_llama3_layers_run_fused_and_decode_like_mlx_lm(quantized_llama3, mlx_lm_reference):
-    from gmlx.platform.cpu_decode_ops import KernelLlama3RoPE
+def test_scaled_rope_layers_run_fused_and_decode_like_mlx_lm(quantized_scaled, mlx_lm_reference):
+    from gmlx.platform.cpu_decode_ops import KernelLlama3RoPE, KernelYarnRoPE
     from gmlx.platform.cpu_layers import FusedLlamaBlock
 
-    layers = quantized_llama3.model.model.layers
-    assert all(type(layer) is FusedLlamaBlock and type(layer.self_attn.rope) is KernelLlama3RoPE for layer in layers)
-    assert quantized_llama3.model.model.__dict__.get("_stack_call") is not None  # every layer in one node a step
+    layers = quantized_scaled.model.model.layers
+    assert all(type(layer) is FusedLlamaBlock and type(layer.self_attn.rope) in (KernelLlama3RoPE, KernelYarnRoPE)
+               for layer in layers)
+    assert quantized_scaled.model.model.__dict__.get("_stack_call") is not None  # every layer in one node a step
     prompt = mx.array([[(37 * i) % 1000 + 3 for i in range(300)]])  # past the original context
-    cache = make_ragged_cache(quantized_llama3.num_layers)
-    _, logits = quantized_llama3.forward(prompt, cache)
-    expected = mlx_lm_reference(quantized_llama3.path)(prompt).astype(mx.float32)  # mlx's own ops and rope
+    cache = make_ragged_cache(quantized_scaled.num_layers)
+    _, logits = quantized_scaled.forward(prompt, cache)
+    expected = mlx_lm_reference(quantized_scaled.path)(prompt).astype(mx.float32)  # mlx's own ops and rope
     assert mx.abs(logits[:, -50:] - expected[:, -50:]).max().item() < 0.02 * mx.abs(expected).max().item()
 
 
-def test_llama3_speculative_and_batched_equal_plain_with_kernels(quantized_llama3, code_prompts):
-    assert check_schedules_with_drafter(quantized_llama3, "ngram", code_prompts, range(710, 713)) > 0
+def test_scaled_rope_speculative_and_batched_equal_plain_with_kernels(quantized_scaled, code_prompts):
+    assert check_schedules_with_drafter(quantized_scaled, "ngram", code_prompts, range(710, 713)) > 0

@@ -22,7 +22,7 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import Llama3RoPE
+from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import use_kernel_attention
@@ -53,8 +53,19 @@ class KernelLlama3RoPE(Llama3RoPE):
         return cpu_kernels.rope(x, self.dims, self.traditional, 1.0, 1.0, offset, kernel_freqs(self))
 
 
-def kernel_freqs(rope: Llama3RoPE) -> tuple[float, ...]:
-    """A Llama 3 rope's frequencies as floats, read once (a list crosses into the kernels per call)."""
+class KernelYarnRoPE(YarnRoPE):
+    """mlx-lm's YaRN rope in the kernels: its frequencies, and its factor on the rotated features."""
+
+    def __call__(self, x: mx.array, offset=0, scale=1.0, inverse=False) -> mx.array:
+        if scale != 1.0 or inverse:  # not what a model's attention asks: mlx-lm's own call
+            return super().__call__(x, offset, scale, inverse)
+        if not isinstance(offset, mx.array):
+            offset = mx.array(offset, dtype=mx.int32)
+        return cpu_kernels.rope(x, self.dims, self.traditional, 1.0, 1.0, offset, kernel_freqs(self), self.mscale)
+
+
+def kernel_freqs(rope: Llama3RoPE | YarnRoPE) -> tuple[float, ...]:
+    """A scaled rope's frequencies as floats, read once (a list crosses into the kernels per call)."""
     freqs = rope.__dict__.get("_kernel_freqs")
     if freqs is None:
         freqs = tuple(rope._freqs.astype(mx.float32).tolist())
@@ -63,10 +74,12 @@ def kernel_freqs(rope: Llama3RoPE) -> tuple[float, ...]:
 
 
 def rope_constants(rope: nn.Module) -> tuple:
-    """(dims, traditional, base, scale, freqs) of a kernel rope, as the fused layer ops take them."""
+    """(dims, traditional, base, scale, freqs, mscale) of a kernel rope, as the fused layer ops take them."""
+    if isinstance(rope, YarnRoPE):
+        return rope.dims, rope.traditional, 1.0, 1.0, kernel_freqs(rope), float(rope.mscale)
     if isinstance(rope, Llama3RoPE):
-        return rope.dims, rope.traditional, 1.0, 1.0, kernel_freqs(rope)
-    return rope.dims, rope.traditional, rope.base, rope.scale, ()
+        return rope.dims, rope.traditional, 1.0, 1.0, kernel_freqs(rope), 1.0
+    return rope.dims, rope.traditional, rope.base, rope.scale, (), 1.0
 
 
 class KernelRMSNorm(nn.RMSNorm):
@@ -111,11 +124,11 @@ def _use_kernel_mlps(model: nn.Module) -> int:
     return len(modules)
 
 
-_SWAPS = {nn.RoPE: KernelRoPE, FusedRoPE: KernelRoPE, Llama3RoPE: KernelLlama3RoPE, nn.RMSNorm: KernelRMSNorm,
-          FusedRMSNorm: KernelRMSNorm}
+_SWAPS = {nn.RoPE: KernelRoPE, FusedRoPE: KernelRoPE, Llama3RoPE: KernelLlama3RoPE, YarnRoPE: KernelYarnRoPE,
+          nn.RMSNorm: KernelRMSNorm, FusedRMSNorm: KernelRMSNorm}
 # The op each kind reproduces: mlx's own module call.
 _REFERENCES = {KernelRoPE: nn.RoPE.__call__, KernelLlama3RoPE: Llama3RoPE.__call__,
-               KernelRMSNorm: nn.RMSNorm.__call__}
+               KernelYarnRoPE: YarnRoPE.__call__, KernelRMSNorm: nn.RMSNorm.__call__}
 
 
 def _probe_input(module: nn.Module) -> tuple[mx.array, tuple]:
@@ -136,7 +149,7 @@ def _is_close(module: nn.Module) -> bool:
 
 
 def _probe_key(module: nn.Module) -> tuple:
-    if isinstance(module, (nn.RoPE, Llama3RoPE)):
+    if isinstance(module, (nn.RoPE, Llama3RoPE, YarnRoPE)):
         return (type(module), *rope_constants(module))
     return type(module), module["weight"].shape[0], module.eps
 

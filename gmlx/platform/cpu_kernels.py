@@ -241,7 +241,7 @@ class LayerCall:
     lookups a layer (~0.6 ms a SmolLM2 step). A layer's weights never change after load."""
 
     def __init__(self, block, rope: tuple):
-        """rope: the attention's (dims, traditional, base, scale, freqs) (cpu_decode_ops.rope_constants)."""
+        """rope: the attention's (dims, traditional, base, scale, freqs, mscale) (cpu_decode_ops.rope_constants)."""
         attention, mlp = block.self_attn, block.mlp
         norm = block.input_layernorm
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
@@ -313,10 +313,11 @@ def has_token_logprobs() -> bool:
     return is_available() and hasattr(extension(), "token_logprobs")
 
 
-def rope(x, dims: int, traditional: bool, base: float, scale: float, offset, freqs=()):
+def rope(x, dims: int, traditional: bool, base: float, scale: float, offset, freqs=(), mscale: float = 1.0):
     """mx.fast.rope for float32 x (B, ..., T, D); offset an int32 array, scalar or one per row b;
-    freqs: mx.fast.rope's (dims / 2 of them; base is then unused)."""
-    return extension().rope(x, dims, traditional, base, scale, offset, list(freqs))
+    freqs: mx.fast.rope's (dims / 2 of them; base is then unused); mscale: YaRN's factor on the
+    rotated features."""
+    return extension().rope(x, dims, traditional, base, scale, offset, list(freqs), mscale)
 
 
 def ragged_attention(q, keys, values, offset, scale: float):

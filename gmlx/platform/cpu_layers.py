@@ -40,7 +40,8 @@ from gmlx import config
 from gmlx.cache.ragged import RaggedKVCache
 from gmlx.platform import cpu_kernels
 from gmlx.platform.cpu_attention import _KernelAttention
-from gmlx.platform.cpu_decode_ops import KernelLlama3RoPE, KernelRMSNorm, KernelRoPE, _KernelMLP, rope_constants
+from gmlx.platform.cpu_decode_ops import (KernelLlama3RoPE, KernelRMSNorm, KernelRoPE, KernelYarnRoPE, _KernelMLP,
+                                          rope_constants)
 from gmlx.platform.cpu_float import KernelLinear
 from gmlx.platform.cpu_quantized import KernelQuantizedLinear
 
@@ -190,7 +191,7 @@ def is_fusable(block: nn.Module) -> bool:
         norms += [attn.q_norm, attn.k_norm]
     elif "q_norm" in attn:
         return False
-    return (isinstance(attn, _KernelAttention) and type(attn.rope) in (KernelRoPE, KernelLlama3RoPE)
+    return (isinstance(attn, _KernelAttention) and type(attn.rope) in (KernelRoPE, KernelLlama3RoPE, KernelYarnRoPE)
             and isinstance(mlp, _KernelMLP) and all(_is_packed(p) for p in products)
             and len({p.bits for p in products}) == 1 and all(type(n) is KernelRMSNorm for n in norms))
 

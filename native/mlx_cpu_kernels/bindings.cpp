@@ -72,12 +72,12 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
-        "freqs"_a = std::vector<float>{},
+        "freqs"_a = std::vector<float>{}, "mscale"_a = 1.0f,
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b (freqs: "
-        "mx.fast.rope's, dims / 2 of them, base then unused)");
+        "mx.fast.rope's, dims / 2 of them, base then unused; mscale: YaRN's factor on the rotated features)");
   m.def("attention_inputs", &gmlx_kernels::attention_inputs, "x"_a, "norm_weight"_a, "eps"_a, "offset"_a, "quads"_a,
         "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a, "bits"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
-        "rope_scale"_a, "rope_freqs"_a = std::vector<float>{},
+        "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f,
         "rms_norm, the q/k/v quad-layout products and RoPE of a llama layer as one node: [q, k, v]");
   m.def("project_add", &gmlx_kernels::project_add, "a"_a, "quads"_a, "residual"_a, "bits"_a,
         "residual + a @ W.T over a quad-layout W, one node");
@@ -86,7 +86,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("decoder_layer", &gmlx_kernels::decoder_layer, "x"_a, "offset"_a, "keys"_a, "values"_a,
         "input_norm_weight"_a, "post_norm_weight"_a, "eps"_a, "weights"_a, "num_q_heads"_a, "num_kv_heads"_a,
         "head_dim"_a, "hidden_dims"_a, "bits"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a,
-        "rope_base"_a, "rope_scale"_a, "rope_freqs"_a = std::vector<float>{},
+        "rope_base"_a, "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f,
         "A whole llama layer as one node (attention_inputs, the KV write at offset, ragged attention, project_add, "
         "mlp_block): [h, keys, values], the KV buffers (no other array may share them) written in place");
   nb::class_<LayerStackHandle>(m, "LayerStack", "The weights of a model's llama layers, one shape, for decoder_stack")
@@ -96,14 +96,14 @@ NB_MODULE(_cpu_kernels, m) {
              const std::vector<mlx::core::array>& post_norms, const std::vector<std::vector<mlx::core::array>>& weights,
              float eps, int num_q_heads, int num_kv_heads, int head_dim, int hidden_dims, int bits,
              float attention_scale, int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-             const std::vector<float>& rope_freqs) {
+             const std::vector<float>& rope_freqs, float rope_mscale) {
             new (self) LayerStackHandle{std::make_shared<const gmlx_kernels::LayerStack>(
                 input_norms, post_norms, weights, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims, bits,
-                attention_scale, rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs)};
+                attention_scale, rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs, rope_mscale)};
           },
           "input_norms"_a, "post_norms"_a, "weights"_a, "eps"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a,
           "hidden_dims"_a, "bits"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
-          "rope_scale"_a, "rope_freqs"_a = std::vector<float>{})
+          "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f)
       .def_prop_ro("num_layers", [](const LayerStackHandle& h) { return h.stack->num_layers(); });
   m.def(
       "decoder_stack",

@@ -79,6 +79,7 @@ RopeArgs head_rope_args(const float* x, const SegmentRows& rows, int64_t num_hea
   args.base = rope.base;
   args.scale = rope.scale;
   args.freqs = rope.freqs.empty() ? nullptr : rope.freqs.data();
+  args.mscale = rope.mscale;
   return args;
 }
 
@@ -383,7 +384,7 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
                                         const mx::array& offset, const std::vector<mx::array>& quads,
                                         int num_q_heads, int num_kv_heads, int head_dim, int bits,
                                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                                        const std::vector<float>& rope_freqs) {
+                                        const std::vector<float>& rope_freqs, float rope_mscale) {
   if (x.ndim() != 3 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(2) || x.shape(2) % 32 != 0) {
     throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
   }
@@ -402,7 +403,7 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
       {q_shape, kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
                                        head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale,
-                                                             rope_freqs}),
+                                                             rope_freqs, rope_mscale}),
       with_head_norms({as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s),
                        as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]},
                       quads, 3, s));
@@ -446,7 +447,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
                                      int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
                                      bool rope_traditional, float rope_base, float rope_scale,
-                                     const std::vector<float>& rope_freqs) {
+                                     const std::vector<float>& rope_freqs, float rope_mscale) {
   if (x.ndim() != 3 || x.shape(2) % 32 != 0 || hidden_dims % 32 != 0) {
     throw std::invalid_argument("decoder_layer: x must be (B, T, D), D and hidden_dims multiples of 32");
   }
@@ -476,7 +477,8 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
       {x.shape(), kv_shape, kv_shape}, {mx::float32, kv_dtype, kv_dtype},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kLayer, bits, eps, num_q_heads, num_kv_heads, head_dim,
                                        hidden_dims,
-                                       RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs},
+                                       RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs,
+                                                rope_mscale},
                                        attention_scale),
       with_head_norms(std::move(inputs), weights, 7, s));
 }
@@ -541,12 +543,12 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
                        const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads,
                        int num_kv_heads, int head_dim, int hidden_dims, int bits, float attention_scale,
                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                       const std::vector<float>& rope_freqs)
+                       const std::vector<float>& rope_freqs, float rope_mscale)
     : input_norms_(input_norms),
       post_norms_(post_norms),
       weights_(weights),
       shape_{bits, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
-             RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs}, attention_scale} {
+             RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs, rope_mscale}, attention_scale} {
   if (input_norms.empty() || post_norms.size() != input_norms.size() || weights.size() != input_norms.size()) {
     throw std::invalid_argument("LayerStack: one input norm, post norm and weight list per layer, at least one");
   }
@@ -699,7 +701,8 @@ bool DecoderLayerOp::is_equivalent(const mx::Primitive& other) const {
   return kind_ == o.kind_ && bits_ == o.bits_ && eps_ == o.eps_ && num_q_heads_ == o.num_q_heads_ &&
          num_kv_heads_ == o.num_kv_heads_ && head_dim_ == o.head_dim_ && hidden_dims_ == o.hidden_dims_ &&
          rope_.dims == o.rope_.dims && rope_.traditional == o.rope_.traditional && rope_.base == o.rope_.base &&
-         rope_.scale == o.rope_.scale && rope_.freqs == o.rope_.freqs && attention_scale_ == o.attention_scale_;
+         rope_.scale == o.rope_.scale && rope_.freqs == o.rope_.freqs &&
+         rope_.mscale == o.rope_.mscale && attention_scale_ == o.attention_scale_;
 }
 
 }  // namespace gmlx_kernels

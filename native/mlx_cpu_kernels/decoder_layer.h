@@ -29,6 +29,7 @@ struct RopeSpec {
   bool traditional;
   float base, scale;
   std::vector<float> freqs;  // dims / 2 (Llama 3's scaled rope) or none: base^(2i / dims) (rope.h)
+  float mscale = 1.0f;  // YaRN's factor on the rotated features
 };
 
 // A llama layer's sizes and constants (what its weights do not say).
@@ -67,7 +68,7 @@ class LayerStack {
   LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
              const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads, int num_kv_heads,
              int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims, bool rope_traditional,
-             float rope_base, float rope_scale, const std::vector<float>& rope_freqs = {});
+             float rope_base, float rope_scale, const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f);
   int num_layers() const { return static_cast<int>(input_norms_.size()); }
   int dims() const { return input_norms_[0].shape(0); }
   const LayerShape& shape() const { return shape_; }
@@ -85,7 +86,7 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
                                         const mx::array& offset, const std::vector<mx::array>& quads,
                                         int num_q_heads, int num_kv_heads, int head_dim, int bits,
                                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                                        const std::vector<float>& rope_freqs = {});
+                                        const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f);
 // a (..., K), residual (..., N).
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits);
 // h (..., D); gate and up quads (F outputs of D), down quads (D outputs of F).
@@ -103,7 +104,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
                                      int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
                                      bool rope_traditional, float rope_base, float rope_scale,
-                                     const std::vector<float>& rope_freqs = {});
+                                     const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f);
 
 // Every layer of the stack in one node, each as decoder_layer runs it (the same bits), over one or
 // more segments: rows of their own caches (a round's decode rows and the prompt chunks it carries)

@@ -43,8 +43,8 @@ void fill_angles(void* context, int64_t chunk) {
     const double angle_scale = static_cast<double>(static_cast<float>(position) * a.scale);
     for (int i = 0; i < half; ++i) {
       const double angle = angle_scale * job->inv_freqs[i];
-      job->angles->cosines[r * half + i] = static_cast<float>(std::cos(angle));
-      job->angles->sines[r * half + i] = static_cast<float>(std::sin(angle));
+      job->angles->cosines[r * half + i] = static_cast<float>(a.mscale * std::cos(angle));
+      job->angles->sines[r * half + i] = static_cast<float>(a.mscale * std::sin(angle));
     }
   }
 }
@@ -116,7 +116,7 @@ void check_rope(int dims, const std::vector<float>& freqs, int64_t head_dim, con
 }
 
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset,
-               const std::vector<float>& freqs) {
+               const std::vector<float>& freqs, float mscale) {
   if (x.ndim() < 2) throw std::invalid_argument("rope: x needs >= 2 dims (..., T, D)");
   check_rope(dims, freqs, x.shape(-1), "rope");
   const bool is_per_row = x.ndim() >= 3 && offset.size() == static_cast<size_t>(x.shape(0));
@@ -125,7 +125,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
   }
   if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("rope: offset must be integer");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale, freqs),
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, base, scale, freqs, mscale),
                    {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s)});
 }
 
@@ -140,7 +140,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   encoder.set_output_array(y);
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), offset = mx::array::unsafe_weak_copy(offset),
                     y_data = y.data<float>(), dims = dims_, traditional = traditional_, base = base_,
-                    scale = scale_, freqs = freqs_]() {  // the task may outlive this primitive: a copy
+                    scale = scale_, freqs = freqs_, mscale = mscale_]() {  // the task may outlive this primitive: a copy
     RopeArgs job;
     const int ndim = x.ndim();
     job.num_b = ndim > 2 ? x.shape(0) : 1;
@@ -181,6 +181,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
     job.base = base;
     job.scale = scale;
     job.freqs = freqs.empty() ? nullptr : freqs.data();
+    job.mscale = mscale;
     rotate(job);
   });
 }
@@ -192,7 +193,7 @@ void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 bool Rope::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Rope&>(other);
   return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ &&
-         freqs_ == o.freqs_;
+         freqs_ == o.freqs_ && mscale_ == o.mscale_;
 }
 
 }  // namespace gmlx_kernels

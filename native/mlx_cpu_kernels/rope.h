@@ -14,10 +14,11 @@ namespace mx = mlx::core;
 // mx.fast.rope's arithmetic for float32 x (B, ..., T, D): element pairs of the first
 // `dims` features turn by (offset[b] + t) * scale * base^(-2i / dims), or with `freqs`
 // (dims / 2 of them, mx.fast.rope's: Llama 3's scaled rope) by (offset[b] + t) * scale / freqs[i];
-// offset is an int scalar or one per row b. The angle's cosine and sine come from double
-// precision, so a position's rotation is the same bits in every call, whatever else it holds.
+// offset is an int scalar or one per row b. mscale (YaRN's attention factor) multiplies the
+// rotated features. The angle's cosine and sine (times mscale) come from double precision, so a
+// position's rotation is the same bits in every call, whatever else it holds.
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset,
-               const std::vector<float>& freqs = {});
+               const std::vector<float>& freqs = {}, float mscale = 1.0f);
 // ValueError-style check of a rope's dims and freqs against a head of head_dim features.
 void check_rope(int dims, const std::vector<float>& freqs, int64_t head_dim, const std::string& who);
 
@@ -34,6 +35,7 @@ struct RopeArgs {
   bool traditional;
   float base, scale;
   const float* freqs = nullptr;  // dims / 2 of them, or nullptr: base^(2i / dims)
+  float mscale = 1.0f;  // the rotated features' factor (YaRN)
 };
 void rotate(const RopeArgs& args);
 
@@ -48,9 +50,10 @@ void rotate_with(const RopeArgs& args, const RopeAngles& angles);
 
 class Rope : public mx::Primitive {
  public:
-  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale, std::vector<float> freqs)
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale, std::vector<float> freqs,
+       float mscale)
       : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale),
-        freqs_(std::move(freqs)) {}
+        freqs_(std::move(freqs)), mscale_(mscale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -63,6 +66,7 @@ class Rope : public mx::Primitive {
   float base_;
   float scale_;
   std::vector<float> freqs_;
+  float mscale_;
 };
 
 }  // namespace gmlx_kernels
