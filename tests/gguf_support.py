@@ -45,10 +45,12 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = None,
                            quant_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                           end_of_turn_id: int | None = None, rope_scaling: dict | None = None) -> Path:
+                           end_of_turn_id: int | None = None, rope_scaling: dict | None = None,
+                           types: dict | None = None) -> Path:
     """A GGUF of the mlx-lm folder's model: 2-D weights stored as `quant_type`, the rest F32;
     end_of_turn_id: an end-of-turn token (tokenizer.ggml.eot_token_id) besides its EOS;
-    rope_scaling: the scaling the file says, in place of the folder's (for files mlx-lm cannot build)."""
+    rope_scaling: the scaling the file says, in place of the folder's (for files mlx-lm cannot build);
+    types: GGUF tensor name -> its type where it is not `quant_type` (mixed files, as llama.cpp writes)."""
     import mlx.core as mx
     import mlx_lm
 
@@ -87,8 +89,9 @@ def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = N
         part = name.split(".", 3)[-1].rsplit(".", 1)[0] if name.startswith("model.layers.") else ""
         if is_permuted and part in heads:
             array = permute_rows(array, heads[part])
-        if array.ndim == 2 and quant_type != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, quant_type), raw_dtype=quant_type)
+        tensor_type = (types or {}).get(gguf_name(name), quant_type)
+        if array.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, tensor_type), raw_dtype=tensor_type)
         else:
             writer.add_tensor(gguf_name(name), array)
     writer.write_header_to_file()

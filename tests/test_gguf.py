@@ -11,6 +11,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import make_random_model_dir
@@ -121,6 +122,36 @@ def test_other_quant_types_are_requantized_to_8_bits_with_a_log_line(tiny_folder
         groups = exact.reshape(exact.shape[0], -1, 32)
         span = (groups.max(axis=-1) - groups.min(axis=-1))[..., None]
         assert (mx.abs(got.reshape(groups.shape) - groups) <= span / 400 + 1e-6).all().item()
+
+
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_read_past_mx_load_are_the_triplets_mx_load_makes(tiny_folders, tmp_path, quant_type):
+    from gmlx.models.gguf import _affine_triplets
+
+    path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "blocks.gguf",
+                                  quant_type=gguf.GGMLQuantizationType[quant_type])
+    expected = mx.load(str(path))
+    num_checked = 0
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if tensor.tensor_type.name == quant_type:
+            for name, got in _affine_triplets(tensor.name, quant_type, np.asarray(tensor.data)).items():
+                assert got.dtype == expected[name].dtype and mx.array_equal(got, expected[name]).item(), name
+            num_checked += 1
+    assert num_checked >= 14  # 7 products in each of 2 layers, and the head
+
+
+def test_a_file_mx_load_refuses_keeps_its_4_bit_layers_at_4_bits(tiny_folders, tmp_path):
+    # llama.cpp gives a Llama 3 Q4_0 file a Q6_K output: the whole file then goes through the gguf
+    # package, whose reading must keep the Q4_0 layers what mx.load makes of them.
+    folder = tiny_folders["llama"]
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    pure = load_model(write_gguf_from_folder(folder, tmp_path / "pure.gguf", quant_type=q4_0))
+    mixed = load_model(write_gguf_from_folder(folder, tmp_path / "mixed.gguf", quant_type=q4_0,
+                                              types={"output.weight": gguf.GGMLQuantizationType.Q5_0}))
+    for a, b in zip(pure.model.model.layers, mixed.model.model.layers):
+        for (name, x), (_, y) in zip(tree_flatten(a.parameters()), tree_flatten(b.parameters())):
+            assert x.dtype == y.dtype and mx.array_equal(x, y).item(), name
+    assert mixed.model.model.layers[0].self_attn.q_proj.bits == 4 and mixed.model.lm_head.bits == 8
 
 
 def test_an_end_of_turn_token_ends_generation_as_eos_does(tiny_folders, tmp_path):

@@ -2,8 +2,9 @@
 
 `mx.load` reads GGUF natively: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0 as MLX affine triplets
 (weight, scales, biases; group 32). It refuses every other type, so a file holding K-quants is
-read with the `gguf` package instead (said in a log line): its quantized matrices requantized to
-MLX 8-bit, group 32, the rest float16.
+read with the `gguf` package instead (said in a log line): its Q4_0/Q4_1/Q8_0 blocks become the
+same triplets, its other quantized matrices are requantized to MLX 8-bit (group 32), the rest
+float16.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from gmlx.models.gguf_check import check_gguf_structure
 from gmlx.models.gguf_tokenizer import make_tokenizer
@@ -46,6 +48,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# The block types mx.load keeps as MLX affine triplets: (bits, header bytes before the levels).
+_AFFINE_BLOCKS = {"Q4_0": (4, 2), "Q4_1": (4, 4), "Q8_0": (8, 2)}
 _END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 # Tensors that become config, not parameters: Llama 3's per-pair RoPE divisors (llama3_rope.py).
 _ROPE_FREQS = "rope_freqs.weight"
@@ -102,8 +106,8 @@ def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     types = sorted({t.tensor_type.name for t in reader.tensors})
     logger.warning("GGUF %s: tensor types %s include some MLX cannot keep quantized; reading them with the "
-                   "gguf package: quantized matrices requantized to 8 bits (group 32), the rest float16",
-                   path, ", ".join(types))
+                   "gguf package: Q4_0/Q4_1/Q8_0 as mx.load keeps them, other quantized matrices requantized "
+                   "to 8 bits (group 32), the rest float16", path, ", ".join(types))
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     weights = {}
     for tensor in reader.tensors:
@@ -114,12 +118,38 @@ def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict
                              f"which the gguf package cannot dequantize") from exc
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         array = mx.array(values.reshape(shape))
-        if tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % _GROUP_SIZE == 0:
+        if tensor.tensor_type.name in _AFFINE_BLOCKS and len(shape) == 2:
+            weights.update(_affine_triplets(tensor.name, tensor.tensor_type.name, np.asarray(tensor.data)))
+        elif tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % _GROUP_SIZE == 0:
             weights.update(_requantized(tensor.name, array))
         else:
             # The RoPE divisors are matched to a formula to 1e-4: float16 would round them past that.
             weights[tensor.name] = array.astype(mx.float32 if tensor.name == _ROPE_FREQS else mx.float16)
     return weights, metadata
+
+
+def _affine_triplets(name: str, kind: str, blocks: np.ndarray) -> dict:
+    """Q4_0, Q4_1 or Q8_0 rows (bytes, rows x blocks) as MLX affine triplets, group 32, exactly
+    (what mx.load makes of them): a file that needs the gguf package for another type (a
+    Q4_0 model's Q6_K output) keeps these at their own bits."""
+    bits, header = _AFFINE_BLOCKS[kind]
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, header + 32 * bits // 8)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":  # signed levels d * q: unsigned q + 128, bias -128 d
+        levels = (blocks[..., header:].view(np.int8).astype(np.int16) + 128).astype(np.uint32)
+        biases = scales * np.float16(-128)
+    else:  # byte j holds level j (low nibble) and level j + 16 (high)
+        packed_levels = blocks[..., header:]
+        levels = np.concatenate([packed_levels & 0x0F, packed_levels >> 4], axis=-1).astype(np.uint32)
+        biases = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else scales * np.float16(-8)
+    per_word = 32 // bits
+    words = levels.reshape(rows, -1, per_word)
+    weight = np.zeros(words.shape[:2], dtype=np.uint32)
+    for k in range(per_word):
+        weight |= words[..., k] << np.uint32(bits * k)
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return {f"{base}.weight": mx.array(weight), f"{base}.scales": mx.array(scales), f"{base}.biases": mx.array(biases)}
 
 
 def _requantized(name: str, values: mx.array) -> dict:
