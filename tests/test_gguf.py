@@ -292,7 +292,7 @@ def test_rope_scaling_gmlx_cannot_match_is_refused_by_name(tmp_path, scaling, me
 @pytest.mark.parametrize("scaling, base, num_dims", [
     ({"factor": 32.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 500000.0, 64),  # Llama 3.2
     ({"factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 500000.0, 128),  # Llama 3.1
-    ({"factor": 8.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 256}, 1000.0, 16),  # the tiny test model
+    ({"factor": 8.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 256}, 1000.0, 16),  # the tiny model
 ])
 def test_llama3_numbers_come_back_from_their_divisors(scaling, base, num_dims):
     from gmlx.models.llama3_rope import factors_of, scaling_of

@@ -138,9 +138,10 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   encoder.set_input_array(x);
   encoder.set_input_array(offset);
   encoder.set_output_array(y);
+  // The task may outlive this primitive: it holds its own copy of the frequencies.
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), offset = mx::array::unsafe_weak_copy(offset),
                     y_data = y.data<float>(), dims = dims_, traditional = traditional_, base = base_,
-                    scale = scale_, freqs = freqs_, mscale = mscale_]() {  // the task may outlive this primitive: a copy
+                    scale = scale_, freqs = freqs_, mscale = mscale_]() {
     RopeArgs job;
     const int ndim = x.ndim();
     job.num_b = ndim > 2 ? x.shape(0) : 1;
