@@ -111,16 +111,17 @@ def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     weights = {}
     for tensor in reader.tensors:
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        if tensor.tensor_type.name in _AFFINE_BLOCKS and len(shape) == 2:  # from the blocks' bytes, no dequantize
+            weights.update(_affine_triplets(tensor.name, tensor.tensor_type.name, np.asarray(tensor.data)))
+            continue
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
                              f"which the gguf package cannot dequantize") from exc
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         array = mx.array(values.reshape(shape))
-        if tensor.tensor_type.name in _AFFINE_BLOCKS and len(shape) == 2:
-            weights.update(_affine_triplets(tensor.name, tensor.tensor_type.name, np.asarray(tensor.data)))
-        elif tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % _GROUP_SIZE == 0:
+        if tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % _GROUP_SIZE == 0:
             weights.update(_requantized(tensor.name, array))
         else:
             # The RoPE divisors are matched to a formula to 1e-4: float16 would round them past that.
