@@ -144,13 +144,7 @@ def _affine_triplets(name: str, kind: str, blocks: np.ndarray) -> dict:
         packed_levels = blocks[..., header:]
         levels = np.concatenate([packed_levels & 0x0F, packed_levels >> 4], axis=-1).astype(np.uint32)
         biases = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else scales * np.float16(-8)
-    per_word = 32 // bits
-    words = levels.reshape(rows, -1, per_word)
-    weight = np.zeros(words.shape[:2], dtype=np.uint32)
-    for k in range(per_word):
-        weight |= words[..., k] << np.uint32(bits * k)
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return {f"{base}.weight": mx.array(weight), f"{base}.scales": mx.array(scales), f"{base}.biases": mx.array(biases)}
+    return _triplets(name, mx.array(levels.reshape(rows, -1)), bits, mx.array(scales), mx.array(biases))
 
 
 def _requantized(name: str, values: mx.array) -> dict:
@@ -158,7 +152,6 @@ def _requantized(name: str, values: mx.array) -> dict:
     float16's bytes: a 32-value group of these types holds at most 32 distinct levels, and 256
     keep each value within ~1/400 of its group's range (1/510 from the levels, the rest from
     float16 scales). The compute format then picks its kernels as for Q8_0."""
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
     rows, columns = values.shape
     groups = values.astype(mx.float32).reshape(rows, columns // _GROUP_SIZE, _GROUP_SIZE)
     low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
@@ -168,9 +161,19 @@ def _requantized(name: str, values: mx.array) -> dict:
     biases = low.astype(mx.float16)
     step = mx.where(scales == 0, 1.0, scales.astype(mx.float32))
     levels = mx.clip(mx.round((groups - biases.astype(mx.float32)) / step), 0, 255).astype(mx.uint32)
-    packed = levels.reshape(rows, columns // 4, 4)
-    weight = packed[..., 0] | (packed[..., 1] << 8) | (packed[..., 2] << 16) | (packed[..., 3] << 24)
-    return {f"{base}.weight": weight, f"{base}.scales": scales.squeeze(-1), f"{base}.biases": biases.squeeze(-1)}
+    return _triplets(name, levels.reshape(rows, columns), 8, scales.squeeze(-1), biases.squeeze(-1))
+
+
+def _triplets(name: str, levels: mx.array, bits: int, scales: mx.array, biases: mx.array) -> dict:
+    """A matrix's unsigned levels (rows, columns) packed as MLX packs them (32 / bits a uint32 word,
+    level k of a word at bit bits * k), under its module's weight, scales and biases names."""
+    per_word = 32 // bits
+    words = levels.reshape(levels.shape[0], -1, per_word)
+    weight = words[..., 0]
+    for k in range(1, per_word):
+        weight = weight | (words[..., k] << bits * k)
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return {f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases}
 
 
 def _to_python(value):
