@@ -39,18 +39,14 @@ _PROBE_POSITIONS = (3, 70, 1100)  # one offset per probe row
 
 class KernelRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        if not isinstance(offset, mx.array):
-            offset = mx.array(offset, dtype=mx.int32)
-        return cpu_kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+        return cpu_kernels.rope(x, self.dims, self.traditional, self.base, self.scale, _offset_array(offset))
 
 
 class KernelLlama3RoPE(Llama3RoPE):
     """mlx-lm's Llama 3 scaled rope in the kernels: its frequencies as mx.fast.rope takes them."""
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        if not isinstance(offset, mx.array):
-            offset = mx.array(offset, dtype=mx.int32)
-        return cpu_kernels.rope(x, self.dims, self.traditional, 1.0, 1.0, offset, kernel_freqs(self))
+        return cpu_kernels.rope(x, self.dims, self.traditional, 1.0, 1.0, _offset_array(offset), kernel_freqs(self))
 
 
 class KernelYarnRoPE(YarnRoPE):
@@ -59,9 +55,13 @@ class KernelYarnRoPE(YarnRoPE):
     def __call__(self, x: mx.array, offset=0, scale=1.0, inverse=False) -> mx.array:
         if scale != 1.0 or inverse:  # not what a model's attention asks: mlx-lm's own call
             return super().__call__(x, offset, scale, inverse)
-        if not isinstance(offset, mx.array):
-            offset = mx.array(offset, dtype=mx.int32)
-        return cpu_kernels.rope(x, self.dims, self.traditional, 1.0, 1.0, offset, kernel_freqs(self), self.mscale)
+        return cpu_kernels.rope(x, self.dims, self.traditional, 1.0, 1.0, _offset_array(offset), kernel_freqs(self),
+                                self.mscale)
+
+
+def _offset_array(offset) -> mx.array:
+    """A rope call's offset as the kernels take it: an int32 array (a scalar or one per row)."""
+    return offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
 
 
 def kernel_freqs(rope: Llama3RoPE | YarnRoPE) -> tuple[float, ...]:
