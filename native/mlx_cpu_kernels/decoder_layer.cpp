@@ -147,13 +147,6 @@ void check_heads(int num_q_heads, int num_kv_heads, const std::string& who) {
 }
 
 // RoPE over the first rope_dims of each head: even, at most head_dim.
-void check_rope_dims(int rope_dims, const std::vector<float>& rope_freqs, int head_dim, const std::string& who) {
-  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > head_dim) {
-    throw std::invalid_argument(who + ": rope dims must be even and at most head_dim");
-  }
-  check_rope(rope_dims, rope_freqs, head_dim, who);
-}
-
 // An offset is a scalar or one per row of x (B, ...).
 void check_offset(const mx::array& offset, const mx::array& x, const std::string& who) {
   if (!(offset.ndim() == 0 || (offset.ndim() == 1 && (offset.size() == 1 || offset.shape(0) == x.shape(0))))) {
@@ -389,7 +382,7 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
     throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
   }
   check_head_norms(quads, 3, head_dim, "attention_inputs");
-  check_rope_dims(rope_dims, rope_freqs, head_dim, "attention_inputs");
+  check_rope(rope_dims, rope_freqs, head_dim, "attention_inputs");
   check_offset(offset, x, "attention_inputs");
   const int dims = x.shape(2);
   check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
@@ -457,7 +450,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
   }
   check_head_norms(weights, 7, head_dim, "decoder_layer");
   check_heads(num_q_heads, num_kv_heads, "decoder_layer");
-  check_rope_dims(rope_dims, rope_freqs, head_dim, "decoder_layer");
+  check_rope(rope_dims, rope_freqs, head_dim, "decoder_layer");
   const mx::Shape kv_shape = {x.shape(0), num_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, head_dim};
   if (keys.shape() != kv_shape || values.shape() != kv_shape || keys.shape(2) < x.shape(1)) {
     throw std::invalid_argument("decoder_layer: keys and values must be (B, Hkv, S, Dh) with S >= T");
@@ -553,7 +546,7 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
     throw std::invalid_argument("LayerStack: one input norm, post norm and weight list per layer, at least one");
   }
   check_heads(num_q_heads, num_kv_heads, "LayerStack");
-  check_rope_dims(rope_dims, rope_freqs, head_dim, "LayerStack");
+  check_rope(rope_dims, rope_freqs, head_dim, "LayerStack");
   if (hidden_dims % 32 != 0) throw std::invalid_argument("LayerStack: hidden_dims must be a multiple of 32");
   const int dims = input_norms[0].ndim() == 1 ? input_norms[0].shape(0) : 0;
   if (dims % 32 != 0 || dims == 0) throw std::invalid_argument("LayerStack: norm weights (D,), D a multiple of 32");
