@@ -147,6 +147,23 @@ def gguf_like_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kquant_like_target(tmp_path_factory):
+    """gguf_like_target with 8-bit products among the 4-bit ones, each layer its own, as a
+    Q4_K_M file arrives (Q4_K at 4 bits, its Q6_K and fallback Q5_0 tensors at 8)."""
+    import mlx_lm
+
+    from kernel_support import load_quantized_copy
+
+    folder = make_random_model_dir(tmp_path_factory.mktemp("tiny_llama_kquant"), tie_word_embeddings=True)
+    model, _ = mlx_lm.load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    eight_bit = ("model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                 "model.layers.1.mlp.up_proj")
+    return load_quantized_copy(model, config, folder, tmp_path_factory.mktemp("tiny_llama_kquant_like"),
+                               is_gguf_like=True, eight_bit_modules=eight_bit)
+
+
+@pytest.fixture(scope="session")
 def code_prompts(builtin_target) -> list[list[int]]:
     """Token prompts cut from real source text, of varied lengths."""
     import email.message as source_module

@@ -61,15 +61,17 @@ def check_schedules_with_drafter(target, kind: str, code_prompts, seeds) -> int:
 
 
 def load_quantized_copy(model: nn.Module, config: dict, tokenizer_dir: Path, folder: Path,
-                        is_gguf_like: bool = False):
+                        is_gguf_like: bool = False, eight_bit_modules: tuple = ()):
     """`model` quantized to 4 bits (group 32), saved in `folder` the way mlx-lm stores quantized
     folders, and loaded by gmlx in the 4-bit compute format (on CPU `auto` may choose float32).
 
     is_gguf_like: as a Q4_1 GGUF arrives: scales and biases float16 holds exactly, and the
-    embedding (the tied head where the config ties it) at 8 bits, like its Q8_0 token table."""
+    embedding (the tied head where the config ties it) at 8 bits, like its Q8_0 token table.
+    eight_bit_modules: module paths kept at 8 bits, as a K-quant GGUF mixes them within a layer."""
     quantization = {"group_size": 32, "bits": 4}
     if is_gguf_like:
         quantization["model.embed_tokens"] = {"group_size": 32, "bits": 8}
+    quantization.update({path: {"group_size": 32, "bits": 8} for path in eight_bit_modules})
 
     def per_module(path, module):
         return quantization.get(path, hasattr(module, "to_quantized"))

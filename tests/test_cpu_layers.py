@@ -27,10 +27,11 @@ FUSED_BLOCKS = (FusedLlamaBlock, FusedQwen3Block)
 STACKED_BODIES = (StackedLlamaModel, StackedQwen3Model)
 
 
-@pytest.fixture(scope="module", params=["gguf_like_target", "tiny_target", "builtin_target"])
+@pytest.fixture(scope="module", params=["gguf_like_target", "kquant_like_target", "tiny_target", "builtin_target"])
 def fused_and_unfused(request):
     """A model loaded with its layers fused (quad layout, or float32 panels) and without: llama
-    layers (4-bit, float32) and the built-in model's qwen3 layers (q and k head norms)."""
+    layers (4-bit, 4 and 8 bits mixed, float32) and the built-in model's qwen3 layers (q and k
+    head norms)."""
     fused = request.getfixturevalue(request.param)
     with env_overrides({"GMLX_CPU_FUSED_LAYERS": "0"}):
         return fused, load_model(fused.path)
@@ -40,6 +41,13 @@ def test_layers_are_fused_and_the_switch_keeps_them_apart(fused_and_unfused):
     fused, unfused = fused_and_unfused
     assert all(type(layer) in FUSED_BLOCKS for layer in fused.model.model.layers)
     assert not any(type(layer) in FUSED_BLOCKS for layer in unfused.model.model.layers)
+
+
+def test_products_of_mixed_bits_fuse_into_one_stack(kquant_like_target):
+    # A Q4_K_M file's layers mix 4 and 8 bits, each layer its own way: still one node a step.
+    layers = kquant_like_target.model.model.layers
+    assert [layer._layer_call.layer_bits for layer in layers] == [[4, 4, 8, 4, 4, 4, 8], [8, 4, 4, 4, 4, 8, 4]]
+    assert type(kquant_like_target.model.model) in STACKED_BODIES
 
 
 def test_the_one_node_switch_keeps_six_nodes(fused_and_unfused):
@@ -115,15 +123,15 @@ def test_fused_ops_refuse_mismatched_shapes():
     ext = cpu_kernels.extension()
     x = mx.zeros((1, 2, 64))
     with pytest.raises(ValueError, match="attention_inputs: x must be"):
-        ext.attention_inputs(mx.zeros((2, 64)), mx.ones((64,)), 1e-5, mx.array([0]), [], 4, 2, 16, 4, 16, False,
-                             1e4, 1.0)
+        ext.attention_inputs(mx.zeros((2, 64)), mx.ones((64,)), 1e-5, mx.array([0]), [], 4, 2, 16, [4] * 3, 16,
+                             False, 1e4, 1.0)
     with pytest.raises(ValueError, match="attention_inputs: the products. weights, then optionally the q and k"):
-        ext.attention_inputs(x, mx.ones((64,)), 1e-5, mx.array([0]), [], 4, 2, 16, 4, 16, False, 1e4, 1.0)
+        ext.attention_inputs(x, mx.ones((64,)), 1e-5, mx.array([0]), [], 4, 2, 16, [4] * 3, 16, False, 1e4, 1.0)
     with pytest.raises(ValueError, match="project_add: quads must be the uint8 layout of 64 outputs x 64 inputs"):
         ext.project_add(x, mx.zeros((10,), dtype=mx.uint8), x, 4)
     with pytest.raises(ValueError, match="mlp_block gate"):
         ext.mlp_block(x, mx.ones((64,)), 1e-5, mx.zeros((10,), dtype=mx.uint8), mx.zeros((10,), dtype=mx.uint8),
-                      mx.zeros((10,), dtype=mx.uint8), 128, 4)
+                      mx.zeros((10,), dtype=mx.uint8), 128, [4] * 3)
 
 
 def test_the_layer_stack_refuses_bad_weights_and_buffers(fused_and_unfused):
@@ -132,11 +140,14 @@ def test_the_layer_stack_refuses_bad_weights_and_buffers(fused_and_unfused):
     call = target.model.model.layers[0]._layer_call
     input_norm, post_norm, eps, weights = call.layer_weights
     with pytest.raises(ValueError, match="LayerStack: the products. weights, then optionally the q and k head norms"):
-        ext.LayerStack([input_norm], [post_norm], [weights[:6]], eps, *call.layer_shape)
+        ext.LayerStack([input_norm], [post_norm], [weights[:6]], [call.layer_bits], eps, *call.layer_sizes,
+                       *call.layer_constants)
     with pytest.raises(ValueError, match="LayerStack q"):
-        ext.LayerStack([input_norm], [post_norm], [[weights[4], *weights[1:]]], eps, *call.layer_shape)
+        ext.LayerStack([input_norm], [post_norm], [[weights[4], *weights[1:]]], [call.layer_bits], eps,
+                       *call.layer_sizes, *call.layer_constants)
     with pytest.raises(ValueError, match="must be evaluated"):  # the node reads them with no graph edge
-        ext.LayerStack([input_norm * 1], [post_norm], [weights], eps, *call.layer_shape)
+        ext.LayerStack([input_norm * 1], [post_norm], [weights], [call.layer_bits], eps, *call.layer_sizes,
+                       *call.layer_constants)
     x = mx.zeros((1, 1, input_norm.shape[0]))
     heads, head_dim = call.kv_heads_and_dim
     buffer = mx.zeros((1, heads, 16, head_dim))

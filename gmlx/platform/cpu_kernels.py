@@ -249,20 +249,24 @@ class LayerCall:
         head_norms = [attention.q_norm["weight"], attention.k_norm["weight"]] if "q_norm" in attention else []
         self.inputs_weights = (norm["weight"], norm.eps, [packed_weights(p) for p in projections] + head_norms)
         self.inputs_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
-                             attention.q_proj.bits, *rope)
+                             [p.bits for p in projections], *rope)
         self.scale = attention.scale
         self.output_weights, self.output_bits = packed_weights(attention.o_proj), attention.o_proj.bits
         post_norm = block.post_attention_layernorm
-        self.mlp = (post_norm["weight"], post_norm.eps, packed_weights(mlp.gate_proj), packed_weights(mlp.up_proj),
-                    packed_weights(mlp.down_proj), mlp.gate_proj.num_outputs, mlp.gate_proj.bits)
+        mlp_products = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        self.mlp = (post_norm["weight"], post_norm.eps, *[packed_weights(p) for p in mlp_products],
+                    mlp.gate_proj.num_outputs, [p.bits for p in mlp_products])
         # The whole layer in one node needs one eps for both norms (llama's config has one).
         self.is_one_node = config.is_one_node_layers_enabled() and post_norm.eps == norm.eps
+        products = (*projections, attention.o_proj, *mlp_products)
         self.layer_weights = (norm["weight"], post_norm["weight"], norm.eps,
-                              [packed_weights(p) for p in (*projections, attention.o_proj, mlp.gate_proj, mlp.up_proj,
-                                                           mlp.down_proj)] + head_norms)
-        self.layer_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
-                            mlp.gate_proj.num_outputs, attention.q_proj.bits, attention.scale, *rope)
-        self.kv_heads_and_dim = self.layer_shape[1:3]  # the KV buffers' (Hkv, Dh)
+                              [packed_weights(p) for p in products] + head_norms)
+        # Each product's bits: a K-quant GGUF mixes 4 and 8 bits within a layer and between layers.
+        self.layer_bits = [p.bits for p in products]
+        self.layer_sizes = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
+                            mlp.gate_proj.num_outputs)
+        self.layer_constants = (attention.scale, *rope)
+        self.kv_heads_and_dim = self.layer_sizes[1:3]  # the KV buffers' (Hkv, Dh)
 
     def layer(self, x, offset, keys, values):
         """The whole layer as one node: [h, keys, values], row b's new keys and values written at
@@ -270,7 +274,7 @@ class LayerCall:
         RaggedKVCache.writable_buffers); the returned keys and values alias them."""
         input_norm, post_norm, eps, weights = self.layer_weights
         return extension().decoder_layer(x, offset, keys, values, input_norm, post_norm, eps, weights,
-                                         *self.layer_shape)
+                                         *self.layer_sizes, self.layer_bits, *self.layer_constants)
 
     def attention_inputs(self, x, offset):
         """Norm, q/k/v products and RoPE as one node: q (B, Hq, T, Dh), k and v (B, Hkv, T, Dh),

@@ -93,7 +93,9 @@ class LayerStackCall:
         norms = [[mx.array(c.layer_weights[i], dtype=mx.float32) for c in calls] for i in (0, 1)]
         weights = [c.layer_weights[3] for c in calls]
         mx.eval(norms, weights)
-        self.stack = cpu_kernels.extension().LayerStack(*norms, weights, first.layer_weights[2], *first.layer_shape)
+        self.stack = cpu_kernels.extension().LayerStack(*norms, weights, [c.layer_bits for c in calls],
+                                                        first.layer_weights[2], *first.layer_sizes,
+                                                        *first.layer_constants)
         self.kv_heads_and_dim = first.kv_heads_and_dim
         self.num_layers = len(calls)
 
@@ -123,7 +125,8 @@ def can_stack(calls: list) -> bool:
     if not calls or calls[0] is None:
         return False
     first = calls[0]
-    return all(c is not None and c.is_one_node and c.layer_shape == first.layer_shape
+    return all(c is not None and c.is_one_node and c.layer_sizes == first.layer_sizes
+               and c.layer_constants == first.layer_constants
                and c.layer_weights[2] == first.layer_weights[2]
                and len(c.layer_weights[3]) == len(first.layer_weights[3]) for c in calls)
 
@@ -176,8 +179,8 @@ def _is_packed(module: nn.Module) -> bool:
 
 
 def is_fusable(block: nn.Module) -> bool:
-    """A llama (or qwen3) block whose products all have packed weights of one width (quads of 4
-    or 8 bits, or float32 panels), with the kernels' attention, RoPE, norms (qwen3's q and k
+    """A llama (or qwen3) block whose products all have packed weights (quads of 4 or 8 bits,
+    each its own, or float32 panels), with the kernels' attention, RoPE, norms (qwen3's q and k
     head norms too) and MLP."""
     if type(block) not in _FUSED_BLOCKS:
         return False
@@ -193,7 +196,7 @@ def is_fusable(block: nn.Module) -> bool:
         return False
     return (isinstance(attn, _KernelAttention) and type(attn.rope) in (KernelRoPE, KernelLlama3RoPE, KernelYarnRoPE)
             and isinstance(mlp, _KernelMLP) and all(_is_packed(p) for p in products)
-            and len({p.bits for p in products}) == 1 and all(type(n) is KernelRMSNorm for n in norms))
+            and all(type(n) is KernelRMSNorm for n in norms))
 
 
 def layer_call(block: nn.Module) -> cpu_kernels.LayerCall:

@@ -94,15 +94,15 @@ NB_MODULE(_cpu_kernels, m) {
           "__init__",
           [](LayerStackHandle* self, const std::vector<mlx::core::array>& input_norms,
              const std::vector<mlx::core::array>& post_norms, const std::vector<std::vector<mlx::core::array>>& weights,
-             float eps, int num_q_heads, int num_kv_heads, int head_dim, int hidden_dims, int bits,
-             float attention_scale, int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-             const std::vector<float>& rope_freqs, float rope_mscale) {
+             const std::vector<std::vector<int>>& bits, float eps, int num_q_heads, int num_kv_heads, int head_dim,
+             int hidden_dims, float attention_scale, int rope_dims, bool rope_traditional, float rope_base,
+             float rope_scale, const std::vector<float>& rope_freqs, float rope_mscale) {
             new (self) LayerStackHandle{std::make_shared<const gmlx_kernels::LayerStack>(
-                input_norms, post_norms, weights, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims, bits,
+                input_norms, post_norms, weights, bits, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
                 attention_scale, rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs, rope_mscale)};
           },
-          "input_norms"_a, "post_norms"_a, "weights"_a, "eps"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a,
-          "hidden_dims"_a, "bits"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
+          "input_norms"_a, "post_norms"_a, "weights"_a, "bits"_a, "eps"_a, "num_q_heads"_a, "num_kv_heads"_a,
+          "head_dim"_a, "hidden_dims"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
           "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f)
       .def_prop_ro("num_layers", [](const LayerStackHandle& h) { return h.stack->num_layers(); });
   m.def(

@@ -88,23 +88,36 @@ void fill_layer_angles(const SegmentRows& rows, int64_t head_dim, const RopeSpec
   fill_rope_angles(head_rope_args(nullptr, rows, 1, head_dim, rope, nullptr), angles);
 }
 
-// A layer's products over its weights' layout: float32 panels (bits kFloatBits) or quads.
+// A layer's product over its weights' layout: float32 panels (bits kFloatBits) or quads of 4 or 8
+// bits (a K-quant GGUF mixes them within a layer).
 struct Product {
   const void* weights;
+  int bits;
   int64_t num_outputs;
   float* y;
 };
 
-void weight_products(const float* x, int64_t num_rows, int64_t num_inputs, int bits,
-                     const std::vector<Product>& products) {
-  if (bits == kFloatBits) {
-    std::vector<PanelsPart> parts;
-    for (const auto& p : products) parts.push_back({static_cast<const float*>(p.weights), p.num_outputs, p.y});
-    panels_products(x, num_rows, num_inputs, parts);
-  } else {
-    std::vector<QuadsPart> parts;
-    for (const auto& p : products) parts.push_back({static_cast<const uint8_t*>(p.weights), p.num_outputs, p.y});
-    quads_products(x, num_rows, num_inputs, bits, parts);
+// Products of one x: those of one layout share a pass (x quantized once, one pool job); each
+// product's bits are those of a call of its own either way.
+void weight_products(const float* x, int64_t num_rows, int64_t num_inputs, const std::vector<Product>& products) {
+  std::vector<int> layouts;
+  for (const auto& p : products) {
+    if (std::find(layouts.begin(), layouts.end(), p.bits) == layouts.end()) layouts.push_back(p.bits);
+  }
+  for (int bits : layouts) {
+    if (bits == kFloatBits) {
+      std::vector<PanelsPart> parts;
+      for (const auto& p : products) {
+        if (p.bits == bits) parts.push_back({static_cast<const float*>(p.weights), p.num_outputs, p.y});
+      }
+      panels_products(x, num_rows, num_inputs, parts);
+    } else {
+      std::vector<QuadsPart> parts;
+      for (const auto& p : products) {
+        if (p.bits == bits) parts.push_back({static_cast<const uint8_t*>(p.weights), p.num_outputs, p.y});
+      }
+      quads_products(x, num_rows, num_inputs, bits, parts);
+    }
   }
 }
 
@@ -117,13 +130,22 @@ void check_weights(const mx::array& weights, int64_t num_outputs, int64_t num_in
   }
 }
 
-// A layer's seven products' weights (q, k, v, o, gate, up, down) in the layout `bits` names.
+// One layout per product: bits holds as many as there are products.
+void check_bits_count(const std::vector<int>& bits, size_t num_products, const std::string& who) {
+  if (bits.size() != num_products) {
+    throw std::invalid_argument(who + ": bits must hold one value per product (" + std::to_string(num_products) +
+                                "), got " + std::to_string(bits.size()));
+  }
+}
+
+// A layer's seven products' weights (q, k, v, o, gate, up, down), each in the layout its bits name.
 void check_layer_weights(const mx::array* weights, int64_t q_width, int64_t kv_width, int64_t dims,
-                         int64_t hidden_dims, int bits, const std::string& who) {
+                         int64_t hidden_dims, const std::vector<int>& bits, const std::string& who) {
+  check_bits_count(bits, 7, who);
   const char* names[] = {" q", " k", " v", " o", " gate", " up", " down"};
   const int64_t outputs[] = {q_width, kv_width, kv_width, dims, hidden_dims, hidden_dims, dims};
   const int64_t inputs[] = {dims, dims, dims, q_width, dims, dims, hidden_dims};
-  for (int i = 0; i < 7; ++i) check_weights(weights[i], outputs[i], inputs[i], bits, who + names[i]);
+  for (int i = 0; i < 7; ++i) check_weights(weights[i], outputs[i], inputs[i], bits[i], who + names[i]);
 }
 
 // A layer's weights after the seven products: none, or qwen3's q and k norms over each head (Dh,).
@@ -163,11 +185,11 @@ std::vector<mx::array> with_head_norms(std::vector<mx::array> inputs, const std:
 
 NormWeight norm_weight(const mx::array& weight) { return {weight.data<float>(), weight.strides(0)}; }
 
-// A layer's weights: the norms, the seven products, and head_norms (q's, k's) or null.
+// A layer's weights: the norms, the seven products and their bits, and head_norms (q's, k's) or null.
 LayerWeights layer_weights(const mx::array& input_norm, const mx::array& post_norm, const mx::array* products,
-                           const mx::array* head_norms) {
-  LayerWeights w{norm_weight(input_norm), norm_weight(post_norm), {}, head_norms != nullptr, {}};
-  for (int i = 0; i < 7; ++i) w.products[i] = products[i].data<void>();
+                           const std::vector<int>& bits, const mx::array* head_norms) {
+  LayerWeights w{norm_weight(input_norm), norm_weight(post_norm), {}, {}, head_norms != nullptr, {}};
+  for (int i = 0; i < 7; ++i) w.products[i] = products[i].data<void>(), w.bits[i] = bits[i];
   if (head_norms != nullptr) w.head_norms[0] = norm_weight(head_norms[0]), w.head_norms[1] = norm_weight(head_norms[1]);
   return w;
 }
@@ -175,9 +197,9 @@ LayerWeights layer_weights(const mx::array& input_norm, const mx::array& post_no
 // Norm, the q/k/v products and qwen3's per-head q and k norms (head_norms not null: q's, then
 // k's) over every segment's rows, then each segment's RoPE by its angles: q into q_out (B, Hq,
 // T, Dh), k and v into k_out and v_out (B, Hkv, T, Dh), a segment's block from its first row on.
-// weights: q, k, v.
+// weights and bits: q's, k's, v's.
 void inputs_stage(Scratch& scratch, const float* x, const std::vector<SegmentRows>& segments, int64_t num_inputs,
-                  const NormWeight& norm, float eps, const void* const* weights, int bits, int num_q_heads,
+                  const NormWeight& norm, float eps, const void* const* weights, const int* bits, int num_q_heads,
                   int num_kv_heads, int head_dim, const RopeSpec& rope, const NormWeight* head_norms, float* q_out,
                   float* k_out, float* v_out) {
   const int64_t num_rows = total_rows(segments);
@@ -188,8 +210,8 @@ void inputs_stage(Scratch& scratch, const float* x, const std::vector<SegmentRow
   float* k = scratch.get(2, num_rows * kv_width);
   float* v = scratch.get(3, num_rows * kv_width);
   normalize(x, norm.data, norm.stride, normed, num_rows, num_inputs, eps);
-  weight_products(normed, num_rows, num_inputs, bits, {{weights[0], q_width, q}, {weights[1], kv_width, k},
-                                                      {weights[2], kv_width, v}});
+  weight_products(normed, num_rows, num_inputs, {{weights[0], bits[0], q_width, q}, {weights[1], bits[1], kv_width, k},
+                                                {weights[2], bits[2], kv_width, v}});
   if (head_norms != nullptr) {  // rows of Dh, normalized in place (a row is read before it is written)
     normalize(q, head_norms[0].data, head_norms[0].stride, q, num_rows * num_q_heads, head_dim, eps);
     normalize(k, head_norms[1].data, head_norms[1].stride, k, num_rows * num_kv_heads, head_dim, eps);
@@ -214,20 +236,21 @@ void inputs_stage(Scratch& scratch, const float* x, const std::vector<SegmentRow
 // y = residual + a @ W.T, in the residual add's order (a float add either way).
 void project_add_stage(const float* a, int64_t num_rows, int64_t num_inputs, const void* weights,
                        int64_t num_outputs, const float* residual, int bits, float* y) {
-  weight_products(a, num_rows, num_inputs, bits, {{weights, num_outputs, y}});
+  weight_products(a, num_rows, num_inputs, {{weights, bits, num_outputs, y}});
   for (int64_t i = 0; i < num_rows * num_outputs; ++i) y[i] = residual[i] + y[i];
 }
 
-// y = h + down(swiglu(gate(n), up(n))), n = rms_norm(h). weights: gate, up, down.
+// y = h + down(swiglu(gate(n), up(n))), n = rms_norm(h). weights and bits: gate's, up's, down's.
 void mlp_stage(Scratch& scratch, const float* h, int64_t num_rows, int64_t num_inputs, const NormWeight& norm,
-               float eps, const void* const* weights, int64_t hidden_dims, int bits, float* y) {
+               float eps, const void* const* weights, int64_t hidden_dims, const int* bits, float* y) {
   float* normed = scratch.get(0, num_rows * num_inputs);
   float* gate = scratch.get(1, num_rows * hidden_dims);
   float* up = scratch.get(2, num_rows * hidden_dims);
   normalize(h, norm.data, norm.stride, normed, num_rows, num_inputs, eps);
-  weight_products(normed, num_rows, num_inputs, bits, {{weights[0], hidden_dims, gate}, {weights[1], hidden_dims, up}});
+  weight_products(normed, num_rows, num_inputs,
+                  {{weights[0], bits[0], hidden_dims, gate}, {weights[1], bits[1], hidden_dims, up}});
   apply_swiglu(gate, up, gate, num_rows * hidden_dims);
-  weight_products(gate, num_rows, hidden_dims, bits, {{weights[2], num_inputs, y}});
+  weight_products(gate, num_rows, hidden_dims, {{weights[2], bits[2], num_inputs, y}});
   for (int64_t i = 0; i < num_rows * num_inputs; ++i) y[i] = h[i] + y[i];
 }
 
@@ -272,7 +295,7 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
   float* v = scratch.get(6, num_rows * kv_width);
   float* attended = scratch.get(7, num_rows * q_width);
   float* h = scratch.get(8, num_rows * dims);
-  inputs_stage(scratch, x, segments, dims, weights.input_norm, shape.eps, weights.products, shape.bits,
+  inputs_stage(scratch, x, segments, dims, weights.input_norm, shape.eps, weights.products, weights.bits,
                shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.rope,
                weights.has_head_norms ? weights.head_norms : nullptr, q, k, v);
   for (size_t s = 0; s < segments.size(); ++s) {
@@ -306,9 +329,9 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
     job.isa = kernels_isa();
     run_attention_job(job);
   }
-  project_add_stage(attended, num_rows, q_width, weights.products[3], dims, x, shape.bits, h);
+  project_add_stage(attended, num_rows, q_width, weights.products[3], dims, x, weights.bits[3], h);
   mlp_stage(scratch, h, num_rows, dims, weights.post_norm, shape.eps, &weights.products[4], shape.hidden_dims,
-            shape.bits, h_out);
+            &weights.bits[4], h_out);
 }
 
 // The KV buffers a layer writes in place: the caller hands over buffers no other array shares
@@ -375,7 +398,7 @@ void fill_copied(const mx::array& buffer, void* y) {
 
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight, float eps,
                                         const mx::array& offset, const std::vector<mx::array>& quads,
-                                        int num_q_heads, int num_kv_heads, int head_dim, int bits,
+                                        int num_q_heads, int num_kv_heads, int head_dim, const std::vector<int>& bits,
                                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
                                         const std::vector<float>& rope_freqs, float rope_mscale) {
   if (x.ndim() != 3 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(2) || x.shape(2) % 32 != 0) {
@@ -384,10 +407,11 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
   check_head_norms(quads, 3, head_dim, "attention_inputs");
   check_rope(rope_dims, rope_freqs, head_dim, "attention_inputs");
   check_offset(offset, x, "attention_inputs");
+  check_bits_count(bits, 3, "attention_inputs");
   const int dims = x.shape(2);
-  check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits, "attention_inputs q");
-  check_weights(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs k");
-  check_weights(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits, "attention_inputs v");
+  check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits[0], "attention_inputs q");
+  check_weights(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits[1], "attention_inputs k");
+  check_weights(quads[2], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits[2], "attention_inputs v");
   auto s = mx::default_stream(mx::Device::cpu);
   const int num_b = x.shape(0), num_t = x.shape(1);
   const mx::Shape q_shape = {num_b, num_q_heads, num_t, head_dim};
@@ -412,20 +436,23 @@ mx::array project_add(const mx::array& a, const mx::array& quads, const mx::arra
   check_weights(quads, residual.shape(-1), a.shape(-1), bits, "project_add");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(residual.shape(), mx::float32,
-                   std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kProjectAdd, bits, 0.0f, 0, 0, 0, 0,
+                   std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kProjectAdd, std::vector<int>{bits}, 0.0f,
+                                                    0, 0, 0, 0,
                                                     RopeSpec{}),
                    {as_dtype(a, mx::float32, s), quads, as_dtype(residual, mx::float32, s)});
 }
 
 mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps, const mx::array& gate_quads,
-                    const mx::array& up_quads, const mx::array& down_quads, int hidden_dims, int bits) {
+                    const mx::array& up_quads, const mx::array& down_quads, int hidden_dims,
+                    const std::vector<int>& bits) {
   if (h.ndim() < 1 || norm_weight.ndim() != 1 || norm_weight.shape(0) != h.shape(-1) || h.shape(-1) % 32 != 0 ||
       hidden_dims % 32 != 0) {
     throw std::invalid_argument("mlp_block: h (..., D), norm_weight (D,), D and hidden_dims multiples of 32");
   }
-  check_weights(gate_quads, hidden_dims, h.shape(-1), bits, "mlp_block gate");
-  check_weights(up_quads, hidden_dims, h.shape(-1), bits, "mlp_block up");
-  check_weights(down_quads, h.shape(-1), hidden_dims, bits, "mlp_block down");
+  check_bits_count(bits, 3, "mlp_block");
+  check_weights(gate_quads, hidden_dims, h.shape(-1), bits[0], "mlp_block gate");
+  check_weights(up_quads, hidden_dims, h.shape(-1), bits[1], "mlp_block up");
+  check_weights(down_quads, h.shape(-1), hidden_dims, bits[2], "mlp_block down");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(h.shape(), mx::float32,
                    std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kMlpBlock, bits, eps, 0, 0, 0,
@@ -438,9 +465,9 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      const mx::array& values, const mx::array& input_norm_weight,
                                      const mx::array& post_norm_weight, float eps,
                                      const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
-                                     int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
-                                     bool rope_traditional, float rope_base, float rope_scale,
-                                     const std::vector<float>& rope_freqs, float rope_mscale) {
+                                     int head_dim, int hidden_dims, const std::vector<int>& bits,
+                                     float attention_scale, int rope_dims, bool rope_traditional, float rope_base,
+                                     float rope_scale, const std::vector<float>& rope_freqs, float rope_mscale) {
   if (x.ndim() != 3 || x.shape(2) % 32 != 0 || hidden_dims % 32 != 0) {
     throw std::invalid_argument("decoder_layer: x must be (B, T, D), D and hidden_dims multiples of 32");
   }
@@ -495,15 +522,16 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       RopeAngles* angles = scratch.segment_angles(1);
       const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[2], angles)};
       fill_layer_angles(rows[0], head_dim, rope, *angles);
-      inputs_stage(scratch, x, rows, num_inputs, norm_weight(in[1]), eps, products, bits, num_q_heads, num_kv_heads,
+      inputs_stage(scratch, x, rows, num_inputs, norm_weight(in[1]), eps, products, bits.data(), num_q_heads,
+                   num_kv_heads,
                    head_dim, rope, in.size() == 8 ? head_norms : nullptr, y[0], y[1], y[2]);
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
-      project_add_stage(x, num_rows, num_inputs, in[1].data<void>(), in[2].shape(-1), residual, bits, y[0]);
+      project_add_stage(x, num_rows, num_inputs, in[1].data<void>(), in[2].shape(-1), residual, bits[0], y[0]);
     } else {
       const void* products[3] = {in[2].data<void>(), in[3].data<void>(), in[4].data<void>()};
-      mlp_stage(scratch, x, num_rows, num_inputs, norm_weight(in[1]), eps, products, hidden_dims, bits, y[0]);
+      mlp_stage(scratch, x, num_rows, num_inputs, norm_weight(in[1]), eps, products, hidden_dims, bits.data(), y[0]);
     }
   });
 }
@@ -515,8 +543,8 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
   InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 1, 2);
   encoder.dispatch([in = std::move(encoded.inputs), h_out = outputs[0].data<float>(), keys = outputs[1].data<void>(),
                     values = outputs[2].data<void>(), is_keys_copied = encoded.is_copied[0],
-                    is_values_copied = encoded.is_copied[1],
-                    shape = LayerShape{bits_, eps_, num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_, rope_,
+                    is_values_copied = encoded.is_copied[1], bits = bits_,
+                    shape = LayerShape{eps_, num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_, rope_,
                                        attention_scale_}]() {
     thread_local Scratch scratch;
     std::vector<float> x_copy;
@@ -528,22 +556,25 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     fill_layer_angles(rows[0], shape.head_dim, shape.rope, *angles);
     const SegmentCache cache = {keys, values, in[2].shape(2), in[2].dtype() == mx::float16};
     run_layer(shape, scratch, x, rows, &cache, in[0].shape(2),
-              layer_weights(in[4], in[5], &in[6], in.size() == 15 ? &in[13] : nullptr), h_out);
+              layer_weights(in[4], in[5], &in[6], bits, in.size() == 15 ? &in[13] : nullptr), h_out);
   });
 }
 
 LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
-                       const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads,
-                       int num_kv_heads, int head_dim, int hidden_dims, int bits, float attention_scale,
+                       const std::vector<std::vector<mx::array>>& weights, const std::vector<std::vector<int>>& bits,
+                       float eps, int num_q_heads, int num_kv_heads, int head_dim, int hidden_dims,
+                       float attention_scale,
                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
                        const std::vector<float>& rope_freqs, float rope_mscale)
     : input_norms_(input_norms),
       post_norms_(post_norms),
       weights_(weights),
-      shape_{bits, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
+      shape_{eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
              RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs, rope_mscale}, attention_scale} {
-  if (input_norms.empty() || post_norms.size() != input_norms.size() || weights.size() != input_norms.size()) {
-    throw std::invalid_argument("LayerStack: one input norm, post norm and weight list per layer, at least one");
+  if (input_norms.empty() || post_norms.size() != input_norms.size() || weights.size() != input_norms.size() ||
+      bits.size() != input_norms.size()) {
+    throw std::invalid_argument(
+        "LayerStack: one input norm, post norm, weight list and bits list per layer, at least one");
   }
   check_heads(num_q_heads, num_kv_heads, "LayerStack");
   check_rope(rope_dims, rope_freqs, head_dim, "LayerStack");
@@ -566,11 +597,12 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
       if (!w[i].is_available()) throw std::invalid_argument("LayerStack: weights must be evaluated");
       if (i >= 7 && w[i].dtype() != mx::float32) throw std::invalid_argument("LayerStack: head norms must be float32");
     }
-    check_layer_weights(w.data(), q_width, kv_width, dims, hidden_dims, bits, "LayerStack");
+    check_layer_weights(w.data(), q_width, kv_width, dims, hidden_dims, bits[l], "LayerStack");
   }
   for (size_t l = 0; l < weights.size(); ++l) {  // after every check: the arrays are evaluated
     const auto& w = weights_[l];
-    layers_.push_back(layer_weights(input_norms_[l], post_norms_[l], w.data(), w.size() > 7 ? w.data() + 7 : nullptr));
+    layers_.push_back(
+        layer_weights(input_norms_[l], post_norms_[l], w.data(), bits[l], w.size() > 7 ? w.data() + 7 : nullptr));
   }
 }
 

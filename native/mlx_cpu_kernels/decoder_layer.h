@@ -1,5 +1,5 @@
 // A llama decoder layer's decode path in three MLX nodes instead of ~20, for weights in the quad
-// layout (bits 4 or 8) or float32 panels (bits kFloatBits, float_matmul.h):
+// layout (bits 4 or 8) or float32 panels (bits kFloatBits, float_matmul.h), each product its own:
 //   attention_inputs: rms_norm, the q/k/v products, RoPE on q and k -> q, k, v (B, H, T, Dh)
 //   (the KV write and ragged_attention stay their own nodes)
 //   project_add:      residual + a @ W.T (o_proj and the residual add)
@@ -34,7 +34,6 @@ struct RopeSpec {
 
 // A llama layer's sizes and constants (what its weights do not say).
 struct LayerShape {
-  int bits;
   float eps;
   int num_q_heads, num_kv_heads, head_dim, hidden_dims;
   RopeSpec rope;
@@ -53,6 +52,7 @@ struct NormWeight {
 struct LayerWeights {
   NormWeight input_norm, post_norm;
   const void* products[7];  // q, k, v, o, gate, up, down: quads or panels
+  int bits[7];  // each product's layout (a K-quant GGUF mixes 4 and 8 bits in a layer)
   bool has_head_norms;  // qwen3's q and k norms over each head
   NormWeight head_norms[2];
 };
@@ -64,11 +64,12 @@ struct LayerWeights {
 class LayerStack {
  public:
   // Per layer: the two norms' weights (D,) and q, k, v, o, gate, up, down (quads or panels), then
-  // qwen3's q and k head norms (Dh,) for every layer or none.
+  // qwen3's q and k head norms (Dh,) for every layer or none; bits: per layer, the seven products'.
   LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
-             const std::vector<std::vector<mx::array>>& weights, float eps, int num_q_heads, int num_kv_heads,
-             int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims, bool rope_traditional,
-             float rope_base, float rope_scale, const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f);
+             const std::vector<std::vector<mx::array>>& weights, const std::vector<std::vector<int>>& bits, float eps,
+             int num_q_heads, int num_kv_heads, int head_dim, int hidden_dims, float attention_scale, int rope_dims,
+             bool rope_traditional, float rope_base, float rope_scale, const std::vector<float>& rope_freqs = {},
+             float rope_mscale = 1.0f);
   int num_layers() const { return static_cast<int>(input_norms_.size()); }
   int dims() const { return input_norms_[0].shape(0); }
   const LayerShape& shape() const { return shape_; }
@@ -81,17 +82,19 @@ class LayerStack {
   LayerShape shape_;
 };
 
-// x (B, T, D), norm_weight (D,), offset (B,) or scalar int32: each row's first position.
+// x (B, T, D), norm_weight (D,), offset (B,) or scalar int32: each row's first position. bits:
+// one per product (q, k, v; gate, up, down; a layer's seven).
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight, float eps,
                                         const mx::array& offset, const std::vector<mx::array>& quads,
-                                        int num_q_heads, int num_kv_heads, int head_dim, int bits,
+                                        int num_q_heads, int num_kv_heads, int head_dim, const std::vector<int>& bits,
                                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
                                         const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f);
 // a (..., K), residual (..., N).
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits);
 // h (..., D); gate and up quads (F outputs of D), down quads (D outputs of F).
 mx::array mlp_block(const mx::array& h, const mx::array& norm_weight, float eps, const mx::array& gate_quads,
-                    const mx::array& up_quads, const mx::array& down_quads, int hidden_dims, int bits);
+                    const mx::array& up_quads, const mx::array& down_quads, int hidden_dims,
+                    const std::vector<int>& bits);
 
 // x (B, T, D); keys and values (B, Hkv, S, Dh) float32 buffers with S >= offset[b] + T for every
 // row, which no other array may share (they are written in place); weights as for the three
@@ -102,9 +105,10 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      const mx::array& values, const mx::array& input_norm_weight,
                                      const mx::array& post_norm_weight, float eps,
                                      const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
-                                     int head_dim, int hidden_dims, int bits, float attention_scale, int rope_dims,
-                                     bool rope_traditional, float rope_base, float rope_scale,
-                                     const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f);
+                                     int head_dim, int hidden_dims, const std::vector<int>& bits,
+                                     float attention_scale, int rope_dims, bool rope_traditional, float rope_base,
+                                     float rope_scale, const std::vector<float>& rope_freqs = {},
+                                     float rope_mscale = 1.0f);
 
 // Every layer of the stack in one node, each as decoder_layer runs it (the same bits), over one or
 // more segments: rows of their own caches (a round's decode rows and the prompt chunks it carries)
@@ -135,9 +139,9 @@ class DecoderStackOp : public mx::Primitive {
 class DecoderLayerOp : public mx::Primitive {
  public:
   enum class Kind { kAttentionInputs, kProjectAdd, kMlpBlock, kLayer };
-  DecoderLayerOp(mx::Stream stream, Kind kind, int bits, float eps, int num_q_heads, int num_kv_heads,
+  DecoderLayerOp(mx::Stream stream, Kind kind, std::vector<int> bits, float eps, int num_q_heads, int num_kv_heads,
                  int head_dim, int hidden_dims, RopeSpec rope, float attention_scale = 0.0f)
-      : mx::Primitive(stream), kind_(kind), bits_(bits), eps_(eps), num_q_heads_(num_q_heads),
+      : mx::Primitive(stream), kind_(kind), bits_(std::move(bits)), eps_(eps), num_q_heads_(num_q_heads),
         num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_dims_(hidden_dims), rope_(rope),
         attention_scale_(attention_scale) {}
 
@@ -151,7 +155,7 @@ class DecoderLayerOp : public mx::Primitive {
                   std::vector<mx::array>& outputs);
 
   Kind kind_;
-  int bits_;
+  std::vector<int> bits_;  // one per product
   float eps_;
   int num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_;
   RopeSpec rope_;
