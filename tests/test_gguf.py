@@ -103,30 +103,78 @@ def test_q8_0_stays_quantized_or_is_dequantized_as_the_compute_format_says(tiny_
         assert mx.abs(got - expected).max().item() < 0.02 * mx.abs(expected).max().item()
 
 
+def dequantized_as_float32(module) -> mx.array:
+    """A quantized module's weights as its triplets say, in float32 (no float16 rounding on the way)."""
+    return mx.dequantize(module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32),
+                         group_size=module.group_size, bits=module.bits)
+
+
 @pytest.mark.parametrize("quant_type", [gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1])
-def test_other_quant_types_are_requantized_to_8_bits_with_a_log_line(tiny_folders, tmp_path, caplog, quant_type):
-    # mx.load refuses these as it refuses K-quants (which the gguf package cannot write): the same path.
+def test_q5_files_are_read_from_their_blocks_exactly_at_8_bits(tiny_folders, tmp_path, caplog, quant_type):
+    # mx.load refuses these as it refuses K-quants: the gguf package's path, with a log line.
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "q5.gguf", quant_type=quant_type)
     stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     with caplog.at_level(logging.WARNING, logger="gmlx.models.gguf"), \
             env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", "GMLX_CPU_KERNELS": "0"}):  # mlx's products
         loaded = load_model(path)
-    assert any("requantized to 8 bits" in record.message and quant_type.name in record.message
+    assert any("mx.load refuses" in record.message and quant_type.name in record.message
                for record in caplog.records)
     attention = loaded.model.model.layers[0].self_attn
     for name, gguf_name in (("v_proj", "blk.0.attn_v.weight"), ("o_proj", "blk.0.attn_output.weight")):
         module = getattr(attention, name)  # (q and k rows also move: llama.cpp's order is undone)
         assert isinstance(module, nn.QuantizedLinear) and module.bits == 8 and module.group_size == 32
         exact = mx.array(gguf.quants.dequantize(stored[gguf_name].data, stored[gguf_name].tensor_type))
-        got = mx.dequantize(module.weight, module.scales, module.biases, group_size=32, bits=8)
-        groups = exact.reshape(exact.shape[0], -1, 32)
-        span = (groups.max(axis=-1) - groups.min(axis=-1))[..., None]
-        assert (mx.abs(got.reshape(groups.shape) - groups) <= span / 400 + 1e-6).all().item()
+        assert mx.array_equal(dequantized_as_float32(module), exact).item(), name
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind):
+    # Random bytes are valid blocks of every type (scales set to finite values): all levels,
+    # sub-block scales and mins occur. K-quants' scales d * sc round to float16: 2^-11 of
+    # |scale| * 15 + |bias| <= 3 x a sub-block's largest value.
+    from gmlx.models import gguf_blocks
+
+    tensor_type = gguf.GGMLQuantizationType[kind]
+    values_per_block, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
+    rng = np.random.default_rng(sum(map(ord, kind)))
+    blocks = rng.integers(0, 256, (5, 3 * block_bytes * 256 // values_per_block), dtype=np.uint8)
+    as_blocks = blocks.reshape(5, -1, block_bytes)
+    for at in (0, 2) if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else (0,):
+        scale = rng.uniform(-0.05, 0.05, (*as_blocks.shape[:2], 1)).astype(np.float16)
+        as_blocks[..., at : at + 2] = scale.view(np.uint8)
+    triplets = gguf_blocks.block_triplets("m.weight", kind, blocks)
+    module = nn.QuantizedLinear(768, 5, bias=False, group_size=32, bits=triplets["m.weight"].shape[1] * 32 // 768)
+    module.update({"weight": triplets["m.weight"], "scales": triplets["m.scales"], "biases": triplets["m.biases"]})
+    assert module.scales.dtype == mx.float16 and module.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    exact = mx.array(gguf.quants.dequantize(blocks, tensor_type)).reshape(5, -1, 32)
+    got = dequantized_as_float32(module).reshape(exact.shape)
+    if kind.endswith("_K"):
+        bound = 3 * 2.0**-11 * mx.abs(exact).max(axis=-1, keepdims=True)
+        assert (mx.abs(got - exact) <= bound).all().item()
+    else:
+        assert mx.array_equal(got, exact).item()
+
+
+def test_other_k_quants_are_requantized_to_8_bits():
+    # Q6_K's 16-value sub-blocks have scales of their own: no 32-value grid holds them exactly.
+    from gmlx.models import gguf_blocks
+    from gguf_support import random_k_blocks
+
+    q6_k = gguf.GGMLQuantizationType.Q6_K
+    assert not gguf_blocks.is_read_from_blocks(q6_k.name)
+    exact = gguf.quants.dequantize(random_k_blocks((6, 512), q6_k, seed=6), q6_k)
+    triplets = gguf_blocks.requantized("m.weight", exact)
+    exact = mx.array(exact)
+    got = mx.dequantize(triplets["m.weight"], triplets["m.scales"].astype(mx.float32),
+                        triplets["m.biases"].astype(mx.float32), group_size=32, bits=8)
+    groups = exact.reshape(6, -1, 32)
+    span = (groups.max(axis=-1) - groups.min(axis=-1))[..., None]
+    assert (mx.abs(got.reshape(groups.shape) - groups) <= span * (1 / 510 + 2.0**-11) + 1e-9).all().item()
 
 
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0"])
 def test_blocks_read_past_mx_load_are_the_triplets_mx_load_makes(tiny_folders, tmp_path, quant_type):
-    from gmlx.models.gguf import _affine_triplets
+    from gmlx.models.gguf_blocks import block_triplets
 
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "blocks.gguf",
                                   quant_type=gguf.GGMLQuantizationType[quant_type])
@@ -134,10 +182,56 @@ def test_blocks_read_past_mx_load_are_the_triplets_mx_load_makes(tiny_folders, t
     num_checked = 0
     for tensor in gguf.GGUFReader(str(path)).tensors:
         if tensor.tensor_type.name == quant_type:
-            for name, got in _affine_triplets(tensor.name, quant_type, np.asarray(tensor.data)).items():
+            for name, got in block_triplets(tensor.name, quant_type, np.asarray(tensor.data)).items():
                 assert got.dtype == expected[name].dtype and mx.array_equal(got, expected[name]).item(), name
             num_checked += 1
     assert num_checked >= 14  # 7 products in each of 2 layers, and the head
+
+
+def test_a_k_quant_file_keeps_q4_k_at_4_bits_and_decodes_fused(tmp_path, mlx_lm_reference):
+    # As a Q4_K_M file mixes them: Q4_K at 4 bits, Q5_K and Q6_K at 8, beside Q4_0, per layer
+    # differently; every layer still runs in the fused stack, close to the float32 reading.
+    from gmlx.platform import cpu_kernels
+    from gmlx.platform.cpu_layers import StackedLlamaModel
+
+    folder = make_random_model_dir(tmp_path / "wide", seed=5, hidden_size=256, intermediate_size=512, head_dim=64)
+    k = gguf.GGMLQuantizationType
+    types = {"blk.0.attn_q.weight": k.Q4_K, "blk.0.attn_v.weight": k.Q6_K, "blk.0.ffn_up.weight": k.Q5_K,
+             "blk.0.ffn_down.weight": k.Q4_K, "blk.1.attn_output.weight": k.Q4_K, "blk.1.ffn_gate.weight": k.Q4_K,
+             "blk.1.ffn_down.weight": k.Q6_K}
+    path = write_gguf_from_folder(folder, tmp_path / "k.gguf", quant_type=k.Q4_0, types=types)
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    loaded = load_model(path)
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", "GMLX_CPU_KERNELS": "0"}):  # triplets kept
+        triplets = load_model(path)
+    modules = {"attn_q": "self_attn.q_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    for gguf_name, kind in types.items():
+        _, layer, part, _ = gguf_name.split(".")
+        module, kept = loaded.model.model.layers[int(layer)], triplets.model.model.layers[int(layer)]
+        for attribute in modules[part].split("."):
+            module, kept = getattr(module, attribute), getattr(kept, attribute)
+        assert module.bits == kept.bits == (4 if kind == k.Q4_K else 8), gguf_name
+        if part == "attn_q":
+            continue  # its rows move (llama.cpp's order undone)
+        exact = mx.array(gguf.quants.dequantize(stored[gguf_name].data, kind)).reshape(kept.weight.shape[0], -1, 32)
+        error = mx.abs(dequantized_as_float32(kept).reshape(exact.shape) - exact)
+        if kind == k.Q6_K:  # requantized: half a level and the scale's float16 rounding
+            span = exact.max(axis=-1, keepdims=True) - exact.min(axis=-1, keepdims=True)
+            bound = span * (1 / 510 + 2.0**-11) + 1e-9
+        else:  # sub-block scales rounded to float16
+            bound = 3 * 2.0**-11 * mx.abs(exact).max(axis=-1, keepdims=True)
+        assert (error <= bound).all().item(), gguf_name
+    if cpu_kernels.is_available():
+        assert type(loaded.model.model) is StackedLlamaModel
+    with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "float32"}):
+        expected = logits_of(load_model(path).model, TOKEN_IDS)
+    scale = mx.abs(expected).max().item()
+    # int8 activations move these random, off-centre weights' logits by ~2%; float ones by float's bits.
+    assert mx.abs(logits_of(loaded.model, TOKEN_IDS) - expected).max().item() < 0.05 * scale
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "float"}):
+        float_activations = load_model(path)
+    assert mx.abs(logits_of(float_activations.model, TOKEN_IDS) - expected).max().item() < 1e-4 * scale
 
 
 def test_a_file_mx_load_refuses_keeps_its_4_bit_layers_at_4_bits(tiny_folders, tmp_path):

@@ -2,9 +2,10 @@
 
 `mx.load` reads GGUF natively: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0 as MLX affine triplets
 (weight, scales, biases; group 32). It refuses every other type, so a file holding K-quants is
-read with the `gguf` package instead (said in a log line): its Q4_0/Q4_1/Q8_0 blocks become the
-same triplets, its other quantized matrices are requantized to MLX 8-bit (group 32), the rest
-float16.
+read with the `gguf` package instead (said in a log line): its blocks become triplets where
+they are affine grids (gguf_blocks.py: Q4_0/Q4_1/Q8_0 as mx.load makes them, Q4_K at 4 bits,
+Q5_0/Q5_1/Q5_K at 8), its other quantized matrices are requantized to MLX 8-bit (group 32), the
+rest float16.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from gmlx.models import gguf_blocks
 from gmlx.models.gguf_check import check_gguf_structure
 from gmlx.models.gguf_tokenizer import make_tokenizer
 from gmlx.models.llama3_rope import scaling_of
@@ -28,7 +30,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # llama.cpp's converter interleaves the rotary halves of Q and K rows for these ("normal" rope);
 # mlx-lm's models expect the Hugging Face order, so the permutation is undone at load.
 _PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
-_GROUP_SIZE = 32  # every quantized type mx.load produces is group 32
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -48,8 +49,6 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# The block types mx.load keeps as MLX affine triplets: (bits, header bytes before the levels).
-_AFFINE_BLOCKS = {"Q4_0": (4, 2), "Q4_1": (4, 4), "Q8_0": (8, 2)}
 _END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 # Tensors that become config, not parameters: Llama 3's per-pair RoPE divisors (llama3_rope.py).
 _ROPE_FREQS = "rope_freqs.weight"
@@ -105,75 +104,29 @@ def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict
                          f"mlx said: {mx_error})") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     types = sorted({t.tensor_type.name for t in reader.tensors})
-    logger.warning("GGUF %s: tensor types %s include some MLX cannot keep quantized; reading them with the "
-                   "gguf package: Q4_0/Q4_1/Q8_0 as mx.load keeps them, other quantized matrices requantized "
-                   "to 8 bits (group 32), the rest float16", path, ", ".join(types))
+    logger.warning("GGUF %s: tensor types %s include some mx.load refuses; reading them with the gguf "
+                   "package: Q4_0/Q4_1/Q8_0 as mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K at 8 from "
+                   "their blocks, other quantized matrices requantized to 8 bits (group 32), the rest float16",
+                   path, ", ".join(types))
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     weights = {}
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        if tensor.tensor_type.name in _AFFINE_BLOCKS and len(shape) == 2:  # from the blocks' bytes, no dequantize
-            weights.update(_affine_triplets(tensor.name, tensor.tensor_type.name, np.asarray(tensor.data)))
+        if gguf_blocks.is_read_from_blocks(tensor.tensor_type.name) and len(shape) == 2:  # no dequantize
+            weights.update(gguf_blocks.block_triplets(tensor.name, tensor.tensor_type.name, np.asarray(tensor.data)))
             continue
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
                              f"which the gguf package cannot dequantize") from exc
-        array = mx.array(values.reshape(shape))
-        if tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % _GROUP_SIZE == 0:
-            weights.update(_requantized(tensor.name, array))
+        values = values.reshape(shape)
+        if tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
+            weights.update(gguf_blocks.requantized(tensor.name, values))
         else:
             # The RoPE divisors are matched to a formula to 1e-4: float16 would round them past that.
-            weights[tensor.name] = array.astype(mx.float32 if tensor.name == _ROPE_FREQS else mx.float16)
+            weights[tensor.name] = mx.array(values).astype(mx.float32 if tensor.name == _ROPE_FREQS else mx.float16)
     return weights, metadata
-
-
-def _affine_triplets(name: str, kind: str, blocks: np.ndarray) -> dict:
-    """Q4_0, Q4_1 or Q8_0 rows (bytes, rows x blocks) as MLX affine triplets, group 32, exactly
-    (what mx.load makes of them): a file that needs the gguf package for another type (a
-    Q4_0 model's Q6_K output) keeps these at their own bits."""
-    bits, header = _AFFINE_BLOCKS[kind]
-    rows = blocks.shape[0]
-    blocks = blocks.reshape(rows, -1, header + 32 * bits // 8)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if kind == "Q8_0":  # signed levels d * q: unsigned q + 128, bias -128 d
-        levels = (blocks[..., header:].view(np.int8).astype(np.int16) + 128).astype(np.uint32)
-        biases = scales * np.float16(-128)
-    else:  # byte j holds level j (low nibble) and level j + 16 (high)
-        packed_levels = blocks[..., header:]
-        levels = np.concatenate([packed_levels & 0x0F, packed_levels >> 4], axis=-1).astype(np.uint32)
-        biases = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else scales * np.float16(-8)
-    return _triplets(name, mx.array(levels.reshape(rows, -1)), bits, mx.array(scales), mx.array(biases))
-
-
-def _requantized(name: str, values: mx.array) -> dict:
-    """A dequantized K-quant (or Q5) matrix as MLX 8-bit affine triplets, group 32, at half
-    float16's bytes: a 32-value group of these types holds at most 32 distinct levels, and 256
-    keep each value within ~1/400 of its group's range (1/510 from the levels, the rest from
-    float16 scales). The compute format then picks its kernels as for Q8_0."""
-    rows, columns = values.shape
-    groups = values.astype(mx.float32).reshape(rows, columns // _GROUP_SIZE, _GROUP_SIZE)
-    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
-    # Scales and biases float16 as a Q8_0 file's (the kernels' layouts keep them so), and the
-    # levels rounded against those very values, so that rounding costs no accuracy twice.
-    scales = ((high - low) / 255).astype(mx.float16)
-    biases = low.astype(mx.float16)
-    step = mx.where(scales == 0, 1.0, scales.astype(mx.float32))
-    levels = mx.clip(mx.round((groups - biases.astype(mx.float32)) / step), 0, 255).astype(mx.uint32)
-    return _triplets(name, levels.reshape(rows, columns), 8, scales.squeeze(-1), biases.squeeze(-1))
-
-
-def _triplets(name: str, levels: mx.array, bits: int, scales: mx.array, biases: mx.array) -> dict:
-    """A matrix's unsigned levels (rows, columns) packed as MLX packs them (32 / bits a uint32 word,
-    level k of a word at bit bits * k), under its module's weight, scales and biases names."""
-    per_word = 32 // bits
-    words = levels.reshape(levels.shape[0], -1, per_word)
-    weight = words[..., 0]
-    for k in range(1, per_word):
-        weight = weight | (words[..., k] << bits * k)
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return {f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases}
 
 
 def _to_python(value):
@@ -296,8 +249,8 @@ def _quantization_config(weights: dict) -> dict:
             continue
         module = name[: -len(".scales")]
         packed = weights[f"{module}.weight"]
-        in_features = scales.shape[-1] * _GROUP_SIZE
-        per_module[module] = {"group_size": _GROUP_SIZE, "bits": packed.shape[-1] * 32 // in_features}
+        in_features = scales.shape[-1] * gguf_blocks.GROUP_SIZE
+        per_module[module] = {"group_size": gguf_blocks.GROUP_SIZE, "bits": packed.shape[-1] * 32 // in_features}
     if not per_module:
         return {}
     counts = {}
@@ -305,4 +258,4 @@ def _quantization_config(weights: dict) -> dict:
         counts[params["bits"]] = counts.get(params["bits"], 0) + 1
     default_bits = max(counts, key=counts.get)
     exceptions = {module: params for module, params in per_module.items() if params["bits"] != default_bits}
-    return {"group_size": _GROUP_SIZE, "bits": default_bits, **exceptions}
+    return {"group_size": gguf_blocks.GROUP_SIZE, "bits": default_bits, **exceptions}

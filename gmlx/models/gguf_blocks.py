@@ -1,0 +1,149 @@
+"""GGUF quantized matrices as MLX affine triplets (weight, scales, biases; group 32), read from
+their blocks' bytes where a block is an affine grid per 32 values, requantized where not.
+
+Read from the bytes:
+- Q4_0, Q4_1, Q8_0: exactly the triplets mx.load makes (4, 4 and 8 bits);
+- Q5_0, Q5_1: exactly, their 5-bit levels at 8 bits (half float16's bytes; the kernels run 4 or 8);
+- Q4_K, Q5_K: each 32-value sub-block is d * sc * q - dmin * m, so its levels stay as they are
+  (4 bits, and Q5_K's at 8) under scale d * sc and bias -dmin * m rounded to float16, as every
+  scale in the kernels' layouts is: each value within 2^-11 of its sub-block's range.
+Requantized to 8 bits: the other types (Q6_K's 16-value sub-blocks share no 32-value grid, Q2_K,
+Q3_K, the IQ types), which the gguf package dequantizes.
+"""
+
+import mlx.core as mx
+import numpy as np
+
+GROUP_SIZE = 32  # every type read here, and every one mx.load keeps, is group 32
+
+# Per type read from its bytes: (bits of the MLX triplets, block bytes, values per block).
+_READ_BLOCKS = {"Q4_0": (4, 18, 32), "Q4_1": (4, 20, 32), "Q8_0": (8, 34, 32), "Q5_0": (8, 22, 32),
+                "Q5_1": (8, 24, 32), "Q4_K": (4, 144, 256), "Q5_K": (8, 176, 256)}
+
+
+def is_read_from_blocks(kind: str) -> bool:
+    return kind in _READ_BLOCKS
+
+
+def block_triplets(name: str, kind: str, blocks: np.ndarray) -> dict:
+    """A matrix's blocks (bytes, rows x blocks per row) of a type is_read_from_blocks names, as
+    its module's MLX triplets."""
+    bits, block_bytes, _ = _READ_BLOCKS[kind]
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, block_bytes)
+    levels, scales, biases = _DECODERS[kind](blocks)  # (rows, blocks, groups per block[, 32])
+    return _triplets(name, mx.array(levels.reshape(rows, -1).astype(np.uint32)), bits,
+                     mx.array(scales.reshape(rows, -1)), mx.array(biases.reshape(rows, -1)))
+
+
+def requantized(name: str, values: np.ndarray) -> dict:
+    """A dequantized matrix no block reading covers as MLX 8-bit affine triplets, group 32, at half
+    float16's bytes, each value within half a level (1/510 of its group's range) and float16's
+    rounding of the scale. The compute format then picks its kernels as for Q8_0."""
+    rows, columns = values.shape
+    groups = np.asarray(values, dtype=np.float32).reshape(rows, columns // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+    # Float16 bias and scale (the kernels' layouts keep them so) rounded outwards, so that the
+    # 256 levels span the whole group: a level clipped at either end would cost up to 2^-11 of
+    # the values' size, not of their range.
+    biases = low.astype(np.float16)
+    biases = np.where(biases.astype(np.float32) > low, np.nextafter(biases, np.float16(-np.inf)), biases)
+    scales = ((high - biases.astype(np.float32)) / 255).astype(np.float16)
+    is_short = scales.astype(np.float32) * 255 + biases.astype(np.float32) < high
+    scales = np.where(is_short, np.nextafter(scales, np.float16(np.inf)), scales)
+    # The levels are rounded against those very values, so that rounding costs no accuracy twice.
+    step = np.where(scales == 0, np.float32(1), scales.astype(np.float32))
+    levels = np.clip(np.round((groups - biases.astype(np.float32)) / step), 0, 255).astype(np.uint32)
+    return _triplets(name, mx.array(levels.reshape(rows, columns)), 8, mx.array(scales[..., 0]),
+                     mx.array(biases[..., 0]))
+
+
+def _triplets(name: str, levels: mx.array, bits: int, scales: mx.array, biases: mx.array) -> dict:
+    """A matrix's unsigned levels (rows, columns) packed as MLX packs them (32 / bits a uint32 word,
+    level k of a word at bit bits * k), under its module's weight, scales and biases names."""
+    per_word = 32 // bits
+    words = levels.reshape(levels.shape[0], -1, per_word)
+    weight = words[..., 0]
+    for k in range(1, per_word):
+        weight = weight | (words[..., k] << bits * k)
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return {f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases}
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of each block."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """32 levels from 16 bytes: byte j holds level j (low nibble) and level j + 16 (high)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _fifth_bits(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0/Q5_1's high bits (a little-endian uint32 at byte `at`): bit j belongs to level j."""
+    high = blocks[..., at : at + 4].copy().view("<u4")
+    return ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q4_0(blocks):  # d * (q - 8)
+    d = _half(blocks, 0)
+    return _nibbles(blocks[..., 2:]), d, d * np.float16(-8)
+
+
+def _q4_1(blocks):  # d * q + m
+    return _nibbles(blocks[..., 4:]), _half(blocks, 0), _half(blocks, 2)
+
+
+def _q8_0(blocks):  # signed levels d * q: unsigned q + 128, bias -128 d
+    d = _half(blocks, 0)
+    return (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, d * np.float16(-128)
+
+
+def _q5_0(blocks):  # d * (q - 16)
+    d = _half(blocks, 0)
+    return _nibbles(blocks[..., 6:]) | (_fifth_bits(blocks, 2) << 4), d, d * np.float16(-16)
+
+
+def _q5_1(blocks):  # d * q + m
+    return _nibbles(blocks[..., 8:]) | (_fifth_bits(blocks, 4) << 4), _half(blocks, 0), _half(blocks, 2)
+
+
+def _k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant super-block's eight 6-bit sub-block scales and mins from its 12 bytes: the first
+    four of each in the low 6 bits of bytes 0-3 and 4-7; the last four split between bytes
+    8-11 (low 4 bits each) and the top 2 bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    low_scales, low_mins, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([low_scales & 63, (rest & 0x0F) | ((low_scales >> 6) << 4)], axis=-1)
+    mins = np.concatenate([low_mins & 63, (rest >> 4) | ((low_mins >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _k_levels(packed: np.ndarray) -> np.ndarray:
+    """A K-quant super-block's 256 4-bit levels as (8 sub-blocks, 32): each 32 bytes hold two
+    sub-blocks, the first in the low nibbles."""
+    chunks = packed.reshape(*packed.shape[:-1], 4, 1, 32)
+    return np.concatenate([chunks & 0x0F, chunks >> 4], axis=-2).reshape(*packed.shape[:-1], 8, 32)
+
+
+def _k_affine(blocks, levels):
+    """Scale d * sc and bias -dmin * m per sub-block (exact in float32, then float16)."""
+    sub_scales, sub_mins = _k_scales_and_mins(blocks[..., 4:16])
+    d, dmin = _half(blocks, 0).astype(np.float32), _half(blocks, 2).astype(np.float32)
+    scales = (d[..., None] * sub_scales).astype(np.float16)
+    biases = (-dmin[..., None] * sub_mins).astype(np.float16)
+    return levels, scales, biases
+
+
+def _q4_k(blocks):
+    return _k_affine(blocks, _k_levels(blocks[..., 16:144]))
+
+
+def _q5_k(blocks):
+    # Byte i of the 32 high-bit bytes holds bit 4 of value i of each sub-block, sub-block s at bit s.
+    high = (blocks[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # (..., 32 values, 8 sub-blocks)
+    return _k_affine(blocks, _k_levels(blocks[..., 48:176]) | (np.swapaxes(high, -1, -2) << 4))
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+             "Q5_K": _q5_k}
