@@ -111,13 +111,13 @@ def dequantized_as_float32(module) -> mx.array:
 
 @pytest.mark.parametrize("quant_type", [gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1])
 def test_q5_files_are_read_from_their_blocks_exactly_at_8_bits(tiny_folders, tmp_path, caplog, quant_type):
-    # mx.load refuses these as it refuses K-quants: the gguf package's path, with a log line.
+    # mx.load refuses these: the gguf package's path, with a log line.
     path = write_gguf_from_folder(tiny_folders["llama"], tmp_path / "q5.gguf", quant_type=quant_type)
     stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     with caplog.at_level(logging.WARNING, logger="gmlx.models.gguf"), \
             env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized", "GMLX_CPU_KERNELS": "0"}):  # mlx's products
         loaded = load_model(path)
-    assert any("mx.load refuses" in record.message and quant_type.name in record.message
+    assert any("mx.load does not keep" in record.message and quant_type.name in record.message
                for record in caplog.records)
     attention = loaded.model.model.layers[0].self_attn
     for name, gguf_name in (("v_proj", "blk.0.attn_v.weight"), ("o_proj", "blk.0.attn_output.weight")):
@@ -232,6 +232,20 @@ def test_a_k_quant_file_keeps_q4_k_at_4_bits_and_decodes_fused(tmp_path, mlx_lm_
     with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "float"}):
         float_activations = load_model(path)
     assert mx.abs(logits_of(float_activations.model, TOKEN_IDS) - expected).max().item() < 1e-4 * scale
+
+
+def test_a_file_of_only_types_mx_load_would_make_float16_stays_quantized(tmp_path):
+    # mx.load reads Q4_K and Q6_K, but as float16 and silently: a Llama 3 Q4_K_M file (Q4_K and
+    # Q6_K alone) would become a float model of 4x its bytes.
+    folder = make_random_model_dir(tmp_path / "wide", seed=6, hidden_size=256, intermediate_size=512, head_dim=64)
+    k = gguf.GGMLQuantizationType
+    types = {f"blk.{layer}.{part}.weight": k.Q6_K for layer in (0, 1) for part in ("attn_v", "ffn_down")}
+    types.update({"token_embd.weight": k.Q4_K, "output.weight": k.Q6_K})
+    path = write_gguf_from_folder(folder, tmp_path / "k.gguf", quant_type=k.Q4_K, types=types)
+    assert mx.load(str(path))["blk.0.attn_q.weight"].dtype == mx.float16  # what gmlx must not take
+    loaded = load_model(path)
+    attention = loaded.model.model.layers[0].self_attn
+    assert (attention.q_proj.bits, attention.v_proj.bits, loaded.model.lm_head.bits) == (4, 8, 8)
 
 
 def test_a_file_mx_load_refuses_keeps_its_4_bit_layers_at_4_bits(tiny_folders, tmp_path):

@@ -1,11 +1,11 @@
 """Reading a GGUF file (llama.cpp's format) into an mlx-lm model's config, weights and tokenizer.
 
 `mx.load` reads GGUF natively: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0 as MLX affine triplets
-(weight, scales, biases; group 32). It refuses every other type, so a file holding K-quants is
-read with the `gguf` package instead (said in a log line): its blocks become triplets where
-they are affine grids (gguf_blocks.py: Q4_0/Q4_1/Q8_0 as mx.load makes them, Q4_K at 4 bits,
-Q5_0/Q5_1/Q5_K at 8), its other quantized matrices are requantized to MLX 8-bit (group 32), the
-rest float16.
+(weight, scales, biases; group 32). It refuses some other types and silently turns the rest
+(Q4_K, Q6_K) into float16, so a file holding any other type is read with the `gguf` package
+instead (said in a log line): its blocks become triplets where they are affine grids
+(gguf_blocks.py: Q4_0/Q4_1/Q8_0 as mx.load makes them, Q4_K at 4 bits, Q5_0/Q5_1/Q5_K at 8),
+its other quantized matrices are requantized to MLX 8-bit (group 32), the rest float16.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# The tensor types mx.load keeps as they are (the quantized ones as MLX affine triplets, group 32).
+_MX_LOAD_KEEPS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})
 _END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 # Tensors that become config, not parameters: Llama 3's per-pair RoPE divisors (llama3_rope.py).
 _ROPE_FREQS = "rope_freqs.weight"
@@ -68,11 +70,16 @@ def read_gguf(path: str | Path) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF {path}: no such file")
-    check_gguf_structure(path)  # mx.load crashes on some corrupt headers instead of raising
-    try:
-        raw_weights, metadata = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as exc:
-        raw_weights, metadata = _read_with_gguf_package(path, exc)
+    types = check_gguf_structure(path)  # mx.load crashes on some corrupt headers instead of raising
+    if not types <= _MX_LOAD_KEEPS:
+        # mx.load refuses some types and turns others (Q4_K, Q6_K) into float16 without a word: 4x a
+        # Q4_K file's bytes, and a float32 model on the CPU.
+        raw_weights, metadata = _read_with_gguf_package(path, types, "types mx.load does not keep")
+    else:
+        try:
+            raw_weights, metadata = mx.load(str(path), return_metadata=True)
+        except (RuntimeError, ValueError) as exc:
+            raw_weights, metadata = _read_with_gguf_package(path, types, f"mlx said: {exc}")
     metadata = {key: _to_python(value) for key, value in metadata.items()}
     config = _make_config(path, metadata, raw_weights)
     weights = _rename_weights(path, config, raw_weights)
@@ -94,20 +101,20 @@ def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def _read_with_gguf_package(path: Path, mx_error: Exception) -> tuple[dict, dict]:
+def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict]:
+    """The file's weights and metadata read with the gguf package, where mx.load would not keep
+    them (`why`, said in a log line)."""
     import gguf
 
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises several kinds for a broken file
-        raise ValueError(f"GGUF {path}: corrupt or truncated ({type(exc).__name__}: {exc}; "
-                         f"mlx said: {mx_error})") from exc
+        raise ValueError(f"GGUF {path}: corrupt or truncated ({type(exc).__name__}: {exc}; {why})") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
-    types = sorted({t.tensor_type.name for t in reader.tensors})
-    logger.warning("GGUF %s: tensor types %s include some mx.load refuses; reading them with the gguf "
-                   "package: Q4_0/Q4_1/Q8_0 as mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K at 8 from "
-                   "their blocks, other quantized matrices requantized to 8 bits (group 32), the rest float16",
-                   path, ", ".join(types))
+    logger.warning("GGUF %s: tensor types %s (%s): reading them with the gguf package: Q4_0/Q4_1/Q8_0 as "
+                   "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K at 8 from their blocks, other "
+                   "quantized matrices requantized to 8 bits (group 32), the rest float16",
+                   path, ", ".join(sorted(types)), why)
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     weights = {}
     for tensor in reader.tensors:

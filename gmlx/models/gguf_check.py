@@ -60,10 +60,11 @@ class _Cursor:
         self.offset = offset
 
 
-def check_gguf_structure(path: str | Path) -> None:
-    """ValueError naming the file unless its header, metadata and tensor table are whole."""
+def check_gguf_structure(path: str | Path) -> frozenset[str]:
+    """The names of the file's tensor types (Q4_K, F32, ...); ValueError naming the file unless its
+    header, metadata and tensor table are whole."""
     with _mapped(path) as cursor:
-        _walk(cursor, len(cursor.data))
+        return _walk(cursor, len(cursor.data))
 
 
 def read_context_length(path: str | Path) -> int | None:
@@ -104,7 +105,7 @@ def _header(cursor: _Cursor, file_size: int) -> tuple[int, int]:
     return num_tensors, num_values
 
 
-def _walk(cursor: _Cursor, file_size: int) -> None:
+def _walk(cursor: _Cursor, file_size: int) -> frozenset[str]:
     path = cursor.path
     num_tensors, num_values = _header(cursor, file_size)
     alignment = _DEFAULT_ALIGNMENT
@@ -116,10 +117,11 @@ def _walk(cursor: _Cursor, file_size: int) -> None:
             alignment = value
     tensors = [_tensor_info(cursor) for _ in range(num_tensors)]
     data_start = -(-cursor.offset // alignment) * alignment
-    for name, num_bytes, offset in tensors:
+    for name, num_bytes, offset, _ in tensors:
         if data_start + offset + num_bytes > file_size:
             raise ValueError(f"GGUF {path}: truncated (tensor {name} ends at byte "
                              f"{data_start + offset + num_bytes}, the file has {file_size})")
+    return frozenset(kind for *_, kind in tensors)
 
 
 def _skip_value(cursor: _Cursor, value_type: int):
@@ -140,7 +142,8 @@ def _skip_value(cursor: _Cursor, value_type: int):
     raise ValueError(f"GGUF {cursor.path}: corrupt (metadata value type {value_type} at byte {cursor.offset})")
 
 
-def _tensor_info(cursor: _Cursor) -> tuple[str, int, int]:
+def _tensor_info(cursor: _Cursor) -> tuple[str, int, int, str]:
+    """A tensor's name, bytes, offset in the data and type name."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     name = cursor.string().decode("utf-8", "replace")
@@ -151,10 +154,11 @@ def _tensor_info(cursor: _Cursor) -> tuple[str, int, int]:
     type_id = cursor.unpack("I")
     offset = cursor.unpack("Q")
     try:
-        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        kind = GGMLQuantizationType(type_id)
+        block_size, type_size = GGML_QUANT_SIZES[kind]
     except (ValueError, KeyError):
         raise ValueError(f"GGUF {cursor.path}: tensor {name} has unknown type {type_id}") from None
     num_elements = 1
     for dim in dims:
         num_elements *= dim
-    return name, num_elements // block_size * type_size, offset
+    return name, num_elements // block_size * type_size, offset, kind.name
