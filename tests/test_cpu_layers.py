@@ -167,6 +167,29 @@ def test_the_layer_stack_refuses_bad_weights_and_buffers(fused_and_unfused):
     with pytest.raises(ValueError, match=r"\(B, Hkv, S, Dh\)"):
         ext.decoder_stack(stack_call.stack, [x, wide], [mx.array([0]), mx.array([0, 0])], [buffer] * 2 * num_layers,
                           [buffer] * 2 * num_layers)
+    with pytest.raises(ValueError, match="keys and values of one dtype"):  # a cast would be written, not the buffer
+        ext.decoder_stack(stack_call.stack, [x], [mx.array([0])], [buffer] * num_layers,
+                          [buffer.astype(mx.float16)] * num_layers)
+
+
+def test_a_stack_write_is_ordered_after_the_last_and_before_the_next_read(gguf_like_target):
+    # The stack writes the KV buffers in place without new arrays for them: two forwards built
+    # before any eval, of inputs that do not depend on each other, must still run in order, and
+    # the keys read after must hold both writes (as with an eval between them).
+    body, tokens = gguf_like_target.model.model, mx.array([[5, 17, 300, 41], [9, 1000, 77, 3]])
+    num_layers = len(body.layers)
+    results = []
+    for is_eval_between in (True, False):
+        caches = [RaggedKVCache(num_rows=2, stored_dtype=mx.float16) for _ in range(num_layers)]
+        first = body(tokens[:, :3], caches)
+        if is_eval_between:
+            mx.eval(first)
+        body(tokens[:, 3:], caches)  # its input does not depend on the first forward's output
+        results.append([(c.keys[..., :4, :], c.values[..., :4, :]) for c in caches])
+    assert type(body) in STACKED_BODIES
+    for (k, v), (k_lazy, v_lazy) in zip(*results):
+        assert mx.array_equal(k, k_lazy).item() and mx.array_equal(v, v_lazy).item()
+        assert mx.abs(k_lazy.astype(mx.float32)).sum(axis=(0, 1, 3)).min().item() > 0  # every position written
 
 
 def _address(array: mx.array) -> int:

@@ -27,28 +27,42 @@ class RaggedKVCache:
         # own methods made (mlx ops' fresh or donated outputs), false for ones assigned from
         # outside (a prompt-cache entry's slices). Only such buffers are written in place.
         self._is_exclusive = True
+        # An array computed by the last in-place write into the buffers that left them as they
+        # were in the graph (the layer stack's h, written_by): their next reader must depend on it.
+        self._writer: mx.array | None = None
         self.lengths: list[int] = [0] * num_rows
         self._offset: mx.array | None = None
 
     @property
     def keys(self) -> mx.array | None:
+        self._settle()
         return self._keys
 
     @keys.setter
     def keys(self, keys: mx.array | None) -> None:
+        self._settle()
         self._keys, self._is_exclusive = keys, False
 
     @property
     def values(self) -> mx.array | None:
+        self._settle()
         return self._values
 
     @values.setter
     def values(self, values: mx.array | None) -> None:
+        self._settle()
         self._values, self._is_exclusive = values, False
 
     def _own(self, keys: mx.array | None, values: mx.array | None) -> None:
         """Buffers this cache holds alone (an mlx op's output it just made)."""
+        self._settle()
         self._keys, self._values, self._is_exclusive = keys, values, True
+
+    def _settle(self) -> None:
+        """The buffers as arrays that depend on the last in-place write (the same memory, lazily)."""
+        if self._writer is not None:
+            self._keys, self._values = mx.depends([self._keys, self._values], [self._writer])
+            self._writer = None
 
     # --- the contract mlx-lm's attention layers call ---------------------------------
 
@@ -85,14 +99,29 @@ class RaggedKVCache:
     def writable_buffers(self, num_new: int, num_heads: int, head_dim: int, dtype) -> tuple[mx.array, mx.array]:
         """Buffers with room for num_new more positions past the longest row that a writer may
         fill in place (the one-node layer, gmlx/platform/cpu_layers.py): held by this cache
-        alone, else first copied. The writer's outputs come back through wrote_in_place."""
+        alone, else first copied; row-contiguous. The writer's outputs come back through
+        wrote_in_place."""
+        self._settle()
+        return self.stack_buffers(num_new, num_heads, head_dim, dtype)[:2]
+
+    def stack_buffers(self, num_new: int, num_heads: int, head_dim: int,
+                      dtype) -> tuple[mx.array, mx.array, mx.array | None]:
+        """writable_buffers for the layer stack, which writes them without making new arrays of
+        them, with the array of the last such write (None if settled), which the stack must
+        depend on: written_by then records its own."""
         dtype = self.stored_dtype or dtype
         self._reserve_shape(max(self.lengths) + num_new, num_heads, head_dim, head_dim, dtype)
         if not self._is_exclusive:
             # Strictly more room: a slice update covering a whole buffer may return its source.
-            self._copy_into((self.keys.shape[2] // STEP_TOKENS + 1) * STEP_TOKENS, num_heads, head_dim, head_dim,
+            self._copy_into((self._keys.shape[2] // STEP_TOKENS + 1) * STEP_TOKENS, num_heads, head_dim, head_dim,
                             dtype)
-        return self.keys, self.values
+        return self._keys, self._values, self._writer
+
+    def written_by(self, writer: mx.array, num_new: int) -> None:
+        """The layer stack wrote num_new more positions a row into stack_buffers' buffers, in
+        place, and left them as they were in the graph: later readers depend on `writer`."""
+        self._writer = writer
+        self.advance(num_new)
 
     def wrote_in_place(self, keys: mx.array, values: mx.array, num_new: int) -> None:
         """The writer's outputs (the same buffers, now depending on its write) and num_new more
@@ -131,7 +160,7 @@ class RaggedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self._keys is None else self._keys.nbytes + self._values.nbytes
 
     # --- ragged operations ----------------------------------------------------------
 
@@ -160,7 +189,8 @@ class RaggedKVCache:
             return
         index = mx.array(rows, dtype=mx.int32)
         num_keys = max(max(self.lengths), 1)
-        self._own(self.keys[index, :, :num_keys, :], self.values[index, :, :num_keys, :])
+        # Row-contiguous (the slice would be strided): the layer stack writes buffers where they lie.
+        self._own(mx.contiguous(self.keys[index, :, :num_keys, :]), mx.contiguous(self.values[index, :, :num_keys, :]))
 
     @classmethod
     def concat(cls, caches: list[RaggedKVCache]) -> RaggedKVCache:
@@ -206,7 +236,7 @@ class RaggedKVCache:
         self._reserve_shape(end, keys.shape[1], keys.shape[3], values.shape[3], self.stored_dtype or keys.dtype)
 
     def _reserve_shape(self, end: int, num_heads: int, k_dim: int, v_dim: int, dtype) -> None:
-        if self.keys is not None and end <= self.keys.shape[2]:
+        if self._keys is not None and end <= self._keys.shape[2]:
             return
         capacity = ((max(end, self.min_capacity) + STEP_TOKENS - 1) // STEP_TOKENS) * STEP_TOKENS
         self._copy_into(capacity, num_heads, k_dim, v_dim, dtype)

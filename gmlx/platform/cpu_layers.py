@@ -102,21 +102,20 @@ class LayerStackCall:
     def __call__(self, hs: list[mx.array], caches: list[list[RaggedKVCache]]) -> list[mx.array]:
         """Every layer over each segment's h (B, T, D) and its layers' caches, whose buffers are
         written in place and advanced; all segments' products share one pass over the weights."""
-        offsets, keys, values = [], [], []
+        offsets, keys, values, writers = [], [], [], {}
         for h, segment_caches in zip(hs, caches, strict=True):
             first = segment_caches[0]
             assert all(c.lengths == first.lengths for c in segment_caches), "the layers' caches hold different rows"
-            buffers = [c.writable_buffers(h.shape[1], *self.kv_heads_and_dim, mx.float32) for c in segment_caches]
+            buffers = [c.stack_buffers(h.shape[1], *self.kv_heads_and_dim, mx.float32) for c in segment_caches]
             offsets.append(first.offset)
-            keys += [k for k, _ in buffers]
-            values += [v for _, v in buffers]
-        out = cpu_kernels.extension().decoder_stack(self.stack, hs, offsets, keys, values)
-        num_segments, num_buffers = len(hs), len(keys)
-        new_keys, new_values = out[num_segments : num_segments + num_buffers], out[num_segments + num_buffers :]
-        written = zip((c for segment_caches in caches for c in segment_caches), new_keys, new_values)
-        for i, (cache, k, v) in enumerate(written):
-            cache.wrote_in_place(k, v, hs[i // self.num_layers].shape[1])
-        return out[:num_segments]
+            keys += [k for k, _, _ in buffers]
+            values += [v for _, v, _ in buffers]
+            writers.update((id(w), w) for _, _, w in buffers if w is not None)
+        out = cpu_kernels.extension().decoder_stack(self.stack, hs, offsets, keys, values, list(writers.values()))
+        for h, segment_caches in zip(out, caches):  # the buffers' next readers depend on the h that wrote them
+            for cache in segment_caches:
+                cache.written_by(h, h.shape[1])
+        return out
 
 
 def can_stack(calls: list) -> bool:

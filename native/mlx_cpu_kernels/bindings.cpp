@@ -109,13 +109,14 @@ NB_MODULE(_cpu_kernels, m) {
       "decoder_stack",
       [](const LayerStackHandle& h, const std::vector<mlx::core::array>& xs,
          const std::vector<mlx::core::array>& offsets, const std::vector<mlx::core::array>& keys,
-         const std::vector<mlx::core::array>& values) {
-        return gmlx_kernels::decoder_stack(h.stack, xs, offsets, keys, values);
+         const std::vector<mlx::core::array>& values, const std::vector<mlx::core::array>& after) {
+        return gmlx_kernels::decoder_stack(h.stack, xs, offsets, keys, values, after);
       },
-      "stack"_a, "xs"_a, "offsets"_a, "keys"_a, "values"_a,
+      "stack"_a, "xs"_a, "offsets"_a, "keys"_a, "values"_a, "after"_a = std::vector<mlx::core::array>{},
       "Every layer of the stack as one node, each as decoder_layer runs it, over segments of rows (one x and "
-      "offset each, their products sharing one pass over the weights): [each h, keys..., values...], keys and "
-      "values segment by segment, layer by layer, each buffer (no other array may share it) written in place");
+      "offset each, their products sharing one pass over the weights): [each h]. keys and values segment by "
+      "segment, layer by layer, row-contiguous, written in place (no other array may share them): their readers "
+      "must depend on the h (RaggedKVCache.written_by). after: arrays the node runs after (the last writes)");
   m.def("swiglu", &gmlx_kernels::swiglu, "gate"_a, "up"_a, "silu(gate) * up for float32 gate and up of one shape");
   m.def("rms_norm", &gmlx_kernels::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm for float32 x (..., D); fixed summation order per row");

@@ -608,7 +608,7 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
 
 std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const std::vector<mx::array>& xs,
                                      const std::vector<mx::array>& offsets, const std::vector<mx::array>& keys,
-                                     const std::vector<mx::array>& values) {
+                                     const std::vector<mx::array>& values, const std::vector<mx::array>& after) {
   if (!stack) throw std::invalid_argument("decoder_stack: no layer stack");
   const LayerShape& shape = stack->shape();
   const int num_layers = stack->num_layers();
@@ -620,9 +620,11 @@ std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, co
     throw std::invalid_argument("decoder_stack: one keys and one values buffer per segment and layer");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> buffers = keys;
-  buffers.insert(buffers.end(), values.begin(), values.end());
-  const mx::Dtype kv_dtype = kv_buffer_dtype(buffers);
+  // The buffers are written where they lie: a cast would write a copy.
+  const mx::Dtype kv_dtype = keys[0].dtype();
+  if (kv_dtype != mx::float16 && kv_dtype != mx::float32) {
+    throw std::invalid_argument("decoder_stack: keys and values must be float16 or float32");
+  }
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs;
   for (int i = 0; i < num_segments; ++i) {
@@ -642,35 +644,49 @@ std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, co
       if (buffer.shape() != kv_shape || buffer.shape(2) < x.shape(1)) {
         throw std::invalid_argument("decoder_stack: keys and values must be (B, Hkv, S, Dh) with S >= T");
       }
-      shapes.push_back(kv_shape);
-      inputs.push_back(as_dtype(buffer, kv_dtype, s));
+      if (buffer.dtype() != kv_dtype) throw std::invalid_argument("decoder_stack: keys and values of one dtype");
+      inputs.push_back(buffer);
     }
   }
-  std::vector<mx::Dtype> dtypes(shapes.size(), kv_dtype);
-  std::fill(dtypes.begin(), dtypes.begin() + num_segments, mx::float32);
-  return mx::array::make_arrays(shapes, dtypes, std::make_shared<DecoderStackOp>(s, std::move(stack), num_segments),
-                                inputs);
+  inputs.insert(inputs.end(), after.begin(), after.end());  // edges only: the task never reads them
+  // Only the hidden states are outputs: 2 x layers KV outputs made a step's graph O(layers^2) to
+  // build and free (mlx links every output of a node to all its siblings), ~0.4 ms at 30 layers.
+  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(num_segments, mx::float32),
+                                std::make_shared<DecoderStackOp>(s, std::move(stack), num_segments), inputs);
 }
 
 // Inputs: each segment's x, each segment's offset, then keys and values, each segment's layers in
-// turn; outputs: each segment's h, then the same buffers.
+// turn, written where they lie (the caller's: RaggedKVCache.writable_buffers); outputs: each
+// segment's h, on which whoever reads the buffers next must depend.
 void DecoderStackOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   const int num_buffers = 2 * num_segments_ * stack_->num_layers();
-  InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, num_segments_, num_buffers);
-  std::vector<float*> h_out;
+  const int first_buffer = 2 * num_segments_;
   std::vector<void*> kv;
-  for (int i = 0; i < num_segments_; ++i) h_out.push_back(outputs[i].data<float>());
-  for (int i = 0; i < num_buffers; ++i) kv.push_back(outputs[num_segments_ + i].data<void>());
-  encoder.dispatch([in = std::move(encoded.inputs), kv = std::move(kv), is_copied = std::move(encoded.is_copied),
-                    h_out = std::move(h_out), stack = stack_, num_segments = num_segments_]() {
+  for (int i = 0; i < num_buffers; ++i) {
+    const mx::array& buffer = inputs[first_buffer + i];
+    if (!buffer.flags().row_contiguous) {
+      throw std::invalid_argument("decoder_stack: a KV buffer is strided (RaggedKVCache keeps them row-contiguous)");
+    }
+    kv.push_back(const_cast<void*>(static_cast<const void*>(buffer.data<char>())));
+  }
+  std::vector<float*> h_out;
+  for (int i = 0; i < num_segments_; ++i) {
+    outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+    h_out.push_back(outputs[i].data<float>());
+  }
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& y : outputs) encoder.set_output_array(y);
+  encoder.dispatch([in = std::move(in), kv = std::move(kv), h_out = std::move(h_out), stack = stack_,
+                    num_segments = num_segments_]() {
     thread_local Scratch scratch;
     const int num_layers = stack->num_layers();
     const int64_t dims = stack->dims();
     const int64_t first_buffer = 2 * num_segments;
-    for (size_t i = 0; i < kv.size(); ++i) {
-      if (is_copied[i]) fill_copied(in[first_buffer + i], kv[i]);
-    }
     RopeAngles* angles = scratch.segment_angles(num_segments);
     std::vector<SegmentRows> segments;
     for (int i = 0; i < num_segments; ++i) {

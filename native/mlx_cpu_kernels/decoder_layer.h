@@ -113,11 +113,13 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
 // Every layer of the stack in one node, each as decoder_layer runs it (the same bits), over one or
 // more segments: rows of their own caches (a round's decode rows and the prompt chunks it carries)
 // whose products share one pass over the weights. Segment i: xs[i] (B_i, T_i, D) from offsets[i];
-// keys[i * L + l] and values[i * L + l] its layer l's (B_i, Hkv, S, Dh) float32 buffers, written in
-// place as decoder_layer's. Returns [each h_out, keys..., values...], the buffers on the same memory.
+// keys[i * L + l] and values[i * L + l] its layer l's (B_i, Hkv, S, Dh) row-contiguous buffers, all
+// float16 or all float32, written in place: no new arrays stand for them, so their readers must
+// depend on the returned h. after: arrays the node must run after (the buffers' last writers).
+// Returns [each h_out].
 std::vector<mx::array> decoder_stack(std::shared_ptr<const LayerStack> stack, const std::vector<mx::array>& xs,
                                      const std::vector<mx::array>& offsets, const std::vector<mx::array>& keys,
-                                     const std::vector<mx::array>& values);
+                                     const std::vector<mx::array>& values, const std::vector<mx::array>& after = {});
 
 class DecoderStackOp : public mx::Primitive {
  public:
