@@ -6,7 +6,8 @@ properties: a position's logits do not depend on whether its tokens were prefill
 sampling draws from (seed, position) alone, and what sampling counts (repeat penalties,
 min_tokens, max_tokens) counts the carried tokens as generated. The in-process tests check the continuation equals the rest of the
 uninterrupted stream, cut at random points, arriving at random rounds beside the other cuts, on a float32 model
-and on the GGUF-like model (int8 activations, float16 KV); the live test kills a worker.
+and on the GGUF-like models (int8 activations, float16 KV; one mixing 4 and 8 bits in its layers as a
+K-quant file does); the live test kills a worker.
 """
 
 import dataclasses
@@ -32,7 +33,7 @@ from workers.streams import MAX_WORKER_LOSSES, ClientRequest, Phase
 TEST_TIMEOUT_S = 240
 
 
-@pytest.mark.parametrize("target_name", ["builtin_target", "gguf_like_target"])
+@pytest.mark.parametrize("target_name", ["builtin_target", "gguf_like_target", "kquant_like_target"])
 @pytest.mark.parametrize("drafter", [None, "ngram"])
 def test_a_continuation_from_any_cut_is_the_rest_of_the_stream(target_name, drafter, code_prompts, request):
     target = request.getfixturevalue(target_name)
