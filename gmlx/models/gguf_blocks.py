@@ -6,7 +6,8 @@ Read from the bytes:
 - Q5_0, Q5_1: exactly, their 5-bit levels at 8 bits (half float16's bytes; the kernels run 4 or 8);
 - Q4_K, Q5_K: each 32-value sub-block is d * sc * q - dmin * m, so its levels stay as they are
   (4 bits, and Q5_K's at 8) under scale d * sc and bias -dmin * m rounded to float16, as every
-  scale in the kernels' layouts is: each value within 2^-11 of its sub-block's range.
+  scale in the kernels' layouts is: each value within 2^-11 of |scale| x its top level + |bias|,
+  at most 3x the sub-block's largest value.
 Requantized to 8 bits: the other types (Q6_K's 16-value sub-blocks share no 32-value grid, Q2_K,
 Q3_K, the IQ types), which the gguf package dequantizes.
 """
