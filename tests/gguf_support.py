@@ -90,8 +90,8 @@ def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = N
         if is_permuted and part in heads:
             array = permute_rows(array, heads[part])
         tensor_type = (types or {}).get(gguf_name(name), quant_type)
-        if array.ndim == 2 and tensor_type.name in _K_SCALE_BYTES:
-            writer.add_tensor(gguf_name(name), random_k_blocks(array.shape, tensor_type, seed=len(name)),
+        if array.ndim == 2 and tensor_type.name in _SCALE_BYTES:
+            writer.add_tensor(gguf_name(name), random_blocks(array.shape, tensor_type, seed=len(name)),
                               raw_dtype=tensor_type)
         elif array.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, tensor_type), raw_dtype=tensor_type)
@@ -104,15 +104,15 @@ def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = N
     return out
 
 
-# K-quant super-blocks the gguf package cannot quantize into: where their float16 scale d (and
-# dmin) lie in the block's bytes, and the largest |sub-block scale x level| they multiply.
-_K_SCALE_BYTES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-_K_LARGEST_STEPS = {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32}
+# Block types the gguf package cannot quantize into: where their float16 scale d (and dmin) lie
+# in a block's bytes, and the largest |sub-block scale x level| d multiplies.
+_SCALE_BYTES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+_LARGEST_STEPS = {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32, "IQ4_NL": 127, "IQ4_XS": 32 * 127}
 
 
-def random_k_blocks(shape: tuple, tensor_type: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
-    """A (rows, columns) matrix of random K-quant blocks (levels, sub-block scales and mins all
-    random) with small positive super-block scales: values within 0.05, a small model's weights'
+def random_blocks(shape: tuple, tensor_type: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """A (rows, columns) matrix of random K-quant or IQ4 blocks (levels, sub-block scales and mins
+    all random) with small positive block scales: values within 0.05, a small model's weights'
     size, though no weight's values (the type has no quantizer here). Bytes (rows, blocks x
     block bytes)."""
     values_per_block, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
@@ -120,8 +120,8 @@ def random_k_blocks(shape: tuple, tensor_type: gguf.GGMLQuantizationType, seed: 
     assert columns % values_per_block == 0, (shape, tensor_type)
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows, columns // values_per_block, block_bytes), dtype=np.uint8)
-    for at in _K_SCALE_BYTES[tensor_type.name]:
-        largest = 0.05 / _K_LARGEST_STEPS[tensor_type.name]
+    for at in _SCALE_BYTES[tensor_type.name]:
+        largest = 0.05 / _LARGEST_STEPS[tensor_type.name]
         scale = rng.uniform(largest / 4, largest, (rows, blocks.shape[1], 1)).astype(np.float16)
         blocks[..., at : at + 2] = scale.view(np.uint8)
     return blocks.reshape(rows, -1)

@@ -127,11 +127,11 @@ def test_q5_files_are_read_from_their_blocks_exactly_at_8_bits(tiny_folders, tmp
         assert mx.array_equal(dequantized_as_float32(module), exact).item(), name
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS"])
 def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind):
     # Random bytes are valid blocks of every type (scales set to finite values): all levels,
     # sub-block scales and mins occur. K-quants' scales d * sc round to float16: 2^-11 of
-    # |scale| * 15 + |bias| <= 3 x a sub-block's largest value.
+    # |scale| * 15 + |bias| <= 3 x a sub-block's largest value (IQ4_XS's d * (ls - 32): 1 x).
     from gmlx.models import gguf_blocks
 
     tensor_type = gguf.GGMLQuantizationType[kind]
@@ -148,7 +148,7 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind):
     assert module.scales.dtype == mx.float16 and module.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
     exact = mx.array(gguf.quants.dequantize(blocks, tensor_type)).reshape(5, -1, 32)
     got = dequantized_as_float32(module).reshape(exact.shape)
-    if kind.endswith("_K"):
+    if kind in ("Q4_K", "Q5_K", "IQ4_XS"):
         bound = 3 * 2.0**-11 * mx.abs(exact).max(axis=-1, keepdims=True)
         assert (mx.abs(got - exact) <= bound).all().item()
     else:
@@ -158,11 +158,11 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind):
 def test_other_k_quants_are_requantized_to_8_bits():
     # Q6_K's 16-value sub-blocks have scales of their own: no 32-value grid holds them exactly.
     from gmlx.models import gguf_blocks
-    from gguf_support import random_k_blocks
+    from gguf_support import random_blocks
 
     q6_k = gguf.GGMLQuantizationType.Q6_K
     assert not gguf_blocks.is_read_from_blocks(q6_k.name)
-    exact = gguf.quants.dequantize(random_k_blocks((6, 512), q6_k, seed=6), q6_k)
+    exact = gguf.quants.dequantize(random_blocks((6, 512), q6_k, seed=6), q6_k)
     triplets = gguf_blocks.requantized("m.weight", exact)
     exact = mx.array(exact)
     got = mx.dequantize(triplets["m.weight"], triplets["m.scales"].astype(mx.float32),
@@ -190,7 +190,8 @@ def test_blocks_read_past_mx_load_are_the_triplets_mx_load_makes(tiny_folders, t
 
 def test_a_k_quant_file_keeps_q4_k_at_4_bits_and_decodes_fused(tmp_path, mlx_lm_reference):
     # As a Q4_K_M file mixes them: Q4_K at 4 bits, Q5_K and Q6_K at 8, beside Q4_0, per layer
-    # differently; every layer still runs in the fused stack, close to the float32 reading.
+    # differently (and the IQ4 types at 8, whose IQ4_XS scales may be negative); every layer
+    # still runs in the fused stack, close to the float32 reading.
     from gmlx.platform import cpu_kernels
     from gmlx.platform.cpu_layers import StackedLlamaModel
 
@@ -198,7 +199,7 @@ def test_a_k_quant_file_keeps_q4_k_at_4_bits_and_decodes_fused(tmp_path, mlx_lm_
     k = gguf.GGMLQuantizationType
     types = {"blk.0.attn_q.weight": k.Q4_K, "blk.0.attn_v.weight": k.Q6_K, "blk.0.ffn_up.weight": k.Q5_K,
              "blk.0.ffn_down.weight": k.Q4_K, "blk.1.attn_output.weight": k.Q4_K, "blk.1.ffn_gate.weight": k.Q4_K,
-             "blk.1.ffn_down.weight": k.Q6_K}
+             "blk.1.ffn_down.weight": k.Q6_K, "blk.0.attn_output.weight": k.IQ4_NL, "blk.1.ffn_up.weight": k.IQ4_XS}
     path = write_gguf_from_folder(folder, tmp_path / "k.gguf", quant_type=k.Q4_0, types=types)
     stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     loaded = load_model(path)

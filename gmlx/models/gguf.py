@@ -4,8 +4,9 @@
 (weight, scales, biases; group 32). It refuses some other types and silently turns the rest
 (Q4_K, Q6_K) into float16, so a file holding any other type is read with the `gguf` package
 instead (said in a log line): its blocks become triplets where they are affine grids
-(gguf_blocks.py: Q4_0/Q4_1/Q8_0 as mx.load makes them, Q4_K at 4 bits, Q5_0/Q5_1/Q5_K at 8),
-its other quantized matrices are requantized to MLX 8-bit (group 32), the rest float16.
+(gguf_blocks.py: Q4_0/Q4_1/Q8_0 as mx.load makes them, Q4_K at 4 bits, Q5_0/Q5_1/Q5_K and the
+IQ4 types at 8), its other quantized matrices are requantized to MLX 8-bit (group 32), the rest
+float16.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tupl
         raise ValueError(f"GGUF {path}: corrupt or truncated ({type(exc).__name__}: {exc}; {why})") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     logger.warning("GGUF %s: tensor types %s (%s): reading them with the gguf package: Q4_0/Q4_1/Q8_0 as "
-                   "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K at 8 from their blocks, other "
+                   "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS at 8 from their blocks, other "
                    "quantized matrices requantized to 8 bits (group 32), the rest float16",
                    path, ", ".join(sorted(types)), why)
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)

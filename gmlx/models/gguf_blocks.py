@@ -7,9 +7,11 @@ Read from the bytes:
 - Q4_K, Q5_K: each 32-value sub-block is d * sc * q - dmin * m, so its levels stay as they are
   (4 bits, and Q5_K's at 8) under scale d * sc and bias -dmin * m rounded to float16, as every
   scale in the kernels' layouts is: each value within 2^-11 of |scale| x its top level + |bias|,
-  at most 3x the sub-block's largest value.
+  at most 3x the sub-block's largest value;
+- IQ4_NL, IQ4_XS: a 32-value block is a scale times 16 integer codebook values in [-127, 113],
+  which are 8-bit levels less 128: exactly (IQ4_XS's scale d * (ls - 32) rounded to float16).
 Requantized to 8 bits: the other types (Q6_K's 16-value sub-blocks share no 32-value grid, Q2_K,
-Q3_K, the IQ types), which the gguf package dequantizes.
+Q3_K, the other IQ types), which the gguf package dequantizes.
 """
 
 import mlx.core as mx
@@ -19,7 +21,10 @@ GROUP_SIZE = 32  # every type read here, and every one mx.load keeps, is group 3
 
 # Per type read from its bytes: (bits of the MLX triplets, block bytes, values per block).
 _READ_BLOCKS = {"Q4_0": (4, 18, 32), "Q4_1": (4, 20, 32), "Q8_0": (8, 34, 32), "Q5_0": (8, 22, 32),
-                "Q5_1": (8, 24, 32), "Q4_K": (4, 144, 256), "Q5_K": (8, 176, 256)}
+                "Q5_1": (8, 24, 32), "Q4_K": (4, 144, 256), "Q5_K": (8, 176, 256), "IQ4_NL": (8, 18, 32),
+                "IQ4_XS": (8, 136, 256)}
+# The IQ4 types' 16 values a 4-bit index picks (llama.cpp's non-linear grid), times the block's scale.
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
 
 
 def is_read_from_blocks(kind: str) -> bool:
@@ -146,5 +151,28 @@ def _q5_k(blocks):
     return _k_affine(blocks, _k_levels(blocks[..., 48:176]) | (np.swapaxes(high, -1, -2) << 4))
 
 
+def _iq4_levels(packed: np.ndarray) -> np.ndarray:
+    """8-bit levels (codebook value + 128) of 32-value blocks packed as Q4_0's indices."""
+    return (_IQ4_VALUES[_nibbles(packed)] + 128).astype(np.uint8)
+
+
+def _iq4_nl(blocks):  # d * value
+    d = _half(blocks, 0)
+    return _iq4_levels(blocks[..., 2:]), d, d * np.float16(-128)
+
+
+def _iq4_xs(blocks):
+    # Sub-block b's 6-bit scale ls: 4 low bits in byte 4 + b // 2 (nibble b % 2), 2 high bits at
+    # bit 2b of the uint16 at byte 2; its 32 indices in bytes 8 + 16b .. 8 + 16b + 15.
+    low = np.concatenate([blocks[..., 4:8, None] & 0x0F, blocks[..., 4:8, None] >> 4], axis=-1).reshape(
+        *blocks.shape[:-1], 8)
+    high_bits = blocks[..., 2:4].copy().view("<u2")  # (..., 1)
+    high = (high_bits >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    sub_scales = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+    scales = (_half(blocks, 0).astype(np.float32)[..., None] * sub_scales).astype(np.float16)
+    levels = _iq4_levels(blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16))
+    return levels, scales, scales * np.float16(-128)
+
+
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-             "Q5_K": _q5_k}
+             "Q5_K": _q5_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
