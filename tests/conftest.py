@@ -147,6 +147,20 @@ def gguf_like_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_gguf_like_target(tmp_path_factory):
+    """gguf_like_target's quantization on a tiny qwen2 (Qwen 2.5's layout: q, k and v biases)."""
+    import mlx_lm
+
+    from kernel_support import load_quantized_copy
+
+    folder = make_random_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=9, tie_word_embeddings=True)
+    model, _ = mlx_lm.load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    return load_quantized_copy(model, config, folder, tmp_path_factory.mktemp("tiny_qwen2_gguf_like"),
+                               is_gguf_like=True)
+
+
+@pytest.fixture(scope="session")
 def kquant_like_target(tmp_path_factory):
     """gguf_like_target with 8-bit products among the 4-bit ones, each layer its own, as a
     Q4_K_M file arrives (Q4_K at 4 bits, its Q6_K and fallback Q5_0 tensors at 8)."""

@@ -16,22 +16,23 @@ from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
 from gmlx.models.packed import Segment
-from gmlx.platform.cpu_layers import (FusedLlamaBlock, FusedQwen3Block, StackedLlamaModel, StackedQwen3Model,
-                                     segment_bodies)
+from gmlx.platform.cpu_layers import (FusedLlamaBlock, FusedQwen2Block, FusedQwen3Block, StackedLlamaModel,
+                                     StackedQwen2Model, StackedQwen3Model, segment_bodies)
 from kernel_support import requires_kernels
 
 pytestmark = requires_kernels
 
 
-FUSED_BLOCKS = (FusedLlamaBlock, FusedQwen3Block)
-STACKED_BODIES = (StackedLlamaModel, StackedQwen3Model)
+FUSED_BLOCKS = (FusedLlamaBlock, FusedQwen2Block, FusedQwen3Block)
+STACKED_BODIES = (StackedLlamaModel, StackedQwen2Model, StackedQwen3Model)
 
 
-@pytest.fixture(scope="module", params=["gguf_like_target", "kquant_like_target", "tiny_target", "builtin_target"])
+@pytest.fixture(scope="module", params=["gguf_like_target", "kquant_like_target", "qwen2_gguf_like_target",
+                                        "tiny_target", "builtin_target"])
 def fused_and_unfused(request):
     """A model loaded with its layers fused (quad layout, or float32 panels) and without: llama
-    layers (4-bit, 4 and 8 bits mixed, float32) and the built-in model's qwen3 layers (q and k
-    head norms)."""
+    layers (4-bit, 4 and 8 bits mixed, float32), qwen2's (q, k and v biases) and the built-in
+    model's qwen3 layers (q and k head norms)."""
     fused = request.getfixturevalue(request.param)
     with env_overrides({"GMLX_CPU_FUSED_LAYERS": "0"}):
         return fused, load_model(fused.path)
@@ -129,6 +130,9 @@ def test_fused_ops_refuse_mismatched_shapes():
         ext.attention_inputs(x, mx.ones((64,)), 1e-5, mx.array([0]), [], 4, 2, 16, [4] * 3, 16, False, 1e4, 1.0)
     with pytest.raises(ValueError, match="project_add: quads must be the uint8 layout of 64 outputs x 64 inputs"):
         ext.project_add(x, mx.zeros((10,), dtype=mx.uint8), x, 4)
+    with pytest.raises(ValueError, match="qkv_biases must be none or q's, k's and v's"):
+        ext.attention_inputs(x, mx.ones((64,)), 1e-5, mx.array([0]), [mx.zeros((10,), dtype=mx.uint8)] * 3, 4, 2,
+                             16, [4] * 3, 16, False, 1e4, 1.0, [], 1.0, [mx.zeros((64,))])
     with pytest.raises(ValueError, match="mlp_block gate"):
         ext.mlp_block(x, mx.ones((64,)), 1e-5, mx.zeros((10,), dtype=mx.uint8), mx.zeros((10,), dtype=mx.uint8),
                       mx.zeros((10,), dtype=mx.uint8), 128, [4] * 3)

@@ -248,6 +248,8 @@ class LayerCall:
         # qwen3's q and k norms over each head ride after the products (the ops take them there).
         head_norms = [attention.q_norm["weight"], attention.k_norm["weight"]] if "q_norm" in attention else []
         self.inputs_weights = (norm["weight"], norm.eps, [packed_weights(p) for p in projections] + head_norms)
+        # qwen2's q, k and v biases (all three or none: is_fusable), added as mlx adds them.
+        self.qkv_biases = [p["bias"] for p in projections] if "bias" in attention.q_proj else []
         self.inputs_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
                              [p.bits for p in projections], *rope)
         self.scale = attention.scale
@@ -274,13 +276,13 @@ class LayerCall:
         RaggedKVCache.writable_buffers); the returned keys and values alias them."""
         input_norm, post_norm, eps, weights = self.layer_weights
         return extension().decoder_layer(x, offset, keys, values, input_norm, post_norm, eps, weights,
-                                         *self.layer_sizes, self.layer_bits, *self.layer_constants)
+                                         *self.layer_sizes, self.layer_bits, *self.layer_constants, self.qkv_biases)
 
     def attention_inputs(self, x, offset):
         """Norm, q/k/v products and RoPE as one node: q (B, Hq, T, Dh), k and v (B, Hkv, T, Dh),
         the bits of the separate ops (gmlx/platform/cpu_layers.py)."""
         weight, eps, quads = self.inputs_weights
-        return extension().attention_inputs(x, weight, eps, offset, quads, *self.inputs_shape)
+        return extension().attention_inputs(x, weight, eps, offset, quads, *self.inputs_shape, self.qkv_biases)
 
     def project_add(self, a, residual):
         """residual + o_proj(a) as one node."""

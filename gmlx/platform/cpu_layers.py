@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 
 from gmlx import config
 from gmlx.cache.ragged import RaggedKVCache
@@ -76,11 +76,16 @@ class FusedLlamaBlock(_FusedBlock, llama.TransformerBlock):
     pass
 
 
+class FusedQwen2Block(_FusedBlock, qwen2.TransformerBlock):
+    """qwen2's layer: llama's with biases on the q, k and v products."""
+
+
 class FusedQwen3Block(_FusedBlock, qwen3.TransformerBlock):
     """qwen3's layer: llama's with RMSNorm over each q and k head before RoPE."""
 
 
-_FUSED_BLOCKS = {llama.TransformerBlock: FusedLlamaBlock, qwen3.TransformerBlock: FusedQwen3Block}
+_FUSED_BLOCKS = {llama.TransformerBlock: FusedLlamaBlock, qwen2.TransformerBlock: FusedQwen2Block,
+                 qwen3.TransformerBlock: FusedQwen3Block}
 
 
 class LayerStackCall:
@@ -92,10 +97,11 @@ class LayerStackCall:
         # The node reads the norms without a graph edge: evaluated float32 arrays.
         norms = [[mx.array(c.layer_weights[i], dtype=mx.float32) for c in calls] for i in (0, 1)]
         weights = [c.layer_weights[3] for c in calls]
-        mx.eval(norms, weights)
+        biases = [[mx.array(b, dtype=mx.float32) for b in c.qkv_biases] for c in calls if c.qkv_biases]
+        mx.eval(norms, weights, biases)
         self.stack = cpu_kernels.extension().LayerStack(*norms, weights, [c.layer_bits for c in calls],
                                                         first.layer_weights[2], *first.layer_sizes,
-                                                        *first.layer_constants)
+                                                        *first.layer_constants, biases)
         self.kv_heads_and_dim = first.kv_heads_and_dim
         self.num_layers = len(calls)
 
@@ -125,7 +131,7 @@ def can_stack(calls: list) -> bool:
         return False
     first = calls[0]
     return all(c is not None and c.is_one_node and c.layer_sizes == first.layer_sizes
-               and c.layer_constants == first.layer_constants
+               and c.layer_constants == first.layer_constants and bool(c.qkv_biases) == bool(first.qkv_biases)
                and c.layer_weights[2] == first.layer_weights[2]
                and len(c.layer_weights[3]) == len(first.layer_weights[3]) for c in calls)
 
@@ -153,11 +159,16 @@ class StackedLlamaModel(_StackedModel, llama.LlamaModel):
     pass
 
 
+class StackedQwen2Model(_StackedModel, qwen2.Qwen2Model):
+    pass
+
+
 class StackedQwen3Model(_StackedModel, qwen3.Qwen3Model):
     pass
 
 
-_STACKED_BODIES = {llama.LlamaModel: StackedLlamaModel, qwen3.Qwen3Model: StackedQwen3Model}
+_STACKED_BODIES = {llama.LlamaModel: StackedLlamaModel, qwen2.Qwen2Model: StackedQwen2Model,
+                   qwen3.Qwen3Model: StackedQwen3Model}
 
 
 def segment_bodies(body: nn.Module, segments: list[Segment]) -> list[mx.array]:
@@ -170,17 +181,18 @@ def segment_bodies(body: nn.Module, segments: list[Segment]) -> list[mx.array]:
     return [body(s.tokens, s.caches) for s in segments]
 
 
-def _is_packed(module: nn.Module) -> bool:
-    """Weights in the quad layout or float32 panels, no bias: what the fused ops multiply."""
-    if "bias" in module:
+def _is_packed(module: nn.Module, may_have_bias: bool = False) -> bool:
+    """Weights in the quad layout or float32 panels (a bias only where may_have_bias): what the
+    fused ops multiply."""
+    if "bias" in module and not may_have_bias:
         return False
     return (type(module) is KernelQuantizedLinear and "quads" in module) or type(module) is KernelLinear
 
 
 def is_fusable(block: nn.Module) -> bool:
-    """A llama (or qwen3) block whose products all have packed weights (quads of 4 or 8 bits,
-    each its own, or float32 panels), with the kernels' attention, RoPE, norms (qwen3's q and k
-    head norms too) and MLP."""
+    """A llama (qwen2, qwen3) block whose products all have packed weights (quads of 4 or 8 bits,
+    each its own, or float32 panels; qwen2's biases on q, k and v), with the kernels' attention,
+    RoPE, norms (qwen3's q and k head norms too) and MLP."""
     if type(block) not in _FUSED_BLOCKS:
         return False
     attn, mlp = block.self_attn, block.mlp
@@ -194,8 +206,8 @@ def is_fusable(block: nn.Module) -> bool:
     elif "q_norm" in attn:
         return False
     return (isinstance(attn, _KernelAttention) and type(attn.rope) in (KernelRoPE, KernelLlama3RoPE, KernelYarnRoPE)
-            and isinstance(mlp, _KernelMLP) and all(_is_packed(p) for p in products)
-            and all(type(n) is KernelRMSNorm for n in norms))
+            and isinstance(mlp, _KernelMLP) and all(_is_packed(p, may_have_bias=i < 3) for i, p in enumerate(products))
+            and len({"bias" in p for p in products[:3]}) == 1 and all(type(n) is KernelRMSNorm for n in norms))
 
 
 def layer_call(block: nn.Module) -> cpu_kernels.LayerCall:

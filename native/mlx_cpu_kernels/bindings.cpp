@@ -78,7 +78,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("attention_inputs", &gmlx_kernels::attention_inputs, "x"_a, "norm_weight"_a, "eps"_a, "offset"_a, "quads"_a,
         "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a, "bits"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
         "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f,
-        "rms_norm, the q/k/v quad-layout products and RoPE of a llama layer as one node: [q, k, v]");
+        "qkv_biases"_a = std::vector<mlx::core::array>{},
+        "rms_norm, the q/k/v quad-layout products (plus qwen2's biases) and RoPE of a llama layer as one node: "
+        "[q, k, v]");
   m.def("project_add", &gmlx_kernels::project_add, "a"_a, "quads"_a, "residual"_a, "bits"_a,
         "residual + a @ W.T over a quad-layout W, one node");
   m.def("mlp_block", &gmlx_kernels::mlp_block, "h"_a, "norm_weight"_a, "eps"_a, "gate_quads"_a, "up_quads"_a,
@@ -87,6 +89,7 @@ NB_MODULE(_cpu_kernels, m) {
         "input_norm_weight"_a, "post_norm_weight"_a, "eps"_a, "weights"_a, "num_q_heads"_a, "num_kv_heads"_a,
         "head_dim"_a, "hidden_dims"_a, "bits"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a,
         "rope_base"_a, "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f,
+        "qkv_biases"_a = std::vector<mlx::core::array>{},
         "A whole llama layer as one node (attention_inputs, the KV write at offset, ragged attention, project_add, "
         "mlp_block): [h, keys, values], the KV buffers (no other array may share them) written in place");
   nb::class_<LayerStackHandle>(m, "LayerStack", "The weights of a model's llama layers, one shape, for decoder_stack")
@@ -96,14 +99,17 @@ NB_MODULE(_cpu_kernels, m) {
              const std::vector<mlx::core::array>& post_norms, const std::vector<std::vector<mlx::core::array>>& weights,
              const std::vector<std::vector<int>>& bits, float eps, int num_q_heads, int num_kv_heads, int head_dim,
              int hidden_dims, float attention_scale, int rope_dims, bool rope_traditional, float rope_base,
-             float rope_scale, const std::vector<float>& rope_freqs, float rope_mscale) {
+             float rope_scale, const std::vector<float>& rope_freqs, float rope_mscale,
+             const std::vector<std::vector<mlx::core::array>>& qkv_biases) {
             new (self) LayerStackHandle{std::make_shared<const gmlx_kernels::LayerStack>(
                 input_norms, post_norms, weights, bits, eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
-                attention_scale, rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs, rope_mscale)};
+                attention_scale, rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs, rope_mscale,
+                qkv_biases)};
           },
           "input_norms"_a, "post_norms"_a, "weights"_a, "bits"_a, "eps"_a, "num_q_heads"_a, "num_kv_heads"_a,
           "head_dim"_a, "hidden_dims"_a, "attention_scale"_a, "rope_dims"_a, "rope_traditional"_a, "rope_base"_a,
-          "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f)
+          "rope_scale"_a, "rope_freqs"_a = std::vector<float>{}, "rope_mscale"_a = 1.0f,
+          "qkv_biases"_a = std::vector<std::vector<mlx::core::array>>{})
       .def_prop_ro("num_layers", [](const LayerStackHandle& h) { return h.stack->num_layers(); });
   m.def(
       "decoder_stack",

@@ -176,6 +176,19 @@ void check_offset(const mx::array& offset, const mx::array& x, const std::string
   }
 }
 
+// qwen2's q, k and v biases: none, or three float32-castable vectors of the products' widths.
+void check_qkv_biases(const std::vector<mx::array>& biases, int64_t q_width, int64_t kv_width,
+                      const std::string& who) {
+  if (biases.empty()) return;
+  const int64_t widths[] = {q_width, kv_width, kv_width};
+  if (biases.size() != 3) throw std::invalid_argument(who + ": qkv_biases must be none or q's, k's and v's");
+  for (int i = 0; i < 3; ++i) {
+    if (biases[i].ndim() != 1 || biases[i].shape(0) != widths[i]) {
+      throw std::invalid_argument(who + ": qkv_biases must be (q width,), (kv width,), (kv width,)");
+    }
+  }
+}
+
 // A node's inputs, then the weights' head norms (those past the products') as float32.
 std::vector<mx::array> with_head_norms(std::vector<mx::array> inputs, const std::vector<mx::array>& weights,
                                        size_t num_products, mx::Stream s) {
@@ -183,24 +196,40 @@ std::vector<mx::array> with_head_norms(std::vector<mx::array> inputs, const std:
   return inputs;
 }
 
+// A node's inputs, then qwen2's q, k and v biases (none or three) as float32.
+std::vector<mx::array> with_qkv_biases(std::vector<mx::array> inputs, const std::vector<mx::array>& biases,
+                                       mx::Stream s) {
+  for (const auto& bias : biases) inputs.push_back(as_dtype(bias, mx::float32, s));
+  return inputs;
+}
+
 NormWeight norm_weight(const mx::array& weight) { return {weight.data<float>(), weight.strides(0)}; }
 
-// A layer's weights: the norms, the seven products and their bits, and head_norms (q's, k's) or null.
+// q, k and v's biases as a task reads them (three node inputs from `first`), or none.
+QkvBiases qkv_biases_at(const std::vector<mx::array>& in, size_t first, bool has_biases) {
+  if (!has_biases) return {};
+  return {true, {norm_weight(in[first]), norm_weight(in[first + 1]), norm_weight(in[first + 2])}};
+}
+
+// A layer's weights: the norms, the seven products and their bits, head_norms (q's, k's) or null,
+// and the q/k/v biases.
 LayerWeights layer_weights(const mx::array& input_norm, const mx::array& post_norm, const mx::array* products,
-                           const std::vector<int>& bits, const mx::array* head_norms) {
-  LayerWeights w{norm_weight(input_norm), norm_weight(post_norm), {}, {}, head_norms != nullptr, {}};
+                           const std::vector<int>& bits, const mx::array* head_norms, const QkvBiases& biases) {
+  LayerWeights w{norm_weight(input_norm), norm_weight(post_norm), {}, {}, head_norms != nullptr, {}, biases};
   for (int i = 0; i < 7; ++i) w.products[i] = products[i].data<void>(), w.bits[i] = bits[i];
   if (head_norms != nullptr) w.head_norms[0] = norm_weight(head_norms[0]), w.head_norms[1] = norm_weight(head_norms[1]);
   return w;
 }
 
-// Norm, the q/k/v products and qwen3's per-head q and k norms (head_norms not null: q's, then
+// Norm, the q/k/v products (plus qwen2's biases, as mlx adds them after a product) and qwen3's
+// per-head q and k norms (head_norms not null: q's, then
 // k's) over every segment's rows, then each segment's RoPE by its angles: q into q_out (B, Hq,
 // T, Dh), k and v into k_out and v_out (B, Hkv, T, Dh), a segment's block from its first row on.
 // weights and bits: q's, k's, v's.
 void inputs_stage(Scratch& scratch, const float* x, const std::vector<SegmentRows>& segments, int64_t num_inputs,
                   const NormWeight& norm, float eps, const void* const* weights, const int* bits, int num_q_heads,
-                  int num_kv_heads, int head_dim, const RopeSpec& rope, const NormWeight* head_norms, float* q_out,
+                  int num_kv_heads, int head_dim, const RopeSpec& rope, const NormWeight* head_norms,
+                  const QkvBiases& biases, float* q_out,
                   float* k_out, float* v_out) {
   const int64_t num_rows = total_rows(segments);
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
@@ -212,6 +241,17 @@ void inputs_stage(Scratch& scratch, const float* x, const std::vector<SegmentRow
   normalize(x, norm.data, norm.stride, normed, num_rows, num_inputs, eps);
   weight_products(normed, num_rows, num_inputs, {{weights[0], bits[0], q_width, q}, {weights[1], bits[1], kv_width, k},
                                                 {weights[2], bits[2], kv_width, v}});
+  if (biases.is_present) {
+    float* outs[] = {q, k, v};
+    const int64_t widths[] = {q_width, kv_width, kv_width};
+    for (int i = 0; i < 3; ++i) {
+      const NormWeight& bias = biases.vectors[i];
+      for (int64_t r = 0; r < num_rows; ++r) {
+        float* row = outs[i] + r * widths[i];
+        for (int64_t j = 0; j < widths[i]; ++j) row[j] = row[j] + bias.data[j * bias.stride];
+      }
+    }
+  }
   if (head_norms != nullptr) {  // rows of Dh, normalized in place (a row is read before it is written)
     normalize(q, head_norms[0].data, head_norms[0].stride, q, num_rows * num_q_heads, head_dim, eps);
     normalize(k, head_norms[1].data, head_norms[1].stride, k, num_rows * num_kv_heads, head_dim, eps);
@@ -297,7 +337,7 @@ void run_layer(const LayerShape& shape, Scratch& scratch, const float* x, const 
   float* h = scratch.get(8, num_rows * dims);
   inputs_stage(scratch, x, segments, dims, weights.input_norm, shape.eps, weights.products, weights.bits,
                shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.rope,
-               weights.has_head_norms ? weights.head_norms : nullptr, q, k, v);
+               weights.has_head_norms ? weights.head_norms : nullptr, weights.qkv_biases, q, k, v);
   for (size_t s = 0; s < segments.size(); ++s) {
     const SegmentRows& rows = segments[s];
     const SegmentCache& cache = caches[s];
@@ -400,7 +440,8 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
                                         const mx::array& offset, const std::vector<mx::array>& quads,
                                         int num_q_heads, int num_kv_heads, int head_dim, const std::vector<int>& bits,
                                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                                        const std::vector<float>& rope_freqs, float rope_mscale) {
+                                        const std::vector<float>& rope_freqs, float rope_mscale,
+                                        const std::vector<mx::array>& qkv_biases) {
   if (x.ndim() != 3 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(2) || x.shape(2) % 32 != 0) {
     throw std::invalid_argument("attention_inputs: x must be (B, T, D), D a multiple of 32, norm_weight (D,)");
   }
@@ -408,6 +449,8 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
   check_rope(rope_dims, rope_freqs, head_dim, "attention_inputs");
   check_offset(offset, x, "attention_inputs");
   check_bits_count(bits, 3, "attention_inputs");
+  check_qkv_biases(qkv_biases, static_cast<int64_t>(num_q_heads) * head_dim,
+                   static_cast<int64_t>(num_kv_heads) * head_dim, "attention_inputs");
   const int dims = x.shape(2);
   check_weights(quads[0], static_cast<int64_t>(num_q_heads) * head_dim, dims, bits[0], "attention_inputs q");
   check_weights(quads[1], static_cast<int64_t>(num_kv_heads) * head_dim, dims, bits[1], "attention_inputs k");
@@ -420,10 +463,12 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
       {q_shape, kv_shape, kv_shape}, {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecoderLayerOp>(s, DecoderLayerOp::Kind::kAttentionInputs, bits, eps, num_q_heads, num_kv_heads,
                                        head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale,
-                                                             rope_freqs, rope_mscale}),
-      with_head_norms({as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s),
-                       as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]},
-                      quads, 3, s));
+                                                             rope_freqs, rope_mscale},
+                                       0.0f, !qkv_biases.empty()),
+      with_qkv_biases(with_head_norms({as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s),
+                                       as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]},
+                                      quads, 3, s),
+                      qkv_biases, s));
 }
 
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits) {
@@ -467,7 +512,8 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      const std::vector<mx::array>& weights, int num_q_heads, int num_kv_heads,
                                      int head_dim, int hidden_dims, const std::vector<int>& bits,
                                      float attention_scale, int rope_dims, bool rope_traditional, float rope_base,
-                                     float rope_scale, const std::vector<float>& rope_freqs, float rope_mscale) {
+                                     float rope_scale, const std::vector<float>& rope_freqs, float rope_mscale,
+                                     const std::vector<mx::array>& qkv_biases) {
   if (x.ndim() != 3 || x.shape(2) % 32 != 0 || hidden_dims % 32 != 0) {
     throw std::invalid_argument("decoder_layer: x must be (B, T, D), D and hidden_dims multiples of 32");
   }
@@ -486,6 +532,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
   const int64_t q_width = static_cast<int64_t>(num_q_heads) * head_dim;
   const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
   check_layer_weights(weights.data(), q_width, kv_width, dims, hidden_dims, bits, "decoder_layer");
+  check_qkv_biases(qkv_biases, q_width, kv_width, "decoder_layer");
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype kv_dtype = kv_buffer_dtype({keys, values});
   std::vector<mx::array> inputs = {as_dtype(x, mx::float32, s), as_dtype(offset, mx::int32, s),
@@ -499,8 +546,8 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                        hidden_dims,
                                        RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs,
                                                 rope_mscale},
-                                       attention_scale),
-      with_head_norms(std::move(inputs), weights, 7, s));
+                                       attention_scale, !qkv_biases.empty()),
+      with_qkv_biases(with_head_norms(std::move(inputs), weights, 7, s), qkv_biases, s));
 }
 
 void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -509,7 +556,7 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);
   encoder.dispatch([in = std::move(arrays.inputs), y = std::move(arrays.outputs), kind = kind_, bits = bits_,
                     eps = eps_, num_q_heads = num_q_heads_, num_kv_heads = num_kv_heads_, head_dim = head_dim_,
-                    hidden_dims = hidden_dims_, rope = rope_]() {
+                    hidden_dims = hidden_dims_, rope = rope_, has_biases = has_qkv_biases_]() {
     thread_local Scratch scratch;  // the lambdas of one stream run on one thread, one at a time
     std::vector<float> x_copy;
     const float* x = row_major_data<float>(in[0], x_copy);
@@ -517,14 +564,18 @@ void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const int64_t num_rows = in[0].size() / num_inputs;
     if (kind == Kind::kAttentionInputs) {
       const void* products[3] = {in[3].data<void>(), in[4].data<void>(), in[5].data<void>()};
+      // Inputs: x, norm, offset, q, k, v, then the head norms and the biases where the layer has them.
+      const size_t num_biases = has_biases ? 3 : 0;
+      const bool has_head_norms = in.size() - num_biases == 8;
       NormWeight head_norms[2];
-      if (in.size() == 8) head_norms[0] = norm_weight(in[6]), head_norms[1] = norm_weight(in[7]);
+      if (has_head_norms) head_norms[0] = norm_weight(in[6]), head_norms[1] = norm_weight(in[7]);
       RopeAngles* angles = scratch.segment_angles(1);
       const std::vector<SegmentRows> rows = {segment_rows(0, in[0], in[2], angles)};
       fill_layer_angles(rows[0], head_dim, rope, *angles);
       inputs_stage(scratch, x, rows, num_inputs, norm_weight(in[1]), eps, products, bits.data(), num_q_heads,
                    num_kv_heads,
-                   head_dim, rope, in.size() == 8 ? head_norms : nullptr, y[0], y[1], y[2]);
+                   head_dim, rope, has_head_norms ? head_norms : nullptr,
+                   qkv_biases_at(in, in.size() - num_biases, has_biases), y[0], y[1], y[2]);
     } else if (kind == Kind::kProjectAdd) {
       std::vector<float> residual_copy;
       const float* residual = row_major_data<float>(in[2], residual_copy);
@@ -543,10 +594,11 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
   InPlaceEncoded encoded = encode_in_place(encoder, inputs, outputs, 1, 2);
   encoder.dispatch([in = std::move(encoded.inputs), h_out = outputs[0].data<float>(), keys = outputs[1].data<void>(),
                     values = outputs[2].data<void>(), is_keys_copied = encoded.is_copied[0],
-                    is_values_copied = encoded.is_copied[1], bits = bits_,
+                    is_values_copied = encoded.is_copied[1], bits = bits_, has_biases = has_qkv_biases_,
                     shape = LayerShape{eps_, num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_, rope_,
                                        attention_scale_}]() {
     thread_local Scratch scratch;
+    const size_t num_biases = has_biases ? 3 : 0;
     std::vector<float> x_copy;
     if (is_keys_copied) fill_copied(in[2], keys);
     if (is_values_copied) fill_copied(in[3], values);
@@ -556,7 +608,9 @@ void DecoderLayerOp::eval_layer(mx::cpu::CommandEncoder& encoder, const std::vec
     fill_layer_angles(rows[0], shape.head_dim, shape.rope, *angles);
     const SegmentCache cache = {keys, values, in[2].shape(2), in[2].dtype() == mx::float16};
     run_layer(shape, scratch, x, rows, &cache, in[0].shape(2),
-              layer_weights(in[4], in[5], &in[6], bits, in.size() == 15 ? &in[13] : nullptr), h_out);
+              layer_weights(in[4], in[5], &in[6], bits, in.size() - num_biases == 15 ? &in[13] : nullptr,
+                            qkv_biases_at(in, in.size() - num_biases, has_biases)),
+              h_out);
   });
 }
 
@@ -565,10 +619,12 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
                        float eps, int num_q_heads, int num_kv_heads, int head_dim, int hidden_dims,
                        float attention_scale,
                        int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                       const std::vector<float>& rope_freqs, float rope_mscale)
+                       const std::vector<float>& rope_freqs, float rope_mscale,
+                       const std::vector<std::vector<mx::array>>& qkv_biases)
     : input_norms_(input_norms),
       post_norms_(post_norms),
       weights_(weights),
+      qkv_biases_(qkv_biases),
       shape_{eps, num_q_heads, num_kv_heads, head_dim, hidden_dims,
              RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs, rope_mscale}, attention_scale} {
   if (input_norms.empty() || post_norms.size() != input_norms.size() || weights.size() != input_norms.size() ||
@@ -598,11 +654,25 @@ LayerStack::LayerStack(const std::vector<mx::array>& input_norms, const std::vec
       if (i >= 7 && w[i].dtype() != mx::float32) throw std::invalid_argument("LayerStack: head norms must be float32");
     }
     check_layer_weights(w.data(), q_width, kv_width, dims, hidden_dims, bits[l], "LayerStack");
+    if (!qkv_biases.empty()) {
+      check_qkv_biases(qkv_biases[l], q_width, kv_width, "LayerStack");
+      for (const auto& bias : qkv_biases[l]) {
+        if (bias.dtype() != mx::float32 || !bias.is_available()) {
+          throw std::invalid_argument("LayerStack: qkv_biases must be evaluated float32 arrays");
+        }
+      }
+    }
+  }
+  const auto is_empty = [](const std::vector<mx::array>& biases) { return biases.empty(); };
+  if (!qkv_biases.empty() &&
+      (qkv_biases.size() != weights.size() || std::any_of(qkv_biases.begin(), qkv_biases.end(), is_empty))) {
+    throw std::invalid_argument("LayerStack: q, k and v biases for every layer or none");
   }
   for (size_t l = 0; l < weights.size(); ++l) {  // after every check: the arrays are evaluated
     const auto& w = weights_[l];
-    layers_.push_back(
-        layer_weights(input_norms_[l], post_norms_[l], w.data(), bits[l], w.size() > 7 ? w.data() + 7 : nullptr));
+    const QkvBiases biases = qkv_biases_.empty() ? QkvBiases{} : qkv_biases_at(qkv_biases_[l], 0, true);
+    const mx::array* head_norms = w.size() > 7 ? w.data() + 7 : nullptr;
+    layers_.push_back(layer_weights(input_norms_[l], post_norms_[l], w.data(), bits[l], head_norms, biases));
   }
 }
 
@@ -739,7 +809,8 @@ void DecoderLayerOp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 
 bool DecoderLayerOp::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const DecoderLayerOp&>(other);
-  return kind_ == o.kind_ && bits_ == o.bits_ && eps_ == o.eps_ && num_q_heads_ == o.num_q_heads_ &&
+  return kind_ == o.kind_ && bits_ == o.bits_ && eps_ == o.eps_ && has_qkv_biases_ == o.has_qkv_biases_ &&
+         num_q_heads_ == o.num_q_heads_ &&
          num_kv_heads_ == o.num_kv_heads_ && head_dim_ == o.head_dim_ && hidden_dims_ == o.hidden_dims_ &&
          rope_.dims == o.rope_.dims && rope_.traditional == o.rope_.traditional && rope_.base == o.rope_.base &&
          rope_.scale == o.rope_.scale && rope_.freqs == o.rope_.freqs &&

@@ -46,6 +46,12 @@ struct NormWeight {
   int64_t stride;
 };
 
+// qwen2's q, k and v biases (float32 vectors read as norms' weights are), added to the products.
+struct QkvBiases {
+  bool is_present = false;
+  NormWeight vectors[3] = {};
+};
+
 // A layer's weights as its task reads them: raw pointers. A stack takes them once at load: read
 // through each array's descriptor every step, which a step's stream of weights has evicted,
 // they cost a cache miss a product.
@@ -55,6 +61,7 @@ struct LayerWeights {
   int bits[7];  // each product's layout (a K-quant GGUF mixes 4 and 8 bits in a layer)
   bool has_head_norms;  // qwen3's q and k norms over each head
   NormWeight head_norms[2];
+  QkvBiases qkv_biases;
 };
 
 // The weights of a model's llama layers, all of one shape, held for decoder_stack: a decode
@@ -64,12 +71,13 @@ struct LayerWeights {
 class LayerStack {
  public:
   // Per layer: the two norms' weights (D,) and q, k, v, o, gate, up, down (quads or panels), then
-  // qwen3's q and k head norms (Dh,) for every layer or none; bits: per layer, the seven products'.
+  // qwen3's q and k head norms (Dh,) for every layer or none; bits: per layer, the seven products';
+  // qkv_biases: per layer qwen2's q, k and v biases (evaluated float32), or none for every layer.
   LayerStack(const std::vector<mx::array>& input_norms, const std::vector<mx::array>& post_norms,
              const std::vector<std::vector<mx::array>>& weights, const std::vector<std::vector<int>>& bits, float eps,
              int num_q_heads, int num_kv_heads, int head_dim, int hidden_dims, float attention_scale, int rope_dims,
              bool rope_traditional, float rope_base, float rope_scale, const std::vector<float>& rope_freqs = {},
-             float rope_mscale = 1.0f);
+             float rope_mscale = 1.0f, const std::vector<std::vector<mx::array>>& qkv_biases = {});
   int num_layers() const { return static_cast<int>(input_norms_.size()); }
   int dims() const { return input_norms_[0].shape(0); }
   const LayerShape& shape() const { return shape_; }
@@ -77,7 +85,7 @@ class LayerStack {
 
  private:
   std::vector<mx::array> input_norms_, post_norms_;
-  std::vector<std::vector<mx::array>> weights_;  // what layers_ points into, held
+  std::vector<std::vector<mx::array>> weights_, qkv_biases_;  // what layers_ points into, held
   std::vector<LayerWeights> layers_;
   LayerShape shape_;
 };
@@ -88,7 +96,8 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
                                         const mx::array& offset, const std::vector<mx::array>& quads,
                                         int num_q_heads, int num_kv_heads, int head_dim, const std::vector<int>& bits,
                                         int rope_dims, bool rope_traditional, float rope_base, float rope_scale,
-                                        const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f);
+                                        const std::vector<float>& rope_freqs = {}, float rope_mscale = 1.0f,
+                                        const std::vector<mx::array>& qkv_biases = {});
 // a (..., K), residual (..., N).
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits);
 // h (..., D); gate and up quads (F outputs of D), down quads (D outputs of F).
@@ -108,7 +117,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                      int head_dim, int hidden_dims, const std::vector<int>& bits,
                                      float attention_scale, int rope_dims, bool rope_traditional, float rope_base,
                                      float rope_scale, const std::vector<float>& rope_freqs = {},
-                                     float rope_mscale = 1.0f);
+                                     float rope_mscale = 1.0f, const std::vector<mx::array>& qkv_biases = {});
 
 // Every layer of the stack in one node, each as decoder_layer runs it (the same bits), over one or
 // more segments: rows of their own caches (a round's decode rows and the prompt chunks it carries)
@@ -142,10 +151,11 @@ class DecoderLayerOp : public mx::Primitive {
  public:
   enum class Kind { kAttentionInputs, kProjectAdd, kMlpBlock, kLayer };
   DecoderLayerOp(mx::Stream stream, Kind kind, std::vector<int> bits, float eps, int num_q_heads, int num_kv_heads,
-                 int head_dim, int hidden_dims, RopeSpec rope, float attention_scale = 0.0f)
+                 int head_dim, int hidden_dims, RopeSpec rope, float attention_scale = 0.0f,
+                 bool has_qkv_biases = false)
       : mx::Primitive(stream), kind_(kind), bits_(std::move(bits)), eps_(eps), num_q_heads_(num_q_heads),
         num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_dims_(hidden_dims), rope_(rope),
-        attention_scale_(attention_scale) {}
+        attention_scale_(attention_scale), has_qkv_biases_(has_qkv_biases) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -162,6 +172,7 @@ class DecoderLayerOp : public mx::Primitive {
   int num_q_heads_, num_kv_heads_, head_dim_, hidden_dims_;
   RopeSpec rope_;
   float attention_scale_;
+  bool has_qkv_biases_;  // the node's last three inputs: qwen2's q, k and v biases
 };
 
 }  // namespace gmlx_kernels
