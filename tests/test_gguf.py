@@ -18,6 +18,7 @@ from conftest import make_random_model_dir
 from gguf_support import CHAT_TEMPLATE, write_gguf_from_folder
 from gmlx.config import env_overrides
 from gmlx.generate import render_chat
+from gmlx.models.gguf import read_gguf
 from gmlx.models.gguf_tokenizer import load_gguf_tokenizer
 from gmlx.models.loader import load_model
 
@@ -247,6 +248,10 @@ def test_a_file_of_only_types_mx_load_would_make_float16_stays_quantized(tmp_pat
     loaded = load_model(path)
     attention = loaded.model.model.layers[0].self_attn
     assert (attention.q_proj.bits, attention.v_proj.bits, loaded.model.lm_head.bits) == (4, 8, 8)
+    # Its F32 tensors (the norms) stay float32, as mx.load would keep them.
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.0.attn_norm.weight"]
+    norm = read_gguf(path).weights["model.layers.0.input_layernorm.weight"]
+    assert norm.dtype == mx.float32 and mx.array_equal(norm, mx.array(np.asarray(stored.data))).item()
 
 
 def test_a_file_mx_load_refuses_keeps_its_4_bit_layers_at_4_bits(tiny_folders, tmp_path):

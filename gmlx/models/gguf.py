@@ -5,8 +5,8 @@
 (Q4_K, Q6_K) into float16, so a file holding any other type is read with the `gguf` package
 instead (said in a log line): its blocks become triplets where they are affine grids
 (gguf_blocks.py: Q4_0/Q4_1/Q8_0 as mx.load makes them, Q4_K at 4 bits, Q5_0/Q5_1/Q5_K and the
-IQ4 types at 8), its other quantized matrices are requantized to MLX 8-bit (group 32), the rest
-float16.
+IQ4 types at 8), its other quantized matrices are requantized to MLX 8-bit (group 32), its float
+tensors stay as stored and the rest become float16.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_FLOAT_TYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 # The tensor types mx.load keeps as they are (the quantized ones as MLX affine triplets, group 32).
 _MX_LOAD_KEEPS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})
 _END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -113,10 +114,9 @@ def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tupl
         raise ValueError(f"GGUF {path}: corrupt or truncated ({type(exc).__name__}: {exc}; {why})") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     logger.warning("GGUF %s: tensor types %s (%s): reading them with the gguf package: Q4_0/Q4_1/Q8_0 as "
-                   "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS at 8 from their blocks, other "
-                   "quantized matrices requantized to 8 bits (group 32), the rest float16",
-                   path, ", ".join(sorted(types)), why)
-    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+                   "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS at 8 from their blocks, "
+                   "other quantized matrices requantized to 8 bits (group 32), float tensors as stored, the rest "
+                   "float16", path, ", ".join(sorted(types)), why)
     weights = {}
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
@@ -129,11 +129,14 @@ def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tupl
             raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
                              f"which the gguf package cannot dequantize") from exc
         values = values.reshape(shape)
-        if tensor.tensor_type not in float_types and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
+        is_float = tensor.tensor_type.name in _FLOAT_TYPES
+        if not is_float and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
             weights.update(gguf_blocks.requantized(tensor.name, values))
         else:
-            # The RoPE divisors are matched to a formula to 1e-4: float16 would round them past that.
-            weights[tensor.name] = mx.array(values).astype(mx.float32 if tensor.name == _ROPE_FREQS else mx.float16)
+            # Float tensors as stored, as mx.load keeps them (norms and qwen2's biases are F32 in
+            # llama.cpp's files); others float16. The RoPE divisors are matched to a formula to 1e-4.
+            dtype = _FLOAT_TYPES.get(tensor.tensor_type.name, mx.float16)
+            weights[tensor.name] = mx.array(values).astype(mx.float32 if tensor.name == _ROPE_FREQS else dtype)
     return weights, metadata
 
 
