@@ -130,51 +130,42 @@ def tiny_quantized_target(tiny_llama_dir, tmp_path_factory):
     return load_quantized_copy(model, config, tiny_llama_dir, tmp_path_factory.mktemp("tiny_llama_q4"))
 
 
+def _gguf_like_copy(tmp_path_factory, name: str, model_type: str = "llama", seed: int = 0,
+                    eight_bit_modules: tuple = ()):
+    """A tiny random model with tied embeddings quantized as a GGUF arrives (kernel_support's
+    load_quantized_copy, is_gguf_like), loaded with gmlx's defaults."""
+    import mlx_lm
+
+    from kernel_support import load_quantized_copy
+
+    folder = make_random_model_dir(tmp_path_factory.mktemp(name), model_type, seed=seed, tie_word_embeddings=True)
+    model, _ = mlx_lm.load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    return load_quantized_copy(model, config, folder, tmp_path_factory.mktemp(f"{name}_gguf_like"),
+                               is_gguf_like=True, eight_bit_modules=eight_bit_modules)
+
+
 @pytest.fixture(scope="session")
 def gguf_like_target(tmp_path_factory):
     """A tiny llama with tied embeddings, quantized as a Q4_1 GGUF arrives (4-bit layers with
     float16-exact scales, an 8-bit token table) and loaded with gmlx's defaults: int8
     activations, the one-stream quad layout, grouped q/k/v and gate/up products."""
-    import mlx_lm
-
-    from kernel_support import load_quantized_copy
-
-    folder = make_random_model_dir(tmp_path_factory.mktemp("tiny_llama_tied"), tie_word_embeddings=True)
-    model, _ = mlx_lm.load(str(folder))
-    config = json.loads((folder / "config.json").read_text())
-    return load_quantized_copy(model, config, folder, tmp_path_factory.mktemp("tiny_llama_gguf_like"),
-                               is_gguf_like=True)
+    return _gguf_like_copy(tmp_path_factory, "tiny_llama_tied")
 
 
 @pytest.fixture(scope="session")
 def qwen2_gguf_like_target(tmp_path_factory):
     """gguf_like_target's quantization on a tiny qwen2 (Qwen 2.5's layout: q, k and v biases)."""
-    import mlx_lm
-
-    from kernel_support import load_quantized_copy
-
-    folder = make_random_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=9, tie_word_embeddings=True)
-    model, _ = mlx_lm.load(str(folder))
-    config = json.loads((folder / "config.json").read_text())
-    return load_quantized_copy(model, config, folder, tmp_path_factory.mktemp("tiny_qwen2_gguf_like"),
-                               is_gguf_like=True)
+    return _gguf_like_copy(tmp_path_factory, "tiny_qwen2", "qwen2", seed=9)
 
 
 @pytest.fixture(scope="session")
 def kquant_like_target(tmp_path_factory):
     """gguf_like_target with 8-bit products among the 4-bit ones, each layer its own, as a
     Q4_K_M file arrives (Q4_K at 4 bits, its Q6_K and fallback Q5_0 tensors at 8)."""
-    import mlx_lm
-
-    from kernel_support import load_quantized_copy
-
-    folder = make_random_model_dir(tmp_path_factory.mktemp("tiny_llama_kquant"), tie_word_embeddings=True)
-    model, _ = mlx_lm.load(str(folder))
-    config = json.loads((folder / "config.json").read_text())
     eight_bit = ("model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
                  "model.layers.1.mlp.up_proj")
-    return load_quantized_copy(model, config, folder, tmp_path_factory.mktemp("tiny_llama_kquant_like"),
-                               is_gguf_like=True, eight_bit_modules=eight_bit)
+    return _gguf_like_copy(tmp_path_factory, "tiny_llama_kquant", eight_bit_modules=eight_bit)
 
 
 @pytest.fixture(scope="session")
