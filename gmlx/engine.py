@@ -337,8 +337,7 @@ class Engine:
 
     def _buffer_tokens(self) -> int:
         """The batch buffers' width: every row of the batch is this wide, whatever it holds."""
-        keys = None if self.batch is None else self.batch.caches[0].keys
-        return 0 if keys is None else keys.shape[2]
+        return 0 if self.batch is None else self.batch.caches[0].buffer_tokens
 
     # --- eviction -------------------------------------------------------------------
 

@@ -159,6 +159,12 @@ class RaggedKVCache:
         return max(self.lengths, default=0)
 
     @property
+    def buffer_tokens(self) -> int:
+        """Positions the buffers are wide (0 before the first write): their shape, read without
+        making the arrays that wait on a pending in-place write (the engine asks every step)."""
+        return 0 if self._keys is None else self._keys.shape[2]
+
+    @property
     def nbytes(self) -> int:
         return 0 if self._keys is None else self._keys.nbytes + self._values.nbytes
 

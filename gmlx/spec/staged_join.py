@@ -43,7 +43,7 @@ class JoinStager:
             return False
         staging = self._staging
         if staging is None or staging.item is not item or staging.num_rows != batch.num_rows:
-            width = max(item.caches[0].keys.shape[2], batch.caches[0].keys.shape[2])
+            width = max(item.caches[0].buffer_tokens, batch.caches[0].buffer_tokens)
             staging = self._staging = _Staging(item, batch.num_rows, width, [None] * len(item.caches))
         todo = [i for i, c in enumerate(staging.caches) if c is None]
         if not todo:
