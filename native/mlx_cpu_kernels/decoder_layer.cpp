@@ -189,17 +189,11 @@ void check_qkv_biases(const std::vector<mx::array>& biases, int64_t q_width, int
   }
 }
 
-// A node's inputs, then the weights' head norms (those past the products') as float32.
-std::vector<mx::array> with_head_norms(std::vector<mx::array> inputs, const std::vector<mx::array>& weights,
-                                       size_t num_products, mx::Stream s) {
-  for (size_t i = num_products; i < weights.size(); ++i) inputs.push_back(as_dtype(weights[i], mx::float32, s));
-  return inputs;
-}
-
-// A node's inputs, then qwen2's q, k and v biases (none or three) as float32.
-std::vector<mx::array> with_qkv_biases(std::vector<mx::array> inputs, const std::vector<mx::array>& biases,
-                                       mx::Stream s) {
-  for (const auto& bias : biases) inputs.push_back(as_dtype(bias, mx::float32, s));
+// A node's inputs, then arrays[first:] as float32: a layer's head norms (past its products'
+// weights), qwen2's q, k and v biases.
+std::vector<mx::array> with_float32(std::vector<mx::array> inputs, const std::vector<mx::array>& arrays,
+                                    size_t first, mx::Stream s) {
+  for (size_t i = first; i < arrays.size(); ++i) inputs.push_back(as_dtype(arrays[i], mx::float32, s));
   return inputs;
 }
 
@@ -465,10 +459,10 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
                                        head_dim, 0, RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale,
                                                              rope_freqs, rope_mscale},
                                        0.0f, !qkv_biases.empty()),
-      with_qkv_biases(with_head_norms({as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s),
-                                       as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]},
-                                      quads, 3, s),
-                      qkv_biases, s));
+      with_float32(with_float32({as_dtype(x, mx::float32, s), as_dtype(norm_weight, mx::float32, s),
+                                 as_dtype(offset, mx::int32, s), quads[0], quads[1], quads[2]},
+                                quads, 3, s),
+                   qkv_biases, 0, s));
 }
 
 mx::array project_add(const mx::array& a, const mx::array& quads, const mx::array& residual, int bits) {
@@ -547,7 +541,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const mx::array& offset
                                        RopeSpec{rope_dims, rope_traditional, rope_base, rope_scale, rope_freqs,
                                                 rope_mscale},
                                        attention_scale, !qkv_biases.empty()),
-      with_qkv_biases(with_head_norms(std::move(inputs), weights, 7, s), qkv_biases, s));
+      with_float32(with_float32(std::move(inputs), weights, 7, s), qkv_biases, 0, s));
 }
 
 void DecoderLayerOp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
