@@ -11,6 +11,7 @@ tensors stay as stored and the rest become float16.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -123,21 +124,28 @@ def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tupl
         if gguf_blocks.is_read_from_blocks(tensor.tensor_type.name) and len(shape) == 2:  # no dequantize
             weights.update(gguf_blocks.block_triplets(tensor.name, tensor.tensor_type.name, np.asarray(tensor.data)))
             continue
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
-                             f"which the gguf package cannot dequantize") from exc
-        values = values.reshape(shape)
         is_float = tensor.tensor_type.name in _FLOAT_TYPES
         if not is_float and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
-            weights.update(gguf_blocks.requantized(tensor.name, values))
+            data = np.asarray(tensor.data).reshape(shape[0], -1)  # rows of blocks
+            weights.update(gguf_blocks.requantized(tensor.name, data, functools.partial(_dequantized, path, tensor)))
         else:
+            values = _dequantized(path, tensor, tensor.data).reshape(shape)
             # Float tensors as stored, as mx.load keeps them (norms and qwen2's biases are F32 in
             # llama.cpp's files); others float16. The RoPE divisors are matched to a formula to 1e-4.
             dtype = _FLOAT_TYPES.get(tensor.tensor_type.name, mx.float16)
             weights[tensor.name] = mx.array(values).astype(mx.float32 if tensor.name == _ROPE_FREQS else dtype)
     return weights, metadata
+
+
+def _dequantized(path: Path, tensor, data: np.ndarray) -> np.ndarray:
+    """Blocks of a tensor's (data: a slice of them) as float values, with the gguf package."""
+    import gguf
+
+    try:
+        return gguf.quants.dequantize(data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                         f"which the gguf package cannot dequantize") from exc
 
 
 def _to_python(value):

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 GROUP_SIZE = 32  # every type read here, and every one mx.load keeps, is group 32
+_SLICE_BYTES = 1 << 19  # a matrix's rows are decoded this many bytes of them at a time
 
 # Per type read from its bytes: (bits of the MLX triplets, block bytes, values per block).
 _READ_BLOCKS = {"Q4_0": (4, 18, 32), "Q4_1": (4, 20, 32), "Q8_0": (8, 34, 32), "Q5_0": (8, 22, 32),
@@ -35,50 +36,71 @@ def block_triplets(name: str, kind: str, blocks: np.ndarray) -> dict:
     """A matrix's blocks (bytes, rows x blocks per row) of a type is_read_from_blocks names, as
     its module's MLX triplets."""
     bits, block_bytes, _ = _READ_BLOCKS[kind]
-    rows = blocks.shape[0]
-    blocks = blocks.reshape(rows, -1, block_bytes)
-    levels, scales, biases = _DECODERS[kind](blocks)  # (rows, blocks, groups per block[, 32])
-    return _triplets(name, mx.array(levels.reshape(rows, -1).astype(np.uint32)), bits,
-                     mx.array(scales.reshape(rows, -1)), mx.array(biases.reshape(rows, -1)))
+
+    def decode(part: np.ndarray) -> tuple:
+        rows = part.shape[0]
+        weight_bytes, scales, biases = _DECODERS[kind](part.reshape(rows, -1, block_bytes))  # (rows, blocks, ...)
+        return _words(weight_bytes.reshape(rows, -1)), scales.reshape(rows, -1), biases.reshape(rows, -1)
+
+    return _triplets(name, blocks, decode)
 
 
-def requantized(name: str, values: np.ndarray) -> dict:
-    """A dequantized matrix no block reading covers as MLX 8-bit affine triplets, group 32, at half
-    float16's bytes, each value within half a level (1/510 of its group's range) and float16's
-    rounding of the scale. The compute format then picks its kernels as for Q8_0."""
-    rows, columns = values.shape
-    groups = np.asarray(values, dtype=np.float32).reshape(rows, columns // GROUP_SIZE, GROUP_SIZE)
-    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
-    # Float16 bias and scale (the kernels' layouts keep them so) rounded outwards, so that the
-    # 256 levels span the whole group: a level clipped at either end would cost up to 2^-11 of
-    # the values' size, not of their range.
-    biases = low.astype(np.float16)
-    biases = np.where(biases.astype(np.float32) > low, np.nextafter(biases, np.float16(-np.inf)), biases)
-    scales = ((high - biases.astype(np.float32)) / 255).astype(np.float16)
-    is_short = scales.astype(np.float32) * 255 + biases.astype(np.float32) < high
-    scales = np.where(is_short, np.nextafter(scales, np.float16(np.inf)), scales)
-    # The levels are rounded against those very values, so that rounding costs no accuracy twice.
-    step = np.where(scales == 0, np.float32(1), scales.astype(np.float32))
-    levels = np.clip(np.round((groups - biases.astype(np.float32)) / step), 0, 255).astype(np.uint32)
-    return _triplets(name, mx.array(levels.reshape(rows, columns)), 8, mx.array(scales[..., 0]),
-                     mx.array(biases[..., 0]))
+def requantized(name: str, data: np.ndarray, dequantize=np.asarray) -> dict:
+    """A matrix no block reading covers (data: its rows, as dequantize(rows) turns into float
+    values) as MLX 8-bit affine triplets, group 32, at half float16's bytes, each value within
+    half a level (1/510 of its group's range) and float16's rounding of the scale. The compute
+    format then picks its kernels as for Q8_0."""
+
+    def decode(part: np.ndarray) -> tuple:
+        values = np.asarray(dequantize(part), dtype=np.float32)
+        rows, columns = values.shape
+        groups = values.reshape(rows, columns // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+        # Float16 bias and scale (the kernels' layouts keep them so) rounded outwards, so that the
+        # 256 levels span the whole group: a level clipped at either end would cost up to 2^-11 of
+        # the values' size, not of their range.
+        biases = low.astype(np.float16)
+        biases = np.where(biases.astype(np.float32) > low, np.nextafter(biases, np.float16(-np.inf)), biases)
+        scales = ((high - biases.astype(np.float32)) / 255).astype(np.float16)
+        is_short = scales.astype(np.float32) * 255 + biases.astype(np.float32) < high
+        scales = np.where(is_short, np.nextafter(scales, np.float16(np.inf)), scales)
+        # The levels are rounded against those very values, so that rounding costs no accuracy twice.
+        step = np.where(scales == 0, np.float32(1), scales.astype(np.float32))
+        levels = np.clip(np.round((groups - biases.astype(np.float32)) / step), 0, 255).astype(np.uint8)
+        return _words(levels.reshape(rows, columns)), scales[..., 0], biases[..., 0]
+
+    return _triplets(name, data, decode)
 
 
-def _triplets(name: str, levels: mx.array, bits: int, scales: mx.array, biases: mx.array) -> dict:
-    """A matrix's unsigned levels (rows, columns) packed as MLX packs them (32 / bits a uint32 word,
-    level k of a word at bit bits * k), under its module's weight, scales and biases names."""
-    per_word = 32 // bits
-    words = levels.reshape(levels.shape[0], -1, per_word)
-    weight = words[..., 0]
-    for k in range(1, per_word):
-        weight = weight | (words[..., k] << bits * k)
+def _triplets(name: str, data: np.ndarray, decode) -> dict:
+    """A matrix's module weight, scales and biases from its rows' data, decode(rows) giving the
+    three for a slice of them. Slices of ~_SLICE_BYTES keep numpy's temporaries in cache: whole
+    matrices at a time, a 1B model's Q6_K ones took 20 ns a value."""
+    step = max(1, _SLICE_BYTES // max(1, data[:1].nbytes))
+    parts = [decode(data[first : first + step]) for first in range(0, data.shape[0], step)]
+    weight, scales, biases = (np.concatenate(arrays) if len(parts) > 1 else arrays[0] for arrays in zip(*parts))
     base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return {f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases}
+    return {f"{base}.weight": mx.array(weight), f"{base}.scales": mx.array(scales), f"{base}.biases": mx.array(biases)}
+
+
+def _words(weight_bytes: np.ndarray) -> np.ndarray:
+    """MLX's uint32 weight words from their bytes (rows, columns): 8-bit levels one a byte, 4-bit
+    ones as _packed_nibbles gives them (level k of a word at bit bits * k, little-endian)."""
+    assert weight_bytes.dtype == np.uint8, weight_bytes.dtype
+    return np.ascontiguousarray(weight_bytes).view("<u4")
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
     """The float16 at byte `at` of each block."""
     return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
+
+
+def _packed_nibbles(packed: np.ndarray) -> np.ndarray:
+    """4-bit levels as GGUF halves them (byte j of n: level j in the low nibble, level n + j in the
+    high one) in MLX's packing, byte j holding levels 2j and 2j + 1: no level array between (as
+    uint32 levels a 1B model's matrices took 4 GB and 6 s)."""
+    even, odd = packed[..., 0::2], packed[..., 1::2]
+    return np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -88,22 +110,21 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 def _fifth_bits(blocks: np.ndarray, at: int) -> np.ndarray:
     """Q5_0/Q5_1's high bits (a little-endian uint32 at byte `at`): bit j belongs to level j."""
-    high = blocks[..., at : at + 4].copy().view("<u4")
-    return ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.unpackbits(blocks[..., at : at + 4], axis=-1, bitorder="little")
 
 
 def _q4_0(blocks):  # d * (q - 8)
     d = _half(blocks, 0)
-    return _nibbles(blocks[..., 2:]), d, d * np.float16(-8)
+    return _packed_nibbles(blocks[..., 2:]), d, d * np.float16(-8)
 
 
 def _q4_1(blocks):  # d * q + m
-    return _nibbles(blocks[..., 4:]), _half(blocks, 0), _half(blocks, 2)
+    return _packed_nibbles(blocks[..., 4:]), _half(blocks, 0), _half(blocks, 2)
 
 
 def _q8_0(blocks):  # signed levels d * q: unsigned q + 128, bias -128 d
     d = _half(blocks, 0)
-    return (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, d * np.float16(-128)
+    return blocks[..., 2:] ^ np.uint8(0x80), d, d * np.float16(-128)  # int8 q's byte, flipped: q + 128
 
 
 def _q5_0(blocks):  # d * (q - 16)
@@ -132,17 +153,19 @@ def _k_levels(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([chunks & 0x0F, chunks >> 4], axis=-2).reshape(*packed.shape[:-1], 8, 32)
 
 
-def _k_affine(blocks, levels):
-    """Scale d * sc and bias -dmin * m per sub-block (exact in float32, then float16)."""
+def _k_affine(blocks, weight_bytes):
+    """Scale d * sc and bias -dmin * m per sub-block (exact in float32, then float16), beside the
+    sub-blocks' weight bytes."""
     sub_scales, sub_mins = _k_scales_and_mins(blocks[..., 4:16])
     d, dmin = _half(blocks, 0).astype(np.float32), _half(blocks, 2).astype(np.float32)
     scales = (d[..., None] * sub_scales).astype(np.float16)
     biases = (-dmin[..., None] * sub_mins).astype(np.float16)
-    return levels, scales, biases
+    return weight_bytes, scales, biases
 
 
 def _q4_k(blocks):
-    return _k_affine(blocks, _k_levels(blocks[..., 16:144]))
+    chunks = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)  # two sub-blocks each, as _k_levels says
+    return _k_affine(blocks, _packed_nibbles(chunks).reshape(*blocks.shape[:-1], 8, 16))
 
 
 def _q5_k(blocks):
@@ -174,5 +197,7 @@ def _iq4_xs(blocks):
     return levels, scales, scales * np.float16(-128)
 
 
+# Each gives (weight bytes, scales, biases) per block: 4-bit types their levels as MLX packs them
+# (_packed_nibbles), 8-bit ones a level a byte.
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
              "Q5_K": _q5_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
