@@ -529,6 +529,39 @@ def test_quad_layout_lookups_are_the_dequantized_rows(bits, group_size, num_inpu
     assert got.dtype == mx.float32 and mx.array_equal(got, expected).item()
 
 
+def test_a_pack_keeps_the_layout_set_when_it_was_called(ext):
+    """The packer is a graph node: evaluated after the settings move, it still lays out what was
+    set at the call (the kernels read a layout under the setting it was packed under)."""
+    w, scales, biases = half_exact_weights(37, 576, 4, 32, seed=2)
+    packed = {}
+    for tiles, half_tails in ((True, True), (False, True), (False, False)):
+        ext.set_tile_layout(tiles)
+        ext.set_half_tails(half_tails)
+        packed[tiles, half_tails] = cpu_kernels.pack_quads(w, scales, biases, 32, 4)  # not evaluated yet
+    ext.set_tile_layout(True)
+    ext.set_half_tails(True)
+    mx.eval(list(packed.values()))
+    for (tiles, half_tails), lazy in packed.items():
+        ext.set_tile_layout(tiles)
+        ext.set_half_tails(half_tails)
+        assert mx.array_equal(lazy, cpu_kernels.pack_quads(w, scales, biases, 32, 4)).item(), (tiles, half_tails)
+        ids = mx.array([0, 36])
+        expected = mx.dequantize(w[ids], scales[ids].astype(mx.float32), biases[ids].astype(mx.float32),
+                                 group_size=32, bits=4)
+        assert mx.array_equal(cpu_kernels.lookup_quads(lazy, ids, 37, 576, 4), expected).item(), (tiles, half_tails)
+    assert packed[True, True].size != packed[False, True].size != packed[False, False].size
+
+
+def test_the_packer_refuses_what_it_cannot_lay_out(ext):
+    w, scales, biases = half_exact_weights(8, 128, 4, 32, seed=3)
+    with pytest.raises(ValueError, match="bits 3: expected 4 or 8"):
+        ext.pack_quads(w, scales, biases, 32, 3)
+    with pytest.raises(ValueError, match="scales and biases must be float16"):
+        ext.pack_quads(w, scales.astype(mx.float32), biases, 32, 4)
+    with pytest.raises(ValueError, match="group_size 48"):
+        ext.pack_quads(w, scales, biases, 48, 4)
+
+
 @pytest.mark.parametrize("tiles", [False, True])
 def test_quad_layout_of_another_shape_is_refused(tiles, ext):
     ext.set_tile_layout(tiles)

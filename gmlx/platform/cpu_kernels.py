@@ -119,97 +119,18 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, int8_acti
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations)
 
 
-_QUAD_OUTPUTS = 4  # outputs interleaved per quad (int8_dot_kernels.h)
-_CHUNK_INPUTS = 128  # inputs per chunk
-_BLOCK_INPUTS = 32  # inputs per int8 block: a scale and bias per block in the layout
-
-
-def _padded_rows(w, scales, biases, group_size: int, num_padded_outputs: int) -> tuple:
-    """What both one-stream layouts start from: w's rows as bytes (low nibble first, as the
-    kernels read them), and each group's scale and bias once per 32-input block; zero rows
-    past the outputs, up to num_padded_outputs."""
-    import mlx.core as mx
-
-    pad = [(0, num_padded_outputs - w.shape[0]), (0, 0)]
-    return (mx.pad(mx.view(w, mx.uint8), pad),
-            *(mx.pad(mx.repeat(values, group_size // _BLOCK_INPUTS, axis=1), pad) for values in (scales, biases)))
-
-
 def pack_quads(w, scales, biases, group_size: int, bits: int):
-    """The int8 path's weights as one stream (quad-interleaved, int8_dot_kernels.h): per four
-    outputs and 128-input chunk, their packed weights, then 16 float16 scales and 16 biases; a
-    K of at most 64 past whole chunks ends in a half chunk where the kernels take half tails.
-    Where the extension's tile_layout() is on (VNNI CPUs), 16-output tiles instead (_pack_tiles).
+    """The int8 path's weights as one stream (int8_dot_kernels.h): 16-output tiles where the
+    extension's tile_layout() is on (VNNI CPUs), else quads (per four outputs and 128-input
+    chunk, their packed weights, then 16 float16 scales and 16 biases; a K of at most 64 past
+    whole chunks ends in a half chunk where half_tails() is on). One node of the extension's,
+    packed under the settings of this call.
 
     scales and biases must be float16 (exact: the kernels read those very values)."""
     import mlx.core as mx
 
     assert scales.dtype == mx.float16 and biases.dtype == mx.float16, (scales.dtype, biases.dtype)
-    if extension().tile_layout():
-        return _pack_tiles(w, scales, biases, group_size, bits)
-    num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
-    num_quads = -(-num_outputs // _QUAD_OUTPUTS)
-    rest = num_inputs % _CHUNK_INPUTS
-    has_half_chunk = 0 < rest <= _CHUNK_INPUTS // 2 and extension().half_tails()
-    num_whole_chunks = num_inputs // _CHUNK_INPUTS + (1 if rest and not has_half_chunk else 0)
-    # (4Q, K * bits / 8) bytes, (4Q, K / 32) scales and biases
-    weights, block_scales, block_biases = _padded_rows(w, scales, biases, group_size, num_quads * _QUAD_OUTPUTS)
-    blocks_per_chunk = _CHUNK_INPUTS // _BLOCK_INPUTS
-
-    def chunks(first_input: int, chunk_inputs: int, num_chunks: int):  # -> (Q, num_chunks * chunk bytes)
-        weight_bytes = chunk_inputs * bits // 8
-        part = weights[:, first_input * bits // 8 : (first_input + num_chunks * chunk_inputs) * bits // 8]
-        part = mx.pad(part, [(0, 0), (0, num_chunks * weight_bytes - part.shape[1])])
-        part = part.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, weight_bytes).transpose(0, 2, 1, 3)
-        halves = []
-        first_block, num_blocks = first_input // _BLOCK_INPUTS, num_chunks * chunk_inputs // _BLOCK_INPUTS
-        for values in (block_scales, block_biases):  # 16 per chunk: zeros past K and past a half chunk's 2 blocks
-            values = values[:, first_block : first_block + num_blocks]
-            values = mx.pad(values, [(0, 0), (0, num_blocks - values.shape[1])])
-            values = values.reshape(-1, num_chunks, chunk_inputs // _BLOCK_INPUTS)
-            values = mx.pad(values, [(0, 0), (0, 0), (0, blocks_per_chunk - values.shape[2])])
-            values = values.reshape(num_quads, _QUAD_OUTPUTS, num_chunks, blocks_per_chunk).transpose(0, 2, 1, 3)
-            halves.append(mx.view(values.reshape(num_quads, num_chunks, -1), mx.uint8))
-        return mx.concatenate([part.reshape(num_quads, num_chunks, -1), *halves], axis=2).reshape(num_quads, -1)
-
-    parts = [chunks(0, _CHUNK_INPUTS, num_whole_chunks)] if num_whole_chunks else []
-    if has_half_chunk:
-        parts.append(chunks(num_inputs - rest, _CHUNK_INPUTS // 2, 1))
-    quads = mx.concatenate(parts, axis=1).reshape(-1)
-    assert quads.size == extension().quad_layout_bytes(num_outputs, num_inputs, bits), quads.size
-    return mx.contiguous(quads)
-
-
-_TILE_OUTPUTS = 16  # outputs per tile, one per dword lane (int8_dot_kernels.h)
-
-
-def _pack_tiles(w, scales, biases, group_size: int, bits: int):
-    """The tile layout (int8_dot_kernels.h): per 16 outputs and 32-input block, the outputs'
-    weights as 64-byte vectors (dword o: output o's four bytes), then 16 scales and 16 biases."""
-    import mlx.core as mx
-
-    num_outputs, num_inputs = w.shape[0], w.shape[1] * 32 // bits
-    num_tiles, num_blocks = -(-num_outputs // _TILE_OUTPUTS), num_inputs // _BLOCK_INPUTS
-    # (16T, K * bits / 8) bytes, (16T, K / 32) scales and biases
-    packed, block_scales, block_biases = _padded_rows(w, scales, biases, group_size, num_tiles * _TILE_OUTPUTS)
-    if bits == 4:
-        # Vector t of a block: inputs 8t..8t+3 in the low nibbles, 8t+4..8t+7 in the high ones.
-        values = mx.stack([packed & 0xF, packed >> 4], axis=-1)  # (16T, K / 2, 2): mlx's low nibble first
-        values = values.reshape(num_tiles, _TILE_OUTPUTS, num_blocks, 4, 2, 4)  # tile, o, block, t, high, byte
-        values = values.transpose(0, 2, 3, 1, 5, 4)  # tile, block, t, o, byte, high
-        weights = values[..., 0] | (values[..., 1] << 4)
-    else:
-        values = packed.reshape(num_tiles, _TILE_OUTPUTS, num_blocks, 8, 4)  # tile, o, block, t, byte
-        weights = values.transpose(0, 2, 3, 1, 4)
-    weights = weights.reshape(num_tiles, num_blocks, -1)
-
-    def per_tile(values):  # (16T, blocks) -> (T, blocks, 32 bytes): the tile's 16 outputs side by side
-        values = values.reshape(num_tiles, _TILE_OUTPUTS, num_blocks).transpose(0, 2, 1)
-        return mx.view(mx.contiguous(values), mx.uint8).reshape(num_tiles, num_blocks, -1)
-
-    tiles = mx.concatenate([weights, per_tile(block_scales), per_tile(block_biases)], axis=2).reshape(-1)
-    assert tiles.size == extension().quad_layout_bytes(num_outputs, num_inputs, bits), tiles.size
-    return mx.contiguous(tiles)
+    return extension().pack_quads(w, scales, biases, group_size, bits)
 
 
 def lookup_quads(quads, ids, num_outputs: int, num_inputs: int, bits: int):

@@ -1,0 +1,194 @@
+#include "pack_layout.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "arrays.h"
+#include "encode.h"
+#include "thread_pool.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace gmlx_kernels {
+
+namespace {
+
+constexpr int64_t kQuadOutputs = 4;
+constexpr int64_t kOutputsPerJob = 64;  // a pool chunk: 16 quads or 4 tiles
+
+// What a pack reads and writes: mlx's rows as bytes (low nibble first) and float16 bits.
+struct PackJob {
+  const uint8_t* w;  // (num_outputs, row_bytes)
+  const uint16_t* scales;  // (num_outputs, num_groups)
+  const uint16_t* biases;
+  uint8_t* y;
+  int64_t num_outputs, num_inputs, group_size;
+  int bits;
+  QuadLayout layout;
+
+  int64_t row_bytes() const { return num_inputs * bits / 8; }
+  // Block j's scale and bias of output n (zeros past the outputs or past K).
+  uint16_t scale(int64_t n, int64_t j) const { return is_block(n, j) ? scales[group(n, j)] : 0; }
+  uint16_t bias(int64_t n, int64_t j) const { return is_block(n, j) ? biases[group(n, j)] : 0; }
+  bool is_block(int64_t n, int64_t j) const { return n < num_outputs && j < num_inputs / kInt8BlockInputs; }
+  int64_t group(int64_t n, int64_t j) const {
+    return n * (num_inputs / group_size) + j * kInt8BlockInputs / group_size;
+  }
+};
+
+// Quad q's chunk of chunk_inputs inputs from first_input: the four outputs' bytes (zeros past
+// K and past the outputs), then 16 scales and 16 biases, output i's block k at 4i + k.
+void pack_quad_chunk(const PackJob& a, int64_t q, int64_t first_input, int64_t chunk_inputs, uint8_t* out) {
+  const int64_t weight_bytes = chunk_inputs * a.bits / 8, first_byte = first_input * a.bits / 8;
+  const int64_t num_bytes = std::max<int64_t>(0, std::min(weight_bytes, a.row_bytes() - first_byte));
+  for (int64_t i = 0; i < kQuadOutputs; ++i) {
+    const int64_t n = kQuadOutputs * q + i;
+    uint8_t* dst = out + i * weight_bytes;
+    const int64_t num_copied = n < a.num_outputs ? num_bytes : 0;
+    if (num_copied > 0) std::memcpy(dst, a.w + n * a.row_bytes() + first_byte, num_copied);
+    std::memset(dst + num_copied, 0, weight_bytes - num_copied);
+  }
+  auto* halves = reinterpret_cast<uint16_t*>(out + kQuadOutputs * weight_bytes);
+  const int64_t num_blocks = chunk_inputs / kInt8BlockInputs, first_block = first_input / kInt8BlockInputs;
+  for (int64_t i = 0; i < kQuadOutputs; ++i) {
+    for (int64_t k = 0; k < 4; ++k) {
+      const int64_t n = kQuadOutputs * q + i, j = first_block + k;
+      halves[4 * i + k] = k < num_blocks ? a.scale(n, j) : 0;
+      halves[16 + 4 * i + k] = k < num_blocks ? a.bias(n, j) : 0;
+    }
+  }
+}
+
+void pack_quad(const PackJob& a, int64_t q) {
+  uint8_t* out = a.y + q * a.layout.quad_bytes;
+  for (int64_t c = 0; c < a.layout.num_whole_chunks; ++c, out += a.layout.chunk_bytes) {
+    pack_quad_chunk(a, q, c * kInt8ChunkInputs, kInt8ChunkInputs, out);
+  }
+  if (a.layout.has_half_chunk) {
+    pack_quad_chunk(a, q, a.num_inputs - a.num_inputs % kInt8ChunkInputs, kInt8ChunkInputs / 2, out);
+  }
+}
+
+// Tile t: per 32-input block the 16 outputs' weights as 64-byte vectors (dword o: output o's
+// four bytes; at 4 bits vector v holds inputs 8v..8v+3 in low nibbles and 8v+4..8v+7 in high
+// ones, at 8 bits inputs 4v..4v+3), then 16 scales and 16 biases.
+void pack_tile(const PackJob& a, int64_t t) {
+  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs, block_bytes = tile_block_bytes(a.bits);
+  const int64_t weight_bytes = block_bytes - 4 * kTileOutputs;
+  uint8_t* out = a.y + t * num_blocks * block_bytes;
+  for (int64_t j = 0; j < num_blocks; ++j, out += block_bytes) {
+    std::memset(out, 0, block_bytes);
+    auto* halves = reinterpret_cast<uint16_t*>(out + weight_bytes);
+    for (int64_t o = 0; o < kTileOutputs; ++o) {
+      const int64_t n = kTileOutputs * t + o;
+      halves[o] = a.scale(n, j);
+      halves[kTileOutputs + o] = a.bias(n, j);
+      if (n >= a.num_outputs) continue;
+      const uint8_t* row = a.w + n * a.row_bytes() + j * kInt8BlockInputs * a.bits / 8;
+      for (int64_t v = 0; v < weight_bytes / 64; ++v) {  // 4 vectors at 4 bits, 8 at 8
+        for (int64_t b = 0; b < 4; ++b) {
+          if (a.bits == 8) {
+            out[v * 64 + 4 * o + b] = row[4 * v + b];
+          } else {  // level m sits in byte m / 2, low nibble first
+            const int64_t low = 8 * v + b, high = low + 4;
+            const int lo = (row[low / 2] >> (4 * (low % 2))) & 0xF, hi = (row[high / 2] >> (4 * (high % 2))) & 0xF;
+            out[v * 64 + 4 * o + b] = static_cast<uint8_t>(lo | (hi << 4));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Asks Linux for 2 MB pages under the buffer's whole huge pages before it is first written, so
+// they fault in huge: moving the weights there after (memory.py) copied 0.6 GB a second at load.
+void advise_huge_pages(uint8_t* data, int64_t num_bytes) {
+#if defined(__linux__)
+  constexpr uintptr_t kHugeBytes = 2 << 20;
+  const auto address = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (address + kHugeBytes - 1) / kHugeBytes * kHugeBytes;
+  const uintptr_t end = (address + num_bytes) / kHugeBytes * kHugeBytes;
+  if (first < end) madvise(reinterpret_cast<void*>(first), end - first, MADV_HUGEPAGE);  // advice only
+#else
+  (void)data, (void)num_bytes;
+#endif
+}
+
+struct PackContext {
+  PackJob job;
+  bool is_tiles;
+};
+
+void pack_outputs(void* context, int64_t chunk) {
+  const auto& c = *static_cast<const PackContext*>(context);
+  const int64_t unit = c.is_tiles ? kTileOutputs : kQuadOutputs;
+  const int64_t first = chunk * (kOutputsPerJob / unit);
+  const int64_t end = std::min(first + kOutputsPerJob / unit, (c.job.num_outputs + unit - 1) / unit);
+  for (int64_t u = first; u < end; ++u) (c.is_tiles ? pack_tile : pack_quad)(c.job, u);
+}
+
+}  // namespace
+
+mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("pack_quads: w must be 2-D uint32");
+  const int64_t num_outputs = w.shape(0), num_inputs = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  if (group_size <= 0 || group_size % kInt8BlockInputs != 0 || num_inputs % group_size != 0) {
+    throw std::invalid_argument("pack_quads: group_size " + std::to_string(group_size) +
+                                " must be a multiple of 32 dividing the inputs (" + std::to_string(num_inputs) + ")");
+  }
+  const mx::Shape groups_shape{static_cast<int>(num_outputs), static_cast<int>(num_inputs / group_size)};
+  for (const auto* values : {&scales, &biases}) {
+    if (values->dtype() != mx::float16 || values->shape() != groups_shape) {
+      throw std::invalid_argument("pack_quads: scales and biases must be float16 of shape (outputs, inputs / group_size)");
+    }
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  const int size = static_cast<int>(quad_layout_bytes(num_outputs, num_inputs, bits));
+  return mx::array({size}, mx::uint8,
+                   std::make_shared<PackQuads>(s, group_size, bits, tile_layout(), quad_layout(num_inputs, bits)),
+                   {w, scales, biases});
+}
+
+void PackQuads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);  // the bytes' buffer, typed float*
+  encoder.dispatch([in = std::move(arrays.inputs), y = reinterpret_cast<uint8_t*>(arrays.outputs[0]), group_size = group_size_, bits = bits_,
+                    is_tiles = is_tiles_, layout = layout_,
+                    num_bytes = static_cast<int64_t>(outputs[0].nbytes())]() {
+    std::vector<uint32_t> w_copy;
+    std::vector<uint16_t> scales_copy, biases_copy;
+    PackContext context{};
+    context.is_tiles = is_tiles;
+    PackJob& job = context.job;
+    job.w = reinterpret_cast<const uint8_t*>(row_major_data<uint32_t>(in[0], w_copy));
+    job.scales = row_major_data<uint16_t>(in[1], scales_copy);
+    job.biases = row_major_data<uint16_t>(in[2], biases_copy);
+    job.y = y;
+    job.num_outputs = in[0].shape(0);
+    job.num_inputs = static_cast<int64_t>(in[0].shape(1)) * 32 / bits;
+    job.group_size = group_size;
+    job.bits = bits;
+    job.layout = layout;
+    advise_huge_pages(y, num_bytes);
+    run_on_pool(pack_outputs, &context, (job.num_outputs + kOutputsPerJob - 1) / kOutputsPerJob);
+  });
+}
+
+void PackQuads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxPackQuads runs on the CPU only");
+}
+
+bool PackQuads::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PackQuads&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && is_tiles_ == o.is_tiles_ &&
+         layout_.quad_bytes == o.layout_.quad_bytes && layout_.has_half_chunk == o.layout_.has_half_chunk;
+}
+
+}  // namespace gmlx_kernels

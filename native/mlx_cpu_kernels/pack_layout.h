@@ -1,0 +1,38 @@
+// mlx's affine rows (4- or 8-bit weights, float16 scales and biases) packed into the one-stream
+// layout the int8 kernels read (int8_dot_kernels.h: tiles on VNNI CPUs, else quads), as one MLX
+// primitive. A byte shuffle, threaded over tiles or quads: at load it replaces ~20 mlx copies a
+// matrix (3.2 s of a 1B model's 18 s load).
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "int8_dot_kernels.h"
+
+namespace gmlx_kernels {
+
+namespace mx = mlx::core;
+
+// (quad_layout_bytes(N, K, bits),) uint8 from w (N, K * bits / 32) uint32, scales and biases
+// (N, K / group_size) float16. The layout (tiles or quads, half tails or not) is the one set
+// when this is called, whenever the node is evaluated.
+mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
+
+class PackQuads : public mx::Primitive {
+ public:
+  PackQuads(mx::Stream stream, int group_size, int bits, bool is_tiles, QuadLayout layout)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), is_tiles_(is_tiles), layout_(layout) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxPackQuads"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+  bool is_tiles_;
+  QuadLayout layout_;  // the quads' shape (unused for tiles)
+};
+
+}  // namespace gmlx_kernels
