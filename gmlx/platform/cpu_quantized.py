@@ -28,16 +28,15 @@ logger = logging.getLogger(__name__)
 
 # Largest |kernel - reference| accepted at the probe, relative to the largest |reference|.
 _PROBE_RTOL = 1e-4
+_PROBE_OUTPUTS = 512  # outputs a probe runs: enough for the pool to split them
 
 
-def _kernel_product(module: nn.Module, x: mx.array, int8_activations: bool | None = None) -> mx.array:
-    if int8_activations is None:
-        int8_activations = module.is_int8_activations
+def _kernel_product(module: nn.Module, x: mx.array) -> mx.array:
     if "quads" in module:  # the weights live only in the int8 path's layout (_store_quads)
-        assert int8_activations, "a module in the quad layout runs the int8 path only"
+        assert module.is_int8_activations, "a module in the quad layout runs the int8 path only"
         return cpu_kernels.quantized_matmul_quads(x, module["quads"], module.num_outputs, module.bits)
-    return cpu_kernels.quantized_matmul(
-        x, module["weight"], module["scales"], module["biases"], module.group_size, module.bits, int8_activations)
+    return cpu_kernels.quantized_matmul(x, module["weight"], module["scales"], module["biases"], module.group_size,
+                                        module.bits, module.is_int8_activations)
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -88,12 +87,15 @@ def _is_swappable(module: nn.Module) -> bool:
 
 
 def _is_close(module: nn.Module, int8_activations: bool) -> bool:
-    """Does the kernel match dequantize + float32 matmul on a probe for this module?"""
-    weight = mx.dequantize(module["weight"], module["scales"], module["biases"],
-                           group_size=module.group_size, bits=module.bits)  # (out, K)
+    """Does the kernel match dequantize + float32 matmul on a probe for this module? Its first
+    _PROBE_OUTPUTS outputs: the kernels' paths for its shape, without a large head's floats
+    (an 8B model's: 2 GB)."""
+    w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
+    weight = mx.dequantize(w, scales, biases, group_size=module.group_size, bits=module.bits)  # (out, K)
     x = mx.random.normal((1, 3, weight.shape[1]), key=mx.random.key(weight.shape[1]))  # (B, T, K)
     tolerance = cpu_kernels.INT8_ACTIVATIONS_RTOL if int8_activations else _PROBE_RTOL
-    return cpu_kernels.is_close_to(_kernel_product(module, x, int8_activations), x @ weight.T, tolerance)
+    got = cpu_kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits, int8_activations)
+    return cpu_kernels.is_close_to(got, x @ weight.T, tolerance)
 
 
 def _takes_int8(module: nn.Module, head: nn.Module | None) -> bool:
