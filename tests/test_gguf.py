@@ -129,9 +129,10 @@ def test_q5_files_are_read_from_their_blocks_exactly_at_8_bits(tiny_folders, tmp
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS"])
-def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind):
+def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, monkeypatch):
     # Random bytes are valid blocks of every type (scales set to finite values): all levels,
-    # sub-block scales and mins occur. K-quants' scales d * sc round to float16: 2^-11 of
+    # sub-block scales and mins occur, decoded two rows at a time (slices 2, 2 and 1).
+    # K-quants' scales d * sc round to float16: 2^-11 of
     # |scale| * 15 + |bias| <= 3 x a sub-block's largest value (IQ4_XS's d * (ls - 32): 1 x).
     from gmlx.models import gguf_blocks
 
@@ -143,6 +144,7 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind):
     for at in (0, 2) if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else (0,):
         scale = rng.uniform(-0.05, 0.05, (*as_blocks.shape[:2], 1)).astype(np.float16)
         as_blocks[..., at : at + 2] = scale.view(np.uint8)
+    monkeypatch.setattr(gguf_blocks, "_SLICE_BYTES", 2 * blocks[:1].nbytes)
     triplets = gguf_blocks.block_triplets("m.weight", kind, blocks)
     module = nn.QuantizedLinear(768, 5, bias=False, group_size=32, bits=triplets["m.weight"].shape[1] * 32 // 768)
     module.update({"weight": triplets["m.weight"], "scales": triplets["m.scales"], "biases": triplets["m.biases"]})
@@ -156,15 +158,25 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind):
         assert mx.array_equal(got, exact).item()
 
 
-def test_other_k_quants_are_requantized_to_8_bits():
+def test_an_empty_matrix_is_refused_by_name():
+    from gmlx.models import gguf_blocks
+
+    with pytest.raises(ValueError, match="tensor m.weight: an empty matrix"):
+        gguf_blocks.block_triplets("m.weight", "Q4_0", np.zeros((0, 18), dtype=np.uint8))
+
+
+def test_other_k_quants_are_requantized_to_8_bits(monkeypatch):
     # Q6_K's 16-value sub-blocks have scales of their own: no 32-value grid holds them exactly.
+    # Requantized from the blocks four rows at a time (slices 4 and 2), as a file's are.
     from gmlx.models import gguf_blocks
     from gguf_support import random_blocks
 
     q6_k = gguf.GGMLQuantizationType.Q6_K
     assert not gguf_blocks.is_read_from_blocks(q6_k.name)
-    exact = gguf.quants.dequantize(random_blocks((6, 512), q6_k, seed=6), q6_k)
-    triplets = gguf_blocks.requantized("m.weight", exact)
+    blocks = random_blocks((6, 512), q6_k, seed=6)
+    monkeypatch.setattr(gguf_blocks, "_SLICE_BYTES", 4 * blocks[:1].nbytes)
+    triplets = gguf_blocks.requantized("m.weight", blocks, lambda rows: gguf.quants.dequantize(rows, q6_k))
+    exact = gguf.quants.dequantize(blocks, q6_k)
     exact = mx.array(exact)
     got = mx.dequantize(triplets["m.weight"], triplets["m.scales"].astype(mx.float32),
                         triplets["m.biases"].astype(mx.float32), group_size=32, bits=8)

@@ -14,6 +14,9 @@ Requantized to 8 bits: the other types (Q6_K's 16-value sub-blocks share no 32-v
 Q3_K, the other IQ types), which the gguf package dequantizes.
 """
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import mlx.core as mx
 import numpy as np
 
@@ -76,8 +79,11 @@ def _triplets(name: str, data: np.ndarray, decode) -> dict:
     """A matrix's module weight, scales and biases from its rows' data, decode(rows) giving the
     three for a slice of them. Slices of ~_SLICE_BYTES keep numpy's temporaries in cache: whole
     matrices at a time, a 1B model's Q6_K ones took 20 ns a value."""
-    step = max(1, _SLICE_BYTES // max(1, data[:1].nbytes))
-    parts = [decode(data[first : first + step]) for first in range(0, data.shape[0], step)]
+    if data.size == 0:
+        raise ValueError(f"tensor {name}: an empty matrix (shape {data.shape})")
+    step = max(1, _SLICE_BYTES // data[:1].nbytes)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL inside its loops
+        parts = list(pool.map(decode, (data[first : first + step] for first in range(0, data.shape[0], step))))
     weight, scales, biases = (np.concatenate(arrays) if len(parts) > 1 else arrays[0] for arrays in zip(*parts))
     base = name[: -len(".weight")] if name.endswith(".weight") else name
     return {f"{base}.weight": mx.array(weight), f"{base}.scales": mx.array(scales), f"{base}.biases": mx.array(biases)}
