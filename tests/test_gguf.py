@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from conftest import make_random_model_dir
 from gguf_support import CHAT_TEMPLATE, write_gguf_from_folder
 from gmlx.config import env_overrides
+from gmlx.platform import cpu_kernels
 from gmlx.generate import render_chat
 from gmlx.models.gguf import read_gguf
 from gmlx.models.gguf_tokenizer import load_gguf_tokenizer
@@ -156,6 +157,29 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, monkeyp
         assert (mx.abs(got - exact) <= bound).all().item()
     else:
         assert mx.array_equal(got, exact).item()
+
+
+@pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_q6_k_requantized_in_the_extension_holds_numpys_values(monkeypatch):
+    # Block scales d from 1e-7 to 1e3 (float16 subnormals to overflowing groups), several seeds:
+    # the extension's weight bytes, scales and biases are numpy's, value for value.
+    from gmlx.models import gguf_blocks
+    from gguf_support import random_blocks
+
+    q6_k = gguf.GGMLQuantizationType.Q6_K
+    rng = np.random.default_rng(7)
+    for seed in range(3):
+        blocks = random_blocks((9, 1024), q6_k, seed=seed).reshape(9, -1, 210)
+        d = rng.standard_normal(blocks.shape[:2]) * 10.0 ** rng.integers(-7, 4, blocks.shape[:2])
+        blocks[..., 208:210] = d.astype(np.float16)[..., None].view(np.uint8)
+        blocks = blocks.reshape(9, -1)
+        expected = gguf_blocks.requantized("m.weight", blocks, lambda rows: gguf.quants.dequantize(rows, q6_k))
+        got = gguf_blocks.requantized_q6_k("m.weight", blocks)
+        for name in ("m.weight", "m.scales", "m.biases"):
+            assert got[name].dtype == expected[name].dtype and mx.array_equal(got[name], expected[name]).item(), name
+    monkeypatch.setenv("GMLX_CPU_KERNELS", "0")
+    assert gguf_blocks.requantized_q6_k("m.weight", blocks) is None  # numpy's, then
 
 
 def test_an_empty_matrix_is_refused_by_name():

@@ -75,6 +75,20 @@ def requantized(name: str, data: np.ndarray, dequantize=np.asarray) -> dict:
     return _triplets(name, data, decode)
 
 
+def requantized_q6_k(name: str, blocks: np.ndarray) -> dict | None:
+    """A Q6_K matrix's blocks (bytes, rows x blocks per row) as requantized() makes them from the
+    gguf package's values, in the CPU extension (the same values, 3x faster on one core, and on
+    every core); None where the extension is not available."""
+    from gmlx.platform import cpu_kernels
+
+    if not cpu_kernels.is_available():
+        return None
+    weight, scales, biases = cpu_kernels.extension().requantize_q6_k(mx.array(blocks))
+    mx.eval(weight, scales, biases)  # now, so the blocks' copy goes before the next matrix's
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return {f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases}
+
+
 def _triplets(name: str, data: np.ndarray, decode) -> dict:
     """A matrix's module weight, scales and biases from its rows' data, decode(rows) giving the
     three for a slice of them. Slices of ~_SLICE_BYTES keep numpy's temporaries in cache: whole
