@@ -78,8 +78,8 @@ def main() -> None:
         sides[args.label_root] = lambda f: gmlx_side(args.gmlx_root.resolve(), f)
     if args.llama_completion.exists():
         sides["llama.cpp"] = lambda f: llama_side(args.llama_completion, f, args.threads)
-    report = {"cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "repeats": args.repeats, "files": {}}
+    report = {"cpu": platform.processor() or platform.machine(), "repeats": args.repeats, "files": {},
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for gguf in args.gguf:
         runs = {side: [] for side in sides}
         for repeat in range(args.repeats + 1):  # repeat 0 warms the page cache and is dropped

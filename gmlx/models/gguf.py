@@ -127,9 +127,10 @@ def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tupl
         is_float = tensor.tensor_type.name in _FLOAT_TYPES
         if not is_float and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
             data = np.asarray(tensor.data).reshape(shape[0], -1)  # rows of blocks
-            native = gguf_blocks.requantized_q6_k(tensor.name, data) if tensor.tensor_type.name == "Q6_K" else None
-            weights.update(native or gguf_blocks.requantized(tensor.name, data,
-                                                             functools.partial(_dequantized, path, tensor)))
+            triplets = gguf_blocks.requantized_q6_k(tensor.name, data) if tensor.tensor_type.name == "Q6_K" else None
+            if triplets is None:
+                triplets = gguf_blocks.requantized(tensor.name, data, functools.partial(_dequantized, path, tensor))
+            weights.update(triplets)
         else:
             values = _dequantized(path, tensor, tensor.data).reshape(shape)
             # Float tensors as stored, as mx.load keeps them (norms and qwen2's biases are F32 in

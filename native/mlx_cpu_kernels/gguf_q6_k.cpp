@@ -5,8 +5,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "encode.h"
 #include "int8_dot_kernels.h"
 #include "thread_pool.h"
 
@@ -130,15 +130,13 @@ std::vector<mx::array> requantize_q6_k(const mx::array& blocks) {
 
 void RequantizeQ6K::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(inputs[0]);
-  for (auto& y : outputs) {
-    y.set_data(mx::allocator::malloc(y.nbytes()));
-    encoder.set_output_array(y);
-  }
-  RequantizeJob job{inputs[0].data<uint8_t>(), outputs[0].data<uint8_t>(), outputs[1].data<uint16_t>(),
-                    outputs[2].data<uint16_t>(), inputs[0].shape(1) / kBlockBytes};
-  encoder.dispatch([job, blocks = mx::array::unsafe_weak_copy(inputs[0]), rows = inputs[0].shape(0)]() mutable {
-    run_on_pool(requantize_row, &job, rows);
+  EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);  // buffers typed float*, whatever they hold
+  const auto& blocks = arrays.inputs[0];
+  RequantizeJob job{blocks.data<uint8_t>(), reinterpret_cast<uint8_t*>(arrays.outputs[0]),
+                    reinterpret_cast<uint16_t*>(arrays.outputs[1]), reinterpret_cast<uint16_t*>(arrays.outputs[2]),
+                    blocks.shape(1) / kBlockBytes};
+  encoder.dispatch([job, in = std::move(arrays.inputs)]() mutable {
+    run_on_pool(requantize_row, &job, in[0].shape(0));
   });
 }
 

@@ -18,7 +18,6 @@ constexpr int kBlocksPerChunk = 4;
 // Weight bytes of one output over one 128-input chunk: 64 at 4 bits, 128 at 8.
 template <int kBits>
 constexpr int64_t kChunkWeightBytes = kInt8ChunkInputs * kBits / 8;
-constexpr int kQuadOutputs = 4;  // outputs per kernel call; their lanes fill one zmm
 constexpr int kQuadHalves = 16;
 // The interleaved layout is one stream; the hardware prefetcher alone leaves the kernel
 // waiting on its first loads of each chunk, so it fetches the chunk this many ahead (0: off).

@@ -21,6 +21,7 @@ namespace gmlx_kernels {
 
 constexpr int64_t kInt8BlockInputs = 32;
 constexpr int64_t kInt8ChunkInputs = 128;  // four blocks: one zmm of packed 4-bit weights
+constexpr int kQuadOutputs = 4;  // outputs a quad interleaves; their lanes fill one zmm
 
 // x quantized per row. Per row, q holds padded_inputs bytes: for 4-bit weights, for each
 // 128-input chunk the 64 even-position values of its four blocks (16 each), then the 64 odd

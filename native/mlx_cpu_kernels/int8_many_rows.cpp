@@ -25,7 +25,6 @@ void set_many_rows_min(int64_t num_rows) { g_many_rows_min.store(num_rows < 1 ? 
 
 namespace {
 
-constexpr int kQuadOutputs = 4;
 constexpr int kPanelOutputs = 8;  // two quads, one output per dword lane
 constexpr int kBlocksPerChunk = 4;
 constexpr int kStepsPerBlock = 8;  // four of a block's 32 inputs a step

@@ -19,7 +19,6 @@ namespace gmlx_kernels {
 
 namespace {
 
-constexpr int64_t kQuadOutputs = 4;
 constexpr int64_t kOutputsPerJob = 64;  // a pool chunk: 16 quads or 4 tiles
 
 // What a pack reads and writes: mlx's rows as bytes (low nibble first) and float16 bits.
@@ -146,7 +145,8 @@ mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::arra
   const mx::Shape groups_shape{static_cast<int>(num_outputs), static_cast<int>(num_inputs / group_size)};
   for (const auto* values : {&scales, &biases}) {
     if (values->dtype() != mx::float16 || values->shape() != groups_shape) {
-      throw std::invalid_argument("pack_quads: scales and biases must be float16 of shape (outputs, inputs / group_size)");
+      throw std::invalid_argument(
+          "pack_quads: scales and biases must be float16 of shape (outputs, inputs / group_size)");
     }
   }
   auto s = mx::default_stream(mx::Device::cpu);
@@ -159,8 +159,8 @@ mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::arra
 void PackQuads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);  // the bytes' buffer, typed float*
-  encoder.dispatch([in = std::move(arrays.inputs), y = reinterpret_cast<uint8_t*>(arrays.outputs[0]), group_size = group_size_, bits = bits_,
-                    is_tiles = is_tiles_, layout = layout_,
+  encoder.dispatch([in = std::move(arrays.inputs), y = reinterpret_cast<uint8_t*>(arrays.outputs[0]),
+                    group_size = group_size_, bits = bits_, is_tiles = is_tiles_, layout = layout_,
                     num_bytes = static_cast<int64_t>(outputs[0].nbytes())]() {
     std::vector<uint32_t> w_copy;
     std::vector<uint16_t> scales_copy, biases_copy;
