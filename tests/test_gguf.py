@@ -129,10 +129,12 @@ def test_q5_files_are_read_from_their_blocks_exactly_at_8_bits(tiny_folders, tmp
         assert mx.array_equal(dequantized_as_float32(module), exact).item(), name
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS"])
-def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, monkeypatch):
+def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, kernels, monkeypatch):
     # Random bytes are valid blocks of every type (scales set to finite values): all levels,
-    # sub-block scales and mins occur, decoded two rows at a time (slices 2, 2 and 1).
+    # sub-block scales and mins occur, decoded two rows at a time (slices 2, 2 and 1). Q4_K in
+    # the CPU extension where it is built (GMLX_CPU_KERNELS=1), in numpy with it off.
     # K-quants' scales d * sc round to float16: 2^-11 of
     # |scale| * 15 + |bias| <= 3 x a sub-block's largest value (IQ4_XS's d * (ls - 32): 1 x).
     from gmlx.models import gguf_blocks
@@ -146,6 +148,7 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, monkeyp
         scale = rng.uniform(-0.05, 0.05, (*as_blocks.shape[:2], 1)).astype(np.float16)
         as_blocks[..., at : at + 2] = scale.view(np.uint8)
     monkeypatch.setattr(gguf_blocks, "_SLICE_BYTES", 2 * blocks[:1].nbytes)
+    monkeypatch.setenv("GMLX_CPU_KERNELS", kernels)
     triplets = gguf_blocks.block_triplets("m.weight", kind, blocks)
     module = nn.QuantizedLinear(768, 5, bias=False, group_size=32, bits=triplets["m.weight"].shape[1] * 32 // 768)
     module.update({"weight": triplets["m.weight"], "scales": triplets["m.scales"], "biases": triplets["m.biases"]})
@@ -161,25 +164,32 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, monkeyp
 
 @pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
-def test_q6_k_requantized_in_the_extension_holds_numpys_values(monkeypatch):
-    # Block scales d from 1e-7 to 1e3 (float16 subnormals to overflowing groups), several seeds:
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, monkeypatch):
+    # Block scales from 1e-7 to 1e3 (float16 subnormals to overflowing groups), several seeds:
     # the extension's weight bytes, scales and biases are numpy's, value for value.
     from gmlx.models import gguf_blocks
     from gguf_support import random_blocks
 
-    q6_k = gguf.GGMLQuantizationType.Q6_K
+    tensor_type = gguf.GGMLQuantizationType[kind]
+    block_bytes = gguf.GGML_QUANT_SIZES[tensor_type][1]
     rng = np.random.default_rng(7)
     for seed in range(3):
-        blocks = random_blocks((9, 1024), q6_k, seed=seed).reshape(9, -1, 210)
-        d = rng.standard_normal(blocks.shape[:2]) * 10.0 ** rng.integers(-7, 4, blocks.shape[:2])
-        blocks[..., 208:210] = d.astype(np.float16)[..., None].view(np.uint8)
+        blocks = random_blocks((9, 1024), tensor_type, seed=seed).reshape(9, -1, block_bytes)
+        for at in (208,) if kind == "Q6_K" else (0, 2):  # d (and Q4_K's dmin)
+            d = rng.standard_normal(blocks.shape[:2]) * 10.0 ** rng.integers(-7, 4, blocks.shape[:2])
+            blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
         blocks = blocks.reshape(9, -1)
-        expected = gguf_blocks.requantized("m.weight", blocks, lambda rows: gguf.quants.dequantize(rows, q6_k))
-        got = gguf_blocks.requantized_q6_k("m.weight", blocks)
+        got = gguf_blocks.native_triplets("m.weight", kind, blocks)
+        with env_overrides({"GMLX_CPU_KERNELS": "0"}):
+            assert gguf_blocks.native_triplets("m.weight", kind, blocks) is None  # numpy's, then
+            if kind == "Q4_K":
+                expected = gguf_blocks.block_triplets("m.weight", kind, blocks)
+            else:
+                expected = gguf_blocks.requantized("m.weight", blocks,
+                                                   lambda rows: gguf.quants.dequantize(rows, tensor_type))
         for name in ("m.weight", "m.scales", "m.biases"):
             assert got[name].dtype == expected[name].dtype and mx.array_equal(got[name], expected[name]).item(), name
-    monkeypatch.setenv("GMLX_CPU_KERNELS", "0")
-    assert gguf_blocks.requantized_q6_k("m.weight", blocks) is None  # numpy's, then
 
 
 def test_an_empty_matrix_is_refused_by_name():

@@ -127,7 +127,7 @@ def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tupl
         is_float = tensor.tensor_type.name in _FLOAT_TYPES
         if not is_float and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
             data = np.asarray(tensor.data).reshape(shape[0], -1)  # rows of blocks
-            triplets = gguf_blocks.requantized_q6_k(tensor.name, data) if tensor.tensor_type.name == "Q6_K" else None
+            triplets = gguf_blocks.native_triplets(tensor.name, tensor.tensor_type.name, data)
             if triplets is None:
                 triplets = gguf_blocks.requantized(tensor.name, data, functools.partial(_dequantized, path, tensor))
             weights.update(triplets)

@@ -11,7 +11,7 @@
 #include "float_matmul.h"
 #include "int8_dot_kernels.h"
 #include "int8_many_rows.h"
-#include "gguf_q6_k.h"
+#include "gguf_blocks.h"
 #include "pack_layout.h"
 #include "quad_rows.h"
 #include "quantized_matmul.h"
@@ -60,9 +60,9 @@ NB_MODULE(_cpu_kernels, m) {
         "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");
   m.def("pack_quads", &gmlx_kernels::pack_quads, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "mlx's affine rows (float16 scales and biases) in the one-stream layout: tiles or quads, as set now");
-  m.def("requantize_q6_k", &gmlx_kernels::requantize_q6_k, "blocks"_a,
-        "GGUF Q6_K rows (rows, 210 x blocks) as MLX 8-bit triplets [weight, scales, biases]: gguf_blocks.py's numpy "
-        "requantization, operation for operation");
+  m.def("decode_gguf_blocks", &gmlx_kernels::decode_gguf_blocks, "blocks"_a, "kind"_a,
+        "GGUF Q4_K or Q6_K rows as MLX triplets [weight, scales, biases] (4 and 8 bits, group 32): "
+        "gguf_blocks.py's numpy decoders, operation for operation");
   m.def("quad_rows", &gmlx_kernels::quad_rows, "quads"_a, "ids"_a, "num_outputs"_a, "num_inputs"_a, "bits"_a,
         "Rows `ids` of weights kept in the quad layout, dequantized (mx.dequantize's floats), one node");
   m.def("set_half_tails", &gmlx_kernels::set_half_tails, "is_enabled"_a,

@@ -1,4 +1,4 @@
-#include "gguf_q6_k.h"
+#include "gguf_blocks.h"
 
 #include <algorithm>
 #include <cstring>
@@ -14,8 +14,9 @@ namespace gmlx_kernels {
 
 namespace {
 
-constexpr int64_t kBlockBytes = 210;  // 128 low-bit bytes, 64 high-bit bytes, 16 int8 scales, float16 d
-constexpr int64_t kBlockValues = 256;
+constexpr int64_t kQ6KBytes = 210;  // 128 low-bit bytes, 64 high-bit bytes, 16 int8 scales, float16 d
+constexpr int64_t kQ4KBytes = 144;  // float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of levels
+constexpr int64_t kBlockValues = 256;  // a K-quant super-block
 constexpr int64_t kGroup = 32;
 
 // float32 to float16, rounded to nearest even (numpy's astype(float16)).
@@ -94,54 +95,90 @@ void requantize_group(const float* values, uint8_t* levels, uint16_t* scale_out,
   *bias_out = bias;
 }
 
-struct RequantizeJob {
+// A Q4_K block's 8 sub-blocks: 128 bytes of MLX-packed levels (byte j of a sub-block: levels 2j
+// and 2j + 1) and float16(d * sc), float16(-dmin * m), as gguf_blocks.py's _q4_k makes them.
+void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
+  uint16_t d_bits, dmin_bits;
+  std::memcpy(&d_bits, block, sizeof(d_bits));
+  std::memcpy(&dmin_bits, block + 2, sizeof(dmin_bits));
+  const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
+  const uint8_t* packed = block + 4;  // sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales), 4-7 (mins);
+  for (int s = 0; s < 8; ++s) {       // 4-7 in bytes 8-11's nibbles and the top 2 bits of bytes 0-7
+    const int scale = s < 4 ? packed[s] & 63 : (packed[s + 4] & 0x0F) | ((packed[s - 4] >> 6) << 4);
+    const int min = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
+    scales[s] = float_to_half(d * static_cast<float>(scale));
+    biases[s] = float_to_half(-dmin * static_cast<float>(min));
+  }
+  const uint8_t* levels = block + 16;  // 32 bytes a pair of sub-blocks: the first in the low nibbles
+  for (int pair = 0; pair < 4; ++pair, levels += 32, weight += 32) {
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t even = levels[2 * j], odd = levels[2 * j + 1];
+      weight[j] = static_cast<uint8_t>((even & 0x0F) | (odd << 4));
+      weight[16 + j] = static_cast<uint8_t>((even >> 4) | (odd & 0xF0));
+    }
+  }
+}
+
+struct DecodeJob {
   const uint8_t* blocks;
-  uint8_t* levels;
+  uint8_t* weight;  // bytes: 128 a Q4_K block, 256 a Q6_K one
   uint16_t* scales;
   uint16_t* biases;
   int64_t blocks_per_row;
+  bool is_q6_k;
 };
 
-void requantize_row(void* context, int64_t row) {
-  const auto& job = *static_cast<const RequantizeJob*>(context);
+void decode_row(void* context, int64_t row) {
+  const auto& job = *static_cast<const DecodeJob*>(context);
   float values[kBlockValues];
   for (int64_t b = 0; b < job.blocks_per_row; ++b) {
-    const int64_t block = row * job.blocks_per_row + b;
-    q6_k_values(job.blocks + block * kBlockBytes, values);
+    const int64_t block = row * job.blocks_per_row + b, first_group = block * (kBlockValues / kGroup);
+    if (!job.is_q6_k) {
+      q4_k_triplets(job.blocks + block * kQ4KBytes, job.weight + block * kBlockValues / 2, job.scales + first_group,
+                    job.biases + first_group);
+      continue;
+    }
+    q6_k_values(job.blocks + block * kQ6KBytes, values);
     for (int64_t g = 0; g < kBlockValues / kGroup; ++g) {
-      const int64_t group = block * (kBlockValues / kGroup) + g;
-      requantize_group(values + g * kGroup, job.levels + group * kGroup, job.scales + group, job.biases + group);
+      const int64_t group = first_group + g;
+      requantize_group(values + g * kGroup, job.weight + group * kGroup, job.scales + group, job.biases + group);
     }
   }
 }
 
 }  // namespace
 
-std::vector<mx::array> requantize_q6_k(const mx::array& blocks) {
-  if (blocks.dtype() != mx::uint8 || blocks.ndim() != 2 || blocks.shape(1) == 0 || blocks.shape(1) % kBlockBytes != 0) {
-    throw std::invalid_argument("requantize_q6_k: blocks must be (rows, 210 x blocks) uint8");
+std::vector<mx::array> decode_gguf_blocks(const mx::array& blocks, const std::string& kind) {
+  if (kind != "Q4_K" && kind != "Q6_K") {
+    throw std::invalid_argument("decode_gguf_blocks: kind " + kind + ": expected Q4_K or Q6_K");
   }
-  const int rows = blocks.shape(0), num_blocks = blocks.shape(1) / kBlockBytes;
+  const bool is_q6_k = kind == "Q6_K";
+  const int64_t block_bytes = is_q6_k ? kQ6KBytes : kQ4KBytes;
+  if (blocks.dtype() != mx::uint8 || blocks.ndim() != 2 || blocks.shape(1) == 0 ||
+      blocks.shape(1) % block_bytes != 0) {
+    throw std::invalid_argument("decode_gguf_blocks: blocks must be (rows, " + std::to_string(block_bytes) +
+                                " x blocks) uint8 for " + kind);
+  }
+  const int rows = blocks.shape(0), num_blocks = static_cast<int>(blocks.shape(1) / block_bytes);
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array::make_arrays({{rows, num_blocks * 64}, {rows, num_blocks * 8}, {rows, num_blocks * 8}},
-                                {mx::uint32, mx::float16, mx::float16}, std::make_shared<RequantizeQ6K>(s),
+  const int words = num_blocks * (is_q6_k ? 64 : 32), groups = num_blocks * 8;
+  return mx::array::make_arrays({{rows, words}, {rows, groups}, {rows, groups}},
+                                {mx::uint32, mx::float16, mx::float16}, std::make_shared<DecodeGgufBlocks>(s, is_q6_k),
                                 {mx::contiguous(blocks, false, s)});
 }
 
-void RequantizeQ6K::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+void DecodeGgufBlocks::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);  // buffers typed float*, whatever they hold
   const auto& blocks = arrays.inputs[0];
-  RequantizeJob job{blocks.data<uint8_t>(), reinterpret_cast<uint8_t*>(arrays.outputs[0]),
-                    reinterpret_cast<uint16_t*>(arrays.outputs[1]), reinterpret_cast<uint16_t*>(arrays.outputs[2]),
-                    blocks.shape(1) / kBlockBytes};
-  encoder.dispatch([job, in = std::move(arrays.inputs)]() mutable {
-    run_on_pool(requantize_row, &job, in[0].shape(0));
-  });
+  DecodeJob job{blocks.data<uint8_t>(), reinterpret_cast<uint8_t*>(arrays.outputs[0]),
+                reinterpret_cast<uint16_t*>(arrays.outputs[1]), reinterpret_cast<uint16_t*>(arrays.outputs[2]),
+                blocks.shape(1) / (is_q6_k_ ? kQ6KBytes : kQ4KBytes), is_q6_k_};
+  encoder.dispatch([job, in = std::move(arrays.inputs)]() mutable { run_on_pool(decode_row, &job, in[0].shape(0)); });
 }
 
-void RequantizeQ6K::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("GmlxRequantizeQ6K runs on the CPU only");
+void DecodeGgufBlocks::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxDecodeGgufBlocks runs on the CPU only");
 }
 
 }  // namespace gmlx_kernels
