@@ -192,11 +192,12 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, monkeypatch)
             assert got[name].dtype == expected[name].dtype and mx.array_equal(got[name], expected[name]).item(), name
 
 
-def test_an_empty_matrix_is_refused_by_name():
+@pytest.mark.parametrize("kind, block_bytes", [("Q4_0", 18), ("Q4_K", 144)])
+def test_an_empty_matrix_is_refused_by_name(kind, block_bytes):
     from gmlx.models import gguf_blocks
 
     with pytest.raises(ValueError, match="tensor m.weight: an empty matrix"):
-        gguf_blocks.block_triplets("m.weight", "Q4_0", np.zeros((0, 18), dtype=np.uint8))
+        gguf_blocks.block_triplets("m.weight", kind, np.zeros((0, block_bytes), dtype=np.uint8))
 
 
 def test_other_k_quants_are_requantized_to_8_bits(monkeypatch):
