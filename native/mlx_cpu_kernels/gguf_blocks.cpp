@@ -6,6 +6,7 @@
 #include <string>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "attention_job.h"
 #include "encode.h"
 #include "int8_dot_kernels.h"
 #include "thread_pool.h"
@@ -19,25 +20,13 @@ constexpr int64_t kQ4KBytes = 144;  // float16 d and dmin, 12 bytes of 6-bit sca
 constexpr int64_t kBlockValues = 256;  // a K-quant super-block
 constexpr int64_t kGroup = 32;
 
-// float32 to float16, rounded to nearest even (numpy's astype(float16)).
+// float32 to float16 bits through mlx's half type (the KV cache's Half): rounded to nearest even,
+// as numpy's astype(float16) rounds.
 uint16_t float_to_half(float value) {
-  uint32_t x;
-  std::memcpy(&x, &value, sizeof(x));
-  const uint32_t sign = (x >> 16) & 0x8000u, magnitude = x & 0x7FFFFFFFu;
-  if (magnitude >= 0x7F800000u) return static_cast<uint16_t>(sign | 0x7C00u | (magnitude > 0x7F800000u ? 0x200u : 0));
-  if (magnitude >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // 65520 and up: infinity
-  if (magnitude < 0x38800000u) {  // below 2^-14: a subnormal half, in units of 2^-24
-    if (magnitude <= 0x33000000u) return static_cast<uint16_t>(sign);  // up to 2^-25 (a tie): zero
-    const uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u, shift = 126 - (magnitude >> 23);
-    uint32_t units = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rest > half || (rest == half && (units & 1u))) ++units;
-    return static_cast<uint16_t>(sign | units);
-  }
-  uint32_t bits = (magnitude - 0x38000000u) >> 13;  // exponent rebiased from 127 to 15
-  const uint32_t rest = magnitude & 0x1FFFu;
-  if (rest > 0x1000u || (rest == 0x1000u && (bits & 1u))) ++bits;
-  return static_cast<uint16_t>(sign | bits);
+  const Half half(value);
+  uint16_t bits;
+  std::memcpy(&bits, &half, sizeof(bits));
+  return bits;
 }
 
 // numpy's nextafter on a float16, toward -infinity (is_up false) or +infinity.
