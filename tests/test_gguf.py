@@ -149,7 +149,7 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, kernels
         as_blocks[..., at : at + 2] = scale.view(np.uint8)
     monkeypatch.setattr(gguf_blocks, "_SLICE_BYTES", 2 * blocks[:1].nbytes)
     monkeypatch.setenv("GMLX_CPU_KERNELS", kernels)
-    triplets = gguf_blocks.block_triplets("m.weight", kind, blocks)
+    triplets = gguf_blocks.matrix_triplets("m.weight", kind, blocks, lambda rows: pytest.fail("no dequantize"))
     module = nn.QuantizedLinear(768, 5, bias=False, group_size=32, bits=triplets["m.weight"].shape[1] * 32 // 768)
     module.update({"weight": triplets["m.weight"], "scales": triplets["m.scales"], "biases": triplets["m.biases"]})
     assert module.scales.dtype == mx.float16 and module.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
@@ -181,13 +181,13 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, monkeypatch)
             blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
         blocks = blocks.reshape(9, -1)
         got = gguf_blocks.native_triplets("m.weight", kind, blocks)
+        if kind == "Q4_K":
+            expected = gguf_blocks.block_triplets("m.weight", kind, blocks)
+        else:
+            expected = gguf_blocks.requantized("m.weight", blocks,
+                                               lambda rows: gguf.quants.dequantize(rows, tensor_type))
         with env_overrides({"GMLX_CPU_KERNELS": "0"}):
             assert gguf_blocks.native_triplets("m.weight", kind, blocks) is None  # numpy's, then
-            if kind == "Q4_K":
-                expected = gguf_blocks.block_triplets("m.weight", kind, blocks)
-            else:
-                expected = gguf_blocks.requantized("m.weight", blocks,
-                                                   lambda rows: gguf.quants.dequantize(rows, tensor_type))
         for name in ("m.weight", "m.scales", "m.biases"):
             assert got[name].dtype == expected[name].dtype and mx.array_equal(got[name], expected[name]).item(), name
 
@@ -197,7 +197,7 @@ def test_an_empty_matrix_is_refused_by_name(kind, block_bytes):
     from gmlx.models import gguf_blocks
 
     with pytest.raises(ValueError, match="tensor m.weight: an empty matrix"):
-        gguf_blocks.block_triplets("m.weight", kind, np.zeros((0, block_bytes), dtype=np.uint8))
+        gguf_blocks.matrix_triplets("m.weight", kind, np.zeros((0, block_bytes), dtype=np.uint8), np.asarray)
 
 
 def test_other_k_quants_are_requantized_to_8_bits(monkeypatch):

@@ -121,16 +121,11 @@ def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tupl
     weights = {}
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        if gguf_blocks.is_read_from_blocks(tensor.tensor_type.name) and len(shape) == 2:  # no dequantize
-            weights.update(gguf_blocks.block_triplets(tensor.name, tensor.tensor_type.name, np.asarray(tensor.data)))
-            continue
         is_float = tensor.tensor_type.name in _FLOAT_TYPES
         if not is_float and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
             data = np.asarray(tensor.data).reshape(shape[0], -1)  # rows of blocks
-            triplets = gguf_blocks.native_triplets(tensor.name, tensor.tensor_type.name, data)
-            if triplets is None:
-                triplets = gguf_blocks.requantized(tensor.name, data, functools.partial(_dequantized, path, tensor))
-            weights.update(triplets)
+            weights.update(gguf_blocks.matrix_triplets(tensor.name, tensor.tensor_type.name, data,
+                                                       functools.partial(_dequantized, path, tensor)))
         else:
             values = _dequantized(path, tensor, tensor.data).reshape(shape)
             # Float tensors as stored, as mx.load keeps them (norms and qwen2's biases are F32 in

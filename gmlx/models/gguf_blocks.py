@@ -12,6 +12,8 @@ Read from the bytes:
   which are 8-bit levels less 128: exactly (IQ4_XS's scale d * (ls - 32) rounded to float16).
 Requantized to 8 bits: the other types (Q6_K's 16-value sub-blocks share no 32-value grid, Q2_K,
 Q3_K, the other IQ types), which the gguf package dequantizes.
+Q4_K and Q6_K, a Q4_K_M file's bulk, are decoded in the CPU extension where it is available, with
+these very steps (native_triplets); matrix_triplets picks the way for a matrix.
 """
 
 import os
@@ -36,12 +38,22 @@ def is_read_from_blocks(kind: str) -> bool:
     return kind in _READ_BLOCKS
 
 
+def matrix_triplets(name: str, kind: str, data: np.ndarray, dequantize) -> dict:
+    """A quantized matrix's blocks (bytes, rows x blocks per row) of type `kind` as its module's
+    MLX triplets: in the CPU extension where it decodes the kind (native_triplets), else from the
+    blocks' bytes where they are affine grids (block_triplets), else requantized from
+    dequantize(rows)'s values."""
+    triplets = native_triplets(name, kind, data)
+    if triplets is not None:
+        return triplets
+    if is_read_from_blocks(kind):
+        return block_triplets(name, kind, data)
+    return requantized(name, data, dequantize)
+
+
 def block_triplets(name: str, kind: str, blocks: np.ndarray) -> dict:
     """A matrix's blocks (bytes, rows x blocks per row) of a type is_read_from_blocks names, as
-    its module's MLX triplets."""
-    native = native_triplets(name, kind, blocks)
-    if native is not None:
-        return native
+    its module's MLX triplets, in numpy."""
     bits, block_bytes, _ = _READ_BLOCKS[kind]
 
     def decode(part: np.ndarray) -> tuple:
