@@ -9,11 +9,8 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "arrays.h"
 #include "encode.h"
+#include "huge_pages.h"
 #include "thread_pool.h"
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace gmlx_kernels {
 
@@ -105,20 +102,6 @@ void pack_tile(const PackJob& a, int64_t t) {
   }
 }
 
-// Asks Linux for 2 MB pages under the buffer's whole huge pages before it is first written, so
-// they fault in huge: moving the weights there after (memory.py) copied 0.6 GB a second at load.
-void advise_huge_pages(uint8_t* data, int64_t num_bytes) {
-#if defined(__linux__)
-  constexpr uintptr_t kHugeBytes = 2 << 20;
-  const auto address = reinterpret_cast<uintptr_t>(data);
-  const uintptr_t first = (address + kHugeBytes - 1) / kHugeBytes * kHugeBytes;
-  const uintptr_t end = (address + num_bytes) / kHugeBytes * kHugeBytes;
-  if (first < end) madvise(reinterpret_cast<void*>(first), end - first, MADV_HUGEPAGE);  // advice only
-#else
-  (void)data, (void)num_bytes;
-#endif
-}
-
 struct PackContext {
   PackJob job;
   bool is_tiles;
@@ -176,6 +159,8 @@ void PackQuads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     job.group_size = group_size;
     job.bits = bits;
     job.layout = layout;
+    // Before the first write, so the weights fault in huge: moving them there after (memory.py)
+    // copied 0.6 GB a second at load.
     advise_huge_pages(y, num_bytes);
     run_on_pool(pack_outputs, &context, (job.num_outputs + kOutputsPerJob - 1) / kOutputsPerJob);
   });

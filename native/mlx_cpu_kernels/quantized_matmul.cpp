@@ -17,6 +17,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "arrays.h"
 #include "encode.h"
+#include "huge_pages.h"
 #include "int8_dot_kernels.h"
 #include "qmm_kernels.h"
 #include "thread_pool.h"
@@ -389,14 +390,14 @@ void run_sum_chunk(void* context, int64_t chunk) {
 // on 4 KB pages the sum pays a TLB miss every 4 KB and understates what memory can deliver.
 class HugePageFloats {
  public:
-  explicit HugePageFloats(int64_t num_floats) : num_bytes_(num_floats * sizeof(float) + kHugeBytes) {
+  explicit HugePageFloats(int64_t num_floats) : num_bytes_(num_floats * sizeof(float) + kHugePageBytes) {
 #if defined(__linux__)
     void* mapped = mmap(nullptr, num_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mapped == MAP_FAILED) throw std::runtime_error("read_bandwidth: mmap failed");
     mapped_ = mapped;
     auto address = reinterpret_cast<uintptr_t>(mapped);
-    data_ = reinterpret_cast<float*>((address + kHugeBytes - 1) / kHugeBytes * kHugeBytes);
-    madvise(data_, num_floats * sizeof(float), MADV_HUGEPAGE);  // advice: 4 KB pages where refused
+    data_ = reinterpret_cast<float*>((address + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes);
+    advise_huge_pages(data_, num_floats * sizeof(float));
 #else
     fallback_.resize(num_floats);
     data_ = fallback_.data();
@@ -413,7 +414,6 @@ class HugePageFloats {
   float* data() { return data_; }
 
  private:
-  static constexpr int64_t kHugeBytes = 2 << 20;
   int64_t num_bytes_;
   void* mapped_ = nullptr;
   float* data_ = nullptr;
