@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import make_random_model_dir
 from gguf_support import CHAT_TEMPLATE, write_gguf_from_folder
+from kernel_support import ext, supported_isas  # noqa: F401 (ext: a fixture)
 from gmlx.config import env_overrides
 from gmlx.platform import cpu_kernels
 from gmlx.generate import render_chat
@@ -165,9 +166,10 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, kernels
 @pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, monkeypatch):
-    # Block scales from 1e-7 to 1e3 (float16 subnormals to overflowing groups), several seeds:
-    # the extension's weight bytes, scales and biases are numpy's, value for value.
+def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, ext):
+    # Block scales from 1e-7 to 1e3 (float16 subnormals to overflowing groups), several seeds, on
+    # each ISA this CPU runs (Q6_K's blocks take a vector path on AVX2 and AVX-512): the extension's
+    # weight bytes, scales and biases are numpy's, value for value.
     from gmlx.models import gguf_blocks
     from gguf_support import random_blocks
 
@@ -180,7 +182,6 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, monkeypatch)
             d = rng.standard_normal(blocks.shape[:2]) * 10.0 ** rng.integers(-7, 4, blocks.shape[:2])
             blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
         blocks = blocks.reshape(9, -1)
-        got = gguf_blocks.native_triplets("m.weight", kind, blocks)
         if kind == "Q4_K":
             expected = gguf_blocks.block_triplets("m.weight", kind, blocks)
         else:
@@ -188,8 +189,12 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, monkeypatch)
                                                lambda rows: gguf.quants.dequantize(rows, tensor_type))
         with env_overrides({"GMLX_CPU_KERNELS": "0"}):
             assert gguf_blocks.native_triplets("m.weight", kind, blocks) is None  # numpy's, then
-        for name in ("m.weight", "m.scales", "m.biases"):
-            assert got[name].dtype == expected[name].dtype and mx.array_equal(got[name], expected[name]).item(), name
+        for isa in supported_isas(ext):
+            ext.set_isa(isa)
+            got = gguf_blocks.native_triplets("m.weight", kind, blocks)
+            for name in ("m.weight", "m.scales", "m.biases"):
+                assert got[name].dtype == expected[name].dtype, (isa, name)
+                assert mx.array_equal(got[name], expected[name]).item(), (isa, name)
 
 
 @pytest.mark.parametrize("kind, block_bytes", [("Q4_0", 18), ("Q4_K", 144)])

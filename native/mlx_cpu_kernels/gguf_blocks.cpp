@@ -9,6 +9,8 @@
 #include "attention_job.h"
 #include "encode.h"
 #include "int8_dot_kernels.h"
+#include "isa_target.h"
+#include "qmm_kernels.h"
 #include "thread_pool.h"
 
 namespace gmlx_kernels {
@@ -63,26 +65,89 @@ void q6_k_values(const uint8_t* block, float* values) {
   }
 }
 
-// One group's 8-bit levels, scale and bias: gguf_blocks.requantized's steps in the same order.
+// A group's float16 bias and scale (rounded outwards so that 256 levels span [low, high]) and
+// the step its levels are rounded against: gguf_blocks.requantized's steps in the same order.
+struct GroupGrid {
+  uint16_t scale, bias;
+  float bias_f, step;
+};
+
+GroupGrid group_grid(float low, float high) {
+  GroupGrid grid{};
+  grid.bias = float_to_half(low);
+  if (half_to_float(grid.bias) > low) grid.bias = next_half(grid.bias, false);
+  grid.bias_f = half_to_float(grid.bias);
+  grid.scale = float_to_half((high - grid.bias_f) / 255.0f);
+  const float reach = half_to_float(grid.scale) * 255.0f;
+  if (reach + grid.bias_f < high) grid.scale = next_half(grid.scale, true);
+  grid.step = (grid.scale & 0x7FFFu) == 0 ? 1.0f : half_to_float(grid.scale);
+  return grid;
+}
+
+constexpr float kRound = 8388608.0f;  // 2^23: adding and taking it off rounds [0, 2^23) half to even, as np.round
+
+// One group's 8-bit levels, scale and bias.
 void requantize_group(const float* values, uint8_t* levels, uint16_t* scale_out, uint16_t* bias_out) {
   float low = values[0], high = values[0];
   for (int64_t i = 1; i < kGroup; ++i) low = std::min(low, values[i]), high = std::max(high, values[i]);
-  uint16_t bias = float_to_half(low);
-  if (half_to_float(bias) > low) bias = next_half(bias, false);
-  const float bias_f = half_to_float(bias);
-  uint16_t scale = float_to_half((high - bias_f) / 255.0f);
-  const float reach = half_to_float(scale) * 255.0f;
-  if (reach + bias_f < high) scale = next_half(scale, true);
-  const float step = (scale & 0x7FFFu) == 0 ? 1.0f : half_to_float(scale);
-  constexpr float kRound = 8388608.0f;  // 2^23: adding and taking it off rounds [0, 2^23) half to even, as np.round
+  const GroupGrid grid = group_grid(low, high);
   for (int64_t i = 0; i < kGroup; ++i) {
-    const float x = (values[i] - bias_f) / step;
+    const float x = (values[i] - grid.bias_f) / grid.step;
     const float level = x < 255.0f ? (x + kRound) - kRound : 255.0f;
     levels[i] = x > 0.0f ? static_cast<uint8_t>(level) : 0;  // clipped to [0, 255]; NaN: 0
   }
-  *scale_out = scale;
-  *bias_out = bias;
+  *scale_out = grid.scale;
+  *bias_out = grid.bias;
 }
+
+#if GMLX_X86
+// A Q6_K block's 8 groups as q6_k_values and requantize_group make them, 8 values a vector: the
+// same float operations on each value (a group's minimum and maximum are exact in any order),
+// so the same bits; 6-7x the scalar loops' speed on a Zen 4 core.
+GMLX_AVX2 void q6_k_block_avx2(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
+  const auto* sub_scales = reinterpret_cast<const int8_t*>(block + 192);
+  uint16_t d_bits;
+  std::memcpy(&d_bits, block + 208, sizeof(d_bits));
+  const float d = half_to_float(d_bits);
+  const __m256i low_mask = _mm256_set1_epi8(0x0F), high_mask = _mm256_set1_epi8(3), offset = _mm256_set1_epi32(32);
+  const __m256 top = _mm256_set1_ps(255.0f), round = _mm256_set1_ps(kRound), zero = _mm256_setzero_ps();
+  const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int g = 0; g < 8; ++g) {  // group g: values 32g.. of half g / 4 (q6_k_values' layout)
+    const int half = g / 4, quarter = g % 4;
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * half + 32 * (quarter % 2)));
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half));
+    const __m256i low_bits = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(quarter < 2 ? 0 : 4)), low_mask);
+    const __m256i high_bits = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * quarter)), high_mask);
+    alignas(32) uint8_t q[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_or_si256(low_bits, _mm256_slli_epi16(high_bits, 4)));
+    __m256 values[4];
+    for (int c = 0; c < 4; ++c) {  // 16 values a sub-block scale
+      const __m256 scale = _mm256_set1_ps(d * static_cast<float>(sub_scales[8 * half + 2 * quarter + c / 2]));
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)));
+      values[c] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(bytes, offset)));
+    }
+    alignas(32) float lows[8], highs[8];
+    _mm256_store_ps(lows, _mm256_min_ps(_mm256_min_ps(values[0], values[1]), _mm256_min_ps(values[2], values[3])));
+    _mm256_store_ps(highs, _mm256_max_ps(_mm256_max_ps(values[0], values[1]), _mm256_max_ps(values[2], values[3])));
+    float group_low = lows[0], group_high = highs[0];
+    for (int i = 1; i < 8; ++i) group_low = std::min(group_low, lows[i]), group_high = std::max(group_high, highs[i]);
+    const GroupGrid grid = group_grid(group_low, group_high);
+    const __m256 bias = _mm256_set1_ps(grid.bias_f), step = _mm256_set1_ps(grid.step);
+    __m256i levels[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256 x = _mm256_div_ps(_mm256_sub_ps(values[c], bias), step);
+      const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(x, round), round);
+      const __m256 level = _mm256_blendv_ps(top, rounded, _mm256_cmp_ps(x, top, _CMP_LT_OQ));
+      levels[c] = _mm256_cvttps_epi32(_mm256_and_ps(level, _mm256_cmp_ps(x, zero, _CMP_GT_OQ)));  // NaN: 0
+    }
+    const __m256i words = _mm256_packus_epi16(_mm256_packus_epi32(levels[0], levels[1]),
+                                              _mm256_packus_epi32(levels[2], levels[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weight + 32 * g), _mm256_permutevar8x32_epi32(words, byte_order));
+    scales[g] = grid.scale;
+    biases[g] = grid.bias;
+  }
+}
+#endif
 
 // A Q4_K block's 8 sub-blocks: 128 bytes of MLX-packed levels (byte j of a sub-block: levels 2j
 // and 2j + 1) and float16(d * sc), float16(-dmin * m), as gguf_blocks.py's _q4_k makes them.
@@ -115,6 +180,7 @@ struct DecodeJob {
   uint16_t* biases;
   int64_t blocks_per_row;
   bool is_q6_k;
+  bool is_avx2;  // Q6_K blocks through q6_k_block_avx2 (the kernels' ISA is AVX2 or AVX-512)
 };
 
 void decode_row(void* context, int64_t row) {
@@ -127,6 +193,13 @@ void decode_row(void* context, int64_t row) {
                     job.biases + first_group);
       continue;
     }
+#if GMLX_X86
+    if (job.is_avx2) {
+      q6_k_block_avx2(job.blocks + block * kQ6KBytes, job.weight + first_group * kGroup, job.scales + first_group,
+                      job.biases + first_group);
+      continue;
+    }
+#endif
     q6_k_values(job.blocks + block * kQ6KBytes, values);
     for (int64_t g = 0; g < kBlockValues / kGroup; ++g) {
       const int64_t group = first_group + g;
@@ -162,7 +235,7 @@ void DecodeGgufBlocks::eval_cpu(const std::vector<mx::array>& inputs, std::vecto
   const auto& blocks = arrays.inputs[0];
   DecodeJob job{blocks.data<uint8_t>(), reinterpret_cast<uint8_t*>(arrays.outputs[0]),
                 reinterpret_cast<uint16_t*>(arrays.outputs[1]), reinterpret_cast<uint16_t*>(arrays.outputs[2]),
-                blocks.shape(1) / (is_q6_k_ ? kQ6KBytes : kQ4KBytes), is_q6_k_};
+                blocks.shape(1) / (is_q6_k_ ? kQ6KBytes : kQ4KBytes), is_q6_k_, kernels_isa() != Isa::kPortable};
   encoder.dispatch([job, in = std::move(arrays.inputs)]() mutable { run_on_pool(decode_row, &job, in[0].shape(0)); });
 }
 
