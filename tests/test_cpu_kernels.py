@@ -663,17 +663,20 @@ def test_speculative_and_batched_equal_plain_with_int8_activations(kind, int8_qu
 
 
 @pytest.mark.parametrize("is_quad_layout", [True, False])
-def test_half_exact_scales_are_stored_in_float16_with_the_same_results(is_quad_layout, tiny_llama_dir, tmp_path):
-    """A model whose scales and biases float16 holds exactly (as a GGUF's Q4_1) keeps them in
-    float16 under int8 activations, by default in the one-stream quad layout only: its products
-    and embedding lookups give the same bits as the plain float32 rows."""
+@pytest.mark.parametrize("saved_dtype", [mx.float32, mx.float16])
+def test_half_exact_scales_are_stored_in_float16_with_the_same_results(is_quad_layout, saved_dtype, tiny_llama_dir,
+                                                                        tmp_path):
+    """A model whose scales and biases float16 holds exactly (as a GGUF's Q4_1), saved in float32
+    or in float16 (kept as they are, not cast and compared), keeps them in float16 under int8
+    activations, by default in the one-stream quad layout only: its products and embedding
+    lookups give the same bits as the plain float32 rows."""
     import mlx_lm
 
     model, _ = mlx_lm.load(str(tiny_llama_dir))
     nn.quantize(model, group_size=32, bits=4)
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            m.scales, m.biases = (a.astype(mx.float16).astype(mx.float32) for a in (m.scales, m.biases))
+            m.scales, m.biases = (a.astype(mx.float16).astype(saved_dtype) for a in (m.scales, m.biases))
     folder = tmp_path / "half_exact"
     folder.mkdir()
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -683,7 +686,8 @@ def test_half_exact_scales_are_stored_in_float16_with_the_same_results(is_quad_l
     with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8", "GMLX_CPU_COMPUTE_FORMAT": "quantized",
                         "GMLX_CPU_QUAD_LAYOUT": "1" if is_quad_layout else "0"}):
         target = load_model(folder)
-    stored = dict(tree_flatten(model.parameters()))  # the float32 originals
+    stored = {name: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a  # the float32 originals
+              for name, a in tree_flatten(model.parameters())}
     kernel_modules = [(n, m) for n, m in target.model.named_modules() if getattr(m, "is_int8_activations", False)]
     assert len(kernel_modules) == 2 * 7 + 2
     if is_quad_layout:

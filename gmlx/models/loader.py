@@ -29,7 +29,7 @@ from gmlx.platform.cpu_float import use_float_kernels
 from gmlx.platform.cpu_graph import fuse_cpu_ops
 from gmlx.platform.cpu_layout import store_weights_input_major
 from gmlx.platform.cpu_layers import use_fused_layers
-from gmlx.platform.cpu_quantized import runs_int8_activations, use_cpu_kernels
+from gmlx.platform.cpu_quantized import float16_groups, runs_int8_activations, use_cpu_kernels
 from gmlx.platform.row_invariance import use_block_row_products, wanted_row_rules
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,7 @@ def _head_module(model: nn.Module, is_tied: bool) -> nn.Module:
 def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> int:
     """The model's CPU compute format, kernels and fused ops; how many layers run fused."""
     is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
+    halves = float16_groups(model)  # before the cast: the int8 path keeps them as they are
     # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
     model.set_dtype(mx.float32)
     if is_quantized:
@@ -182,7 +183,7 @@ def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> int:
     num_kernel_modules = 0
     if is_cpu_kernels_enabled():
         head = _head_module(model, is_tied)  # after a dequantize, which makes a new token table
-        num_kernel_modules = use_cpu_kernels(model, head)
+        num_kernel_modules = use_cpu_kernels(model, head, halves)
         if is_cpu_float_kernels_enabled():
             num_kernel_modules += use_float_kernels(model, head)
     if is_input_major_enabled():
