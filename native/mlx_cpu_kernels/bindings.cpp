@@ -1,5 +1,6 @@
 // Python bindings of gmlx's CPU decode kernels (module gmlx.platform._cpu_kernels).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -60,9 +61,17 @@ NB_MODULE(_cpu_kernels, m) {
         "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");
   m.def("pack_quads", &gmlx_kernels::pack_quads, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "mlx's affine rows (float16 scales and biases) in the one-stream layout: tiles or quads, as set now");
-  m.def("decode_gguf_blocks", &gmlx_kernels::decode_gguf_blocks, "blocks"_a, "kind"_a,
-        "GGUF Q4_K or Q6_K rows as MLX triplets [weight, scales, biases] (4 and 8 bits, group 32): "
-        "gguf_blocks.py's numpy decoders, operation for operation");
+  m.def(
+      "decode_gguf_blocks",
+      [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks, const std::string& kind) {
+        nb::gil_scoped_release unlocked;  // the call holds the buffer's owner
+        return gmlx_kernels::decode_gguf_blocks(blocks.data(), static_cast<int64_t>(blocks.shape(0)),
+                                                static_cast<int64_t>(blocks.shape(1)), kind);
+      },
+      "blocks"_a, "kind"_a,
+      "GGUF Q4_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as MLX triplets "
+      "[weight, scales, biases] (4 and 8 bits, group 32), decoded now: gguf_blocks.py's numpy decoders, "
+      "operation for operation");
   m.def("quad_rows", &gmlx_kernels::quad_rows, "quads"_a, "ids"_a, "num_outputs"_a, "num_inputs"_a, "bits"_a,
         "Rows `ids` of weights kept in the quad layout, dequantized (mx.dequantize's floats), one node");
   m.def("set_half_tails", &gmlx_kernels::set_half_tails, "is_enabled"_a,

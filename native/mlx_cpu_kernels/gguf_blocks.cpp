@@ -5,9 +5,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "mlx/backend/cpu/encoder.h"
+#include "mlx/allocator.h"
 #include "attention_job.h"
-#include "encode.h"
+#include "huge_pages.h"
 #include "int8_dot_kernels.h"
 #include "isa_target.h"
 #include "qmm_kernels.h"
@@ -210,37 +210,31 @@ void decode_row(void* context, int64_t row) {
 
 }  // namespace
 
-std::vector<mx::array> decode_gguf_blocks(const mx::array& blocks, const std::string& kind) {
+std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes,
+                                          const std::string& kind) {
   if (kind != "Q4_K" && kind != "Q6_K") {
     throw std::invalid_argument("decode_gguf_blocks: kind " + kind + ": expected Q4_K or Q6_K");
   }
   const bool is_q6_k = kind == "Q6_K";
   const int64_t block_bytes = is_q6_k ? kQ6KBytes : kQ4KBytes;
-  if (blocks.dtype() != mx::uint8 || blocks.ndim() != 2 || blocks.shape(1) == 0 ||
-      blocks.shape(1) % block_bytes != 0) {
+  if (num_rows < 0 || row_bytes <= 0 || row_bytes % block_bytes != 0) {
     throw std::invalid_argument("decode_gguf_blocks: blocks must be (rows, " + std::to_string(block_bytes) +
                                 " x blocks) uint8 for " + kind);
   }
-  const int rows = blocks.shape(0), num_blocks = static_cast<int>(blocks.shape(1) / block_bytes);
-  auto s = mx::default_stream(mx::Device::cpu);
-  const int words = num_blocks * (is_q6_k ? 64 : 32), groups = num_blocks * 8;
-  return mx::array::make_arrays({{rows, words}, {rows, groups}, {rows, groups}},
-                                {mx::uint32, mx::float16, mx::float16}, std::make_shared<DecodeGgufBlocks>(s, is_q6_k),
-                                {mx::contiguous(blocks, false, s)});
-}
-
-void DecodeGgufBlocks::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);  // buffers typed float*, whatever they hold
-  const auto& blocks = arrays.inputs[0];
-  DecodeJob job{blocks.data<uint8_t>(), reinterpret_cast<uint8_t*>(arrays.outputs[0]),
-                reinterpret_cast<uint16_t*>(arrays.outputs[1]), reinterpret_cast<uint16_t*>(arrays.outputs[2]),
-                blocks.shape(1) / (is_q6_k_ ? kQ6KBytes : kQ4KBytes), is_q6_k_, kernels_isa() != Isa::kPortable};
-  encoder.dispatch([job, in = std::move(arrays.inputs)]() mutable { run_on_pool(decode_row, &job, in[0].shape(0)); });
-}
-
-void DecodeGgufBlocks::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("GmlxDecodeGgufBlocks runs on the CPU only");
+  const int64_t num_blocks = row_bytes / block_bytes, words = num_blocks * (is_q6_k ? 64 : 32), groups = num_blocks * 8;
+  const mx::Shape weight_shape{static_cast<int>(num_rows), static_cast<int>(words)};
+  const mx::Shape groups_shape{static_cast<int>(num_rows), static_cast<int>(groups)};
+  mx::array weight(mx::allocator::malloc(num_rows * words * 4), weight_shape, mx::uint32);
+  mx::array scales(mx::allocator::malloc(num_rows * groups * 2), groups_shape, mx::float16);
+  mx::array biases(mx::allocator::malloc(num_rows * groups * 2), groups_shape, mx::float16);
+  DecodeJob job{blocks, weight.data<uint8_t>(), reinterpret_cast<uint16_t*>(scales.data<mx::float16_t>()),
+                reinterpret_cast<uint16_t*>(biases.data<mx::float16_t>()), num_blocks, is_q6_k,
+                kernels_isa() != Isa::kPortable};
+  // Fresh memory (an 8B file's 4.6 GB of triplets): on 2 MB pages it faults in 500x fewer times.
+  // 8B-shaped Q4_K_M load 8.9-11.7 s with the advice, 12.2-14.1 s without (3 pairs).
+  for (auto* out : {&weight, &scales, &biases}) advise_huge_pages(out->data<uint8_t>(), out->nbytes());
+  run_on_pool(decode_row, &job, num_rows);
+  return {weight, scales, biases};
 }
 
 }  // namespace gmlx_kernels

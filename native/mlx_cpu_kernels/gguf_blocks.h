@@ -4,34 +4,21 @@
 // the fallback. numpy took 1.2 ns a Q4_K value and 6-7 ns a Q6_K one (an 8B file: ~20 s).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
+#include "mlx/array.h"
 
 namespace gmlx_kernels {
 
 namespace mx = mlx::core;
 
-// [weight (rows, values * bits / 32) uint32, scales (rows, values / 32) float16, biases] from
-// blocks (rows, block bytes x blocks) uint8 of `kind`: "Q4_K" (144-byte blocks, 4 bits) or
-// "Q6_K" (210-byte blocks, 8 bits).
-std::vector<mx::array> decode_gguf_blocks(const mx::array& blocks, const std::string& kind);
-
-class DecodeGgufBlocks : public mx::Primitive {
- public:
-  DecodeGgufBlocks(mx::Stream stream, bool is_q6_k) : mx::Primitive(stream), is_q6_k_(is_q6_k) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "GmlxDecodeGgufBlocks"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return is_q6_k_ == static_cast<const DecodeGgufBlocks&>(other).is_q6_k_;
-  }
-
- private:
-  bool is_q6_k_;  // else Q4_K
-};
+// [weight (rows, values * bits / 32) uint32, scales (rows, values / 32) float16, biases] decoded
+// now, on the pool, from num_rows rows of row_bytes bytes of `kind` blocks at `blocks` (a GGUF's
+// bytes where they lie: a copy into an mlx array cost an 8B file ~3 s of page faults): "Q4_K"
+// (144-byte blocks, 4 bits) or "Q6_K" (210-byte blocks, 8 bits).
+std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes,
+                                          const std::string& kind);
 
 }  // namespace gmlx_kernels
