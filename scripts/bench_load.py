@@ -56,7 +56,8 @@ def gmlx_side(root: Path, gguf: Path) -> dict:
 def llama_side(binary: Path, gguf: Path, num_threads: int) -> dict:
     started = time.perf_counter()
     done = subprocess.run([str(binary), "-m", str(gguf), "-n", "1", "-p", "Hi", "-t", str(num_threads), "-no-cnv",
-                           "--no-warmup"], capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+                           "--no-warmup"], capture_output=True, text=True, errors="replace", check=True,
+                          stdin=subprocess.DEVNULL)  # a random model's token may be no UTF-8
     wall_s = time.perf_counter() - started
     found = re.search(r"load time\s*=\s*([\d.]+) ms", done.stdout + done.stderr)
     return {"load_s": float(found.group(1)) / 1e3 if found else float("nan"), "wall_s": wall_s}
