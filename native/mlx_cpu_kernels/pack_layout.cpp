@@ -71,6 +71,13 @@ void pack_quad(const PackJob& a, int64_t q) {
   }
 }
 
+// The four nibbles of `low16` one a byte, in the bytes' low nibbles (little-endian): a tile's
+// byte b takes levels b and b + 4 of eight, as spread_nibbles(low) | spread_nibbles(high) << 4.
+uint32_t spread_nibbles(uint32_t low16) {
+  uint32_t spread = (low16 | (low16 << 8)) & 0x00FF00FFu;  // nibbles 0-1 in byte 0, 2-3 in byte 2
+  return (spread | (spread << 4)) & 0x0F0F0F0Fu;
+}
+
 // Tile t: per 32-input block the 16 outputs' weights as 64-byte vectors (dword o: output o's
 // four bytes; at 4 bits vector v holds inputs 8v..8v+3 in low nibbles and 8v+4..8v+7 in high
 // ones, at 8 bits inputs 4v..4v+3), then 16 scales and 16 biases.
@@ -88,15 +95,10 @@ void pack_tile(const PackJob& a, int64_t t) {
       if (n >= a.num_outputs) continue;
       const uint8_t* row = a.w + n * a.row_bytes() + j * kInt8BlockInputs * a.bits / 8;
       for (int64_t v = 0; v < weight_bytes / 64; ++v) {  // 4 vectors at 4 bits, 8 at 8
-        for (int64_t b = 0; b < 4; ++b) {
-          if (a.bits == 8) {
-            out[v * 64 + 4 * o + b] = row[4 * v + b];
-          } else {  // level m sits in byte m / 2, low nibble first
-            const int64_t low = 8 * v + b, high = low + 4;
-            const int lo = (row[low / 2] >> (4 * (low % 2))) & 0xF, hi = (row[high / 2] >> (4 * (high % 2))) & 0xF;
-            out[v * 64 + 4 * o + b] = static_cast<uint8_t>(lo | (hi << 4));
-          }
-        }
+        uint32_t word;  // inputs 8v..8v+7 at 4 bits (level m in nibble m % 8), 4v..4v+3 at 8
+        std::memcpy(&word, row + 4 * v, sizeof(word));
+        if (a.bits == 4) word = spread_nibbles(word & 0xFFFFu) | (spread_nibbles(word >> 16) << 4);
+        std::memcpy(out + v * 64 + 4 * o, &word, sizeof(word));
       }
     }
   }
