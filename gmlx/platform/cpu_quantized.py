@@ -135,9 +135,10 @@ def float16_groups(model: nn.Module) -> dict:
 def _store_half_groups(module: nn.Module, halves: dict) -> bool:
     """Keep an int8-activation module's scales and biases in float16 where float16 holds every
     one exactly (a GGUF's Q4_1 d and m): its kernel then reads 0.625 bytes a weight, not 0.75.
-    halves: float16_groups of the model before its cast to float32."""
+    halves: float16_groups of the model before its cast to float32; the module's entry is taken
+    out (so a packed module's float16 groups are freed with it)."""
     if id(module) in halves:  # the float32 ones are casts of these: exact
-        _, module.scales, module.biases = halves[id(module)]
+        _, module.scales, module.biases = halves.pop(id(module))
         return True
     names = ("scales", "biases")
     casts = [module[name].astype(mx.float16) for name in names]
@@ -178,7 +179,8 @@ def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dic
     """Swap the model's affine 4/8-bit quantized modules for kernel-backed ones; how many.
 
     head: the module whose product gives the logits (an lm_head, or the tied embedding).
-    halves: float16_groups(model) taken before the model was cast to float32.
+    halves: float16_groups(model) taken before the model was cast to float32 (its entries are
+    taken out as the modules keep them).
     0 (the model untouched) when the kernels are unavailable or a probe disagrees.
     """
     if not cpu_kernels.is_built():
