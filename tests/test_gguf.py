@@ -2,6 +2,7 @@
 
 import json
 import logging
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import make_random_model_dir
-from gguf_support import CHAT_TEMPLATE, write_gguf_from_folder
+from gguf_support import CHAT_TEMPLATE, random_blocks, write_gguf_from_folder
 from kernel_support import ext, supported_isas  # noqa: F401 (ext: a fixture)
 from gmlx.config import env_overrides
 from gmlx.platform import cpu_kernels
@@ -382,6 +383,80 @@ def test_truncated_gguf_is_refused_at_load(tiny_folders, tmp_path, keep_fraction
     cut.write_bytes(whole[: int(len(whole) * keep_fraction)])
     with pytest.raises(ValueError, match=r"GGUF .*cut\.gguf: .*(truncated|corrupt)"):
         load_model(cut)
+
+
+def _gguf_package_table(path: Path) -> tuple[dict, dict]:
+    """The gguf package's reading of a file: metadata (its own GGUF.* fields left out) and tensors."""
+    reader = gguf.GGUFReader(str(path))
+    metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return metadata, {t.name: t for t in reader.tensors}
+
+
+def test_the_table_reader_gives_the_gguf_packages_values(tiny_folders, tmp_path):
+    # Every metadata value type (scalars, strings, arrays of both, non-ASCII text) and tensors
+    # of plain and block types: the same values and the same tensor bytes, as the same views.
+    from gmlx.models.gguf import _tensor_data
+    from gmlx.models.gguf_check import read_table
+
+    path = tmp_path / "every.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint8("t.u8", 200), writer.add_int8("t.i8", -100), writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000), writer.add_uint32("t.u32", 4_000_000_000), writer.add_int32("t.i32", -7)
+    writer.add_float32("t.f32", 0.1), writer.add_uint64("t.u64", 2**63 + 5), writer.add_int64("t.i64", -(2**40))
+    writer.add_float64("t.f64", 1e-300), writer.add_bool("t.bool", True), writer.add_string("t.text", "naïve ☃")
+    writer.add_array("t.ints", [1, -2, 3]), writer.add_array("t.floats", [0.5, -1.25])
+    writer.add_array("t.words", ["a", "", "ü b", "Ġhello"]), writer.add_array("t.flags", [True, False])
+    rng = np.random.default_rng(3)
+    writer.add_tensor("plain", rng.standard_normal((3, 64)).astype(np.float32))
+    writer.add_tensor("half", rng.standard_normal((2, 5, 32)).astype(np.float16))
+    blocks = random_blocks((4, 512), gguf.GGMLQuantizationType.Q6_K, seed=1)
+    writer.add_tensor("q6", blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    expected_metadata, expected_tensors = _gguf_package_table(path)
+    metadata, tensors = read_table(path)
+    assert metadata == expected_metadata
+    assert [t.name for t in tensors] == list(expected_tensors)
+    mapped = np.memmap(path, mode="r").view(np.ndarray)
+    for tensor in tensors:
+        expected = expected_tensors[tensor.name]
+        assert tensor.dims == tuple(int(n) for n in expected.shape) and tensor.kind == expected.tensor_type.name
+        data = _tensor_data(mapped, tensor)
+        assert data.dtype == expected.data.dtype and data.shape == expected.data.shape, tensor.name
+        assert np.array_equal(data, expected.data), tensor.name
+
+
+def test_the_table_reader_gives_the_gguf_packages_values_for_a_real_vocabulary():
+    from gmlx.models.gguf_check import read_table
+    from gmlx.models.source import smollm2_path
+
+    try:
+        path = smollm2_path()
+    except ValueError as exc:
+        pytest.skip(f"SmolLM2 GGUF absent: {exc}")
+    metadata, tensors = read_table(path)
+    expected_metadata, expected_tensors = _gguf_package_table(path)
+    assert len(metadata["tokenizer.ggml.tokens"]) == 49152 and metadata == expected_metadata
+    assert {t.name: (t.dims, t.kind) for t in tensors} == {
+        name: (tuple(int(n) for n in t.shape), t.tensor_type.name) for name, t in expected_tensors.items()}
+
+
+@pytest.mark.parametrize("text", [b"\xff\xfe", b"ok\xc3"])
+def test_metadata_text_that_is_not_utf8_is_refused_by_name(tmp_path, text):
+    from gmlx.models.gguf_check import read_table
+    from gmlx.models.gguf_tokenizer import read_tokenizer_metadata
+
+    path = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("tokenizer.ggml.model", "MARKER")
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    whole = path.read_bytes()
+    path.write_bytes(whole.replace(struct.pack("<Q", 6) + b"MARKER", struct.pack("<Q", len(text)) + text, 1)
+                     .ljust(len(whole), b"\0"))
+    for read in (read_table, read_tokenizer_metadata):
+        with pytest.raises(ValueError, match=r"bad\.gguf: corrupt \(a string at byte \d+ is not UTF-8\)"):
+            read(path)
 
 
 def test_corrupt_header_is_refused_not_crashed(tmp_path):

@@ -2,8 +2,9 @@
 
 `mx.load` reads GGUF natively: F32/F16/BF16 as they are, Q4_0/Q4_1/Q8_0 as MLX affine triplets
 (weight, scales, biases; group 32). It refuses some other types and silently turns the rest
-(Q4_K, Q6_K) into float16, so a file holding any other type is read with the `gguf` package
-instead (said in a log line): its blocks become triplets where they are affine grids
+(Q4_K, Q6_K) into float16, so a file holding any other type is read here instead (said in a
+log line; its table by gguf_check.read_table, other types' values by the `gguf` package's
+dequantizers): its blocks become triplets where they are affine grids
 (gguf_blocks.py: Q4_0/Q4_1/Q8_0 as mx.load makes them, Q4_K at 4 bits, Q5_0/Q5_1/Q5_K and the
 IQ4 types at 8), its other quantized matrices are requantized to MLX 8-bit (group 32), its float
 tensors stay as stored and the rest become float16.
@@ -22,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from gmlx.models import gguf_blocks
-from gmlx.models.gguf_check import check_gguf_structure
+from gmlx.models.gguf_check import TensorEntry, check_gguf_structure, read_table
 from gmlx.models.gguf_tokenizer import make_tokenizer
 from gmlx.models.llama3_rope import scaling_of
 
@@ -52,6 +53,9 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _FLOAT_TYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+# The types a GGUF stores as plain numbers (views of them as such); the rest as bytes of blocks.
+_PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                 "I32": np.int32, "I64": np.int64}
 # The tensor types mx.load keeps as they are (the quantized ones as MLX affine triplets, group 32).
 _MX_LOAD_KEEPS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})
 _END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -77,12 +81,12 @@ def read_gguf(path: str | Path) -> GGUFModel:
     if not types <= _MX_LOAD_KEEPS:
         # mx.load refuses some types and turns others (Q4_K, Q6_K) into float16 without a word: 4x a
         # Q4_K file's bytes, and a float32 model on the CPU.
-        raw_weights, metadata = _read_with_gguf_package(path, types, "types mx.load does not keep")
+        raw_weights, metadata = _read_blocks(path, types, "types mx.load does not keep")
     else:
         try:
             raw_weights, metadata = mx.load(str(path), return_metadata=True)
         except (RuntimeError, ValueError) as exc:
-            raw_weights, metadata = _read_with_gguf_package(path, types, f"mlx said: {exc}")
+            raw_weights, metadata = _read_blocks(path, types, f"mlx said: {exc}")
     metadata = {key: _to_python(value) for key, value in metadata.items()}
     config = _make_config(path, metadata, raw_weights)
     weights = _rename_weights(path, config, raw_weights)
@@ -104,45 +108,52 @@ def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def _read_with_gguf_package(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict]:
-    """The file's weights and metadata read with the gguf package, where mx.load would not keep
-    them (`why`, said in a log line)."""
+def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict]:
+    """The file's weights and metadata read here (gguf_check.read_table, the blocks decoded by
+    gguf_blocks, other types dequantized by the gguf package), where mx.load would not keep them
+    (`why`, said in a log line)."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises several kinds for a broken file
-        raise ValueError(f"GGUF {path}: corrupt or truncated ({type(exc).__name__}: {exc}; {why})") from exc
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
-    logger.warning("GGUF %s: tensor types %s (%s): reading them with the gguf package: Q4_0/Q4_1/Q8_0 as "
+    metadata, tensors = read_table(path)  # checked against the file's size: views below stay inside it
+    mapped = np.memmap(path, mode="r").view(np.ndarray)  # plain views: a memmap slice costs ~1.5 us more
+    logger.warning("GGUF %s: tensor types %s (%s): reading them from their blocks: Q4_0/Q4_1/Q8_0 as "
                    "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS at 8 from their blocks, "
                    "other quantized matrices requantized to 8 bits (group 32), float tensors as stored, the rest "
                    "float16", path, ", ".join(sorted(types)), why)
     weights = {}
-    for tensor in reader.tensors:
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        is_float = tensor.tensor_type.name in _FLOAT_TYPES
-        if not is_float and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
-            data = np.asarray(tensor.data).reshape(shape[0], -1)  # rows of blocks
-            weights.update(gguf_blocks.matrix_triplets(tensor.name, tensor.tensor_type.name, data,
-                                                       functools.partial(_dequantized, path, tensor)))
+    for tensor in tensors:
+        shape = tuple(reversed(tensor.dims))  # GGUF lists dims innermost first
+        data = _tensor_data(mapped, tensor)
+        dequantize = functools.partial(_dequantized, path, tensor.name, gguf.GGMLQuantizationType[tensor.kind])
+        if tensor.kind not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
+            weights.update(gguf_blocks.matrix_triplets(tensor.name, tensor.kind, data, dequantize))
         else:
-            values = _dequantized(path, tensor, tensor.data).reshape(shape)
+            values = dequantize(data).reshape(shape)
             # Float tensors as stored, as mx.load keeps them (norms and qwen2's biases are F32 in
             # llama.cpp's files); others float16. The RoPE divisors are matched to a formula to 1e-4.
-            dtype = _FLOAT_TYPES.get(tensor.tensor_type.name, mx.float16)
+            dtype = _FLOAT_TYPES.get(tensor.kind, mx.float16)
             weights[tensor.name] = mx.array(values).astype(mx.float32 if tensor.name == _ROPE_FREQS else dtype)
     return weights, metadata
 
 
-def _dequantized(path: Path, tensor, data: np.ndarray) -> np.ndarray:
-    """Blocks of a tensor's (data: a slice of them) as float values, with the gguf package."""
+def _tensor_data(mapped: np.ndarray, tensor: TensorEntry) -> np.ndarray:
+    """A tensor's bytes in the mapped file as the gguf package's reader views them: values of the
+    plain numeric types, else rows of bytes (blocks), outer dimensions first."""
+    data = mapped[tensor.offset : tensor.offset + tensor.num_bytes]
+    shape = tuple(reversed(tensor.dims))
+    if tensor.kind in _PLAIN_DTYPES:
+        return data.view(_PLAIN_DTYPES[tensor.kind]).reshape(shape)
+    return data.reshape(*shape[:-1], -1)
+
+
+def _dequantized(path: Path, name: str, tensor_type, data: np.ndarray) -> np.ndarray:
+    """Blocks of tensor `name` (data: a slice of them) as float values, with the gguf package."""
     import gguf
 
     try:
-        return gguf.quants.dequantize(data, tensor.tensor_type)
+        return gguf.quants.dequantize(data, tensor_type)
     except NotImplementedError as exc:
-        raise ValueError(f"GGUF {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+        raise ValueError(f"GGUF {path}: tensor {name} has type {tensor_type.name}, "
                          f"which the gguf package cannot dequantize") from exc
 
 

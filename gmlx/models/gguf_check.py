@@ -1,8 +1,11 @@
-"""A structural walk of a GGUF file before mlx reads it.
+"""A structural walk of a GGUF file before mlx reads it, and its metadata and tensor table read.
 
 `mx.load` trusts the header: random bytes after the magic crash the process (a segfault, seen
 with mlx 0.32). Walking the header, the metadata and the tensor table here, checking each
 length against the file size, turns a corrupt or truncated file into a ValueError instead.
+
+read_table reads the same walk's values: the gguf package's reader made a numpy view per
+metadata item, ~10 us each, and a vocabulary is 100-400k strings (SmolLM2's 98k took ~1.5 s).
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
@@ -47,6 +53,24 @@ class _Cursor:
     def string(self) -> bytes:
         return self.take(self.unpack("Q"))
 
+    def strings(self, count: int) -> list[str]:
+        """The next count strings, decoded as UTF-8 (ValueError naming the file where one is not)."""
+        data, offset, end, unpack_from = self.data, self.offset, len(self.data), _U64.unpack_from
+        texts = []
+        try:
+            for _ in range(count):
+                start = offset + 8
+                next_offset = start + unpack_from(data, offset)[0] if start <= end else end + 1
+                if next_offset > end:
+                    self.offset = offset
+                    self.skip(end - offset + 1)  # raises: the string at offset runs past the end
+                texts.append(data[start:next_offset].decode("utf-8"))
+                offset = next_offset
+        except UnicodeDecodeError:
+            raise ValueError(f"GGUF {self.path}: corrupt (a string at byte {offset} is not UTF-8)") from None
+        self.offset = offset
+        return texts
+
     def skip_strings(self, count: int) -> None:
         """Past count strings without copying them: a vocabulary's ~100k are the walk's whole
         cost, so this loop keeps to locals."""
@@ -60,11 +84,29 @@ class _Cursor:
         self.offset = offset
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor as the file's table lists it."""
+
+    name: str
+    dims: tuple[int, ...]  # GGUF's order: the innermost (a row's values) first
+    kind: str  # its type's name: F32, Q4_K, ...
+    offset: int  # of its bytes in the file
+    num_bytes: int
+
+
+def read_table(path: str | Path) -> tuple[dict, list[TensorEntry]]:
+    """The file's metadata (key -> Python value: numbers, str, lists) and tensor table, with the
+    checks of check_gguf_structure; ValueError naming the file where they fail."""
+    with _mapped(path) as cursor:
+        return _table(cursor, is_read=True)
+
+
 def check_gguf_structure(path: str | Path) -> frozenset[str]:
     """The names of the file's tensor types (Q4_K, F32, ...); ValueError naming the file unless its
     header, metadata and tensor table are whole."""
     with _mapped(path) as cursor:
-        return _walk(cursor, len(cursor.data))
+        return frozenset(tensor.kind for tensor in _table(cursor, is_read=False)[1])
 
 
 def read_context_length(path: str | Path) -> int | None:
@@ -105,45 +147,54 @@ def _header(cursor: _Cursor, file_size: int) -> tuple[int, int]:
     return num_tensors, num_values
 
 
-def _walk(cursor: _Cursor, file_size: int) -> frozenset[str]:
-    path = cursor.path
+def _table(cursor: _Cursor, is_read: bool) -> tuple[dict, list[TensorEntry]]:
+    """The metadata (only general.alignment unless is_read: the rest skipped, not decoded) and the
+    tensor table, each length checked against the file's."""
+    file_size = len(cursor.data)
     num_tensors, num_values = _header(cursor, file_size)
-    alignment = _DEFAULT_ALIGNMENT
+    metadata = {}
     for _ in range(num_values):
-        key = cursor.string()
-        value_type = cursor.unpack("I")
-        value = _skip_value(cursor, value_type)
-        if key == b"general.alignment" and isinstance(value, int) and value > 0:
-            alignment = value
-    tensors = [_tensor_info(cursor) for _ in range(num_tensors)]
+        key = cursor.strings(1)[0]
+        value = _value(cursor, cursor.unpack("I"), is_read or key == "general.alignment")
+        if is_read or key == "general.alignment":
+            metadata[key] = value
+    alignment = metadata.get("general.alignment")
+    alignment = alignment if isinstance(alignment, int) and alignment > 0 else _DEFAULT_ALIGNMENT
+    infos = [_tensor_info(cursor) for _ in range(num_tensors)]
     data_start = -(-cursor.offset // alignment) * alignment
-    for name, num_bytes, offset, _ in tensors:
-        if data_start + offset + num_bytes > file_size:
-            raise ValueError(f"GGUF {path}: truncated (tensor {name} ends at byte "
-                             f"{data_start + offset + num_bytes}, the file has {file_size})")
-    return frozenset(kind for *_, kind in tensors)
+    tensors = [TensorEntry(name, dims, kind, data_start + offset, num_bytes)
+               for name, num_bytes, offset, kind, dims in infos]
+    for tensor in tensors:
+        if tensor.offset + tensor.num_bytes > file_size:
+            raise ValueError(f"GGUF {cursor.path}: truncated (tensor {tensor.name} ends at byte "
+                             f"{tensor.offset + tensor.num_bytes}, the file has {file_size})")
+    return metadata, tensors
 
 
 def _skip_value(cursor: _Cursor, value_type: int):
+    """Past a metadata value: a scalar's value, None for a string or an array (not decoded)."""
+    return _value(cursor, value_type, is_read=False)
+
+
+def _value(cursor: _Cursor, value_type: int, is_read: bool):
     if value_type in _SCALARS:
         return cursor.unpack(_SCALARS[value_type])
     if value_type == _STRING:
-        cursor.skip_strings(1)
-        return None
+        return cursor.strings(1)[0] if is_read else cursor.skip_strings(1)
     if value_type == _ARRAY:
         item_type, count = cursor.unpack("I"), cursor.unpack("Q")
         if item_type in _SCALARS:
-            cursor.take(count * struct.calcsize("<" + _SCALARS[item_type]))
-        elif item_type == _STRING:
-            cursor.skip_strings(count)
-        else:
-            raise ValueError(f"GGUF {cursor.path}: corrupt (array of value type {item_type})")
-        return None
+            dtype = np.dtype("<" + _SCALARS[item_type])
+            items = cursor.take(count * dtype.itemsize)
+            return np.frombuffer(items, dtype=dtype).tolist() if is_read else None
+        if item_type == _STRING:
+            return cursor.strings(count) if is_read else cursor.skip_strings(count)
+        raise ValueError(f"GGUF {cursor.path}: corrupt (array of value type {item_type})")
     raise ValueError(f"GGUF {cursor.path}: corrupt (metadata value type {value_type} at byte {cursor.offset})")
 
 
-def _tensor_info(cursor: _Cursor) -> tuple[str, int, int, str]:
-    """A tensor's name, bytes, offset in the data and type name."""
+def _tensor_info(cursor: _Cursor) -> tuple[str, int, int, str, tuple[int, ...]]:
+    """A tensor's name, bytes, offset in the data, type name and dimensions (innermost first)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     name = cursor.string().decode("utf-8", "replace")
@@ -161,4 +212,4 @@ def _tensor_info(cursor: _Cursor) -> tuple[str, int, int, str]:
     num_elements = 1
     for dim in dims:
         num_elements *= dim
-    return name, num_elements // block_size * type_size, offset, kind.name
+    return name, num_elements // block_size * type_size, offset, kind.name, tuple(dims)

@@ -41,15 +41,12 @@ _DIGIT_SPLIT_PRES = ("smollm", "codeshell", "exaone", "minerva-7b", "mellum2")
 def read_tokenizer_metadata(path: str | Path) -> dict:
     """The `general.architecture` and `tokenizer.*` metadata of a GGUF file, as Python values.
 
-    Reads with the `gguf` package (no mlx); ValueError naming the file when it is not a GGUF.
+    Reads without mlx (gguf_check.read_table); ValueError naming the file when it is not a whole GGUF.
     """
-    import gguf
+    from gmlx.models.gguf_check import read_table
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises several kinds for a broken header
-        raise ValueError(f"GGUF {path}: unreadable ({type(exc).__name__}: {exc})") from exc
-    return {name: field.contents() for name, field in reader.fields.items()
+    metadata, _ = read_table(path)
+    return {name: value for name, value in metadata.items()
             if name.startswith("tokenizer.") or name == "general.architecture"}
 
 
