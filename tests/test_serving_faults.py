@@ -128,7 +128,8 @@ def test_both_clients_give_up_on_a_peer_that_never_answers():
             start_s = time.monotonic()
             with pytest.raises(TimeoutError, match=f"no reply from {address} within 1.0 s"):
                 run()
-            assert time.monotonic() - start_s >= 1.0
+            # asyncio fires a timer within its clock's resolution of the deadline: 0.99999 s was seen.
+            assert time.monotonic() - start_s >= 1.0 - 0.01
         assert silent.poll(1000) and silent.recv_multipart()  # the requests did arrive
     finally:
         silent.close()
