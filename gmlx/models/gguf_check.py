@@ -5,7 +5,7 @@ with mlx 0.32). Walking the header, the metadata and the tensor table here, chec
 length against the file size, turns a corrupt or truncated file into a ValueError instead.
 
 read_table reads the same walk's values: the gguf package's reader made a numpy view per
-metadata item, ~10 us each, and a vocabulary is 100-400k strings (SmolLM2's 98k took ~1.5 s).
+metadata item, ~20 us each, and a vocabulary is 100-400k strings (SmolLM2's 98k: 2.1-2.4 s, now 0.04).
 """
 
 from __future__ import annotations

@@ -177,6 +177,7 @@ def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool) -> int:
             from mlx_lm.utils import dequantize_model
 
             dequantize_model(model)  # scales are float32 by now, so the float32 copy is exact
+            halves.clear()  # the quantized modules it holds are gone from the model
         logger.info("model %s: CPU compute format %s (%s)", source, compute_format, reason)
     if is_cpu_fusion_enabled():
         fuse_cpu_ops(model)
