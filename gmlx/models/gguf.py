@@ -122,7 +122,7 @@ def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dic
                    "float16", path, ", ".join(sorted(types)), why)
     weights = {}
     for tensor in tensors:
-        shape = tuple(reversed(tensor.dims))  # GGUF lists dims innermost first
+        shape = tensor.shape
         data = _tensor_data(mapped, tensor)
         dequantize = functools.partial(_dequantized, path, tensor.name, gguf.GGMLQuantizationType[tensor.kind])
         if tensor.kind not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
@@ -140,10 +140,9 @@ def _tensor_data(mapped: np.ndarray, tensor: TensorEntry) -> np.ndarray:
     """A tensor's bytes in the mapped file as the gguf package's reader views them: values of the
     plain numeric types, else rows of bytes (blocks), outer dimensions first."""
     data = mapped[tensor.offset : tensor.offset + tensor.num_bytes]
-    shape = tuple(reversed(tensor.dims))
     if tensor.kind in _PLAIN_DTYPES:
-        return data.view(_PLAIN_DTYPES[tensor.kind]).reshape(shape)
-    return data.reshape(*shape[:-1], -1)
+        return data.view(_PLAIN_DTYPES[tensor.kind]).reshape(tensor.shape)
+    return data.reshape(*tensor.shape[:-1], -1)
 
 
 def _dequantized(path: Path, name: str, tensor_type, data: np.ndarray) -> np.ndarray:

@@ -53,10 +53,12 @@ class _Cursor:
     def string(self) -> bytes:
         return self.take(self.unpack("Q"))
 
-    def strings(self, count: int) -> list[str]:
-        """The next count strings, decoded as UTF-8 (ValueError naming the file where one is not)."""
+    def strings(self, count: int, is_decoded: bool = True) -> list[str] | None:
+        """The next count strings decoded as UTF-8 (ValueError naming the file where one is not), or
+        with is_decoded False just past them, uncopied. A vocabulary's 100-400k strings are a walk's
+        whole cost, so this loop keeps to locals."""
         data, offset, end, unpack_from = self.data, self.offset, len(self.data), _U64.unpack_from
-        texts = []
+        texts = [] if is_decoded else None
         try:
             for _ in range(count):
                 start = offset + 8
@@ -64,24 +66,13 @@ class _Cursor:
                 if next_offset > end:
                     self.offset = offset
                     self.skip(end - offset + 1)  # raises: the string at offset runs past the end
-                texts.append(data[start:next_offset].decode("utf-8"))
+                if is_decoded:
+                    texts.append(data[start:next_offset].decode("utf-8"))
                 offset = next_offset
         except UnicodeDecodeError:
             raise ValueError(f"GGUF {self.path}: corrupt (a string at byte {offset} is not UTF-8)") from None
         self.offset = offset
         return texts
-
-    def skip_strings(self, count: int) -> None:
-        """Past count strings without copying them: a vocabulary's ~100k are the walk's whole
-        cost, so this loop keeps to locals."""
-        data, offset, end, unpack_from = self.data, self.offset, len(self.data), _U64.unpack_from
-        for _ in range(count):
-            next_offset = offset + 8 + unpack_from(data, offset)[0] if offset + 8 <= end else end + 1
-            if next_offset > end:
-                self.offset = offset
-                self.skip(end - offset + 1)  # raises: the string at offset runs past the end
-            offset = next_offset
-        self.offset = offset
 
 
 @dataclass(frozen=True)
@@ -93,6 +84,11 @@ class TensorEntry:
     kind: str  # its type's name: F32, Q4_K, ...
     offset: int  # of its bytes in the file
     num_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Its dimensions outermost first, as numpy and mlx order them."""
+        return tuple(reversed(self.dims))
 
 
 def read_table(path: str | Path) -> tuple[dict, list[TensorEntry]]:
@@ -155,8 +151,9 @@ def _table(cursor: _Cursor, is_read: bool) -> tuple[dict, list[TensorEntry]]:
     metadata = {}
     for _ in range(num_values):
         key = cursor.strings(1)[0]
-        value = _value(cursor, cursor.unpack("I"), is_read or key == "general.alignment")
-        if is_read or key == "general.alignment":
+        is_kept = is_read or key == "general.alignment"
+        value = _value(cursor, cursor.unpack("I"), is_kept)
+        if is_kept:
             metadata[key] = value
     alignment = metadata.get("general.alignment")
     alignment = alignment if isinstance(alignment, int) and alignment > 0 else _DEFAULT_ALIGNMENT
@@ -180,7 +177,7 @@ def _value(cursor: _Cursor, value_type: int, is_read: bool):
     if value_type in _SCALARS:
         return cursor.unpack(_SCALARS[value_type])
     if value_type == _STRING:
-        return cursor.strings(1)[0] if is_read else cursor.skip_strings(1)
+        return cursor.strings(1)[0] if is_read else cursor.strings(1, is_decoded=False)
     if value_type == _ARRAY:
         item_type, count = cursor.unpack("I"), cursor.unpack("Q")
         if item_type in _SCALARS:
@@ -188,7 +185,7 @@ def _value(cursor: _Cursor, value_type: int, is_read: bool):
             items = cursor.take(count * dtype.itemsize)
             return np.frombuffer(items, dtype=dtype).tolist() if is_read else None
         if item_type == _STRING:
-            return cursor.strings(count) if is_read else cursor.skip_strings(count)
+            return cursor.strings(count, is_decoded=is_read)
         raise ValueError(f"GGUF {cursor.path}: corrupt (array of value type {item_type})")
     raise ValueError(f"GGUF {cursor.path}: corrupt (metadata value type {value_type} at byte {cursor.offset})")
 
