@@ -208,6 +208,13 @@ def is_quad_layout_enabled() -> bool:
     return _env_flag("GMLX_CPU_QUAD_LAYOUT", True)
 
 
+def is_k_tile_layout_enabled() -> bool:
+    """GMLX_CPU_K_TILES (default on): a GGUF's Q4_K matrices keep Q4_K's super-block scales in the
+    tile layout (0.578 bytes a weight, not 0.625; exact d * sc scales, not float16-rounded ones);
+    0 packs them as 4-bit tiles from their float16 triplets (A/B runs)."""
+    return _env_flag("GMLX_CPU_K_TILES", True)
+
+
 ROW_INVARIANCE_MODES = ("auto", "1", "0")
 
 

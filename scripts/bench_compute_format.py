@@ -15,6 +15,7 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
     python3 scripts/bench_compute_format.py --model FOLDER --no-quantized --no-mlx-lm --float-kernels 1,0
     python3 scripts/bench_compute_format.py --depth 2000 --no-mlx-lm --llama-bench .cache/llama.cpp/bin/llama-bench
     python3 scripts/bench_compute_format.py --depth 2000 --kv model,float16 --no-mlx-lm   # the KV cache's type
+    python3 scripts/bench_compute_format.py --model Q4_K_M.gguf --k-tiles 1,0 --no-float32 --no-mlx-lm
 
 --quant-activations loads the quantized format once per GMLX_CPU_QUANT_ACTIVATIONS mode (float:
 float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
@@ -22,6 +23,9 @@ float32 activations; int8: activations quantized per 32 inputs, integer dots), s
 where the attention over the KV cache, not the weights, sets much of a step's cost.
 --kv loads each format once per GMLX_KV_DTYPE setting (model: the computed float32; float16: halves;
 auto, the default: halves where the products quantize activations to int8).
+--k-tiles loads the quantized format once per GMLX_CPU_K_TILES setting (1: Q4_K matrices as K-tiles
+with Q4_K's own scales; 0: as 4-bit tiles from float16-rounded ones). --no-float32 skips the float32
+engine (a large file's float32 copy may not fit in memory); ratios are then to the first engine.
 """
 
 from __future__ import annotations
@@ -128,6 +132,11 @@ def main() -> None:
     parser.add_argument("--kv", default="",
                         help="comma list of GMLX_KV_DTYPE settings (auto,model,float16), one engine of each format "
                              "each (default: one, under the current setting)")
+    parser.add_argument("--k-tiles", default="",
+                        help="comma list of GMLX_CPU_K_TILES settings (1,0), one quantized engine each "
+                             "(default: one, under the current setting)")
+    parser.add_argument("--no-float32", action="store_true",
+                        help="no float32 engine (ratios to the first engine instead)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     source = resolve_model_path(args.model)
@@ -155,12 +164,17 @@ def main() -> None:
                 engines[full_name] = Engine.load(EngineConfig(model_path=str(source)))
             variant_of[full_name] = (name, kv)
 
-    for setting in float_settings or [None]:
+    k_tile_settings = [k.strip() for k in args.k_tiles.split(",") if k.strip()] or [None]
+    for setting in [] if args.no_float32 else float_settings or [None]:
         load("gmlx float32" + (" (BLAS)" if setting == "0" else ""),
              {"GMLX_CPU_COMPUTE_FORMAT": "float32", **({"GMLX_CPU_FLOAT_KERNELS": setting} if setting else {})})
     for mode in [] if args.no_quantized else modes or [None]:
-        load("gmlx quantized" + (f" ({mode} x)" if mode else ""),
-             {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {})})
+        for k_tiles in k_tile_settings:
+            load("gmlx quantized" + (f" ({mode} x)" if mode else "") + (" (K-tiles off)" if k_tiles == "0" else ""),
+                 {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {}),
+                  **({"GMLX_CPU_K_TILES": k_tiles} if k_tiles else {})})
+    if not engines:
+        parser.error("no engine to run: --no-float32 with --no-quantized")
     baseline = None
     if not args.no_mlx_lm:
         import mlx_lm
@@ -183,7 +197,8 @@ def main() -> None:
             results[name].append(llama_bench_tok_per_s(args.llama_bench, path, args.tokens, args.depth))
 
     medians = {name: statistics.median(values) for name, values in results.items()}
-    reference = medians[next(n for n in engines if n.startswith("gmlx float32"))]
+    reference_name = next((n for n in engines if n.startswith("gmlx float32")), next(iter(engines)))
+    reference = medians[reference_name]
     dram = statistics.median(dram_gbs)
     # Weight bytes a token reads (as loaded: quad layout, float16 scales) per second, of DRAM.
     weight_gbs = {name: medians[name] * engine.target.num_weight_bytes / 1e9 for name, engine in engines.items()}
@@ -193,13 +208,17 @@ def main() -> None:
     pairs = [(name, peer) for name in engines for peer in llama_models]
     first_kv_of = {base: name for name, (base, kv) in variant_of.items() if kv == kv_settings[0]}
     pairs += [(name, first_kv_of[base]) for name, (base, kv) in variant_of.items() if kv != kv_settings[0]]
+    pairs += [(name, name.replace(" (K-tiles off)", "")) for name in engines if " (K-tiles off)" in name]
     paired = {f"{name} / {peer}": statistics.median(a / b for a, b in zip(results[name], results[peer]))
               for name, peer in pairs}
     num_prompt_tokens = len(prompt_ids(next(iter(engines.values())).tokenizer, args.depth))
     report = {"model": str(source), "tokens": args.tokens, "repeats": args.repeats, "depth": args.depth,
               "num_prompt_tokens": num_prompt_tokens,
               "cpu": platform.processor() or platform.machine(), "all_tok_per_s": results,
-              "tok_per_s": medians, "ratio_to_gmlx_float32": {n: v / reference for n, v in medians.items()},
+              "tok_per_s": medians, "reference": reference_name,
+              "ratio_to_reference": {n: v / reference for n, v in medians.items()},
+              "ratio_to_gmlx_float32": ({n: v / reference for n, v in medians.items()}
+                                        if reference_name.startswith("gmlx float32") else None),
               "ratio_to_llama_cpp": {n: v / llama for n, v in medians.items()} if llama else None,
               "paired_ratio": paired, "dram_gbs": dram_gbs, "weight_gbs": weight_gbs,
               "weight_of_dram": {n: g / dram for n, g in weight_gbs.items()}}
@@ -215,7 +234,7 @@ def main() -> None:
         weights = (f"; weights {weight_gbs[name]:.1f} GB/s = {weight_gbs[name] / dram:.2f} of DRAM"
                    if name in weight_gbs else "")
         runs = ", ".join(f"{v:.1f}" for v in results[name])
-        print(f"  {name:26s} {value:7.2f} tok/s  ({value / reference:.2f}x gmlx float32{versus}{weights}) [{runs}]")
+        print(f"  {name:26s} {value:7.2f} tok/s  ({value / reference:.2f}x {reference_name}{versus}{weights}) [{runs}]")
     if paired:
         print("  paired (median of each repeat's own ratio): "
               + "; ".join(f"{pair} {ratio:.2f}x" for pair, ratio in paired.items()))

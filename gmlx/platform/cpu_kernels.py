@@ -42,6 +42,7 @@ INT8_ACTIVATIONS_RTOL = 2e-2
 # bits value the fused layer ops take for it.
 PANEL_OUTPUTS = 64
 FLOAT_BITS = 32
+K4_BITS = 260  # the K-tile layout's tag beside bits 4 and 8 (int8_dot_kernels.h: kK4Bits)
 
 
 @functools.cache
@@ -63,8 +64,8 @@ def _load() -> tuple[ModuleType | None, str]:
         mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
     except TypeError as exc:
         return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
-    layout = (getattr(ext, "PANEL_OUTPUTS", PANEL_OUTPUTS), getattr(ext, "FLOAT_BITS", FLOAT_BITS))
-    if layout != (PANEL_OUTPUTS, FLOAT_BITS):
+    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS)
+    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS):
         return None, "built with another float32 panel layout than this gmlx (reinstall to rebuild)"
     isa = config.cpu_kernels_isa()
     if isa is not None:
@@ -133,6 +134,20 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
     return extension().pack_quads(w, scales, biases, group_size, bits)
 
 
+def can_pack_q4_k_tiles() -> bool:
+    """Whether Q4_K matrices can be packed as K-tiles now: the extension's tile layout is on."""
+    return is_built() and extension().tile_layout()
+
+
+def pack_q4_k_tiles(blocks):
+    """A GGUF Q4_K matrix's blocks (numpy uint8, rows x 144-byte blocks, read where they lie) in the
+    K-tile layout (int8_dot_kernels.h), whose kernels take bits K4_BITS: Q4_K's float16 d and dmin
+    and 6-bit sub-block scales and mins as they are. Under the extension's tile layout only."""
+    import numpy as np
+
+    return extension().pack_q4_k_tiles(np.ascontiguousarray(blocks))
+
+
 def lookup_quads(quads, ids, num_outputs: int, num_inputs: int, bits: int):
     """Rows `ids` of the weights pack_quads laid out, dequantized: an embedding's lookup when its
     weights live only in that layout (the tied output head). The very floats of the plain rows,
@@ -156,6 +171,11 @@ def packed_weights(module):
     return module["quads"] if "quads" in module else module["panels"]
 
 
+def packed_bits(module) -> int:
+    """The layout packed_weights(module) is in, as the kernels name it: 4, 8, K4_BITS or FLOAT_BITS."""
+    return module.layout_bits if "quads" in module else module.bits
+
+
 class LayerCall:
     """A fused llama (or qwen3) layer's weights and constants in the order its ops take them, read
     from the modules once: building a step's graph re-read them through ~18 module attribute
@@ -172,20 +192,20 @@ class LayerCall:
         # qwen2's q, k and v biases (all three or none: is_fusable), added as mlx adds them.
         self.qkv_biases = [p["bias"] for p in projections] if "bias" in attention.q_proj else []
         self.inputs_shape = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
-                             [p.bits for p in projections], *rope)
+                             [packed_bits(p) for p in projections], *rope)
         self.scale = attention.scale
-        self.output_weights, self.output_bits = packed_weights(attention.o_proj), attention.o_proj.bits
+        self.output_weights, self.output_bits = packed_weights(attention.o_proj), packed_bits(attention.o_proj)
         post_norm = block.post_attention_layernorm
         mlp_products = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         self.mlp = (post_norm["weight"], post_norm.eps, *[packed_weights(p) for p in mlp_products],
-                    mlp.gate_proj.num_outputs, [p.bits for p in mlp_products])
+                    mlp.gate_proj.num_outputs, [packed_bits(p) for p in mlp_products])
         # The whole layer in one node needs one eps for both norms (llama's config has one).
         self.is_one_node = config.is_one_node_layers_enabled() and post_norm.eps == norm.eps
         products = (*projections, attention.o_proj, *mlp_products)
         self.layer_weights = (norm["weight"], post_norm["weight"], norm.eps,
                               [packed_weights(p) for p in products] + head_norms)
         # Each product's bits: a K-quant GGUF mixes 4 and 8 bits within a layer and between layers.
-        self.layer_bits = [p.bits for p in products]
+        self.layer_bits = [packed_bits(p) for p in products]
         self.layer_sizes = (attention.n_heads, attention.n_kv_heads, attention.q_proj.num_outputs // attention.n_heads,
                             mlp.gate_proj.num_outputs)
         self.layer_constants = (attention.scale, *rope)

@@ -29,12 +29,13 @@ logger = logging.getLogger(__name__)
 # Largest |kernel - reference| accepted at the probe, relative to the largest |reference|.
 _PROBE_RTOL = 1e-4
 _PROBE_OUTPUTS = 512  # outputs a probe runs: enough for the pool to split them
+Q4_K_BLOCK_VALUES, Q4_K_BLOCK_BYTES = 256, 144  # a GGUF Q4_K block: 256 weights in 144 bytes
 
 
 def _kernel_product(module: nn.Module, x: mx.array) -> mx.array:
     if "quads" in module:  # the weights live only in the int8 path's layout (_store_quads)
         assert module.is_int8_activations, "a module in the quad layout runs the int8 path only"
-        return cpu_kernels.quantized_matmul_quads(x, module["quads"], module.num_outputs, module.bits)
+        return cpu_kernels.quantized_matmul_quads(x, module["quads"], module.num_outputs, module.layout_bits)
     return cpu_kernels.quantized_matmul(x, module["weight"], module["scales"], module["biases"], module.group_size,
                                         module.bits, module.is_int8_activations)
 
@@ -52,7 +53,7 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def __call__(self, x: mx.array) -> mx.array:
         if "quads" in self:  # the tied head's weights, kept once, in the int8 path's layout
-            return cpu_kernels.lookup_quads(self["quads"], x, self.num_outputs, self.num_inputs, self.bits)
+            return cpu_kernels.lookup_quads(self["quads"], x, self.num_outputs, self.num_inputs, self.layout_bits)
         scales, biases = self["scales"][x], self["biases"][x]
         if scales.dtype == mx.float16:  # stored in half (_store_half_groups): the same values, looked up in float32
             scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
@@ -70,11 +71,11 @@ def project(x: mx.array, modules: tuple) -> list[mx.array]:
     """Each module's product of x (q/k/v, gate/up). Modules all in the quad layout at one bit
     width run as one kernel node (x quantized once, one pool job), with their own calls' bits."""
     is_grouped = (len(modules) > 1 and all(type(m) is KernelQuantizedLinear and "quads" in m for m in modules)
-                  and len({(m.bits, m.num_inputs) for m in modules}) == 1)
+                  and len({(m.layout_bits, m.num_inputs) for m in modules}) == 1)
     if not is_grouped:
         return [m(x) for m in modules]
     outputs = cpu_kernels.quantized_matmul_quads_group(
-        x, [m["quads"] for m in modules], [m.num_outputs for m in modules], modules[0].bits)
+        x, [m["quads"] for m in modules], [m.num_outputs for m in modules], modules[0].layout_bits)
     return [y + m["bias"] if "bias" in m else y for y, m in zip(outputs, modules)]
 
 
@@ -158,13 +159,27 @@ def input_dims(module: nn.Module) -> int:
     return module.num_inputs if "quads" in module else module["weight"].shape[1] * 32 // module.bits
 
 
-def _store_quads(module: nn.Module) -> None:
+def _is_k_tile(module: nn.Module, q4_k_blocks) -> bool:
+    """Can this module's weights be kept as K-tiles, from its GGUF Q4_K blocks (None: it has none)?"""
+    if q4_k_blocks is None or not config.is_k_tile_layout_enabled() or not cpu_kernels.can_pack_q4_k_tiles():
+        return False
+    num_inputs = input_dims(module)
+    return (module.bits == 4 and num_inputs % Q4_K_BLOCK_VALUES == 0
+            and q4_k_blocks.shape == (output_dims(module), num_inputs // Q4_K_BLOCK_VALUES * Q4_K_BLOCK_BYTES))
+
+
+def _store_quads(module: nn.Module, q4_k_blocks=None) -> None:
     """Keep an int8-activation module's weights in the kernels' quad layout only: one stream per
     product instead of twelve (4 rows of weights, scales, biases), 1.1-2x faster from DRAM (3x
-    SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout."""
+    SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout. q4_k_blocks: the
+    module's GGUF Q4_K blocks (rows x bytes), packed as K-tiles where _is_k_tile says so."""
     module.num_outputs, module.num_inputs = output_dims(module), input_dims(module)
-    module.quads = cpu_kernels.pack_quads(module["weight"], module["scales"], module["biases"],
-                                          module.group_size, module.bits)
+    if _is_k_tile(module, q4_k_blocks):
+        module.quads, module.layout_bits = cpu_kernels.pack_q4_k_tiles(q4_k_blocks), cpu_kernels.K4_BITS
+    else:
+        module.quads = cpu_kernels.pack_quads(module["weight"], module["scales"], module["biases"],
+                                              module.group_size, module.bits)
+        module.layout_bits = module.bits
     mx.eval(module.quads)
     for name in ("weight", "scales", "biases"):
         del module[name]
@@ -175,12 +190,14 @@ def runs_int8_activations(module: nn.Module) -> bool:
     return any(getattr(m, "is_int8_activations", False) for _, m in module.named_modules())
 
 
-def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dict | None = None) -> int:
+def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dict | None = None,
+                    q4_k_blocks: dict | None = None) -> int:
     """Swap the model's affine 4/8-bit quantized modules for kernel-backed ones; how many.
 
     head: the module whose product gives the logits (an lm_head, or the tied embedding).
     halves: float16_groups(model) taken before the model was cast to float32 (its entries are
     taken out as the modules keep them).
+    q4_k_blocks: GGUF Q4_K blocks by id(module), each (module, blocks) (entries taken out as used).
     0 (the model untouched) when the kernels are unavailable or a probe disagrees.
     """
     if not cpu_kernels.is_built():
@@ -196,8 +213,9 @@ def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dic
     for module in modules:
         module.__class__ = _SWAPS[type(module)]
         module.is_int8_activations = is_int8 and _takes_int8(module, head)
+        blocks = (q4_k_blocks or {}).pop(id(module), (None, None))[1]
         if module.is_int8_activations and _store_half_groups(module, halves or {}) and config.is_quad_layout_enabled():
-            _store_quads(module)
+            _store_quads(module, blocks)
             num_quads += 1
     if is_int8:
         logger.info("CPU kernels: %d modules quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS), "

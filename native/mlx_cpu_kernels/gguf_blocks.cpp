@@ -149,6 +149,18 @@ GMLX_AVX2 void q6_k_block_avx2(const uint8_t* block, uint8_t* weight, uint16_t* 
 }
 #endif
 
+// Sub-block s's 6-bit scale and min from a K-quant block's 12 packed bytes: sub-blocks 0-3 in the
+// low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in bytes 8-11's nibbles and the top 2 bits of bytes 0-7.
+struct KScaleMin {
+  uint8_t scale, min;
+};
+
+KScaleMin k_scale_and_min(const uint8_t* packed, int s) {
+  if (s < 4) return {static_cast<uint8_t>(packed[s] & 63), static_cast<uint8_t>(packed[s + 4] & 63)};
+  return {static_cast<uint8_t>((packed[s + 4] & 0x0F) | ((packed[s - 4] >> 6) << 4)),
+          static_cast<uint8_t>((packed[s + 4] >> 4) | ((packed[s] >> 6) << 4))};
+}
+
 // A Q4_K block's 8 sub-blocks: 128 bytes of MLX-packed levels (byte j of a sub-block: levels 2j
 // and 2j + 1) and float16(d * sc), float16(-dmin * m), as gguf_blocks.py's _q4_k makes them.
 void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
@@ -156,12 +168,10 @@ void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint
   std::memcpy(&d_bits, block, sizeof(d_bits));
   std::memcpy(&dmin_bits, block + 2, sizeof(dmin_bits));
   const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
-  const uint8_t* packed = block + 4;  // sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales), 4-7 (mins);
-  for (int s = 0; s < 8; ++s) {       // 4-7 in bytes 8-11's nibbles and the top 2 bits of bytes 0-7
-    const int scale = s < 4 ? packed[s] & 63 : (packed[s + 4] & 0x0F) | ((packed[s - 4] >> 6) << 4);
-    const int min = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
-    scales[s] = float_to_half(d * static_cast<float>(scale));
-    biases[s] = float_to_half(-dmin * static_cast<float>(min));
+  for (int s = 0; s < 8; ++s) {
+    const KScaleMin sub = k_scale_and_min(block + 4, s);
+    scales[s] = float_to_half(d * static_cast<float>(sub.scale));
+    biases[s] = float_to_half(-dmin * static_cast<float>(sub.min));
   }
   const uint8_t* levels = block + 16;  // 32 bytes a pair of sub-blocks: the first in the low nibbles
   for (int pair = 0; pair < 4; ++pair, levels += 32, weight += 32) {
@@ -208,7 +218,62 @@ void decode_row(void* context, int64_t row) {
   }
 }
 
+struct K4PackJob {
+  const uint8_t* blocks;
+  uint8_t* tiles;
+  int64_t num_rows, row_bytes;
+};
+
+// Tile t of the K-tile layout (int8_dot_kernels.h) from its 16 rows' Q4_K blocks, zeros past the rows.
+void pack_k4_tile(void* context, int64_t t) {
+  const auto& job = *static_cast<const K4PackJob*>(context);
+  const int64_t num_supers = job.row_bytes / kQ4KBytes;
+  uint8_t* super = job.tiles + t * num_supers * kK4SuperBytes;
+  for (int64_t s = 0; s < num_supers; ++s, super += kK4SuperBytes) {
+    std::memset(super, 0, kK4SuperBytes);
+    for (int64_t o = 0; o < kTileOutputs; ++o) {
+      const int64_t n = kTileOutputs * t + o;
+      if (n >= job.num_rows) break;
+      const uint8_t* block = job.blocks + n * job.row_bytes + s * kQ4KBytes;
+      std::memcpy(super + 2 * o, block, 2);  // d
+      std::memcpy(super + 2 * kTileOutputs + 2 * o, block + 2, 2);  // dmin
+      uint8_t* sub_scales = super + 4 * kTileOutputs;
+      uint8_t* sub_mins = sub_scales + kTileOutputs * (kBlockValues / kGroup);
+      for (int i = 0; i < kBlockValues / kGroup; ++i) {
+        const KScaleMin sub = k_scale_and_min(block + 4, i);
+        sub_scales[kTileOutputs * i + o] = sub.scale;
+        sub_mins[kTileOutputs * i + o] = sub.min;
+        // Sub-block i: the low (even i) or high nibbles of its pair's 32 bytes. Tile vector v's dword
+        // o: levels 8v..8v+3 in the low nibbles, 8v+4..8v+7 in the high ones.
+        const uint8_t* levels = block + 16 + 32 * (i / 2);
+        const int shift = 4 * (i % 2);
+        uint8_t* weights = super + kK4HeaderBytes + i * (kTileOutputs * kGroup / 2);
+        for (int v = 0; v < 4; ++v) {
+          for (int k = 0; k < 4; ++k) {
+            const int low = (levels[8 * v + k] >> shift) & 0x0F, high = (levels[8 * v + 4 + k] >> shift) & 0x0F;
+            weights[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+mx::array pack_q4_k_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes) {
+  if (!tile_layout()) throw std::invalid_argument("pack_q4_k_tiles: the K-tile layout needs the tile layout on");
+  if (num_rows <= 0 || row_bytes <= 0 || row_bytes % kQ4KBytes != 0) {
+    throw std::invalid_argument("pack_q4_k_tiles: blocks must be (rows, 144 x blocks) uint8, at least one of each");
+  }
+  const int64_t num_tiles = (num_rows + kTileOutputs - 1) / kTileOutputs;
+  const int64_t num_bytes = quad_layout_bytes(num_rows, row_bytes / kQ4KBytes * kBlockValues, kK4Bits);
+  mx::array tiles(mx::allocator::malloc(num_bytes), {static_cast<int>(num_bytes)}, mx::uint8);
+  advise_huge_pages(tiles.data<uint8_t>(), num_bytes);
+  K4PackJob job{blocks, tiles.data<uint8_t>(), num_rows, row_bytes};
+  run_on_pool(pack_k4_tile, &job, num_tiles);
+  return tiles;
+}
 
 std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes,
                                           const std::string& kind) {

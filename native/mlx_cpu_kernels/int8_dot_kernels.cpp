@@ -5,6 +5,8 @@
 #include <cassert>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "int8_many_rows.h"
 #include "int8_walk.h"
@@ -884,9 +886,20 @@ QuadLayout quad_layout(int64_t num_inputs, int bits) {
   return layout;
 }
 
+bool is_layout_bits(int bits) { return bits == 4 || bits == 8 || (bits == kK4Bits && tile_layout()); }
+
+void check_layout_bits(int bits) {
+  if (!is_layout_bits(bits)) {
+    throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4, 8 or (under the tile layout) " +
+                                std::to_string(kK4Bits));
+  }
+}
+
 int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
+  assert(is_layout_bits(bits));
   if (tile_layout()) {
     const int64_t num_tiles = (num_outputs + kTileOutputs - 1) / kTileOutputs;
+    if (bits == kK4Bits) return num_tiles * (num_inputs / kSuperBlockInputs) * kK4SuperBytes;
     return num_tiles * (num_inputs / kInt8BlockInputs) * tile_block_bytes(bits);
   }
   const int64_t num_quads = (num_outputs + kQuadOutputs - 1) / kQuadOutputs;

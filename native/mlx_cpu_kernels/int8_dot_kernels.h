@@ -106,6 +106,21 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
 // floats per output as the quad layout (block j's two fmas on lane j % 4), so the same bits.
 constexpr int64_t kTileOutputs = 16;
 constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockInputs * bits / 8 + 2 * kTileOutputs * 2; }
+// The K-tile layout (bits kK4Bits), a GGUF Q4_K matrix's in the tile layout: where a 4-bit tile
+// keeps each block's 16 float16 scales and biases (64 bytes), a K-tile keeps Q4_K's own: per
+// 256-input super-block, the 16 outputs' float16 d and dmin and each block's 6-bit scale and min
+// as bytes (320 bytes), then the eight blocks' weights as a 4-bit tile's. 0.578 bytes a weight
+// against 0.625. Block j's scale is d * sc and its bias -dmin * m, exact in float32, so each
+// block runs a 4-bit tile's float steps on those: where both are float16 values the bits are a
+// 4-bit tile's. Packed from a GGUF's Q4_K blocks (pack_q4_k_tiles), under the tile layout only.
+constexpr int kK4Bits = 260;  // a layout tag beside 4 and 8: K-quant super-blocks of 256, 4 bits
+constexpr int64_t kSuperBlockInputs = 256;
+constexpr int64_t kK4HeaderBytes = 2 * kTileOutputs * 2 + 2 * kTileOutputs * (kSuperBlockInputs / kInt8BlockInputs);
+constexpr int64_t kK4SuperBytes = kK4HeaderBytes + kTileOutputs * kSuperBlockInputs / 2;
+// Bits naming a weight layout the int8 path runs: 4, 8, and kK4Bits under the tile layout.
+bool is_layout_bits(int bits);
+// std::invalid_argument naming `bits` where is_layout_bits is false.
+void check_layout_bits(int bits);
 // Whether layouts packed from now on are tiles (default: where the CPU has VNNI) or quads.
 // Kernels and lookups read a layout under the setting it was packed under.
 void set_tile_layout(bool is_enabled);

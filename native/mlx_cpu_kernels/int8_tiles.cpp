@@ -32,7 +32,18 @@ constexpr int64_t kVectorsPerBlock = 8;  // vpdpbusd steps a block: four x bytes
 // 0.91x, so other CPUs leave the stream to the hardware prefetcher.
 constexpr int64_t kIntelPrefetchBlocks = 8;
 
-int64_t tile_bytes(int64_t num_inputs, int bits) { return num_inputs / kInt8BlockInputs * tile_block_bytes(bits); }
+constexpr int64_t kBlocksPerSuper = kSuperBlockInputs / kInt8BlockInputs;
+constexpr int64_t kBlockWeightBytes4 = kTileOutputs * kInt8BlockInputs / 2;  // a 4-bit block's weight vectors
+
+int64_t tile_bytes(int64_t num_inputs, int bits) {
+  if (bits == kK4Bits) return num_inputs / kSuperBlockInputs * kK4SuperBytes;
+  return num_inputs / kInt8BlockInputs * tile_block_bytes(bits);
+}
+
+// Block i's weight vectors in a K-tile super-block: a 4-bit tile block's first 256 bytes.
+inline const uint8_t* k4_block(const uint8_t* super, int64_t i) {
+  return super + kK4HeaderBytes + i * kBlockWeightBytes4;
+}
 
 // Weight q of output o (0-15), input t (0-31) of a block's weights.
 inline int tile_weight(const uint8_t* block, int o, int t, int bits) {
@@ -62,6 +73,49 @@ void tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int
           float& lane = lanes[o][j % kLanes];
           lane = std::fma(half_to_float(halves[o]), p, lane);
           lane = std::fma(half_to_float(halves[kTileOutputs + o]), xsd[j], lane);
+        }
+      }
+      for (int o = 0; o < std::min<int64_t>(kTileOutputs, end - n0); ++o) {
+        a.y[r * a.num_outputs + n0 + o] = (lanes[o][0] + lanes[o][1]) + (lanes[o][2] + lanes[o][3]);
+      }
+    }
+  }
+}
+
+// Block i (0-7) of a K-tile super-block's output o: scale d * sc and bias -dmin * m, exact in float32.
+inline void k4_scale_and_bias(const uint8_t* super, int i, int o, float* scale, float* bias) {
+  const auto* halves = reinterpret_cast<const uint16_t*>(super);
+  const uint8_t* sub_scales = super + 4 * kTileOutputs;
+  const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
+  *scale = half_to_float(halves[o]) * static_cast<float>(sub_scales[kTileOutputs * i + o]);
+  *bias = -half_to_float(halves[kTileOutputs + o]) * static_cast<float>(sub_mins[kTileOutputs * i + o]);
+}
+
+// tiles_portable over the K-tile layout: the same integer sums and float steps, per block
+// the scale and bias k4_scale_and_bias makes.
+void k4_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
+  for (int64_t r = 0; r < a.num_rows; ++r) {
+    const int8_t* xq = x.q_row(r);
+    const float* d = x.d_row(r);
+    const float* xsd = x.xsd_row(r);
+    for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+      const uint8_t* super = a.quads + n0 / kTileOutputs * num_supers * kK4SuperBytes;
+      float lanes[kTileOutputs][kLanes] = {};
+      for (int64_t s = 0; s < num_supers; ++s, super += kK4SuperBytes) {
+        for (int i = 0; i < kBlocksPerSuper; ++i) {
+          const int64_t j = s * kBlocksPerSuper + i;
+          const uint8_t* block = k4_block(super, i);
+          for (int o = 0; o < kTileOutputs; ++o) {
+            int32_t isum = 0;
+            for (int t = 0; t < kInt8BlockInputs; ++t) isum += tile_weight(block, o, t, 4) * xq[j * 32 + t];
+            float scale, bias;
+            k4_scale_and_bias(super, i, o, &scale, &bias);
+            const float p = d[j] * static_cast<float>(isum);
+            float& lane = lanes[o][j % kLanes];
+            lane = std::fma(scale, p, lane);
+            lane = std::fma(bias, xsd[j], lane);
+          }
         }
       }
       for (int o = 0; o < std::min<int64_t>(kTileOutputs, end - n0); ++o) {
@@ -105,8 +159,21 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_vectors(const 
 }
 
 // Block j's float steps for kRows rows from their integer block sums, into lane kLane of each row:
-// p = d_j * float(isum), then fma(s, p, lane) and fma(b, xsd_j, lane). The VNNI and AMX walks both
-// run these, so their bits are one another's.
+// p = d_j * float(isum), then fma(s, p, lane) and fma(b, xsd_j, lane). The VNNI and AMX walks and
+// the K-tile walk all run these, so their bits are one another's.
+template <int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void add_floats(__m512 s, __m512 b, int64_t j,
+                                                                     const RowsOf<kRows>& x, const __m512i* isums,
+                                                                     __m512 (*lanes)[kLanes]) {
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isums[r]));
+    __m512& lane = lanes[r][kLane];
+    lane = _mm512_fmadd_ps(s, p, lane);
+    lane = _mm512_fmadd_ps(b, _mm512_set1_ps(x.xsd[r][j]), lane);
+  }
+}
+
+// add_floats with a tile block's own float16 scales and biases.
 template <int kBits, int kRows, int kLane>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void add_block_floats(const uint8_t* block, int64_t j,
                                                                            const RowsOf<kRows>& x,
@@ -116,21 +183,15 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void add_block_floats(con
   const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
   const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
   const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isums[r]));
-    __m512& lane = lanes[r][kLane];
-    lane = _mm512_fmadd_ps(s, p, lane);
-    lane = _mm512_fmadd_ps(b, _mm512_set1_ps(x.xsd[r][j]), lane);
-  }
+  add_floats<kRows, kLane>(s, b, j, x, isums, lanes);
 }
 
 // Block j of a tile for kRows rows into lane kLane of each row. Each weight vector is unpacked
 // just before every row's dot with it, so at four rows the sixteen lanes stay in registers
 // (holding the block's eight vectors for all rows spilled one to the stack).
-template <int kBits, int kRows, int kLane>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
-                                                                            const RowsOf<kRows>& x,
-                                                                            __m512 (*lanes)[kLanes]) {
+template <int kBits, int kRows>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_isums(const uint8_t* block, int64_t j,
+                                                                      const RowsOf<kRows>& x, __m512i* isums) {
   constexpr int kPerLoad = kBits == 4 ? 2 : 1;  // weight vectors one 64-byte load holds
   // Few rows leave vpdpbusd's latency exposed: split each row's sum over independent chains.
   constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
@@ -149,12 +210,39 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(co
       }
     }
   }
-  __m512i isums[kRows];
   for (int r = 0; r < kRows; ++r) {
     isums[r] = partial[r][0];  // integer adds: exact in any order
     for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
   }
+}
+
+template <int kBits, int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
+                                                                            const RowsOf<kRows>& x,
+                                                                            __m512 (*lanes)[kLanes]) {
+  __m512i isums[kRows];
+  block_isums<kBits, kRows>(block, j, x, isums);
   add_block_floats<kBits, kRows, kLane>(block, j, x, isums, lanes);
+}
+
+// Sixteen bytes as floats.
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 widen(const uint8_t* bytes) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+}
+
+// Block i of a K-tile super-block (block j of the row) for kRows rows into lane kLane: its scales
+// d * sc and biases dmin * m negated, from the super-block's d and -dmin (float32, exact products).
+template <int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_block_avx512(const uint8_t* super, int i, int64_t j,
+                                                                          __m512 d, __m512 neg_dmin,
+                                                                          const RowsOf<kRows>& x,
+                                                                          __m512 (*lanes)[kLanes]) {
+  __m512i isums[kRows];
+  block_isums<4, kRows>(k4_block(super, i), j, x, isums);
+  const uint8_t* sub_scales = super + 4 * kTileOutputs + kTileOutputs * i;
+  const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
+  add_floats<kRows, kLane>(_mm512_mul_ps(d, widen(sub_scales)), _mm512_mul_ps(neg_dmin, widen(sub_mins)), j, x, isums,
+                           lanes);
 }
 
 // Every tile of [begin, end) for rows [r0, r0 + kRows), outputs written; one pointer walks
@@ -194,10 +282,49 @@ GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int
   }
 }
 
+// tiles_avx512 over the K-tile layout: a super-block's d and -dmin read once for its eight blocks.
+template <int kRows>
+GMLX_AVX512_VNNI void k4_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
+                                      int64_t r0) {
+  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
+  const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kK4SuperBytes / kBlocksPerSuper : 0;
+  const RowsOf<kRows> rows(x, r0);
+  const uint8_t* super = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kK4Bits);
+  for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+    __m512 lanes[kRows][kLanes];
+    for (int r = 0; r < kRows; ++r) {
+      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < num_supers * kBlocksPerSuper; j += kBlocksPerSuper, super += kK4SuperBytes) {
+      prefetch_ahead(super, kK4SuperBytes, prefetch_bytes);
+      const auto* halves = reinterpret_cast<const __m256i*>(super);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+      const __m512 neg_dmin = _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)));
+      k4_block_avx512<kRows, 0>(super, 0, j, d, neg_dmin, rows, lanes);
+      k4_block_avx512<kRows, 1>(super, 1, j + 1, d, neg_dmin, rows, lanes);
+      k4_block_avx512<kRows, 2>(super, 2, j + 2, d, neg_dmin, rows, lanes);
+      k4_block_avx512<kRows, 3>(super, 3, j + 3, d, neg_dmin, rows, lanes);
+      k4_block_avx512<kRows, 0>(super, 4, j + 4, d, neg_dmin, rows, lanes);
+      k4_block_avx512<kRows, 1>(super, 5, j + 5, d, neg_dmin, rows, lanes);
+      k4_block_avx512<kRows, 2>(super, 6, j + 6, d, neg_dmin, rows, lanes);
+      k4_block_avx512<kRows, 3>(super, 7, j + 7, d, neg_dmin, rows, lanes);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
+      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
+    }
+  }
+}
+
 template <int kBits, int kRows>
 struct Avx512TileWalk {
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
-    tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
+    if constexpr (kBits == kK4Bits) {
+      k4_tiles_avx512<kRows>(a, x, begin, end, r0);
+    } else {
+      tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
+    }
   }
 };
 
@@ -208,12 +335,10 @@ struct Avx512TileWalk {
 // maddubs add as int16 (each pair at most 2 * 15 * 127, eight of them 30480) and one madd
 // makes the block sums. 8-bit bytes split into nibbles, high sums shifted by 4 as int32.
 
-// Block j of a tile half (`half` 0 or 1: outputs 8 * half on) for kRows rows into lane kLane.
-template <int kBits, int kRows, int kLane>
-GMLX_AVX2_F16C inline __attribute__((always_inline)) void tile_half_block_avx2(const uint8_t* block, int half,
-                                                                             int64_t j, const RowsOf<kRows>& x,
-                                                                             __m256 (*lanes)[kLanes]) {
-  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
+// Block j's integer sums of a tile half (`half` 0 or 1: outputs 8 * half on) for kRows rows.
+template <int kBits, int kRows>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void half_block_isums(const uint8_t* block, int half, int64_t j,
+                                                                         const RowsOf<kRows>& x, __m256i* isums) {
   constexpr int kNumVectors = kBits == 4 ? 4 : 8;  // 64-byte weight loads a block
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256i low[kRows], high[kRows];  // int16 pair sums: 4 bits both nibbles', 8 bits apart
@@ -239,17 +364,56 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void tile_half_block_avx2(c
     }
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  const auto* halves = reinterpret_cast<const __m128i*>(block + kWeightBytes);
-  const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + half));
-  const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + half));
   for (int r = 0; r < kRows; ++r) {
-    __m256i isum = _mm256_madd_epi16(low[r], ones);
-    if constexpr (kBits == 8) isum = _mm256_add_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(high[r], ones), 4));
-    const __m256 p = _mm256_mul_ps(_mm256_set1_ps(x.d[r][j]), _mm256_cvtepi32_ps(isum));
+    isums[r] = _mm256_madd_epi16(low[r], ones);
+    if constexpr (kBits == 8) {
+      isums[r] = _mm256_add_epi32(isums[r], _mm256_slli_epi32(_mm256_madd_epi16(high[r], ones), 4));
+    }
+  }
+}
+
+// Block j's float steps of a tile half for kRows rows, into lane kLane (add_floats' on 8 outputs).
+template <int kRows, int kLane>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void add_half_floats(__m256 s, __m256 b, int64_t j,
+                                                                        const RowsOf<kRows>& x, const __m256i* isums,
+                                                                        __m256 (*lanes)[kLanes]) {
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 p = _mm256_mul_ps(_mm256_set1_ps(x.d[r][j]), _mm256_cvtepi32_ps(isums[r]));
     __m256& lane = lanes[r][kLane];
     lane = _mm256_fmadd_ps(s, p, lane);
     lane = _mm256_fmadd_ps(b, _mm256_set1_ps(x.xsd[r][j]), lane);
   }
+}
+
+// Block j of a tile half for kRows rows into lane kLane, with the block's float16 scales and biases.
+template <int kBits, int kRows, int kLane>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void tile_half_block_avx2(const uint8_t* block, int half,
+                                                                             int64_t j, const RowsOf<kRows>& x,
+                                                                             __m256 (*lanes)[kLanes]) {
+  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
+  __m256i isums[kRows];
+  half_block_isums<kBits, kRows>(block, half, j, x, isums);
+  const auto* halves = reinterpret_cast<const __m128i*>(block + kWeightBytes);
+  const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(halves + half));
+  const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + half));
+  add_half_floats<kRows, kLane>(s, b, j, x, isums, lanes);
+}
+
+// Block i of a K-tile super-block (block j of the row), one half, for kRows rows into lane kLane.
+template <int kRows, int kLane>
+GMLX_AVX2_F16C inline __attribute__((always_inline)) void k4_half_block_avx2(const uint8_t* super, int i, int half,
+                                                                           int64_t j, __m256 d, __m256 neg_dmin,
+                                                                           const RowsOf<kRows>& x,
+                                                                           __m256 (*lanes)[kLanes]) {
+  __m256i isums[kRows];
+  half_block_isums<4, kRows>(k4_block(super, i), half, j, x, isums);
+  const uint8_t* sub_scales = super + 4 * kTileOutputs + kTileOutputs * i + 8 * half;
+  const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
+  const __m256 s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                        reinterpret_cast<const __m128i*>(sub_scales)))));
+  const __m256 b = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                               reinterpret_cast<const __m128i*>(sub_mins)))));
+  add_half_floats<kRows, kLane>(s, b, j, x, isums, lanes);
 }
 
 // A tile's blocks from `block` on for kRows rows, one half of their outputs, into lanes; four
@@ -311,10 +475,53 @@ GMLX_AVX2_F16C void tiles_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t
   }
 }
 
+// tiles_avx2 over the K-tile layout, each tile a half at a time as there.
+template <int kRows>
+GMLX_AVX2_F16C void k4_tiles_avx2(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+  const int64_t num_supers = a.num_inputs / kSuperBlockInputs, tile_stride = tile_bytes(a.num_inputs, kK4Bits);
+  const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kK4SuperBytes / kBlocksPerSuper : 0;
+  const RowsOf<kRows> rows(x, r0);
+  const uint8_t* tile = a.quads + begin / kTileOutputs * tile_stride;
+  for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs, tile += tile_stride) {
+    alignas(32) float values[kRows][kTileOutputs];
+    for (int h = 0; h < 2; ++h) {
+      __m256 lanes[kRows][kLanes];
+      for (int r = 0; r < kRows; ++r) {
+        for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm256_setzero_ps();
+      }
+      const uint8_t* super = tile;
+      for (int64_t j = 0; j < num_supers * kBlocksPerSuper; j += kBlocksPerSuper, super += kK4SuperBytes) {
+        prefetch_ahead(super, kK4SuperBytes, h == 0 ? prefetch_bytes : 0);
+        const auto* halves = reinterpret_cast<const __m128i*>(super);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(halves + h));
+        const __m256 neg_dmin = _mm256_mul_ps(_mm256_set1_ps(-1.0f), _mm256_cvtph_ps(_mm_loadu_si128(halves + 2 + h)));
+        k4_half_block_avx2<kRows, 0>(super, 0, h, j, d, neg_dmin, rows, lanes);
+        k4_half_block_avx2<kRows, 1>(super, 1, h, j + 1, d, neg_dmin, rows, lanes);
+        k4_half_block_avx2<kRows, 2>(super, 2, h, j + 2, d, neg_dmin, rows, lanes);
+        k4_half_block_avx2<kRows, 3>(super, 3, h, j + 3, d, neg_dmin, rows, lanes);
+        k4_half_block_avx2<kRows, 0>(super, 4, h, j + 4, d, neg_dmin, rows, lanes);
+        k4_half_block_avx2<kRows, 1>(super, 5, h, j + 5, d, neg_dmin, rows, lanes);
+        k4_half_block_avx2<kRows, 2>(super, 6, h, j + 6, d, neg_dmin, rows, lanes);
+        k4_half_block_avx2<kRows, 3>(super, 7, h, j + 7, d, neg_dmin, rows, lanes);
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const __m256* l = lanes[r];
+        _mm256_store_ps(values[r] + 8 * h, _mm256_add_ps(_mm256_add_ps(l[0], l[1]), _mm256_add_ps(l[2], l[3])));
+      }
+    }
+    const int num_valid = static_cast<int>(std::min<int64_t>(kTileOutputs, end - n0));
+    for (int r = 0; r < kRows; ++r) std::memcpy(a.y + (r0 + r) * a.num_outputs + n0, values[r], num_valid * sizeof(float));
+  }
+}
+
 template <int kBits, int kRows>
 struct Avx2TileWalk {
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
-    tiles_avx2<kBits, kRows>(a, x, begin, end, r0);
+    if constexpr (kBits == kK4Bits) {
+      k4_tiles_avx2<kRows>(a, x, begin, end, r0);
+    } else {
+      tiles_avx2<kBits, kRows>(a, x, begin, end, r0);
+    }
   }
 };
 
@@ -566,6 +773,7 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
 #if GMLX_X86
   if (isa == Isa::kAvx512 && has_avx512_vnni()) {
     int64_t first_vnni_row = 0;
+    if (a.bits == kK4Bits) return walk_by_rows<Avx512TileWalk, kK4Bits>(a, rows, begin, end);  // no AMX walk yet
 #if GMLX_HAS_AMX_BUILD
     if (is_amx_enabled()) {
       first_vnni_row = num_amx_rows(a.num_rows);
@@ -579,15 +787,30 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
                         : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
   if (isa != Isa::kPortable && has_f16c()) {  // AVX-512 without VNNI too: the same integers
+    if (a.bits == kK4Bits) return walk_by_rows<Avx2TileWalk, kK4Bits>(a, rows, begin, end);
     return a.bits == 4 ? walk_by_rows<Avx2TileWalk, 4>(a, rows, begin, end)
                         : walk_by_rows<Avx2TileWalk, 8>(a, rows, begin, end);
   }
 #endif
   (void)isa;
-  tiles_portable(a, rows, begin, end);
+  (a.bits == kK4Bits ? k4_tiles_portable : tiles_portable)(a, rows, begin, end);
 }
 
 void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, float* y) {
+  if (bits == kK4Bits) {
+    const int o = static_cast<int>(id % kTileOutputs);
+    const uint8_t* super = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);
+    for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += kK4SuperBytes) {
+      for (int i = 0; i < kBlocksPerSuper; ++i) {
+        float scale, bias;
+        k4_scale_and_bias(super, i, o, &scale, &bias);
+        for (int t = 0; t < kInt8BlockInputs; ++t) {
+          y[j0 + i * kInt8BlockInputs + t] = scale * static_cast<float>(tile_weight(k4_block(super, i), o, t, 4)) + bias;
+        }
+      }
+    }
+    return;
+  }
   const int64_t block_bytes = tile_block_bytes(bits), weight_bytes = block_bytes - 4 * kTileOutputs;
   const int o = static_cast<int>(id % kTileOutputs);
   const uint8_t* block = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);

@@ -56,7 +56,7 @@ void rows_of(const mx::array& ids, const uint8_t* quads, int64_t num_outputs, in
 }  // namespace
 
 mx::array quad_rows(const mx::array& quads, const mx::array& ids, int num_outputs, int num_inputs, int bits) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
+  check_layout_bits(bits);
   if (num_inputs <= 0 || num_inputs % kInt8BlockInputs != 0) {
     throw std::invalid_argument("quad_rows: num_inputs " + std::to_string(num_inputs) +
                                 " is not a positive multiple of 32");

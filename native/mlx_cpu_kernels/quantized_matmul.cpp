@@ -217,7 +217,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 
 void check_quad_layout(const mx::array& quads, int64_t num_outputs, int64_t num_inputs, int bits,
                        const std::string& what) {
-  if (quads.dtype() != mx::uint8 || quads.ndim() != 1 ||
+  if (quads.dtype() != mx::uint8 || quads.ndim() != 1 || !is_layout_bits(bits) ||
+      (bits == kK4Bits && num_inputs % kSuperBlockInputs != 0) ||
       static_cast<int64_t>(quads.size()) != quad_layout_bytes(num_outputs, num_inputs, bits)) {
     throw std::invalid_argument(what + ": quads must be the uint8 layout of " + std::to_string(num_outputs) +
                                 " outputs x " + std::to_string(num_inputs) + " inputs (pack_quads)");
@@ -226,7 +227,7 @@ void check_quad_layout(const mx::array& quads, int64_t num_outputs, int64_t num_
 
 std::vector<mx::array> quantized_matmul_quads_group(const mx::array& x, const std::vector<mx::array>& quads,
                                                    const std::vector<int>& num_outputs, int bits) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
+  check_layout_bits(bits);
   if (x.ndim() < 1 || x.shape(-1) == 0 || x.shape(-1) % kInt8BlockInputs != 0) {
     throw std::invalid_argument("quantized_matmul_quads: x needs a last dim that is a positive multiple of 32");
   }
