@@ -209,9 +209,10 @@ def is_quad_layout_enabled() -> bool:
 
 
 def is_k_tile_layout_enabled() -> bool:
-    """GMLX_CPU_K_TILES (default on): a GGUF's Q4_K matrices keep Q4_K's super-block scales in the
-    tile layout (0.578 bytes a weight, not 0.625; exact d * sc scales, not float16-rounded ones);
-    0 packs them as 4-bit tiles from their float16 triplets (A/B runs)."""
+    """GMLX_CPU_K_TILES (default on): under the tile layout a GGUF's Q4_K matrices keep Q4_K's own
+    scales (0.578 bytes a weight, not 0.625; exact d * sc, not float16-rounded), and on VNNI CPUs its
+    Q6_K ones Q6_K's 6-bit levels and scales (0.82 bytes, not 1.125 at 8 bits; exact, not
+    requantized); 0 packs both from their triplets as before (A/B runs)."""
     return _env_flag("GMLX_CPU_K_TILES", True)
 
 

@@ -1,7 +1,7 @@
-"""The K-tile layout (int8_dot_kernels.h: kK4Bits): a GGUF's Q4_K matrices in the tile kernels
-with Q4_K's own super-block scales. Its products against the 4-bit tiles' bits and the exact
-values, at every row count, thread count and ISA; its lookups; its refusals; and a Q4_K file
-served with it: speculative and batched output equal plain decoding."""
+"""The K-tile layouts (int8_dot_kernels.h: kK4Bits, kK6Bits): a GGUF's Q4_K and Q6_K matrices in
+the tile kernels with their own scales and levels. Products against the 4-bit tiles' bits and the
+exact values, at every row count, thread count and ISA; lookups; refusals; and a K-quant file
+served with them: speculative and batched output equal plain decoding."""
 
 import gguf
 import mlx.core as mx
@@ -16,11 +16,13 @@ from gmlx.config import env_overrides
 from gmlx.models import gguf_blocks
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
-from gmlx.platform.cpu_quantized import Q4_K_BLOCK_BYTES, Q4_K_BLOCK_VALUES
+from gmlx.platform.cpu_quantized import K_QUANT_BLOCK_BYTES, K_QUANT_BLOCK_VALUES
 
 pytestmark = requires_kernels
 
-Q4_K = gguf.GGMLQuantizationType.Q4_K
+Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+Q4_K_BLOCK_BYTES, Q4_K_BLOCK_VALUES = K_QUANT_BLOCK_BYTES["Q4_K"], K_QUANT_BLOCK_VALUES
+BITS = {"Q4_K": cpu_kernels.K4_BITS, "Q6_K": cpu_kernels.K6_BITS}
 
 
 def q4_k_blocks(num_outputs: int, num_inputs: int, seed: int, is_float16_exact: bool) -> np.ndarray:
@@ -44,6 +46,25 @@ def exact_values(blocks: np.ndarray) -> np.ndarray:
     scales, biases = d[..., None] * sub_scales, -dmin[..., None] * sub_mins  # (rows, supers, 8)
     levels = gguf_blocks._k_levels(split[..., 16:]).astype(np.float32)  # (rows, supers, 8, 32)
     return (scales[..., None] * levels + biases[..., None]).reshape(rows, -1)
+
+
+def exact_q6_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Each Q6_K weight as (d * sc) * (q - 32) in float32, the product d * sc exact."""
+    rows = blocks.shape[0]
+    split = blocks.reshape(rows, -1, K_QUANT_BLOCK_BYTES["Q6_K"])
+    d = gguf_blocks._half(split, 208).astype(np.float32)  # (rows, supers)
+    sub_scales = split[..., 192:208].view(np.int8).astype(np.float32)  # (rows, supers, 16)
+    low, high = split[..., :128], split[..., 128:192]
+    levels = np.empty((*split.shape[:2], 256), dtype=np.float32)
+    for v in range(256):  # q6_k_values' reading of value v
+        half, quarter, l = v // 128, v % 128 // 32, v % 32
+        nibble = (low[..., 64 * half + 32 * (quarter % 2) + l] >> (0 if quarter < 2 else 4)) & 0x0F
+        levels[..., v] = (nibble | (((high[..., 32 * half + l] >> (2 * quarter)) & 3) << 4)).astype(np.float32) - 32
+    scales = np.repeat(d[..., None] * sub_scales, 16, axis=-1)  # (rows, supers, 256)
+    return (scales * levels).reshape(rows, -1)
+
+
+EXACT = {"Q4_K": exact_values, "Q6_K": exact_q6_k_values}
 
 
 def triplets_of(blocks: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
@@ -70,7 +91,7 @@ def test_k_tiles_give_the_4_bit_tiles_bits_where_their_scales_are_float16(num_su
     w, scales, biases = triplets_of(blocks)
     ext.set_tile_layout(True)
     ext.set_amx(int(amx))
-    k_tiles = cpu_kernels.pack_q4_k_tiles(blocks)
+    k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
     assert k_tiles.size == ext.quad_layout_bytes(num_outputs, num_inputs, cpu_kernels.K4_BITS)
     x = 3.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
     ext.set_num_threads(1)
@@ -89,76 +110,98 @@ def test_k_tiles_give_the_4_bit_tiles_bits_where_their_scales_are_float16(num_su
             assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa)
 
 
+def k_quant_blocks(kind: str, num_outputs: int, num_inputs: int, seed: int) -> np.ndarray:
+    """Random rows of `kind` with random float16 d (and dmin): products float16 cannot hold."""
+    if kind == "Q4_K":
+        return q4_k_blocks(num_outputs, num_inputs, seed, is_float16_exact=False)
+    return random_blocks((num_outputs, num_inputs), Q6_K, seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("num_outputs, num_supers", [(40, 3), (577, 2), (9, 6)])
-def test_k_tiles_of_any_scales_are_row_and_isa_independent_and_close_to_the_exact_values(num_outputs, num_supers,
+def test_k_tiles_of_any_scales_are_row_and_isa_independent_and_close_to_the_exact_values(kind, num_outputs, num_supers,
                                                                                         ext):
-    """With random float16 d and dmin (products float16 cannot hold), each row's bits are those of
-    its one-row call on one thread of the portable walk, at every row count, thread count and
-    ISA; and within the int8 path's tolerance of x @ the exact Q4_K values."""
-    num_inputs = num_supers * Q4_K_BLOCK_VALUES
-    blocks = q4_k_blocks(num_outputs, num_inputs, num_outputs, is_float16_exact=False)
+    """Each row's bits are those of its one-row call on one thread of the portable walk, at every
+    row count, thread count and ISA; and within the int8 path's tolerance of x @ the exact values
+    (so every level's bits sit where the kernels read them)."""
+    num_inputs = num_supers * K_QUANT_BLOCK_VALUES
+    blocks = k_quant_blocks(kind, num_outputs, num_inputs, num_outputs)
     ext.set_tile_layout(True)
-    k_tiles = cpu_kernels.pack_q4_k_tiles(blocks)
+    k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, kind)
+    assert k_tiles.size == ext.quad_layout_bytes(num_outputs, num_inputs, BITS[kind])
     x = 3.0 * mx.random.normal((19, num_inputs), key=mx.random.key(num_inputs))
     ext.set_num_threads(1)
     ext.set_isa("portable")
-    expected = mx.concatenate([cpu_kernels.quantized_matmul_quads(x[r : r + 1], k_tiles, num_outputs,
-                                                                  cpu_kernels.K4_BITS) for r in range(19)])
+    expected = mx.concatenate([cpu_kernels.quantized_matmul_quads(x[r : r + 1], k_tiles, num_outputs, BITS[kind])
+                               for r in range(19)])
     mx.eval(expected)
-    assert cpu_kernels.is_close_to(expected, x @ mx.array(exact_values(blocks)).T, cpu_kernels.INT8_ACTIVATIONS_RTOL)
+    assert cpu_kernels.is_close_to(expected, x @ mx.array(EXACT[kind](blocks)).T, cpu_kernels.INT8_ACTIVATIONS_RTOL)
     for num_threads in (1, 2):
         ext.set_num_threads(num_threads)
         for isa in supported_isas(ext):
             ext.set_isa(isa)
             for num_rows in (1, 2, 4, 5, 16, 19):
-                got = cpu_kernels.quantized_matmul_quads(x[:num_rows], k_tiles, num_outputs, cpu_kernels.K4_BITS)
+                got = cpu_kernels.quantized_matmul_quads(x[:num_rows], k_tiles, num_outputs, BITS[kind])
                 assert mx.array_equal(got, expected[:num_rows]).item(), (num_threads, isa, num_rows)
 
 
-def test_k_tile_lookups_are_the_exact_values(ext):
-    """A K-tile row looked up (a tied head's embedding) is (d * sc) * q + (-dmin * m), the products
-    exact; the gguf package's dequantize agrees to float32's rounding."""
-    blocks = q4_k_blocks(37, 512, seed=3, is_float16_exact=False)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_tile_lookups_are_the_exact_values(kind, ext):
+    """A K-tile row looked up (a tied head's embedding) is the type's value with its scale products
+    exact (Q4_K: (d * sc) * q + (-dmin * m); Q6_K: (d * sc) * (q - 32)); the gguf package's
+    dequantize agrees to float32's rounding."""
+    blocks = k_quant_blocks(kind, 37, 512, seed=3)
     ext.set_tile_layout(True)
-    k_tiles = cpu_kernels.pack_q4_k_tiles(blocks)
+    k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, kind)
     ids = mx.array([[0, 36, 5], [17, 17, 99]])
-    got = cpu_kernels.lookup_quads(k_tiles, ids, 37, 512, cpu_kernels.K4_BITS)
-    exact = exact_values(blocks)
+    got = cpu_kernels.lookup_quads(k_tiles, ids, 37, 512, BITS[kind])
+    exact = EXACT[kind](blocks)
     expected = np.where(np.array(ids)[..., None] < 37, exact[np.minimum(np.array(ids), 36)], 0.0)
     assert got.dtype == mx.float32 and np.array_equal(np.array(got), expected.astype(np.float32))
-    package = gguf.quants.dequantize(blocks, Q4_K)
+    package = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
     assert np.allclose(exact, package, rtol=0, atol=2.0**-20 * np.abs(package).max())
 
 
-def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_q4_k_rows(ext):
+def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_k_quant_rows(ext):
     blocks = q4_k_blocks(16, 256, seed=1, is_float16_exact=False)
     ext.set_tile_layout(False)
-    with pytest.raises(ValueError, match="needs the tile layout"):
-        cpu_kernels.pack_q4_k_tiles(blocks)
+    with pytest.raises(ValueError, match="need the tile layout"):
+        cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
+    assert cpu_kernels.k_tile_bits("Q4_K") is None
     ext.set_tile_layout(True)
-    k_tiles = cpu_kernels.pack_q4_k_tiles(blocks)
+    assert cpu_kernels.k_tile_bits("Q5_K") is None
+    k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
     x = mx.ones((1, 256))
     ext.set_tile_layout(False)
     with pytest.raises(ValueError, match=f"bits {cpu_kernels.K4_BITS}: expected 4, 8 or"):
         cpu_kernels.quantized_matmul_quads(x, k_tiles, 16, cpu_kernels.K4_BITS)
     ext.set_tile_layout(True)
-    with pytest.raises(ValueError, match="rows, 144 x blocks"):
-        cpu_kernels.pack_q4_k_tiles(np.zeros((2, 145), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"\(rows, 144 x blocks\) uint8 for Q4_K"):
+        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 145), dtype=np.uint8), "Q4_K")
+    with pytest.raises(ValueError, match=r"\(rows, 210 x blocks\) uint8 for Q6_K"):
+        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 144), dtype=np.uint8), "Q6_K")
+    with pytest.raises(ValueError, match="kind Q5_K: expected Q4_K or Q6_K"):
+        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 176), dtype=np.uint8), "Q5_K")
     with pytest.raises(ValueError, match="must be the uint8 layout of 16 outputs x 288 inputs"):
         cpu_kernels.quantized_matmul_quads(mx.ones((1, 288)), k_tiles, 16, cpu_kernels.K4_BITS)
     with pytest.raises(ValueError, match="must be the uint8 layout of 17 outputs x 256 inputs"):
         cpu_kernels.quantized_matmul_quads(x, k_tiles, 17, cpu_kernels.K4_BITS)
 
 
+# Q6_K among the Q4_K matrices as a Q4_K_M file has them: some layers' v and down, and the output head.
+Q6_K_TENSORS = ("blk.0.ffn_down.weight", "blk.1.attn_v.weight", "output.weight")
+
+
 @pytest.fixture(scope="module")
-def q4_k_target(tmp_path_factory):
-    """A tiny llama whose every matrix is Q4_K (widths multiples of 256), as a GGUF, loaded with the
-    tile layout on (K-tiles on any CPU: AVX2 and the portable walk run them too)."""
+def k_quant_target(tmp_path_factory):
+    """A tiny llama whose matrices are Q4_K and Q6_K (widths multiples of 256), as a GGUF, loaded with
+    the tile layout on (Q4_K's K-tiles on any CPU; Q6_K's on VNNI CPUs)."""
     from conftest import make_random_model_dir
 
-    tmp = tmp_path_factory.mktemp("q4_k")
+    tmp = tmp_path_factory.mktemp("k_quant")
     folder = make_random_model_dir(tmp / "folder", seed=11, hidden_size=256, intermediate_size=512, head_dim=64)
-    path = write_gguf_from_folder(folder, tmp / "q4_k.gguf", quant_type=Q4_K)
+    path = write_gguf_from_folder(folder, tmp / "k_quant.gguf", quant_type=Q4_K,
+                                  types={name: Q6_K for name in Q6_K_TENSORS})
     ext = cpu_kernels.extension()
     was_tiles = ext.tile_layout()
     ext.set_tile_layout(True)
@@ -168,26 +211,31 @@ def q4_k_target(tmp_path_factory):
         ext.set_tile_layout(was_tiles)
 
 
-def test_a_q4_k_file_keeps_every_q4_k_product_in_k_tiles_close_to_its_float16_triplets(q4_k_target, ext):
-    """Every layer product is a K-tile, the layers fused; the logits are within 1% of the same file
-    packed from float16-rounded scales (GMLX_CPU_K_TILES=0), which round each scale by up to 2^-11."""
+def test_a_k_quant_file_keeps_its_q4_k_and_q6_k_products_in_k_tiles_close_to_their_triplets(k_quant_target, ext):
+    """Every Q4_K matrix is a K-tile and (on a VNNI CPU) every Q6_K one a K6-tile, the head and the
+    token table included, the layers fused; the logits are within 2% of the same file packed from its
+    triplets (GMLX_CPU_K_TILES=0: float16-rounded Q4_K scales, Q6_K requantized to 8 bits)."""
     from gmlx.platform.cpu_layers import StackedLlamaModel
 
     ext.set_tile_layout(True)
-    products = [m for layer in q4_k_target.model.model.layers for _, m in layer.named_modules()
-                if hasattr(m, "layout_bits")]
-    assert len(products) == 2 * 7 and all(m.layout_bits == cpu_kernels.K4_BITS for m in products)
-    assert type(q4_k_target.model.model) is StackedLlamaModel
+    q6_k_bits = cpu_kernels.K6_BITS if ext.has_avx512_vnni() else 8
+    modules = dict(k_quant_target.model.named_modules())
+    q6_k_modules = {"model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj", "lm_head"}
+    products = {name: m for name, m in modules.items() if hasattr(m, "layout_bits")}
+    assert len(products) == 2 * 7 + 2  # the layers', the head and the token table (its lookups read K-tiles)
+    assert all(m.layout_bits == (q6_k_bits if name in q6_k_modules else cpu_kernels.K4_BITS)
+               for name, m in products.items())
+    assert type(k_quant_target.model.model) is StackedLlamaModel
     with env_overrides({"GMLX_CPU_K_TILES": "0"}):
-        rounded = load_model(q4_k_target.path)
-    assert not any(getattr(m, "layout_bits", None) == cpu_kernels.K4_BITS for _, m in rounded.model.named_modules())
+        triplets = load_model(k_quant_target.path)
+    assert {m.layout_bits for _, m in triplets.model.named_modules() if hasattr(m, "layout_bits")} == {4, 8}
     tokens = mx.array([[5, 17, 300, 41, 9, 1000, 77, 3]])
-    _, expected = rounded.forward(tokens, None)
-    _, got = q4_k_target.forward(tokens, None)
-    assert mx.abs(got - expected).max().item() < 0.01 * mx.abs(expected).max().item()
+    _, expected = triplets.forward(tokens, None)
+    _, got = k_quant_target.forward(tokens, None)
+    assert mx.abs(got - expected).max().item() < 0.02 * mx.abs(expected).max().item()
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
-def test_speculative_and_batched_equal_plain_in_k_tiles(kind, q4_k_target, code_prompts, ext):
+def test_speculative_and_batched_equal_plain_in_k_tiles(kind, k_quant_target, code_prompts, ext):
     ext.set_tile_layout(True)  # the setting the target was packed under
-    assert check_schedules_with_drafter(q4_k_target, kind, code_prompts, range(700, 704)) > 0
+    assert check_schedules_with_drafter(k_quant_target, kind, code_prompts, range(700, 704)) > 0

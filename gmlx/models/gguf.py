@@ -71,9 +71,9 @@ class GGUFModel:
     config: dict  # an mlx-lm config.json
     weights: dict  # mlx-lm parameter name -> array (quantized ones as weight/scales/biases)
     tokenizer: object  # transformers PreTrainedTokenizerFast with the chat template
-    # mlx-lm module name -> its Q4_K matrix's blocks (numpy uint8 rows, mostly views of the mapped
-    # file): the CPU kernels' K-tiles are packed from these (cpu_quantized._store_quads).
-    q4_k_blocks: dict = dataclasses.field(default_factory=dict)
+    # mlx-lm module name -> (kind, blocks) of its Q4_K or Q6_K matrix (numpy uint8 rows, mostly views
+    # of the mapped file): the CPU kernels' K-tiles are packed from these (cpu_quantized._store_quads).
+    k_quant_blocks: dict = dataclasses.field(default_factory=dict)
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
@@ -85,13 +85,13 @@ def read_gguf(path: str | Path) -> GGUFModel:
     if not types <= _MX_LOAD_KEEPS:
         # mx.load refuses some types and turns others (Q4_K, Q6_K) into float16 without a word: 4x a
         # Q4_K file's bytes, and a float32 model on the CPU.
-        raw_weights, metadata, raw_q4_k = _read_blocks(path, types, "types mx.load does not keep")
+        raw_weights, metadata, raw_blocks = _read_blocks(path, types, "types mx.load does not keep")
     else:
-        raw_q4_k = {}
+        raw_blocks = {}
         try:
             raw_weights, metadata = mx.load(str(path), return_metadata=True)
         except (RuntimeError, ValueError) as exc:
-            raw_weights, metadata, raw_q4_k = _read_blocks(path, types, f"mlx said: {exc}")
+            raw_weights, metadata, raw_blocks = _read_blocks(path, types, f"mlx said: {exc}")
     metadata = {key: _to_python(value) for key, value in metadata.items()}
     config = _make_config(path, metadata, raw_weights)
     weights = _rename_weights(path, config, raw_weights)
@@ -100,8 +100,12 @@ def read_gguf(path: str | Path) -> GGUFModel:
         del config["quantization"]
     tokenizer = make_tokenizer(metadata, source=f"GGUF {path}")
     # Renamed and their q and k rows unpermuted as the weights are (numpy's reshapes are mlx's).
-    q4_k_blocks = {name[: -len(".weight")]: blocks for name, blocks in _rename_weights(path, config, raw_q4_k).items()}
-    return GGUFModel(config=config, weights=weights, tokenizer=tokenizer, q4_k_blocks=q4_k_blocks)
+    k_quant_blocks = {}
+    for name, (kind, blocks) in raw_blocks.items():
+        mlx_name, num_heads = _mlx_name(path, config, name)
+        rows = blocks if num_heads is None else _unpermute_rows(blocks, num_heads)
+        k_quant_blocks[mlx_name[: -len(".weight")]] = (kind, rows)
+    return GGUFModel(config=config, weights=weights, tokenizer=tokenizer, k_quant_blocks=k_quant_blocks)
 
 
 def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -118,7 +122,8 @@ def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
 def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict, dict]:
     """The file's weights and metadata read here (gguf_check.read_table, the blocks decoded by
     gguf_blocks, other types dequantized by the gguf package), where mx.load would not keep them
-    (`why`, said in a log line); and each Q4_K matrix's blocks as they lie in the file, by name."""
+    (`why`, said in a log line); and each Q4_K and Q6_K matrix's (kind, blocks as they lie in the
+    file), by name."""
     import gguf
 
     metadata, tensors = read_table(path)  # checked against the file's size: views below stay inside it
@@ -127,22 +132,22 @@ def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dic
                    "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS at 8 from their blocks, "
                    "other quantized matrices requantized to 8 bits (group 32), float tensors as stored, the rest "
                    "float16", path, ", ".join(sorted(types)), why)
-    weights, q4_k_blocks = {}, {}
+    weights, k_quant_blocks = {}, {}
     for tensor in tensors:
         shape = tensor.shape
         data = _tensor_data(mapped, tensor)
         dequantize = functools.partial(_dequantized, path, tensor.name, gguf.GGMLQuantizationType[tensor.kind])
         if tensor.kind not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
             weights.update(gguf_blocks.matrix_triplets(tensor.name, tensor.kind, data, dequantize))
-            if tensor.kind == "Q4_K":
-                q4_k_blocks[tensor.name] = data
+            if tensor.kind in ("Q4_K", "Q6_K"):
+                k_quant_blocks[tensor.name] = (tensor.kind, data)
         else:
             values = dequantize(data).reshape(shape)
             # Float tensors as stored, as mx.load keeps them (norms and qwen2's biases are F32 in
             # llama.cpp's files); others float16. The RoPE divisors are matched to a formula to 1e-4.
             dtype = _FLOAT_TYPES.get(tensor.kind, mx.float16)
             weights[tensor.name] = mx.array(values).astype(mx.float32 if tensor.name == _ROPE_FREQS else dtype)
-    return weights, metadata, q4_k_blocks
+    return weights, metadata, k_quant_blocks
 
 
 def _tensor_data(mapped: np.ndarray, tensor: TensorEntry) -> np.ndarray:
@@ -246,24 +251,28 @@ def _yarn_scaling(path: Path, field, metadata: dict, arch: str) -> dict:
 
 
 def _rename_weights(path: Path, config: dict, raw_weights: dict) -> dict:
-    is_permuted = config["model_type"] in _PERMUTED_QK_ARCHITECTURES
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}
     for name, value in raw_weights.items():
         if name == _ROPE_FREQS:
             continue  # in the config (_make_config)
-        if (match := _LAYER_TENSOR.match(name)) is not None:
-            layer, part, kind = match.groups()
-            if part not in _LAYER_NAMES:
-                raise ValueError(f"GGUF {path}: tensor {name} has no place in a {config['model_type']} model")
-            if is_permuted and part in heads:
-                value = _unpermute_rows(value, heads[part])
-            weights[f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"] = value
-        elif (match := _TOP_TENSOR.match(name)) is not None and match.group(1) in _TOP_LEVEL_NAMES:
-            weights[f"{_TOP_LEVEL_NAMES[match.group(1)]}.{match.group(2)}"] = value
-        else:
-            raise ValueError(f"GGUF {path}: tensor {name} has no place in a {config['model_type']} model")
+        mlx_name, num_heads = _mlx_name(path, config, name)
+        weights[mlx_name] = value if num_heads is None else _unpermute_rows(value, num_heads)
     return weights
+
+
+def _mlx_name(path: Path, config: dict, name: str) -> tuple[str, int | None]:
+    """A GGUF tensor's mlx-lm parameter name, and the heads its rows interleave (llama.cpp's q and k
+    of a llama: _unpermute_rows undoes it) or None."""
+    if (match := _LAYER_TENSOR.match(name)) is not None:
+        layer, part, kind = match.groups()
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"GGUF {path}: tensor {name} has no place in a {config['model_type']} model")
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        is_permuted = config["model_type"] in _PERMUTED_QK_ARCHITECTURES and part in heads
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}", heads[part] if is_permuted else None
+    if (match := _TOP_TENSOR.match(name)) is not None and match.group(1) in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[match.group(1)]}.{match.group(2)}", None
+    raise ValueError(f"GGUF {path}: tensor {name} has no place in a {config['model_type']} model")
 
 
 def _unpermute_rows(value: mx.array, num_heads: int) -> mx.array:

@@ -69,14 +69,14 @@ class LoadedModel:
 def load_model(path: str | Path | None) -> LoadedModel:
     """Load an mlx-lm model folder or a GGUF file; ValueError naming the path when it is missing or broken."""
     source = resolve_model_path(path)
-    q4_k_blocks = {}
+    k_quant_blocks = {}
     if is_gguf_path(source):
-        model, tokenizer, config, q4_k_blocks = _load_gguf(source)
+        model, tokenizer, config, k_quant_blocks = _load_gguf(source)
     else:
         model, tokenizer, config = _load_folder(source)
     is_tied = getattr(model, "lm_head", None) is None or config.get("tie_word_embeddings", False)
     is_cpu = mx.default_device() == mx.cpu
-    num_fused_layers = _prepare_for_cpu(model, str(source), is_tied, q4_k_blocks) if is_cpu else 0
+    num_fused_layers = _prepare_for_cpu(model, str(source), is_tied, k_quant_blocks) if is_cpu else 0
     row_rules = wanted_row_rules()
     if row_rules:
         use_block_row_products(model, str(source), row_rules.block_rows)
@@ -136,7 +136,7 @@ def _load_folder(folder: Path):
 
 def _load_gguf(path: Path):
     """Build the mlx-lm model in memory from a GGUF's weights, as mlx-lm would from a folder; with
-    its Q4_K matrices' blocks by module name (GGUFModel.q4_k_blocks)."""
+    its Q4_K and Q6_K matrices' blocks by module name (GGUFModel.k_quant_blocks)."""
     import mlx_lm.utils
     from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
 
@@ -160,7 +160,7 @@ def _load_gguf(path: Path):
         tokenizer = load_tokenizer_wrapper(Path(scratch), eos_token_ids=config.get("eos_token_id"))
     logger.info("loaded GGUF %s: %s, %d layers, %s", path, config["model_type"], config["num_hidden_layers"],
                 f"quantized ({quantization['bits']}-bit default)" if quantization else "float")
-    return model, tokenizer, config, loaded.q4_k_blocks
+    return model, tokenizer, config, loaded.k_quant_blocks
 
 
 def _head_module(model: nn.Module, is_tied: bool) -> nn.Module:
@@ -168,13 +168,14 @@ def _head_module(model: nn.Module, is_tied: bool) -> nn.Module:
     return model.model.embed_tokens if is_tied else model.lm_head
 
 
-def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool, q4_k_blocks: dict) -> int:
+def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool, k_quant_blocks: dict) -> int:
     """The model's CPU compute format, kernels and fused ops; how many layers run fused.
-    q4_k_blocks: a GGUF's Q4_K blocks by module name (GGUFModel.q4_k_blocks)."""
+    k_quant_blocks: a GGUF's Q4_K and Q6_K blocks by module name (GGUFModel.k_quant_blocks)."""
     is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
     halves = float16_groups(model)  # before the cast: the int8 path keeps them as they are
     # By id, each beside its module (as halves holds them), so that a replaced module's id cannot match.
-    q4_k_by_module = {id(m): (m, q4_k_blocks[name]) for name, m in model.named_modules() if name in q4_k_blocks}
+    k_blocks_by_module = {id(m): (m, *k_quant_blocks[name]) for name, m in model.named_modules()
+                          if name in k_quant_blocks}
     # float32 on CPU: 16-bit types bypass BLAS there and run several times slower.
     model.set_dtype(mx.float32)
     if is_quantized:
@@ -184,14 +185,14 @@ def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool, q4_k_blocks: 
 
             dequantize_model(model)  # scales are float32 by now, so the float32 copy is exact
             halves.clear()  # the quantized modules it holds are gone from the model
-            q4_k_by_module.clear()
+            k_blocks_by_module.clear()
         logger.info("model %s: CPU compute format %s (%s)", source, compute_format, reason)
     if is_cpu_fusion_enabled():
         fuse_cpu_ops(model)
     num_kernel_modules = 0
     if is_cpu_kernels_enabled():
         head = _head_module(model, is_tied)  # after a dequantize, which makes a new token table
-        num_kernel_modules = use_cpu_kernels(model, head, halves, q4_k_by_module)
+        num_kernel_modules = use_cpu_kernels(model, head, halves, k_blocks_by_module)
         if is_cpu_float_kernels_enabled():
             num_kernel_modules += use_float_kernels(model, head)
     if is_input_major_enabled():

@@ -42,7 +42,8 @@ INT8_ACTIVATIONS_RTOL = 2e-2
 # bits value the fused layer ops take for it.
 PANEL_OUTPUTS = 64
 FLOAT_BITS = 32
-K4_BITS = 260  # the K-tile layout's tag beside bits 4 and 8 (int8_dot_kernels.h: kK4Bits)
+K4_BITS = 260  # the K-tile layouts' tags beside bits 4 and 8 (int8_dot_kernels.h: kK4Bits, kK6Bits)
+K6_BITS = 262
 
 
 @functools.cache
@@ -64,8 +65,8 @@ def _load() -> tuple[ModuleType | None, str]:
         mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
     except TypeError as exc:
         return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
-    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS)
-    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS):
+    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS, ext.K6_BITS)
+    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS, K6_BITS):
         return None, "built with another float32 panel layout than this gmlx (reinstall to rebuild)"
     isa = config.cpu_kernels_isa()
     if isa is not None:
@@ -134,18 +135,24 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
     return extension().pack_quads(w, scales, biases, group_size, bits)
 
 
-def can_pack_q4_k_tiles() -> bool:
-    """Whether Q4_K matrices can be packed as K-tiles now: the extension's tile layout is on."""
-    return is_built() and extension().tile_layout()
+def k_tile_bits(kind: str) -> int | None:
+    """The K-tile layout a GGUF matrix of `kind` can be packed in now, as the kernels name it, else
+    None: Q4_K's under the extension's tile layout; Q6_K's there on a CPU with VNNI only (its other
+    ISAs walk K6-tiles in portable code)."""
+    if not is_built() or not extension().tile_layout():
+        return None
+    if kind == "Q4_K":
+        return K4_BITS
+    return K6_BITS if kind == "Q6_K" and extension().has_avx512_vnni() else None
 
 
-def pack_q4_k_tiles(blocks):
-    """A GGUF Q4_K matrix's blocks (numpy uint8, rows x 144-byte blocks, read where they lie) in the
-    K-tile layout (int8_dot_kernels.h), whose kernels take bits K4_BITS: Q4_K's float16 d and dmin
-    and 6-bit sub-block scales and mins as they are. Under the extension's tile layout only."""
+def pack_k_quant_tiles(blocks, kind: str):
+    """A GGUF Q4_K or Q6_K matrix's blocks (numpy uint8, rows x block bytes, read where they lie) as
+    K-tiles (int8_dot_kernels.h), whose kernels take bits K4_BITS or K6_BITS: the type's own
+    float16 super-block scales and integer sub-block scales, exact. Under the tile layout only."""
     import numpy as np
 
-    return extension().pack_q4_k_tiles(np.ascontiguousarray(blocks))
+    return extension().pack_k_quant_tiles(np.ascontiguousarray(blocks), kind)
 
 
 def lookup_quads(quads, ids, num_outputs: int, num_inputs: int, bits: int):
@@ -172,7 +179,7 @@ def packed_weights(module):
 
 
 def packed_bits(module) -> int:
-    """The layout packed_weights(module) is in, as the kernels name it: 4, 8, K4_BITS or FLOAT_BITS."""
+    """The layout packed_weights(module) is in, as the kernels name it: 4, 8, K4_BITS, K6_BITS or FLOAT_BITS."""
     return module.layout_bits if "quads" in module else module.bits
 
 

@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 # Largest |kernel - reference| accepted at the probe, relative to the largest |reference|.
 _PROBE_RTOL = 1e-4
 _PROBE_OUTPUTS = 512  # outputs a probe runs: enough for the pool to split them
-Q4_K_BLOCK_VALUES, Q4_K_BLOCK_BYTES = 256, 144  # a GGUF Q4_K block: 256 weights in 144 bytes
+K_QUANT_BLOCK_VALUES = 256  # a GGUF K-quant block's weights
+K_QUANT_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+# The bits of the triplets a K-quant matrix loads as (gguf_blocks: Q4_K's levels, Q6_K requantized).
+_K_QUANT_TRIPLET_BITS = {"Q4_K": 4, "Q6_K": 8}
 
 
 def _kernel_product(module: nn.Module, x: mx.array) -> mx.array:
@@ -159,23 +162,28 @@ def input_dims(module: nn.Module) -> int:
     return module.num_inputs if "quads" in module else module["weight"].shape[1] * 32 // module.bits
 
 
-def _is_k_tile(module: nn.Module, q4_k_blocks) -> bool:
-    """Can this module's weights be kept as K-tiles, from its GGUF Q4_K blocks (None: it has none)?"""
-    if q4_k_blocks is None or not config.is_k_tile_layout_enabled() or not cpu_kernels.can_pack_q4_k_tiles():
-        return False
-    num_inputs = input_dims(module)
-    return (module.bits == 4 and num_inputs % Q4_K_BLOCK_VALUES == 0
-            and q4_k_blocks.shape == (output_dims(module), num_inputs // Q4_K_BLOCK_VALUES * Q4_K_BLOCK_BYTES))
+def _k_tile_bits(module: nn.Module, k_blocks: tuple | None) -> int | None:
+    """The K-tile layout this module's weights can be kept in from its GGUF blocks (k_blocks: (kind,
+    rows x bytes), None where it has none), as the kernels name it; else None."""
+    if k_blocks is None or not config.is_k_tile_layout_enabled():
+        return None
+    kind, blocks = k_blocks
+    bits, num_inputs = cpu_kernels.k_tile_bits(kind), input_dims(module)
+    is_whole = (module.bits == _K_QUANT_TRIPLET_BITS.get(kind) and num_inputs % K_QUANT_BLOCK_VALUES == 0
+                and blocks.shape == (output_dims(module), num_inputs // K_QUANT_BLOCK_VALUES * K_QUANT_BLOCK_BYTES[kind]))
+    return bits if is_whole else None
 
 
-def _store_quads(module: nn.Module, q4_k_blocks=None) -> None:
+def _store_quads(module: nn.Module, k_blocks: tuple | None = None) -> None:
     """Keep an int8-activation module's weights in the kernels' quad layout only: one stream per
     product instead of twelve (4 rows of weights, scales, biases), 1.1-2x faster from DRAM (3x
-    SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout. q4_k_blocks: the
-    module's GGUF Q4_K blocks (rows x bytes), packed as K-tiles where _is_k_tile says so."""
+    SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout. k_blocks: the
+    module's GGUF Q4_K or Q6_K blocks, (kind, rows x bytes), packed as K-tiles where _k_tile_bits
+    says so: the file's own values in fewer bytes than the triplets' layout."""
     module.num_outputs, module.num_inputs = output_dims(module), input_dims(module)
-    if _is_k_tile(module, q4_k_blocks):
-        module.quads, module.layout_bits = cpu_kernels.pack_q4_k_tiles(q4_k_blocks), cpu_kernels.K4_BITS
+    k_bits = _k_tile_bits(module, k_blocks)
+    if k_bits is not None:
+        module.quads, module.layout_bits = cpu_kernels.pack_k_quant_tiles(k_blocks[1], k_blocks[0]), k_bits
     else:
         module.quads = cpu_kernels.pack_quads(module["weight"], module["scales"], module["biases"],
                                               module.group_size, module.bits)
@@ -191,13 +199,14 @@ def runs_int8_activations(module: nn.Module) -> bool:
 
 
 def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dict | None = None,
-                    q4_k_blocks: dict | None = None) -> int:
+                    k_quant_blocks: dict | None = None) -> int:
     """Swap the model's affine 4/8-bit quantized modules for kernel-backed ones; how many.
 
     head: the module whose product gives the logits (an lm_head, or the tied embedding).
     halves: float16_groups(model) taken before the model was cast to float32 (its entries are
     taken out as the modules keep them).
-    q4_k_blocks: GGUF Q4_K blocks by id(module), each (module, blocks) (entries taken out as used).
+    k_quant_blocks: GGUF Q4_K and Q6_K blocks by id(module), each (module, kind, blocks) (entries
+    taken out as used).
     0 (the model untouched) when the kernels are unavailable or a probe disagrees.
     """
     if not cpu_kernels.is_built():
@@ -213,9 +222,9 @@ def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dic
     for module in modules:
         module.__class__ = _SWAPS[type(module)]
         module.is_int8_activations = is_int8 and _takes_int8(module, head)
-        blocks = (q4_k_blocks or {}).pop(id(module), (None, None))[1]
+        entry = (k_quant_blocks or {}).pop(id(module), None)
         if module.is_int8_activations and _store_half_groups(module, halves or {}) and config.is_quad_layout_enabled():
-            _store_quads(module, blocks)
+            _store_quads(module, entry[1:] if entry else None)
             num_quads += 1
     if is_int8:
         logger.info("CPU kernels: %d modules quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS), "

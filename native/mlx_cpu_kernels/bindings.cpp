@@ -73,16 +73,17 @@ NB_MODULE(_cpu_kernels, m) {
       "[weight, scales, biases] (4 and 8 bits, group 32), decoded now: gguf_blocks.py's numpy decoders, "
       "operation for operation");
   m.def(
-      "pack_q4_k_tiles",
-      [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks) {
+      "pack_k_quant_tiles",
+      [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks, const std::string& kind) {
         nb::gil_scoped_release unlocked;
-        return gmlx_kernels::pack_q4_k_tiles(blocks.data(), static_cast<int64_t>(blocks.shape(0)),
-                                             static_cast<int64_t>(blocks.shape(1)));
+        return gmlx_kernels::pack_k_quant_tiles(blocks.data(), static_cast<int64_t>(blocks.shape(0)),
+                                                static_cast<int64_t>(blocks.shape(1)), kind);
       },
-      "blocks"_a,
-      "GGUF Q4_K rows (a uint8 buffer, rows x 144-byte blocks, read in place) in the K-tile layout (bits "
-      "K4_BITS), packed now; the tile layout only");
+      "blocks"_a, "kind"_a,
+      "GGUF Q4_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as K-tiles (bits K4_BITS, "
+      "K6_BITS), packed now; the tile layout only");
   m.attr("K4_BITS") = gmlx_kernels::kK4Bits;
+  m.attr("K6_BITS") = gmlx_kernels::kK6Bits;
   m.def("quad_rows", &gmlx_kernels::quad_rows, "quads"_a, "ids"_a, "num_outputs"_a, "num_inputs"_a, "bits"_a,
         "Rows `ids` of weights kept in the quad layout, dequantized (mx.dequantize's floats), one node");
   m.def("set_half_tails", &gmlx_kernels::set_half_tails, "is_enabled"_a,

@@ -218,7 +218,7 @@ void decode_row(void* context, int64_t row) {
   }
 }
 
-struct K4PackJob {
+struct KPackJob {
   const uint8_t* blocks;
   uint8_t* tiles;
   int64_t num_rows, row_bytes;
@@ -226,7 +226,7 @@ struct K4PackJob {
 
 // Tile t of the K-tile layout (int8_dot_kernels.h) from its 16 rows' Q4_K blocks, zeros past the rows.
 void pack_k4_tile(void* context, int64_t t) {
-  const auto& job = *static_cast<const K4PackJob*>(context);
+  const auto& job = *static_cast<const KPackJob*>(context);
   const int64_t num_supers = job.row_bytes / kQ4KBytes;
   uint8_t* super = job.tiles + t * num_supers * kK4SuperBytes;
   for (int64_t s = 0; s < num_supers; ++s, super += kK4SuperBytes) {
@@ -259,19 +259,54 @@ void pack_k4_tile(void* context, int64_t t) {
   }
 }
 
+// Tile t of the K6-tile layout (int8_dot_kernels.h) from its 16 rows' Q6_K blocks, zeros past the
+// rows: value v's 6-bit level as q6_k_values reads it, its low 4 bits where a 4-bit tile keeps a
+// level, its top 2 in the block's last 128 bytes.
+void pack_k6_tile(void* context, int64_t t) {
+  const auto& job = *static_cast<const KPackJob*>(context);
+  const int64_t num_supers = job.row_bytes / kQ6KBytes;
+  uint8_t* super = job.tiles + t * num_supers * kK6SuperBytes;
+  for (int64_t s = 0; s < num_supers; ++s, super += kK6SuperBytes) {
+    std::memset(super, 0, kK6SuperBytes);
+    for (int64_t o = 0; o < kTileOutputs; ++o) {
+      const int64_t n = kTileOutputs * t + o;
+      if (n >= job.num_rows) break;
+      const uint8_t* block = job.blocks + n * job.row_bytes + s * kQ6KBytes;
+      std::memcpy(super + 2 * o, block + 208, 2);  // d
+      for (int h = 0; h < kBlockValues / 16; ++h) super[2 * kTileOutputs + kTileOutputs * h + o] = block[192 + h];
+      for (int v = 0; v < kBlockValues; ++v) {
+        const int half = v / 128, quarter = v % 128 / 32, l = v % 32;
+        const int low = (block[64 * half + 32 * (quarter % 2) + l] >> (quarter < 2 ? 0 : 4)) & 0x0F;
+        const int high = (block[128 + 32 * half + l] >> (2 * quarter)) & 3;
+        const int i = v % kGroup / 4, k = v % 4;  // the weight vector of the block, the byte of its dword o
+        uint8_t* weights = super + kK6HeaderBytes + v / kGroup * kK6BlockBytes;
+        weights[64 * (i / 2) + 4 * o + k] |= static_cast<uint8_t>(low << (4 * (i % 2)));
+        weights[kTileOutputs * kGroup / 2 + 64 * (i / 4) + 4 * o + k] |= static_cast<uint8_t>(high << (2 * (i % 4)));
+      }
+    }
+  }
+}
+
 }  // namespace
 
-mx::array pack_q4_k_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes) {
-  if (!tile_layout()) throw std::invalid_argument("pack_q4_k_tiles: the K-tile layout needs the tile layout on");
-  if (num_rows <= 0 || row_bytes <= 0 || row_bytes % kQ4KBytes != 0) {
-    throw std::invalid_argument("pack_q4_k_tiles: blocks must be (rows, 144 x blocks) uint8, at least one of each");
+mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes, const std::string& kind) {
+  if (kind != "Q4_K" && kind != "Q6_K") {
+    throw std::invalid_argument("pack_k_quant_tiles: kind " + kind + ": expected Q4_K or Q6_K");
+  }
+  if (!tile_layout()) throw std::invalid_argument("pack_k_quant_tiles: K-tiles need the tile layout on");
+  const bool is_q6_k = kind == "Q6_K";
+  const int64_t block_bytes = is_q6_k ? kQ6KBytes : kQ4KBytes;
+  if (num_rows <= 0 || row_bytes <= 0 || row_bytes % block_bytes != 0) {
+    throw std::invalid_argument("pack_k_quant_tiles: blocks must be (rows, " + std::to_string(block_bytes) +
+                                " x blocks) uint8 for " + kind + ", at least one of each");
   }
   const int64_t num_tiles = (num_rows + kTileOutputs - 1) / kTileOutputs;
-  const int64_t num_bytes = quad_layout_bytes(num_rows, row_bytes / kQ4KBytes * kBlockValues, kK4Bits);
+  const int64_t num_bytes =
+      quad_layout_bytes(num_rows, row_bytes / block_bytes * kBlockValues, is_q6_k ? kK6Bits : kK4Bits);
   mx::array tiles(mx::allocator::malloc(num_bytes), {static_cast<int>(num_bytes)}, mx::uint8);
   advise_huge_pages(tiles.data<uint8_t>(), num_bytes);
-  K4PackJob job{blocks, tiles.data<uint8_t>(), num_rows, row_bytes};
-  run_on_pool(pack_k4_tile, &job, num_tiles);
+  KPackJob job{blocks, tiles.data<uint8_t>(), num_rows, row_bytes};
+  run_on_pool(is_q6_k ? pack_k6_tile : pack_k4_tile, &job, num_tiles);
   return tiles;
 }
 

@@ -21,8 +21,9 @@ namespace mx = mlx::core;
 std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes,
                                           const std::string& kind);
 
-// num_rows rows of Q4_K blocks (row_bytes each, at `blocks`, read where they lie) packed now into the
-// K-tile layout (int8_dot_kernels.h: kK4Bits), on the pool. Under the tile layout only.
-mx::array pack_q4_k_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes);
+// num_rows rows of `kind` blocks (row_bytes each, at `blocks`, read where they lie) packed now, on
+// the pool: Q4_K into the K-tile layout (int8_dot_kernels.h: kK4Bits), Q6_K into the K6-tile one
+// (kK6Bits). Under the tile layout only.
+mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes, const std::string& kind);
 
 }  // namespace gmlx_kernels

@@ -760,15 +760,25 @@ void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_in
   rows.q.resize(num_rows * rows.padded_inputs);
   rows.d.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
   rows.xsd.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
+  rows.half_sums.resize(num_rows * rows.padded_inputs / 16);
 }
 
 namespace {
 
 #if GMLX_X86
+GMLX_AVX2 inline int32_t sum_of_eight(__m256i eight) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
+
 // One block of 32 inputs, quantize_rows's integers and floats with AVX2 (the same operations
 // lane by lane: max ignores a NaN as std::max does when the running maximum is its second
-// operand, the rounding is the same magic-number add). Returns sum(q); *amax_out = amax.
-GMLX_AVX2 int32_t quantize_block_avx2(const float* xb, int bits, int8_t* even, int8_t* block, float* amax_out) {
+// operand, the rounding is the same magic-number add). Returns sum(q); *amax_out = amax, *first_sum
+// = sum(q) of the first 16 inputs.
+GMLX_AVX2 int32_t quantize_block_avx2(const float* xb, int bits, int8_t* even, int8_t* block, float* amax_out,
+                                      int32_t* first_sum) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
@@ -806,15 +816,14 @@ GMLX_AVX2 int32_t quantize_block_avx2(const float* xb, int bits, int8_t* even, i
   } else {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(block), packed);
   }
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  return _mm_cvtsi128_si32(s4);
+  *first_sum = sum_of_eight(_mm256_add_epi32(q[0], q[1]));
+  return sum_of_eight(sum);
 }
 #endif
 
 // The same block, one input at a time.
-int32_t quantize_block_scalar(const float* xb, int bits, int8_t* even, int8_t* block, float* amax_out) {
+int32_t quantize_block_scalar(const float* xb, int bits, int8_t* even, int8_t* block, float* amax_out,
+                              int32_t* first_sum) {
   float amax = 0.0f;
   for (int t = 0; t < kInt8BlockInputs; ++t) amax = std::max(amax, std::fabs(xb[t]));
   *amax_out = amax;
@@ -828,6 +837,7 @@ int32_t quantize_block_scalar(const float* xb, int bits, int8_t* even, int8_t* b
     const int32_t rounded = static_cast<int32_t>((v + kRoundingMagic) - kRoundingMagic);
     (bits == 4 ? even[t % 2 * 64 + t / 2] : block[t]) = static_cast<int8_t>(rounded);
     sum += rounded;
+    if (t == kInt8BlockInputs / 2 - 1) *first_sum = sum;
   }
   return sum;
 }
@@ -836,7 +846,7 @@ int32_t quantize_block_scalar(const float* xb, int bits, int8_t* even, int8_t* b
 
 void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t end, int bits, QuantizedRows& rows) {
   // Scalar on the portable ISA, so the kernel tests compare the two quantizers bit for bit.
-  int32_t (*quantize_block)(const float*, int, int8_t*, int8_t*, float*) = quantize_block_scalar;
+  int32_t (*quantize_block)(const float*, int, int8_t*, int8_t*, float*, int32_t*) = quantize_block_scalar;
 #if GMLX_X86
   if (kernels_isa() != Isa::kPortable && is_isa_supported(Isa::kAvx2)) quantize_block = quantize_block_avx2;
 #endif
@@ -847,17 +857,21 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
     int8_t* q = rows.q.data() + r * rows.padded_inputs;
     float* d = rows.d.data() + r * padded_blocks;
     float* xsd = rows.xsd.data() + r * padded_blocks;
+    int32_t* half_sums = rows.half_sums.data() + r * 2 * padded_blocks;
     std::memset(q, 0, rows.padded_inputs);
     std::fill(d, d + padded_blocks, 0.0f);
     std::fill(xsd, xsd + padded_blocks, 0.0f);
+    std::fill(half_sums, half_sums + 2 * padded_blocks, 0);
     for (int64_t j = 0; j < num_blocks; ++j) {
       const float* xb = xr + j * kInt8BlockInputs;
       int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;  // 4 bits
       int8_t* block = q + j * kInt8BlockInputs;  // 8 bits
       float amax;
-      const int32_t sum = quantize_block(xb, bits, even, block, &amax);
+      int32_t first_sum;
+      const int32_t sum = quantize_block(xb, bits, even, block, &amax, &first_sum);
       d[j] = amax / 127.0f;
       xsd[j] = d[j] * static_cast<float>(sum);
+      half_sums[2 * j] = first_sum, half_sums[2 * j + 1] = sum - first_sum;
     }
   }
 }
@@ -886,12 +900,14 @@ QuadLayout quad_layout(int64_t num_inputs, int bits) {
   return layout;
 }
 
-bool is_layout_bits(int bits) { return bits == 4 || bits == 8 || (bits == kK4Bits && tile_layout()); }
+bool is_layout_bits(int bits) {
+  return bits == 4 || bits == 8 || ((bits == kK4Bits || bits == kK6Bits) && tile_layout());
+}
 
 void check_layout_bits(int bits) {
   if (!is_layout_bits(bits)) {
     throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4, 8 or (under the tile layout) " +
-                                std::to_string(kK4Bits));
+                                std::to_string(kK4Bits) + " or " + std::to_string(kK6Bits));
   }
 }
 
@@ -900,6 +916,7 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
   if (tile_layout()) {
     const int64_t num_tiles = (num_outputs + kTileOutputs - 1) / kTileOutputs;
     if (bits == kK4Bits) return num_tiles * (num_inputs / kSuperBlockInputs) * kK4SuperBytes;
+    if (bits == kK6Bits) return num_tiles * (num_inputs / kSuperBlockInputs) * kK6SuperBytes;
     return num_tiles * (num_inputs / kInt8BlockInputs) * tile_block_bytes(bits);
   }
   const int64_t num_quads = (num_outputs + kQuadOutputs - 1) / kQuadOutputs;

@@ -33,7 +33,9 @@ struct QuantizedRows {
   std::vector<int8_t> q;  // (num_rows, padded_inputs)
   std::vector<float> d;  // (num_rows, padded_inputs / 32)
   std::vector<float> xsd;  // (num_rows, padded_inputs / 32)
+  std::vector<int32_t> half_sums;  // (num_rows, padded_inputs / 16): sum(q) of each block's halves (K6-tiles)
   const int8_t* q_row(int64_t r) const { return q.data() + r * padded_inputs; }
+  const int32_t* half_sums_row(int64_t r) const { return half_sums.data() + r * (padded_inputs / 16); }
   const float* d_row(int64_t r) const { return d.data() + r * (padded_inputs / kInt8BlockInputs); }
   const float* xsd_row(int64_t r) const { return xsd.data() + r * (padded_inputs / kInt8BlockInputs); }
 };
@@ -117,7 +119,19 @@ constexpr int kK4Bits = 260;  // a layout tag beside 4 and 8: K-quant super-bloc
 constexpr int64_t kSuperBlockInputs = 256;
 constexpr int64_t kK4HeaderBytes = 2 * kTileOutputs * 2 + 2 * kTileOutputs * (kSuperBlockInputs / kInt8BlockInputs);
 constexpr int64_t kK4SuperBytes = kK4HeaderBytes + kTileOutputs * kSuperBlockInputs / 2;
-// Bits naming a weight layout the int8 path runs: 4, 8, and kK4Bits under the tile layout.
+// The K6-tile layout (bits kK6Bits), a GGUF Q6_K matrix's (each weight d * sc * (q - 32), q of 6
+// bits, an int8 sc per 16 inputs): per 256-input super-block the 16 outputs' float16 d, then their
+// 16 sub-block scales (sub-block major), 288 bytes; then per 32-input block a 4-bit tile block's
+// weight vectors holding q's low 4 bits and 128 bytes of its top 2 (vector i's at bits 2 (i % 4) of
+// the 64 bytes i / 4). 0.82 bytes a weight, where Q6_K requantized to 8 bits took 1.125. Each
+// block's two sub-blocks sum apart: p = d_j * float(sum(q x) - 32 sum(x)) and fma(d * sc, p, lane),
+// sub-block a's then b's, exact Q6_K values. Packed from a GGUF's Q6_K blocks (pack_q6_k_tiles).
+constexpr int kK6Bits = 262;  // super-blocks of 256, 6 bits
+constexpr int64_t kSubBlockInputs = 16;
+constexpr int64_t kK6HeaderBytes = 2 * kTileOutputs + kTileOutputs * (kSuperBlockInputs / kSubBlockInputs);
+constexpr int64_t kK6BlockBytes = kTileOutputs * kInt8BlockInputs * 6 / 8;
+constexpr int64_t kK6SuperBytes = kK6HeaderBytes + kSuperBlockInputs / kInt8BlockInputs * kK6BlockBytes;
+// Bits naming a weight layout the int8 path runs: 4, 8, and kK4Bits and kK6Bits under the tile layout.
 bool is_layout_bits(int bits);
 // std::invalid_argument naming `bits` where is_layout_bits is false.
 void check_layout_bits(int bits);

@@ -7,6 +7,7 @@
 #include <cassert>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "int8_dot_kernels.h"
 #include "int8_walk.h"
@@ -37,6 +38,7 @@ constexpr int64_t kBlockWeightBytes4 = kTileOutputs * kInt8BlockInputs / 2;  // 
 
 int64_t tile_bytes(int64_t num_inputs, int bits) {
   if (bits == kK4Bits) return num_inputs / kSuperBlockInputs * kK4SuperBytes;
+  if (bits == kK6Bits) return num_inputs / kSuperBlockInputs * kK6SuperBytes;
   return num_inputs / kInt8BlockInputs * tile_block_bytes(bits);
 }
 
@@ -50,6 +52,22 @@ inline int tile_weight(const uint8_t* block, int o, int t, int bits) {
   if (bits == 8) return block[t / 4 * 64 + 4 * o + t % 4];
   const uint8_t byte = block[t / 8 * 64 + 4 * o + t % 4];
   return t % 8 < 4 ? byte & 0xF : byte >> 4;
+}
+
+// Block i's weight bytes in a K6-tile super-block.
+inline const uint8_t* k6_block(const uint8_t* super, int64_t i) { return super + kK6HeaderBytes + i * kK6BlockBytes; }
+
+// Weight q (0-63) of output o, input t (0-31) of a K6-tile block.
+inline int k6_weight(const uint8_t* block, int o, int t) {
+  const int i = t / 4, high = (block[kBlockWeightBytes4 + 64 * (i / 4) + 4 * o + t % 4] >> (2 * (i % 4))) & 3;
+  return tile_weight(block, o, t, 4) | (high << 4);
+}
+
+// Sub-block h (0-15) of a K6-tile super-block's output o: its scale d * sc, exact in float32.
+inline float k6_scale(const uint8_t* super, int h, int o) {
+  const auto* halves = reinterpret_cast<const uint16_t*>(super);
+  const auto* sub_scales = reinterpret_cast<const int8_t*>(super + 2 * kTileOutputs);
+  return half_to_float(halves[o]) * static_cast<float>(sub_scales[kTileOutputs * h + o]);
 }
 
 // ---------------------------------------------------------------- portable
@@ -89,6 +107,38 @@ inline void k4_scale_and_bias(const uint8_t* super, int i, int o, float* scale, 
   const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
   *scale = half_to_float(halves[o]) * static_cast<float>(sub_scales[kTileOutputs * i + o]);
   *bias = -half_to_float(halves[kTileOutputs + o]) * static_cast<float>(sub_mins[kTileOutputs * i + o]);
+}
+
+// The K6-tile layout's walk: per block each sub-block's integer sum less 32 times x's sum there,
+// then p = d_j * float(that) and fma(d * sc, p, lane), sub-block a's then b's, into lane j % 4.
+void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
+  for (int64_t r = 0; r < a.num_rows; ++r) {
+    const int8_t* xq = x.q_row(r);
+    const float* d = x.d_row(r);
+    const int32_t* x_sums = x.half_sums_row(r);
+    for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+      const uint8_t* super = a.quads + n0 / kTileOutputs * num_supers * kK6SuperBytes;
+      float lanes[kTileOutputs][kLanes] = {};
+      for (int64_t s = 0; s < num_supers; ++s, super += kK6SuperBytes) {
+        for (int i = 0; i < kBlocksPerSuper; ++i) {
+          const int64_t j = s * kBlocksPerSuper + i;
+          for (int o = 0; o < kTileOutputs; ++o) {
+            float& lane = lanes[o][j % kLanes];
+            for (int h = 0; h < 2; ++h) {
+              int32_t isum = 0;
+              for (int t = 16 * h; t < 16 * h + 16; ++t) isum += k6_weight(k6_block(super, i), o, t) * xq[j * 32 + t];
+              const float p = d[j] * static_cast<float>(isum - 32 * x_sums[2 * j + h]);
+              lane = std::fma(k6_scale(super, 2 * i + h, o), p, lane);
+            }
+          }
+        }
+      }
+      for (int o = 0; o < std::min<int64_t>(kTileOutputs, end - n0); ++o) {
+        a.y[r * a.num_outputs + n0 + o] = (lanes[o][0] + lanes[o][1]) + (lanes[o][2] + lanes[o][3]);
+      }
+    }
+  }
 }
 
 // tiles_portable over the K-tile layout: the same integer sums and float steps, per block
@@ -317,11 +367,103 @@ GMLX_AVX512_VNNI void k4_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, 
   }
 }
 
+// A K6 block's weight vectors 4h..4h+3 (sub-block h) summed against kRows rows' x, less 32 times
+// x's sum there (quantize_rows's half sums): the low nibbles as a 4-bit tile's, each byte's top 2 bits from the block's
+// last 128 bytes (vector i's at bits 2 (i % 4) of the 64 bytes i / 4), moved to bits 4-5.
+template <int kRows>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(const uint8_t* block, int h, int64_t j,
+                                                                             const RowsOf<kRows>& x,
+                                                                             const int32_t* const* x_sums,
+                                                                             __m512i* isums) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i high = _mm512_loadu_si512(block + kBlockWeightBytes4 + 64 * h);
+  const __m512i tops[4] = {_mm512_and_si512(_mm512_slli_epi16(high, 4), top),
+                           _mm512_and_si512(_mm512_slli_epi16(high, 2), top), _mm512_and_si512(high, top),
+                           _mm512_and_si512(_mm512_srli_epi16(high, 2), top)};
+  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  __m512i partial[kRows][kChains];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+  }
+  for (int t = 2 * h; t < 2 * h + 2; ++t) {  // 64 bytes of nibbles: vectors 2t (low) and 2t + 1 (high)
+    const __m512i v = _mm512_loadu_si512(block + 64 * t);
+    const __m512i pair[2] = {_mm512_or_si512(_mm512_and_si512(v, nibble), tops[(2 * t) % 4]),
+                             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), tops[(2 * t + 1) % 4])};
+    for (int r = 0; r < kRows; ++r) {
+      const int8_t* xq = x.q[r] + j * kInt8BlockInputs;
+      for (int e = 0; e < 2; ++e) {
+        const int i = 2 * t + e;
+        partial[r][i % kChains] = dot_broadcast(partial[r][i % kChains], pair[e], xq + 4 * i);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    __m512i sum = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, partial[r][c]);
+    isums[r] = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * x_sums[r][2 * j + h]));
+  }
+}
+
+// Block i of a K6-tile super-block (block j of the row) for kRows rows into lane kLane.
+template <int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(const uint8_t* super, int i, int64_t j,
+                                                                          __m512 d, const RowsOf<kRows>& x,
+                                                                          const int32_t* const* x_sums,
+                                                                          __m512 (*lanes)[kLanes]) {
+  for (int h = 0; h < 2; ++h) {
+    __m512i isums[kRows];
+    k6_sub_block_isums<kRows>(k6_block(super, i), h, j, x, x_sums, isums);
+    const auto* sub_scales = reinterpret_cast<const __m128i*>(super + 2 * kTileOutputs + kTileOutputs * (2 * i + h));
+    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sub_scales))));
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isums[r]));
+      lanes[r][kLane] = _mm512_fmadd_ps(s, p, lanes[r][kLane]);
+    }
+  }
+}
+
+// tiles_avx512 over the K6-tile layout.
+template <int kRows>
+GMLX_AVX512_VNNI void k6_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
+                                      int64_t r0) {
+  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
+  const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kK6BlockBytes : 0;
+  const RowsOf<kRows> rows(x, r0);
+  const int32_t* x_sums[kRows];  // each block's half sums of x (quantize_rows)
+  for (int r = 0; r < kRows; ++r) x_sums[r] = x.half_sums_row(r0 + r);
+  const uint8_t* super = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kK6Bits);
+  for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
+    __m512 lanes[kRows][kLanes];
+    for (int r = 0; r < kRows; ++r) {
+      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < num_supers * kBlocksPerSuper; j += kBlocksPerSuper, super += kK6SuperBytes) {
+      prefetch_ahead(super, kK6SuperBytes, prefetch_bytes);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
+      k6_block_avx512<kRows, 0>(super, 0, j, d, rows, x_sums, lanes);
+      k6_block_avx512<kRows, 1>(super, 1, j + 1, d, rows, x_sums, lanes);
+      k6_block_avx512<kRows, 2>(super, 2, j + 2, d, rows, x_sums, lanes);
+      k6_block_avx512<kRows, 3>(super, 3, j + 3, d, rows, x_sums, lanes);
+      k6_block_avx512<kRows, 0>(super, 4, j + 4, d, rows, x_sums, lanes);
+      k6_block_avx512<kRows, 1>(super, 5, j + 5, d, rows, x_sums, lanes);
+      k6_block_avx512<kRows, 2>(super, 6, j + 6, d, rows, x_sums, lanes);
+      k6_block_avx512<kRows, 3>(super, 7, j + 7, d, rows, x_sums, lanes);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
+      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
+    }
+  }
+}
+
 template <int kBits, int kRows>
 struct Avx512TileWalk {
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
     if constexpr (kBits == kK4Bits) {
       k4_tiles_avx512<kRows>(a, x, begin, end, r0);
+    } else if constexpr (kBits == kK6Bits) {
+      k6_tiles_avx512<kRows>(a, x, begin, end, r0);
     } else {
       tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
     }
@@ -773,7 +915,9 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
 #if GMLX_X86
   if (isa == Isa::kAvx512 && has_avx512_vnni()) {
     int64_t first_vnni_row = 0;
-    if (a.bits == kK4Bits) return walk_by_rows<Avx512TileWalk, kK4Bits>(a, rows, begin, end);  // no AMX walk yet
+    // No AMX walk for the K layouts yet: their rows all take VNNI.
+    if (a.bits == kK4Bits) return walk_by_rows<Avx512TileWalk, kK4Bits>(a, rows, begin, end);
+    if (a.bits == kK6Bits) return walk_by_rows<Avx512TileWalk, kK6Bits>(a, rows, begin, end);
 #if GMLX_HAS_AMX_BUILD
     if (is_amx_enabled()) {
       first_vnni_row = num_amx_rows(a.num_rows);
@@ -786,14 +930,15 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end, first_vnni_row)
                         : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
-  if (isa != Isa::kPortable && has_f16c()) {  // AVX-512 without VNNI too: the same integers
+  // K6-tiles are packed where the CPU has VNNI (cpu_quantized._is_k_tile): other ISAs walk them portably.
+  if (isa != Isa::kPortable && has_f16c() && a.bits != kK6Bits) {  // AVX-512 without VNNI too: the same integers
     if (a.bits == kK4Bits) return walk_by_rows<Avx2TileWalk, kK4Bits>(a, rows, begin, end);
     return a.bits == 4 ? walk_by_rows<Avx2TileWalk, 4>(a, rows, begin, end)
                         : walk_by_rows<Avx2TileWalk, 8>(a, rows, begin, end);
   }
 #endif
   (void)isa;
-  (a.bits == kK4Bits ? k4_tiles_portable : tiles_portable)(a, rows, begin, end);
+  (a.bits == kK4Bits ? k4_tiles_portable : a.bits == kK6Bits ? k6_tiles_portable : tiles_portable)(a, rows, begin, end);
 }
 
 void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, float* y) {
@@ -807,6 +952,18 @@ void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, fl
         for (int t = 0; t < kInt8BlockInputs; ++t) {
           y[j0 + i * kInt8BlockInputs + t] = scale * static_cast<float>(tile_weight(k4_block(super, i), o, t, 4)) + bias;
         }
+      }
+    }
+    return;
+  }
+  if (bits == kK6Bits) {
+    const int o = static_cast<int>(id % kTileOutputs);
+    const uint8_t* super = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);
+    for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += kK6SuperBytes) {
+      for (int t = 0; t < kSuperBlockInputs; ++t) {
+        const float scale = k6_scale(super, static_cast<int>(t / kSubBlockInputs), o);
+        const int q = k6_weight(k6_block(super, t / kInt8BlockInputs), o, static_cast<int>(t % kInt8BlockInputs));
+        y[j0 + t] = scale * static_cast<float>(q - 32);
       }
     }
     return;
