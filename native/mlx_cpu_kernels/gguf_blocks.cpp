@@ -218,72 +218,68 @@ void decode_row(void* context, int64_t row) {
   }
 }
 
+// A K-quant super-block of one row (`block`) into output o of a tile's super-block (`super`).
+using PackSuperRow = void (*)(const uint8_t* block, int64_t o, uint8_t* super);
+
 struct KPackJob {
   const uint8_t* blocks;
   uint8_t* tiles;
-  int64_t num_rows, row_bytes;
+  int64_t num_rows, row_bytes, block_bytes, super_bytes;
+  PackSuperRow pack_super_row;
 };
 
-// Tile t of the K-tile layout (int8_dot_kernels.h) from its 16 rows' Q4_K blocks, zeros past the rows.
-void pack_k4_tile(void* context, int64_t t) {
+// Tile t of a K layout from its 16 rows' blocks, zeros past the rows.
+void pack_k_tile(void* context, int64_t t) {
   const auto& job = *static_cast<const KPackJob*>(context);
-  const int64_t num_supers = job.row_bytes / kQ4KBytes;
-  uint8_t* super = job.tiles + t * num_supers * kK4SuperBytes;
-  for (int64_t s = 0; s < num_supers; ++s, super += kK4SuperBytes) {
-    std::memset(super, 0, kK4SuperBytes);
-    for (int64_t o = 0; o < kTileOutputs; ++o) {
-      const int64_t n = kTileOutputs * t + o;
-      if (n >= job.num_rows) break;
-      const uint8_t* block = job.blocks + n * job.row_bytes + s * kQ4KBytes;
-      std::memcpy(super + 2 * o, block, 2);  // d
-      std::memcpy(super + 2 * kTileOutputs + 2 * o, block + 2, 2);  // dmin
-      uint8_t* sub_scales = super + 4 * kTileOutputs;
-      uint8_t* sub_mins = sub_scales + kTileOutputs * (kBlockValues / kGroup);
-      for (int i = 0; i < kBlockValues / kGroup; ++i) {
-        const KScaleMin sub = k_scale_and_min(block + 4, i);
-        sub_scales[kTileOutputs * i + o] = sub.scale;
-        sub_mins[kTileOutputs * i + o] = sub.min;
-        // Sub-block i: the low (even i) or high nibbles of its pair's 32 bytes. Tile vector v's dword
-        // o: levels 8v..8v+3 in the low nibbles, 8v+4..8v+7 in the high ones.
-        const uint8_t* levels = block + 16 + 32 * (i / 2);
-        const int shift = 4 * (i % 2);
-        uint8_t* weights = super + kK4HeaderBytes + i * (kTileOutputs * kGroup / 2);
-        for (int v = 0; v < 4; ++v) {
-          for (int k = 0; k < 4; ++k) {
-            const int low = (levels[8 * v + k] >> shift) & 0x0F, high = (levels[8 * v + 4 + k] >> shift) & 0x0F;
-            weights[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
-          }
-        }
+  const int64_t num_supers = job.row_bytes / job.block_bytes;
+  uint8_t* super = job.tiles + t * num_supers * job.super_bytes;
+  for (int64_t s = 0; s < num_supers; ++s, super += job.super_bytes) {
+    std::memset(super, 0, job.super_bytes);
+    for (int64_t o = 0; o < kTileOutputs && kTileOutputs * t + o < job.num_rows; ++o) {
+      job.pack_super_row(job.blocks + (kTileOutputs * t + o) * job.row_bytes + s * job.block_bytes, o, super);
+    }
+  }
+}
+
+// A Q4_K block into the K-tile layout (int8_dot_kernels.h): d, dmin, the 6-bit scales and mins as
+// bytes, and each sub-block's levels where a 4-bit tile keeps them.
+void pack_q4_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
+  std::memcpy(super + 2 * o, block, 2);  // d
+  std::memcpy(super + 2 * kTileOutputs + 2 * o, block + 2, 2);  // dmin
+  uint8_t* sub_scales = super + 4 * kTileOutputs;
+  uint8_t* sub_mins = sub_scales + kTileOutputs * (kBlockValues / kGroup);
+  for (int i = 0; i < kBlockValues / kGroup; ++i) {
+    const KScaleMin sub = k_scale_and_min(block + 4, i);
+    sub_scales[kTileOutputs * i + o] = sub.scale;
+    sub_mins[kTileOutputs * i + o] = sub.min;
+    // Sub-block i: the low (even i) or high nibbles of its pair's 32 bytes. Tile vector v's dword
+    // o: levels 8v..8v+3 in the low nibbles, 8v+4..8v+7 in the high ones.
+    const uint8_t* levels = block + 16 + 32 * (i / 2);
+    const int shift = 4 * (i % 2);
+    uint8_t* weights = super + kK4HeaderBytes + i * (kTileOutputs * kGroup / 2);
+    for (int v = 0; v < 4; ++v) {
+      for (int k = 0; k < 4; ++k) {
+        const int low = (levels[8 * v + k] >> shift) & 0x0F, high = (levels[8 * v + 4 + k] >> shift) & 0x0F;
+        weights[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
       }
     }
   }
 }
 
-// Tile t of the K6-tile layout (int8_dot_kernels.h) from its 16 rows' Q6_K blocks, zeros past the
-// rows: value v's 6-bit level as q6_k_values reads it, its low 4 bits where a 4-bit tile keeps a
-// level, its top 2 in the block's last 128 bytes.
-void pack_k6_tile(void* context, int64_t t) {
-  const auto& job = *static_cast<const KPackJob*>(context);
-  const int64_t num_supers = job.row_bytes / kQ6KBytes;
-  uint8_t* super = job.tiles + t * num_supers * kK6SuperBytes;
-  for (int64_t s = 0; s < num_supers; ++s, super += kK6SuperBytes) {
-    std::memset(super, 0, kK6SuperBytes);
-    for (int64_t o = 0; o < kTileOutputs; ++o) {
-      const int64_t n = kTileOutputs * t + o;
-      if (n >= job.num_rows) break;
-      const uint8_t* block = job.blocks + n * job.row_bytes + s * kQ6KBytes;
-      std::memcpy(super + 2 * o, block + 208, 2);  // d
-      for (int h = 0; h < kBlockValues / 16; ++h) super[2 * kTileOutputs + kTileOutputs * h + o] = block[192 + h];
-      for (int v = 0; v < kBlockValues; ++v) {
-        const int half = v / 128, quarter = v % 128 / 32, l = v % 32;
-        const int low = (block[64 * half + 32 * (quarter % 2) + l] >> (quarter < 2 ? 0 : 4)) & 0x0F;
-        const int high = (block[128 + 32 * half + l] >> (2 * quarter)) & 3;
-        const int i = v % kGroup / 4, k = v % 4;  // the weight vector of the block, the byte of its dword o
-        uint8_t* weights = super + kK6HeaderBytes + v / kGroup * kK6BlockBytes;
-        weights[64 * (i / 2) + 4 * o + k] |= static_cast<uint8_t>(low << (4 * (i % 2)));
-        weights[kTileOutputs * kGroup / 2 + 64 * (i / 4) + 4 * o + k] |= static_cast<uint8_t>(high << (2 * (i % 4)));
-      }
-    }
+// A Q6_K block into the K6-tile layout: d, the int8 sub-block scales, and value v's 6-bit level
+// as q6_k_values reads it, its low 4 bits where a 4-bit tile keeps a level, its top 2 in the
+// block's last 128 bytes.
+void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
+  std::memcpy(super + 2 * o, block + 208, 2);  // d
+  for (int h = 0; h < kBlockValues / 16; ++h) super[2 * kTileOutputs + kTileOutputs * h + o] = block[192 + h];
+  for (int v = 0; v < kBlockValues; ++v) {
+    const int half = v / 128, quarter = v % 128 / 32, l = v % 32;
+    const int low = (block[64 * half + 32 * (quarter % 2) + l] >> (quarter < 2 ? 0 : 4)) & 0x0F;
+    const int high = (block[128 + 32 * half + l] >> (2 * quarter)) & 3;
+    const int i = v % kGroup / 4, k = v % 4;  // the weight vector of the block, the byte of its dword o
+    uint8_t* weights = super + kK6HeaderBytes + v / kGroup * kK6BlockBytes;
+    weights[64 * (i / 2) + 4 * o + k] |= static_cast<uint8_t>(low << (4 * (i % 2)));
+    weights[kTileOutputs * kGroup / 2 + 64 * (i / 4) + 4 * o + k] |= static_cast<uint8_t>(high << (2 * (i % 4)));
   }
 }
 
@@ -305,8 +301,9 @@ mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t ro
       quad_layout_bytes(num_rows, row_bytes / block_bytes * kBlockValues, is_q6_k ? kK6Bits : kK4Bits);
   mx::array tiles(mx::allocator::malloc(num_bytes), {static_cast<int>(num_bytes)}, mx::uint8);
   advise_huge_pages(tiles.data<uint8_t>(), num_bytes);
-  KPackJob job{blocks, tiles.data<uint8_t>(), num_rows, row_bytes};
-  run_on_pool(is_q6_k ? pack_k6_tile : pack_k4_tile, &job, num_tiles);
+  KPackJob job{blocks, tiles.data<uint8_t>(), num_rows, row_bytes, block_bytes,
+               is_q6_k ? kK6SuperBytes : kK4SuperBytes, is_q6_k ? pack_q6_k_row : pack_q4_k_row};
+  run_on_pool(pack_k_tile, &job, num_tiles);
   return tiles;
 }
 

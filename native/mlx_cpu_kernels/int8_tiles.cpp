@@ -70,69 +70,41 @@ inline float k6_scale(const uint8_t* super, int h, int o) {
   return half_to_float(halves[o]) * static_cast<float>(sub_scales[kTileOutputs * h + o]);
 }
 
-// ---------------------------------------------------------------- portable
-
-void tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
-  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
-  const int64_t block_bytes = tile_block_bytes(a.bits), weight_bytes = block_bytes - 4 * kTileOutputs;
-  for (int64_t r = 0; r < a.num_rows; ++r) {
-    const int8_t* xq = x.q_row(r);
-    const float* d = x.d_row(r);
-    const float* xsd = x.xsd_row(r);
-    for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
-      const uint8_t* block = a.quads + n0 / kTileOutputs * tile_bytes(a.num_inputs, a.bits);
-      float lanes[kTileOutputs][kLanes] = {};
-      for (int64_t j = 0; j < num_blocks; ++j, block += block_bytes) {
-        const auto* halves = reinterpret_cast<const uint16_t*>(block + weight_bytes);
-        for (int o = 0; o < kTileOutputs; ++o) {
-          int32_t isum = 0;
-          for (int t = 0; t < kInt8BlockInputs; ++t) isum += tile_weight(block, o, t, a.bits) * xq[j * 32 + t];
-          const float p = d[j] * static_cast<float>(isum);
-          float& lane = lanes[o][j % kLanes];
-          lane = std::fma(half_to_float(halves[o]), p, lane);
-          lane = std::fma(half_to_float(halves[kTileOutputs + o]), xsd[j], lane);
-        }
-      }
-      for (int o = 0; o < std::min<int64_t>(kTileOutputs, end - n0); ++o) {
-        a.y[r * a.num_outputs + n0 + o] = (lanes[o][0] + lanes[o][1]) + (lanes[o][2] + lanes[o][3]);
-      }
-    }
-  }
-}
-
 // Block i (0-7) of a K-tile super-block's output o: scale d * sc and bias -dmin * m, exact in float32.
-inline void k4_scale_and_bias(const uint8_t* super, int i, int o, float* scale, float* bias) {
+struct ScaleBias {
+  float scale, bias;
+};
+
+inline ScaleBias k4_scale_and_bias(const uint8_t* super, int i, int o) {
   const auto* halves = reinterpret_cast<const uint16_t*>(super);
   const uint8_t* sub_scales = super + 4 * kTileOutputs;
   const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
-  *scale = half_to_float(halves[o]) * static_cast<float>(sub_scales[kTileOutputs * i + o]);
-  *bias = -half_to_float(halves[kTileOutputs + o]) * static_cast<float>(sub_mins[kTileOutputs * i + o]);
+  return {half_to_float(halves[o]) * static_cast<float>(sub_scales[kTileOutputs * i + o]),
+          -half_to_float(halves[kTileOutputs + o]) * static_cast<float>(sub_mins[kTileOutputs * i + o])};
 }
 
-// The K6-tile layout's walk: per block each sub-block's integer sum less 32 times x's sum there,
-// then p = d_j * float(that) and fma(d * sc, p, lane), sub-block a's then b's, into lane j % 4.
-void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
-  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
+// ---------------------------------------------------------------- portable
+
+// A row's integer dot of output o with block j's 32 (or, from `first`, `count`) inputs; q(o, t)
+// reads weight t of the block.
+template <typename Weight>
+int32_t block_dot(const int8_t* xq, int64_t j, int o, int first, int count, Weight q) {
+  int32_t isum = 0;
+  for (int t = first; t < first + count; ++t) isum += q(o, t) * xq[j * kInt8BlockInputs + t];
+  return isum;
+}
+
+// The portable walks' frame: every row of every tile, a tile's 16 outputs in four lanes each;
+// add_block(r, tile, j, o, lane) adds block j's float steps for output o of row r into lane j % 4.
+template <typename AddBlock>
+void walk_tiles_portable(const QmmArgs& a, int64_t begin, int64_t end, AddBlock add_block) {
+  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs, stride = tile_bytes(a.num_inputs, a.bits);
   for (int64_t r = 0; r < a.num_rows; ++r) {
-    const int8_t* xq = x.q_row(r);
-    const float* d = x.d_row(r);
-    const int32_t* x_sums = x.half_sums_row(r);
     for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
-      const uint8_t* super = a.quads + n0 / kTileOutputs * num_supers * kK6SuperBytes;
+      const uint8_t* tile = a.quads + n0 / kTileOutputs * stride;
       float lanes[kTileOutputs][kLanes] = {};
-      for (int64_t s = 0; s < num_supers; ++s, super += kK6SuperBytes) {
-        for (int i = 0; i < kBlocksPerSuper; ++i) {
-          const int64_t j = s * kBlocksPerSuper + i;
-          for (int o = 0; o < kTileOutputs; ++o) {
-            float& lane = lanes[o][j % kLanes];
-            for (int h = 0; h < 2; ++h) {
-              int32_t isum = 0;
-              for (int t = 16 * h; t < 16 * h + 16; ++t) isum += k6_weight(k6_block(super, i), o, t) * xq[j * 32 + t];
-              const float p = d[j] * static_cast<float>(isum - 32 * x_sums[2 * j + h]);
-              lane = std::fma(k6_scale(super, 2 * i + h, o), p, lane);
-            }
-          }
-        }
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        for (int o = 0; o < kTileOutputs; ++o) add_block(r, tile, j, o, lanes[o][j % kLanes]);
       }
       for (int o = 0; o < std::min<int64_t>(kTileOutputs, end - n0); ++o) {
         a.y[r * a.num_outputs + n0 + o] = (lanes[o][0] + lanes[o][1]) + (lanes[o][2] + lanes[o][3]);
@@ -141,38 +113,44 @@ void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, 
   }
 }
 
-// tiles_portable over the K-tile layout: the same integer sums and float steps, per block
-// the scale and bias k4_scale_and_bias makes.
+// The 4- and 8-bit tiles: p = d_j * float(isum), then fma(s, p, lane) and fma(b, xsd_j, lane).
+void tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  const int64_t block_bytes = tile_block_bytes(a.bits), weight_bytes = block_bytes - 4 * kTileOutputs;
+  walk_tiles_portable(a, begin, end, [&](int64_t r, const uint8_t* tile, int64_t j, int o, float& lane) {
+    const uint8_t* block = tile + j * block_bytes;
+    const auto* halves = reinterpret_cast<const uint16_t*>(block + weight_bytes);
+    const auto q = [&](int oo, int t) { return tile_weight(block, oo, t, a.bits); };
+    const float p = x.d_row(r)[j] * static_cast<float>(block_dot(x.q_row(r), j, o, 0, kInt8BlockInputs, q));
+    lane = std::fma(half_to_float(halves[o]), p, lane);
+    lane = std::fma(half_to_float(halves[kTileOutputs + o]), x.xsd_row(r)[j], lane);
+  });
+}
+
+// The K-tiles: the 4-bit tiles' steps with scale d * sc and bias -dmin * m, exact in float32.
 void k4_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
-  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
-  for (int64_t r = 0; r < a.num_rows; ++r) {
-    const int8_t* xq = x.q_row(r);
-    const float* d = x.d_row(r);
-    const float* xsd = x.xsd_row(r);
-    for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
-      const uint8_t* super = a.quads + n0 / kTileOutputs * num_supers * kK4SuperBytes;
-      float lanes[kTileOutputs][kLanes] = {};
-      for (int64_t s = 0; s < num_supers; ++s, super += kK4SuperBytes) {
-        for (int i = 0; i < kBlocksPerSuper; ++i) {
-          const int64_t j = s * kBlocksPerSuper + i;
-          const uint8_t* block = k4_block(super, i);
-          for (int o = 0; o < kTileOutputs; ++o) {
-            int32_t isum = 0;
-            for (int t = 0; t < kInt8BlockInputs; ++t) isum += tile_weight(block, o, t, 4) * xq[j * 32 + t];
-            float scale, bias;
-            k4_scale_and_bias(super, i, o, &scale, &bias);
-            const float p = d[j] * static_cast<float>(isum);
-            float& lane = lanes[o][j % kLanes];
-            lane = std::fma(scale, p, lane);
-            lane = std::fma(bias, xsd[j], lane);
-          }
-        }
-      }
-      for (int o = 0; o < std::min<int64_t>(kTileOutputs, end - n0); ++o) {
-        a.y[r * a.num_outputs + n0 + o] = (lanes[o][0] + lanes[o][1]) + (lanes[o][2] + lanes[o][3]);
-      }
+  walk_tiles_portable(a, begin, end, [&](int64_t r, const uint8_t* tile, int64_t j, int o, float& lane) {
+    const uint8_t* super = tile + j / kBlocksPerSuper * kK4SuperBytes;
+    const int i = static_cast<int>(j % kBlocksPerSuper);
+    const ScaleBias sb = k4_scale_and_bias(super, i, o);
+    const auto q = [&](int oo, int t) { return tile_weight(k4_block(super, i), oo, t, 4); };
+    const float p = x.d_row(r)[j] * static_cast<float>(block_dot(x.q_row(r), j, o, 0, kInt8BlockInputs, q));
+    lane = std::fma(sb.scale, p, lane);
+    lane = std::fma(sb.bias, x.xsd_row(r)[j], lane);
+  });
+}
+
+// The K6-tiles: per block each sub-block's integer sum less 32 times x's sum there, then
+// p = d_j * float(that) and fma(d * sc, p, lane), sub-block a's then b's.
+void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  walk_tiles_portable(a, begin, end, [&](int64_t r, const uint8_t* tile, int64_t j, int o, float& lane) {
+    const uint8_t* super = tile + j / kBlocksPerSuper * kK6SuperBytes;
+    const int i = static_cast<int>(j % kBlocksPerSuper);
+    const auto q = [&](int oo, int t) { return k6_weight(k6_block(super, i), oo, t); };
+    for (int h = 0; h < 2; ++h) {
+      const int32_t isum = block_dot(x.q_row(r), j, o, 16 * h, 16, q) - 32 * x.half_sums_row(r)[2 * j + h];
+      lane = std::fma(k6_scale(super, 2 * i + h, o), x.d_row(r)[j] * static_cast<float>(isum), lane);
     }
-  }
+  });
 }
 
 #if GMLX_X86
@@ -205,6 +183,18 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_vectors(const 
     pair[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
   } else {
     pair[0] = v;
+  }
+}
+
+// A tile's outputs [n0, min(n0 + 16, end)) of rows [r0, r0 + kRows): each row's four lanes summed
+// as (lane0 + lane1) + (lane2 + lane3).
+template <int kRows>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void store_tile_rows(const QmmArgs& a, int64_t r0, int64_t n0,
+                                                                          int64_t end, __m512 (*lanes)[kLanes]) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
+    _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
   }
 }
 
@@ -307,10 +297,7 @@ GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int
   const RowsOf<kRows> rows(x, r0);
   const uint8_t* block = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kBits);
   for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
-    __m512 lanes[kRows][kLanes];
-    for (int r = 0; r < kRows; ++r) {
-      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
-    }
+    __m512 lanes[kRows][kLanes] = {};  // +0.0f each
     int64_t j = 0;
     for (; j + kLanes <= num_blocks; j += kLanes, block += kLanes * kBlockBytes) {
       prefetch_ahead(block, kLanes * kBlockBytes, prefetch_bytes);
@@ -324,47 +311,26 @@ GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int
     if (num_left > 1) tile_block_avx512<kBits, kRows, 1>(block + kBlockBytes, j + 1, rows, lanes);
     if (num_left > 2) tile_block_avx512<kBits, kRows, 2>(block + 2 * kBlockBytes, j + 2, rows, lanes);
     block += num_left * kBlockBytes;
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
-      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
-    }
+    store_tile_rows<kRows>(a, r0, n0, end, lanes);
   }
 }
 
-// tiles_avx512 over the K-tile layout: a super-block's d and -dmin read once for its eight blocks.
+// A K-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin read once.
 template <int kRows>
-GMLX_AVX512_VNNI void k4_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
-                                      int64_t r0) {
-  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
-  const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kK4SuperBytes / kBlocksPerSuper : 0;
-  const RowsOf<kRows> rows(x, r0);
-  const uint8_t* super = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kK4Bits);
-  for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
-    __m512 lanes[kRows][kLanes];
-    for (int r = 0; r < kRows; ++r) {
-      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
-    }
-    for (int64_t j = 0; j < num_supers * kBlocksPerSuper; j += kBlocksPerSuper, super += kK4SuperBytes) {
-      prefetch_ahead(super, kK4SuperBytes, prefetch_bytes);
-      const auto* halves = reinterpret_cast<const __m256i*>(super);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
-      const __m512 neg_dmin = _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)));
-      k4_block_avx512<kRows, 0>(super, 0, j, d, neg_dmin, rows, lanes);
-      k4_block_avx512<kRows, 1>(super, 1, j + 1, d, neg_dmin, rows, lanes);
-      k4_block_avx512<kRows, 2>(super, 2, j + 2, d, neg_dmin, rows, lanes);
-      k4_block_avx512<kRows, 3>(super, 3, j + 3, d, neg_dmin, rows, lanes);
-      k4_block_avx512<kRows, 0>(super, 4, j + 4, d, neg_dmin, rows, lanes);
-      k4_block_avx512<kRows, 1>(super, 5, j + 5, d, neg_dmin, rows, lanes);
-      k4_block_avx512<kRows, 2>(super, 6, j + 6, d, neg_dmin, rows, lanes);
-      k4_block_avx512<kRows, 3>(super, 7, j + 7, d, neg_dmin, rows, lanes);
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
-      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
-    }
-  }
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_super_avx512(const uint8_t* super, int64_t j,
+                                                                          const RowsOf<kRows>& x,
+                                                                          __m512 (*lanes)[kLanes]) {
+  const auto* halves = reinterpret_cast<const __m256i*>(super);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 neg_dmin = _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)));
+  k4_block_avx512<kRows, 0>(super, 0, j, d, neg_dmin, x, lanes);
+  k4_block_avx512<kRows, 1>(super, 1, j + 1, d, neg_dmin, x, lanes);
+  k4_block_avx512<kRows, 2>(super, 2, j + 2, d, neg_dmin, x, lanes);
+  k4_block_avx512<kRows, 3>(super, 3, j + 3, d, neg_dmin, x, lanes);
+  k4_block_avx512<kRows, 0>(super, 4, j + 4, d, neg_dmin, x, lanes);
+  k4_block_avx512<kRows, 1>(super, 5, j + 5, d, neg_dmin, x, lanes);
+  k4_block_avx512<kRows, 2>(super, 6, j + 6, d, neg_dmin, x, lanes);
+  k4_block_avx512<kRows, 3>(super, 7, j + 7, d, neg_dmin, x, lanes);
 }
 
 // A K6 block's weight vectors 4h..4h+3 (sub-block h) summed against kRows rows' x, less 32 times
@@ -372,9 +338,7 @@ GMLX_AVX512_VNNI void k4_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, 
 // last 128 bytes (vector i's at bits 2 (i % 4) of the 64 bytes i / 4), moved to bits 4-5.
 template <int kRows>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(const uint8_t* block, int h, int64_t j,
-                                                                             const RowsOf<kRows>& x,
-                                                                             const int32_t* const* x_sums,
-                                                                             __m512i* isums) {
+                                                                             const RowsOf<kRows>& x, __m512i* isums) {
   const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   const __m512i high = _mm512_loadu_si512(block + kBlockWeightBytes4 + 64 * h);
   const __m512i tops[4] = {_mm512_and_si512(_mm512_slli_epi16(high, 4), top),
@@ -400,7 +364,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
   for (int r = 0; r < kRows; ++r) {
     __m512i sum = partial[r][0];  // integer adds: exact in any order
     for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, partial[r][c]);
-    isums[r] = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * x_sums[r][2 * j + h]));
+    isums[r] = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * x.half_sums[r][2 * j + h]));
   }
 }
 
@@ -408,11 +372,10 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
 template <int kRows, int kLane>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(const uint8_t* super, int i, int64_t j,
                                                                           __m512 d, const RowsOf<kRows>& x,
-                                                                          const int32_t* const* x_sums,
                                                                           __m512 (*lanes)[kLanes]) {
   for (int h = 0; h < 2; ++h) {
     __m512i isums[kRows];
-    k6_sub_block_isums<kRows>(k6_block(super, i), h, j, x, x_sums, isums);
+    k6_sub_block_isums<kRows>(k6_block(super, i), h, j, x, isums);
     const auto* sub_scales = reinterpret_cast<const __m128i*>(super + 2 * kTileOutputs + kTileOutputs * (2 * i + h));
     const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sub_scales))));
     for (int r = 0; r < kRows; ++r) {
@@ -422,48 +385,50 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(cons
   }
 }
 
-// tiles_avx512 over the K6-tile layout.
+// A K6-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d read once.
 template <int kRows>
-GMLX_AVX512_VNNI void k6_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
-                                      int64_t r0) {
-  const int64_t num_supers = a.num_inputs / kSuperBlockInputs;
-  const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kK6BlockBytes : 0;
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(const uint8_t* super, int64_t j,
+                                                                          const RowsOf<kRows>& x,
+                                                                          __m512 (*lanes)[kLanes]) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
+  k6_block_avx512<kRows, 0>(super, 0, j, d, x, lanes);
+  k6_block_avx512<kRows, 1>(super, 1, j + 1, d, x, lanes);
+  k6_block_avx512<kRows, 2>(super, 2, j + 2, d, x, lanes);
+  k6_block_avx512<kRows, 3>(super, 3, j + 3, d, x, lanes);
+  k6_block_avx512<kRows, 0>(super, 4, j + 4, d, x, lanes);
+  k6_block_avx512<kRows, 1>(super, 5, j + 5, d, x, lanes);
+  k6_block_avx512<kRows, 2>(super, 6, j + 6, d, x, lanes);
+  k6_block_avx512<kRows, 3>(super, 7, j + 7, d, x, lanes);
+}
+
+// tiles_avx512 over a K layout (kBits kK4Bits or kK6Bits), a super-block of eight blocks a step.
+template <int kBits, int kRows>
+GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
+                                     int64_t r0) {
+  constexpr int64_t kSuperBytes = kBits == kK4Bits ? kK4SuperBytes : kK6SuperBytes;
+  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
+  const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kSuperBytes / kBlocksPerSuper : 0;
   const RowsOf<kRows> rows(x, r0);
-  const int32_t* x_sums[kRows];  // each block's half sums of x (quantize_rows)
-  for (int r = 0; r < kRows; ++r) x_sums[r] = x.half_sums_row(r0 + r);
-  const uint8_t* super = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kK6Bits);
+  const uint8_t* super = a.quads + begin / kTileOutputs * tile_bytes(a.num_inputs, kBits);
   for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
-    __m512 lanes[kRows][kLanes];
-    for (int r = 0; r < kRows; ++r) {
-      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
+    __m512 lanes[kRows][kLanes] = {};  // +0.0f each
+    for (int64_t j = 0; j < num_blocks; j += kBlocksPerSuper, super += kSuperBytes) {
+      prefetch_ahead(super, kSuperBytes, prefetch_bytes);
+      if constexpr (kBits == kK4Bits) {
+        k4_super_avx512<kRows>(super, j, rows, lanes);
+      } else {
+        k6_super_avx512<kRows>(super, j, rows, lanes);
+      }
     }
-    for (int64_t j = 0; j < num_supers * kBlocksPerSuper; j += kBlocksPerSuper, super += kK6SuperBytes) {
-      prefetch_ahead(super, kK6SuperBytes, prefetch_bytes);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
-      k6_block_avx512<kRows, 0>(super, 0, j, d, rows, x_sums, lanes);
-      k6_block_avx512<kRows, 1>(super, 1, j + 1, d, rows, x_sums, lanes);
-      k6_block_avx512<kRows, 2>(super, 2, j + 2, d, rows, x_sums, lanes);
-      k6_block_avx512<kRows, 3>(super, 3, j + 3, d, rows, x_sums, lanes);
-      k6_block_avx512<kRows, 0>(super, 4, j + 4, d, rows, x_sums, lanes);
-      k6_block_avx512<kRows, 1>(super, 5, j + 5, d, rows, x_sums, lanes);
-      k6_block_avx512<kRows, 2>(super, 6, j + 6, d, rows, x_sums, lanes);
-      k6_block_avx512<kRows, 3>(super, 7, j + 7, d, rows, x_sums, lanes);
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
-      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
-    }
+    store_tile_rows<kRows>(a, r0, n0, end, lanes);
   }
 }
 
 template <int kBits, int kRows>
 struct Avx512TileWalk {
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
-    if constexpr (kBits == kK4Bits) {
-      k4_tiles_avx512<kRows>(a, x, begin, end, r0);
-    } else if constexpr (kBits == kK6Bits) {
-      k6_tiles_avx512<kRows>(a, x, begin, end, r0);
+    if constexpr (kBits == kK4Bits || kBits == kK6Bits) {
+      k_tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
     } else {
       tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
     }
@@ -783,10 +748,7 @@ GMLX_AMX void tiles_amx(const QmmArgs& a, const QuantizedRows& x, int64_t begin,
   }
   int64_t g = 0;  // blocks of this call so far: the unpack ring's index
   for (int64_t n0 = begin; n0 < end; n0 += kTileOutputs) {
-    __m512 lanes[kRows][kLanes];
-    for (int r = 0; r < kRows; ++r) {
-      for (int k = 0; k < kLanes; ++k) lanes[r][k] = _mm512_setzero_ps();
-    }
+    __m512 lanes[kRows][kLanes] = {};  // +0.0f each
     int64_t j = 0;
     for (; j + kLanes <= num_blocks; j += kLanes, block += kLanes * kBlockBytes, g += kLanes) {
       prefetch_ahead(block, kLanes * kBlockBytes, prefetch_bytes);
@@ -819,11 +781,7 @@ GMLX_AMX void tiles_amx(const QmmArgs& a, const QuantizedRows& x, int64_t begin,
     }
     block += num_left * kBlockBytes;
     g += num_left;
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTileOutputs, end - n0)) - 1);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 y = _mm512_add_ps(_mm512_add_ps(lanes[r][0], lanes[r][1]), _mm512_add_ps(lanes[r][2], lanes[r][3]));
-      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.num_outputs + n0, valid, y);
-    }
+    store_tile_rows<kRows>(a, r0, n0, end, lanes);
   }
   _tile_release();  // the thread's tile state back to init: context switches save none of it
 }
@@ -947,10 +905,9 @@ void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, fl
     const uint8_t* super = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);
     for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += kK4SuperBytes) {
       for (int i = 0; i < kBlocksPerSuper; ++i) {
-        float scale, bias;
-        k4_scale_and_bias(super, i, o, &scale, &bias);
+        const ScaleBias sb = k4_scale_and_bias(super, i, o);
         for (int t = 0; t < kInt8BlockInputs; ++t) {
-          y[j0 + i * kInt8BlockInputs + t] = scale * static_cast<float>(tile_weight(k4_block(super, i), o, t, 4)) + bias;
+          y[j0 + i * kInt8BlockInputs + t] = sb.scale * static_cast<float>(tile_weight(k4_block(super, i), o, t, 4)) + sb.bias;
         }
       }
     }
