@@ -124,8 +124,9 @@ constexpr int64_t kK4SuperBytes = kK4HeaderBytes + kTileOutputs * kSuperBlockInp
 // 16 sub-block scales (sub-block major), 288 bytes; then per 32-input block a 4-bit tile block's
 // weight vectors holding q's low 4 bits and 128 bytes of its top 2 (vector i's at bits 2 (i % 4) of
 // the 64 bytes i / 4). 0.82 bytes a weight, where Q6_K requantized to 8 bits took 1.125. Each
-// block's two sub-blocks sum apart: p = d_j * float(sum(q x) - 32 sum(x)) and fma(d * sc, p, lane),
-// sub-block a's then b's, exact Q6_K values. Packed from a GGUF's Q6_K blocks (pack_q6_k_tiles).
+// block's two sub-blocks sum apart, A and B = sum(q x) - 32 sum(x), then with s = d * sc (exact):
+// t = fma(s_a, float(A), s_b * float(B)) and fma(d_j, t, lane). Exact Q6_K values. Packed from a
+// GGUF's Q6_K blocks (pack_k_quant_tiles).
 constexpr int kK6Bits = 262;  // super-blocks of 256, 6 bits
 constexpr int64_t kSubBlockInputs = 16;
 constexpr int64_t kK6HeaderBytes = 2 * kTileOutputs + kTileOutputs * (kSuperBlockInputs / kSubBlockInputs);

@@ -139,17 +139,18 @@ void k4_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, 
   });
 }
 
-// The K6-tiles: per block each sub-block's integer sum less 32 times x's sum there, then
-// p = d_j * float(that) and fma(d * sc, p, lane), sub-block a's then b's.
+// The K6-tiles: per block each sub-block's integer sum less 32 times x's sum there (A, B), then
+// t = fma(s_a, float(A), s_b * float(B)) with s = d * sc, and fma(d_j, t, lane).
 void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
   walk_tiles_portable(a, begin, end, [&](int64_t r, const uint8_t* tile, int64_t j, int o, float& lane) {
     const uint8_t* super = tile + j / kBlocksPerSuper * kK6SuperBytes;
     const int i = static_cast<int>(j % kBlocksPerSuper);
     const auto q = [&](int oo, int t) { return k6_weight(k6_block(super, i), oo, t); };
-    for (int h = 0; h < 2; ++h) {
-      const int32_t isum = block_dot(x.q_row(r), j, o, 16 * h, 16, q) - 32 * x.half_sums_row(r)[2 * j + h];
-      lane = std::fma(k6_scale(super, 2 * i + h, o), x.d_row(r)[j] * static_cast<float>(isum), lane);
-    }
+    int32_t isums[2];
+    for (int h = 0; h < 2; ++h) isums[h] = block_dot(x.q_row(r), j, o, 16 * h, 16, q) - 32 * x.half_sums_row(r)[2 * j + h];
+    const float t = std::fma(k6_scale(super, 2 * i, o), static_cast<float>(isums[0]),
+                             k6_scale(super, 2 * i + 1, o) * static_cast<float>(isums[1]));
+    lane = std::fma(x.d_row(r)[j], t, lane);
   });
 }
 
@@ -333,9 +334,10 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_super_avx512(cons
   k4_block_avx512<kRows, 3>(super, 7, j + 7, d, neg_dmin, x, lanes);
 }
 
-// A K6 block's weight vectors 4h..4h+3 (sub-block h) summed against kRows rows' x, less 32 times
-// x's sum there (quantize_rows's half sums): the low nibbles as a 4-bit tile's, each byte's top 2 bits from the block's
-// last 128 bytes (vector i's at bits 2 (i % 4) of the 64 bytes i / 4), moved to bits 4-5.
+// A K6 block's sub-block h (weight vectors 4h..4h+3) summed against kRows rows' x, less 32 times
+// x's sum there (quantize_rows's half sums, the chains' start): each vector's low nibbles as a
+// 4-bit tile's, its top 2 bits (bits 2 (i % 4) of the block's high bytes i / 4) moved to bits 4-5
+// and merged in by one ternary-logic op.
 template <int kRows>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(const uint8_t* block, int h, int64_t j,
                                                                              const RowsOf<kRows>& x, __m512i* isums) {
@@ -345,14 +347,17 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
                            _mm512_and_si512(_mm512_slli_epi16(high, 2), top), _mm512_and_si512(high, top),
                            _mm512_and_si512(_mm512_srli_epi16(high, 2), top)};
   constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  constexpr int kSelectNibble = 0xD8;  // c ? b : a, bit by bit: a = tops, b = the nibbles' byte, c = 0x0F
   __m512i partial[kRows][kChains];
   for (int r = 0; r < kRows; ++r) {
-    for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+    partial[r][0] = _mm512_set1_epi32(-32 * x.half_sums[r][2 * j + h]);
+    for (int c = 1; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
   }
   for (int t = 2 * h; t < 2 * h + 2; ++t) {  // 64 bytes of nibbles: vectors 2t (low) and 2t + 1 (high)
     const __m512i v = _mm512_loadu_si512(block + 64 * t);
-    const __m512i pair[2] = {_mm512_or_si512(_mm512_and_si512(v, nibble), tops[(2 * t) % 4]),
-                             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), tops[(2 * t + 1) % 4])};
+    const __m512i pair[2] = {_mm512_ternarylogic_epi32(tops[(2 * t) % 4], v, nibble, kSelectNibble),
+                             _mm512_ternarylogic_epi32(tops[(2 * t + 1) % 4], _mm512_srli_epi16(v, 4), nibble,
+                                                       kSelectNibble)};
     for (int r = 0; r < kRows; ++r) {
       const int8_t* xq = x.q[r] + j * kInt8BlockInputs;
       for (int e = 0; e < 2; ++e) {
@@ -362,26 +367,28 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    __m512i sum = partial[r][0];  // integer adds: exact in any order
-    for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, partial[r][c]);
-    isums[r] = _mm512_sub_epi32(sum, _mm512_set1_epi32(32 * x.half_sums[r][2 * j + h]));
+    isums[r] = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
   }
 }
 
-// Block i of a K6-tile super-block (block j of the row) for kRows rows into lane kLane.
+// Block i of a K6-tile super-block (block j of the row) for kRows rows into lane kLane: with A and B
+// its sub-blocks' sums, t = s_b * float(B), t = fma(s_a, float(A), t), then fma(d_j, t, lane).
 template <int kRows, int kLane>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(const uint8_t* super, int i, int64_t j,
                                                                           __m512 d, const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
+  __m512i sums[2][kRows];
+  __m512 scales[2];
   for (int h = 0; h < 2; ++h) {
-    __m512i isums[kRows];
-    k6_sub_block_isums<kRows>(k6_block(super, i), h, j, x, isums);
+    k6_sub_block_isums<kRows>(k6_block(super, i), h, j, x, sums[h]);
     const auto* sub_scales = reinterpret_cast<const __m128i*>(super + 2 * kTileOutputs + kTileOutputs * (2 * i + h));
-    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sub_scales))));
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x.d[r][j]), _mm512_cvtepi32_ps(isums[r]));
-      lanes[r][kLane] = _mm512_fmadd_ps(s, p, lanes[r][kLane]);
-    }
+    scales[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sub_scales))));
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 t = _mm512_fmadd_ps(scales[0], _mm512_cvtepi32_ps(sums[0][r]),
+                                     _mm512_mul_ps(scales[1], _mm512_cvtepi32_ps(sums[1][r])));
+    lanes[r][kLane] = _mm512_fmadd_ps(_mm512_set1_ps(x.d[r][j]), t, lanes[r][kLane]);
   }
 }
 
