@@ -188,6 +188,14 @@ def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_
         cpu_kernels.quantized_matmul_quads(x, k_tiles, 17, cpu_kernels.K4_BITS)
 
 
+def test_doctor_line_names_the_k_tiles(ext):
+    ext.set_tile_layout(True)
+    expected = "Q4_K and Q6_K" if ext.has_avx512_vnni() else "Q4_K"
+    assert f"GGUF {expected} as K-tiles (GMLX_CPU_K_TILES)" in cpu_kernels.format_status(cpu_kernels.status())
+    with env_overrides({"GMLX_CPU_K_TILES": "0"}):
+        assert "no K-tiles" in cpu_kernels.format_status(cpu_kernels.status())
+
+
 # Q6_K among the Q4_K matrices as a Q4_K_M file has them: some layers' v and down, and the output head.
 Q6_K_TENSORS = ("blk.0.ffn_down.weight", "blk.1.attn_v.weight", "output.weight")
 

@@ -306,6 +306,8 @@ def status() -> dict:
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
+                      k_tiles=[kind for kind in ("Q4_K", "Q6_K")
+                               if config.is_k_tile_layout_enabled() and k_tile_bits(kind) is not None],
                       tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
                       panel_prefetch_bytes=ext.panel_prefetch_bytes() if hasattr(ext, "panel_prefetch_bytes") else 0,
                       fused_layers=config.is_fused_layers_enabled() and hasattr(ext, "mlp_block"),
@@ -328,6 +330,8 @@ def format_status(report: dict) -> str:
                   + (f"prefetched {ahead} blocks ahead" if ahead else "no software prefetch"))
         if report.get("has_amx"):
             layout += ", wide products on AMX (GMLX_CPU_AMX)" if report.get("amx") else ", AMX off (GMLX_CPU_AMX=0)"
+        kinds = report.get("k_tiles")
+        layout += f", GGUF {' and '.join(kinds)} as K-tiles (GMLX_CPU_K_TILES)" if kinds else ", no K-tiles"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"

@@ -266,20 +266,41 @@ void pack_q4_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   }
 }
 
-// A Q6_K block into the K6-tile layout: d, the int8 sub-block scales, and value v's 6-bit level
-// as q6_k_values reads it, its low 4 bits where a 4-bit tile keeps a level, its top 2 in the
-// block's last 128 bytes.
+// A Q6_K block into the K6-tile layout: d, the int8 sub-block scales, and the 6-bit levels (as
+// q6_k_values reads them) a dword at a time: per block, tile vector v's low nibbles where a 4-bit
+// tile keeps a level, its top 2 bits at bits 2 (v % 4) of the block's high bytes v / 4.
 void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   std::memcpy(super + 2 * o, block + 208, 2);  // d
   for (int h = 0; h < kBlockValues / 16; ++h) super[2 * kTileOutputs + kTileOutputs * h + o] = block[192 + h];
-  for (int v = 0; v < kBlockValues; ++v) {
-    const int half = v / 128, quarter = v % 128 / 32, l = v % 32;
-    const int low = (block[64 * half + 32 * (quarter % 2) + l] >> (quarter < 2 ? 0 : 4)) & 0x0F;
-    const int high = (block[128 + 32 * half + l] >> (2 * quarter)) & 3;
-    const int i = v % kGroup / 4, k = v % 4;  // the weight vector of the block, the byte of its dword o
-    uint8_t* weights = super + kK6HeaderBytes + v / kGroup * kK6BlockBytes;
-    weights[64 * (i / 2) + 4 * o + k] |= static_cast<uint8_t>(low << (4 * (i % 2)));
-    weights[kTileOutputs * kGroup / 2 + 64 * (i / 4) + 4 * o + k] |= static_cast<uint8_t>(high << (2 * (i % 4)));
+  uint8_t levels[kBlockValues];
+  for (int half = 0; half < 2; ++half) {
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      const uint8_t* low = block + 64 * half + 32 * (quarter % 2);
+      const uint8_t* high = block + 128 + 32 * half;
+      const int low_shift = quarter < 2 ? 0 : 4, high_shift = 2 * quarter;
+      for (int l = 0; l < 32; ++l) {
+        levels[128 * half + 32 * quarter + l] =
+            static_cast<uint8_t>(((low[l] >> low_shift) & 0x0F) | (((high[l] >> high_shift) & 3) << 4));
+      }
+    }
+  }
+  for (int i = 0; i < kBlockValues / kGroup; ++i) {
+    const uint8_t* q = levels + kGroup * i;
+    uint8_t* weights = super + kK6HeaderBytes + i * kK6BlockBytes;
+    for (int t = 0; t < 4; ++t) {  // vectors 2t and 2t + 1: inputs 8t.. in low nibbles, 8t + 4.. in high ones
+      uint32_t word = 0;
+      for (int k = 0; k < 4; ++k) word |= static_cast<uint32_t>((q[8 * t + k] & 0x0F) | ((q[8 * t + 4 + k] & 0x0F) << 4)) << (8 * k);
+      std::memcpy(weights + 64 * t + 4 * o, &word, sizeof(word));
+    }
+    for (int u = 0; u < 2; ++u) {  // vectors 4u..4u + 3's top bits
+      uint32_t word = 0;
+      for (int k = 0; k < 4; ++k) {
+        const int byte = (q[16 * u + k] >> 4) | ((q[16 * u + 4 + k] >> 4) << 2) | ((q[16 * u + 8 + k] >> 4) << 4) |
+                         ((q[16 * u + 12 + k] >> 4) << 6);
+        word |= static_cast<uint32_t>(byte) << (8 * k);
+      }
+      std::memcpy(weights + kTileOutputs * kGroup / 2 + 64 * u + 4 * o, &word, sizeof(word));
+    }
   }
 }
 
