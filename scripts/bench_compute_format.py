@@ -23,8 +23,8 @@ float32 activations; int8: activations quantized per 32 inputs, integer dots), s
 where the attention over the KV cache, not the weights, sets much of a step's cost.
 --kv loads each format once per GMLX_KV_DTYPE setting (model: the computed float32; float16: halves;
 auto, the default: halves where the products quantize activations to int8).
---k-tiles loads the quantized format once per GMLX_CPU_K_TILES setting (1: Q4_K matrices as K-tiles
-with Q4_K's own scales; 0: as 4-bit tiles from float16-rounded ones). --no-float32 skips the float32
+--k-tiles loads the quantized format once per GMLX_CPU_K_TILES setting (1: Q4_K and Q6_K matrices as
+K-tiles with their own scales; 0: as tiles from their triplets). --no-float32 skips the float32
 engine (a large file's float32 copy may not fit in memory); ratios are then to the first engine.
 """
 

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gguf_support import random_blocks, write_gguf_from_folder
-from kernel_support import check_schedules_with_drafter, ext, requires_kernels, supported_isas  # noqa: F401 (ext: a fixture)
+from kernel_support import ext  # noqa: F401 (a fixture)
+from kernel_support import check_schedules_with_drafter, requires_kernels, supported_isas
 from gmlx.config import env_overrides
 from gmlx.models import gguf_blocks
 from gmlx.models.loader import load_model
@@ -186,6 +187,29 @@ def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_
         cpu_kernels.quantized_matmul_quads(mx.ones((1, 288)), k_tiles, 16, cpu_kernels.K4_BITS)
     with pytest.raises(ValueError, match="must be the uint8 layout of 17 outputs x 256 inputs"):
         cpu_kernels.quantized_matmul_quads(x, k_tiles, 17, cpu_kernels.K4_BITS)
+
+
+@pytest.mark.parametrize("is_own_blocks", [True, False])
+def test_a_k_tile_is_probed_against_its_triplets_at_load(is_own_blocks, ext, caplog):
+    """A module's K-tiles are packed only where their product matches its own triplets' within the
+    int8 path's tolerance (blocks of another matrix are refused by the probe, with a warning)."""
+    import mlx.nn as nn
+
+    from gmlx.platform.cpu_quantized import float16_groups, use_cpu_kernels
+
+    blocks = q4_k_blocks(48, 512, seed=5, is_float16_exact=False)
+    w, scales, biases = triplets_of(blocks)
+    model = nn.Sequential(nn.QuantizedLinear(512, 48, bias=False, group_size=32, bits=4))
+    module = model.layers[0]
+    module.weight, module.scales, module.biases = w, scales, biases
+    halves = float16_groups(model)
+    model.set_dtype(mx.float32)
+    given = blocks if is_own_blocks else q4_k_blocks(48, 512, seed=6, is_float16_exact=False)
+    ext.set_tile_layout(True)
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):
+        assert use_cpu_kernels(model, None, halves, {id(module): (module, "Q4_K", given)}) == 1
+    assert module.layout_bits == (cpu_kernels.K4_BITS if is_own_blocks else 4)
+    assert ("K-tiles off for Q4_K" in caplog.text) != is_own_blocks
 
 
 def test_doctor_line_names_the_k_tiles(ext):

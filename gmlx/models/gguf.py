@@ -12,11 +12,11 @@ tensors stay as stored and the rest become float16.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import re
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

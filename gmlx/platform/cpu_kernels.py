@@ -67,7 +67,7 @@ def _load() -> tuple[ModuleType | None, str]:
         return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
     layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS, ext.K6_BITS)
     if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS, K6_BITS):
-        return None, "built with another float32 panel layout than this gmlx (reinstall to rebuild)"
+        return None, "built with other weight layouts (float32 panels, K-tiles) than this gmlx (reinstall to rebuild)"
     isa = config.cpu_kernels_isa()
     if isa is not None:
         ext.set_isa(isa)  # ValueError naming the ISA when this CPU lacks it

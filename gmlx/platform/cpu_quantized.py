@@ -162,26 +162,48 @@ def input_dims(module: nn.Module) -> int:
     return module.num_inputs if "quads" in module else module["weight"].shape[1] * 32 // module.bits
 
 
-def _k_tile_bits(module: nn.Module, k_blocks: tuple | None) -> int | None:
+def _k_tile_bits(module: nn.Module, k_blocks: tuple | None, probes: dict) -> int | None:
     """The K-tile layout this module's weights can be kept in from its GGUF blocks (k_blocks: (kind,
-    rows x bytes), None where it has none), as the kernels name it; else None."""
+    rows x bytes), None where it has none), as the kernels name it; else None. probes: each kind and
+    shape's probe result so far (one probe a kind and shape, as for the triplets' kernels)."""
     if k_blocks is None or not config.is_k_tile_layout_enabled():
         return None
     kind, blocks = k_blocks
     bits, num_inputs = cpu_kernels.k_tile_bits(kind), input_dims(module)
-    is_whole = (module.bits == _K_QUANT_TRIPLET_BITS.get(kind) and num_inputs % K_QUANT_BLOCK_VALUES == 0
-                and blocks.shape == (output_dims(module), num_inputs // K_QUANT_BLOCK_VALUES * K_QUANT_BLOCK_BYTES[kind]))
-    return bits if is_whole else None
+    if bits is None or module.bits != _K_QUANT_TRIPLET_BITS[kind] or num_inputs % K_QUANT_BLOCK_VALUES:
+        return None
+    if blocks.shape != (output_dims(module), num_inputs // K_QUANT_BLOCK_VALUES * K_QUANT_BLOCK_BYTES[kind]):
+        return None
+    key = (kind, blocks.shape)
+    if key not in probes:
+        probes[key] = _is_k_tile_close(module, kind, blocks, bits)
+        if not probes[key]:
+            logger.warning("K-tiles off for %s %s matrices: their product is not within %.0e of the triplets'",
+                           kind, blocks.shape, cpu_kernels.INT8_ACTIVATIONS_RTOL)
+    return bits if probes[key] else None
 
 
-def _store_quads(module: nn.Module, k_blocks: tuple | None = None) -> None:
+def _is_k_tile_close(module: nn.Module, kind: str, blocks, bits: int) -> bool:
+    """Does the K-tile product of the blocks' first _PROBE_OUTPUTS rows match x @ the module's
+    dequantized triplets (the file's values within float16's rounding of a scale, or half an 8-bit
+    level) within the int8 path's tolerance?"""
+    rows = blocks[:_PROBE_OUTPUTS]
+    w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
+    weight = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=module.group_size,
+                           bits=module.bits)  # (out, K)
+    x = mx.random.normal((1, 3, weight.shape[1]), key=mx.random.key(weight.shape[1]))  # (B, T, K)
+    got = cpu_kernels.quantized_matmul_quads(x, cpu_kernels.pack_k_quant_tiles(rows, kind), rows.shape[0], bits)
+    return cpu_kernels.is_close_to(got, x @ weight.T, cpu_kernels.INT8_ACTIVATIONS_RTOL)
+
+
+def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dict | None = None) -> None:
     """Keep an int8-activation module's weights in the kernels' quad layout only: one stream per
     product instead of twelve (4 rows of weights, scales, biases), 1.1-2x faster from DRAM (3x
     SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout. k_blocks: the
     module's GGUF Q4_K or Q6_K blocks, (kind, rows x bytes), packed as K-tiles where _k_tile_bits
-    says so: the file's own values in fewer bytes than the triplets' layout."""
+    says so: the file's own values in fewer bytes than the triplets' layout (k_probes: its probes)."""
+    k_bits = _k_tile_bits(module, k_blocks, {} if k_probes is None else k_probes)
     module.num_outputs, module.num_inputs = output_dims(module), input_dims(module)
-    k_bits = _k_tile_bits(module, k_blocks)
     if k_bits is not None:
         module.quads, module.layout_bits = cpu_kernels.pack_k_quant_tiles(k_blocks[1], k_blocks[0]), k_bits
     else:
@@ -218,13 +240,13 @@ def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dic
             return 0
     int8_modules = [m for m in modules if _takes_int8(m, head)]
     is_int8 = _can_quantize_activations(int8_modules)
-    num_quads = 0
+    num_quads, k_probes = 0, {}
     for module in modules:
         module.__class__ = _SWAPS[type(module)]
         module.is_int8_activations = is_int8 and _takes_int8(module, head)
         entry = (k_quant_blocks or {}).pop(id(module), None)
         if module.is_int8_activations and _store_half_groups(module, halves or {}) and config.is_quad_layout_enabled():
-            _store_quads(module, entry[1:] if entry else None)
+            _store_quads(module, entry[1:] if entry else None, k_probes)
             num_quads += 1
     if is_int8:
         logger.info("CPU kernels: %d modules quantize their activations to int8 (GMLX_CPU_QUANT_ACTIVATIONS), "
