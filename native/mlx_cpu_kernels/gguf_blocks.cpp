@@ -289,7 +289,9 @@ void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
     uint8_t* weights = super + kK6HeaderBytes + i * kK6BlockBytes;
     for (int t = 0; t < 4; ++t) {  // vectors 2t and 2t + 1: inputs 8t.. in low nibbles, 8t + 4.. in high ones
       uint32_t word = 0;
-      for (int k = 0; k < 4; ++k) word |= static_cast<uint32_t>((q[8 * t + k] & 0x0F) | ((q[8 * t + 4 + k] & 0x0F) << 4)) << (8 * k);
+      for (int k = 0; k < 4; ++k) {
+        word |= static_cast<uint32_t>((q[8 * t + k] & 0x0F) | ((q[8 * t + 4 + k] & 0x0F) << 4)) << (8 * k);
+      }
       std::memcpy(weights + 64 * t + 4 * o, &word, sizeof(word));
     }
     for (int u = 0; u < 2; ++u) {  // vectors 4u..4u + 3's top bits

@@ -760,7 +760,7 @@ void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_in
   rows.q.resize(num_rows * rows.padded_inputs);
   rows.d.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
   rows.xsd.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
-  rows.half_sums.resize(num_rows * rows.padded_inputs / 16);
+  rows.half_sums.resize(num_rows * 2 * rows.padded_inputs / kInt8BlockInputs);
 }
 
 namespace {

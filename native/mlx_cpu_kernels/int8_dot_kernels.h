@@ -33,9 +33,9 @@ struct QuantizedRows {
   std::vector<int8_t> q;  // (num_rows, padded_inputs)
   std::vector<float> d;  // (num_rows, padded_inputs / 32)
   std::vector<float> xsd;  // (num_rows, padded_inputs / 32)
-  std::vector<int32_t> half_sums;  // (num_rows, padded_inputs / 16): sum(q) of each block's halves (K6-tiles)
+  std::vector<int32_t> half_sums;  // (num_rows, 2 * padded_inputs / 32): sum(q) of each block's halves (K6-tiles)
   const int8_t* q_row(int64_t r) const { return q.data() + r * padded_inputs; }
-  const int32_t* half_sums_row(int64_t r) const { return half_sums.data() + r * (padded_inputs / 16); }
+  const int32_t* half_sums_row(int64_t r) const { return half_sums.data() + r * 2 * padded_inputs / kInt8BlockInputs; }
   const float* d_row(int64_t r) const { return d.data() + r * (padded_inputs / kInt8BlockInputs); }
   const float* xsd_row(int64_t r) const { return xsd.data() + r * (padded_inputs / kInt8BlockInputs); }
 };
@@ -114,7 +114,7 @@ constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockI
 // as bytes (320 bytes), then the eight blocks' weights as a 4-bit tile's. 0.578 bytes a weight
 // against 0.625. Block j's scale is d * sc and its bias -dmin * m, exact in float32, so each
 // block runs a 4-bit tile's float steps on those: where both are float16 values the bits are a
-// 4-bit tile's. Packed from a GGUF's Q4_K blocks (pack_q4_k_tiles), under the tile layout only.
+// 4-bit tile's. Packed from a GGUF's Q4_K blocks (pack_k_quant_tiles), under the tile layout only.
 constexpr int kK4Bits = 260;  // a layout tag beside 4 and 8: K-quant super-blocks of 256, 4 bits
 constexpr int64_t kSuperBlockInputs = 256;
 constexpr int64_t kK4HeaderBytes = 2 * kTileOutputs * 2 + 2 * kTileOutputs * (kSuperBlockInputs / kInt8BlockInputs);

@@ -147,7 +147,9 @@ void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, 
     const int i = static_cast<int>(j % kBlocksPerSuper);
     const auto q = [&](int oo, int t) { return k6_weight(k6_block(super, i), oo, t); };
     int32_t isums[2];
-    for (int h = 0; h < 2; ++h) isums[h] = block_dot(x.q_row(r), j, o, 16 * h, 16, q) - 32 * x.half_sums_row(r)[2 * j + h];
+    for (int h = 0; h < 2; ++h) {
+      isums[h] = block_dot(x.q_row(r), j, o, 16 * h, 16, q) - 32 * x.half_sums_row(r)[2 * j + h];
+    }
     const float t = std::fma(k6_scale(super, 2 * i, o), static_cast<float>(isums[0]),
                              k6_scale(super, 2 * i + 1, o) * static_cast<float>(isums[1]));
     lane = std::fma(x.d_row(r)[j], t, lane);
@@ -624,7 +626,9 @@ GMLX_AVX2_F16C void k4_tiles_avx2(const QmmArgs& a, const QuantizedRows& x, int6
       }
     }
     const int num_valid = static_cast<int>(std::min<int64_t>(kTileOutputs, end - n0));
-    for (int r = 0; r < kRows; ++r) std::memcpy(a.y + (r0 + r) * a.num_outputs + n0, values[r], num_valid * sizeof(float));
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(a.y + (r0 + r) * a.num_outputs + n0, values[r], num_valid * sizeof(float));
+    }
   }
 }
 
@@ -914,7 +918,8 @@ void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, fl
       for (int i = 0; i < kBlocksPerSuper; ++i) {
         const ScaleBias sb = k4_scale_and_bias(super, i, o);
         for (int t = 0; t < kInt8BlockInputs; ++t) {
-          y[j0 + i * kInt8BlockInputs + t] = sb.scale * static_cast<float>(tile_weight(k4_block(super, i), o, t, 4)) + sb.bias;
+          const int q = tile_weight(k4_block(super, i), o, t, 4);
+          y[j0 + i * kInt8BlockInputs + t] = sb.scale * static_cast<float>(q) + sb.bias;
         }
       }
     }

@@ -23,7 +23,8 @@ struct RowsOf {
   const int32_t* half_sums[kRows];
   RowsOf(const QuantizedRows& x, int64_t r0) {
     for (int r = 0; r < kRows; ++r) {
-      q[r] = x.q_row(r0 + r), d[r] = x.d_row(r0 + r), xsd[r] = x.xsd_row(r0 + r), half_sums[r] = x.half_sums_row(r0 + r);
+      q[r] = x.q_row(r0 + r), d[r] = x.d_row(r0 + r), xsd[r] = x.xsd_row(r0 + r);
+      half_sums[r] = x.half_sums_row(r0 + r);
     }
   }
 };
