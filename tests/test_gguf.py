@@ -199,6 +199,29 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, ext):
 
 
 @pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
+@pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_lazy_triplets_are_the_decoders_values_and_outlive_the_files_other_readers(kind, tmp_path):
+    # The loader's lazy nodes read the file through a mapping of their own: written, read lazily,
+    # the file then deleted and every Python handle dropped, they still decode the decoder's values.
+    from gmlx.models import gguf_blocks
+    from gguf_support import random_blocks
+
+    blocks = random_blocks((37, 512), gguf.GGMLQuantizationType[kind], seed=3)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"header" + blocks.tobytes())
+    lazy = gguf_blocks.lazy_native_triplets("m.weight", kind, path, 6, blocks)
+    expected = gguf_blocks.native_triplets("m.weight", kind, blocks)
+    path.unlink()
+    for name in ("m.weight", "m.scales", "m.biases"):
+        assert lazy[name].dtype == expected[name].dtype and mx.array_equal(lazy[name], expected[name]).item(), name
+    (tmp_path / "short.bin").write_bytes(bytes(100))
+    with pytest.raises(ValueError, match="rows past the end"):
+        cpu_kernels.extension().lazy_gguf_triplets(str(tmp_path / "short.bin"), 0, 1, 144, "Q4_K")
+    with pytest.raises(ValueError, match="cannot read"):
+        cpu_kernels.extension().lazy_gguf_triplets(str(tmp_path / "absent.bin"), 0, 1, 144, "Q4_K")
+
+
 def test_the_extensions_decoder_refuses_bytes_that_are_not_whole_blocks_of_its_kinds():
     decode = cpu_kernels.extension().decode_gguf_blocks
     with pytest.raises(ValueError, match=r"\(rows, 144 x blocks\) uint8 for Q4_K"):

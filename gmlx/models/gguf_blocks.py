@@ -107,6 +107,21 @@ def native_triplets(name: str, kind: str, blocks: np.ndarray) -> dict | None:
     return _named(name, weight, scales, biases)
 
 
+def lazy_native_triplets(name: str, kind: str, path, offset: int, blocks: np.ndarray) -> dict | None:
+    """native_triplets of a matrix whose blocks lie at byte `offset` of the file at `path` (blocks: its
+    rows there), as lazy graph nodes the extension decodes when they are evaluated: a matrix the CPU
+    kernels pack from its blocks (K-tiles) is then never decoded (an 8B Q4_K_M load: ~3 s). None as
+    native_triplets says."""
+    from gmlx.platform import cpu_kernels
+
+    if kind not in _NATIVE_KINDS or not cpu_kernels.is_available():
+        return None
+    _check_rows(name, blocks)
+    weight, scales, biases = cpu_kernels.extension().lazy_gguf_triplets(str(path), offset, blocks.shape[0],
+                                                                        blocks.shape[1], kind)
+    return _named(name, weight, scales, biases)
+
+
 def _triplets(name: str, data: np.ndarray, decode) -> dict:
     """A matrix's module weight, scales and biases from its rows' data, decode(rows) giving the
     three for a slice of them. Slices of ~_SLICE_BYTES keep numpy's temporaries in cache: whole

@@ -72,6 +72,10 @@ NB_MODULE(_cpu_kernels, m) {
       "GGUF Q4_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as MLX triplets "
       "[weight, scales, biases] (4 and 8 bits, group 32), decoded now: gguf_blocks.py's numpy decoders, "
       "operation for operation");
+  m.def("lazy_gguf_triplets", &gmlx_kernels::lazy_gguf_triplets, "path"_a, "offset"_a, "num_rows"_a, "row_bytes"_a,
+        "kind"_a,
+        "decode_gguf_blocks's triplets of a file's Q4_K or Q6_K rows at a byte offset, as lazy nodes: decoded "
+        "when evaluated (the file mapped while they live)");
   m.def(
       "pack_k_quant_tiles",
       [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks, const std::string& kind) {

@@ -2,10 +2,18 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "attention_job.h"
 #include "huge_pages.h"
 #include "int8_dot_kernels.h"
@@ -330,23 +338,33 @@ mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t ro
   return tiles;
 }
 
-std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes,
-                                          const std::string& kind) {
-  if (kind != "Q4_K" && kind != "Q6_K") {
-    throw std::invalid_argument("decode_gguf_blocks: kind " + kind + ": expected Q4_K or Q6_K");
-  }
+namespace {
+
+// The triplets' shapes and types for num_rows rows of row_bytes bytes of `kind` blocks; refuses other kinds and sizes.
+struct TripletShapes {
+  bool is_q6_k;
+  int64_t num_blocks;
+  std::vector<mx::Shape> shapes;
+};
+
+TripletShapes triplet_shapes(int64_t num_rows, int64_t row_bytes, const std::string& kind, const std::string& who) {
+  if (kind != "Q4_K" && kind != "Q6_K") throw std::invalid_argument(who + ": kind " + kind + ": expected Q4_K or Q6_K");
   const bool is_q6_k = kind == "Q6_K";
   const int64_t block_bytes = is_q6_k ? kQ6KBytes : kQ4KBytes;
   if (num_rows < 0 || row_bytes <= 0 || row_bytes % block_bytes != 0) {
-    throw std::invalid_argument("decode_gguf_blocks: blocks must be (rows, " + std::to_string(block_bytes) +
+    throw std::invalid_argument(who + ": blocks must be (rows, " + std::to_string(block_bytes) +
                                 " x blocks) uint8 for " + kind);
   }
   const int64_t num_blocks = row_bytes / block_bytes, words = num_blocks * (is_q6_k ? 64 : 32), groups = num_blocks * 8;
-  const mx::Shape weight_shape{static_cast<int>(num_rows), static_cast<int>(words)};
   const mx::Shape groups_shape{static_cast<int>(num_rows), static_cast<int>(groups)};
-  mx::array weight(mx::allocator::malloc(num_rows * words * 4), weight_shape, mx::uint32);
-  mx::array scales(mx::allocator::malloc(num_rows * groups * 2), groups_shape, mx::float16);
-  mx::array biases(mx::allocator::malloc(num_rows * groups * 2), groups_shape, mx::float16);
+  return {is_q6_k, num_blocks, {{static_cast<int>(num_rows), static_cast<int>(words)}, groups_shape, groups_shape}};
+}
+
+const std::vector<mx::Dtype> kTripletTypes = {mx::uint32, mx::float16, mx::float16};
+
+// Decodes num_rows rows of blocks into the three triplet arrays (allocated, not yet written).
+void decode_into(const uint8_t* blocks, int64_t num_rows, int64_t num_blocks, bool is_q6_k, mx::array& weight,
+                 mx::array& scales, mx::array& biases) {
   DecodeJob job{blocks, weight.data<uint8_t>(), reinterpret_cast<uint16_t*>(scales.data<mx::float16_t>()),
                 reinterpret_cast<uint16_t*>(biases.data<mx::float16_t>()), num_blocks, is_q6_k,
                 kernels_isa() != Isa::kPortable};
@@ -354,7 +372,85 @@ std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_row
   // 8B-shaped Q4_K_M load 8.9-11.7 s with the advice, 12.2-14.1 s without (3 pairs).
   for (auto* out : {&weight, &scales, &biases}) advise_huge_pages(out->data<uint8_t>(), out->nbytes());
   run_on_pool(decode_row, &job, num_rows);
-  return {weight, scales, biases};
+}
+
+std::mutex g_mapped_mutex;
+std::map<std::string, std::weak_ptr<const MappedFile>> g_mapped;  // path -> its mapping while any node lives
+
+}  // namespace
+
+struct MappedFile {
+  const uint8_t* data = nullptr;
+  int64_t num_bytes = 0;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  explicit MappedFile(const std::string& path) {
+    const int fd = open(path.c_str(), O_RDONLY);
+    struct stat info{};
+    if (fd < 0 || fstat(fd, &info) != 0 || info.st_size <= 0) {
+      if (fd >= 0) close(fd);
+      throw std::invalid_argument("lazy_gguf_triplets: cannot read " + path);
+    }
+    void* mapped = mmap(nullptr, info.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);  // the mapping keeps the file
+    if (mapped == MAP_FAILED) throw std::invalid_argument("lazy_gguf_triplets: cannot map " + path);
+    data = static_cast<const uint8_t*>(mapped), num_bytes = info.st_size;
+  }
+  ~MappedFile() { munmap(const_cast<uint8_t*>(data), num_bytes); }
+};
+
+std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes,
+                                          const std::string& kind) {
+  const TripletShapes t = triplet_shapes(num_rows, row_bytes, kind, "decode_gguf_blocks");
+  std::vector<mx::array> out;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t num_bytes = t.shapes[i][0] * static_cast<int64_t>(t.shapes[i][1]) * mx::size_of(kTripletTypes[i]);
+    out.emplace_back(mx::allocator::malloc(num_bytes), t.shapes[i], kTripletTypes[i]);
+  }
+  decode_into(blocks, num_rows, t.num_blocks, t.is_q6_k, out[0], out[1], out[2]);
+  return out;
+}
+
+std::vector<mx::array> lazy_gguf_triplets(const std::string& path, int64_t offset, int64_t num_rows, int64_t row_bytes,
+                                          const std::string& kind) {
+  const TripletShapes t = triplet_shapes(num_rows, row_bytes, kind, "lazy_gguf_triplets");
+  std::shared_ptr<const MappedFile> file;
+  {
+    std::lock_guard<std::mutex> lock(g_mapped_mutex);
+    file = g_mapped[path].lock();
+    if (file == nullptr) g_mapped[path] = file = std::make_shared<const MappedFile>(path);
+  }
+  if (offset < 0 || offset + num_rows * row_bytes > file->num_bytes) {
+    throw std::invalid_argument("lazy_gguf_triplets: rows past the end of " + path);
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays(t.shapes, kTripletTypes,
+                                std::make_shared<DecodeMappedBlocks>(s, file, offset, num_rows, row_bytes, t.is_q6_k),
+                                {});
+}
+
+void DecodeMappedBlocks::eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& y : outputs) {
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    encoder.set_output_array(y);
+  }
+  encoder.dispatch([file = file_, blocks = file_->data + offset_, num_rows = num_rows_,
+                    num_blocks = row_bytes_ / (is_q6_k_ ? kQ6KBytes : kQ4KBytes), is_q6_k = is_q6_k_,
+                    weight = mx::array::unsafe_weak_copy(outputs[0]), scales = mx::array::unsafe_weak_copy(outputs[1]),
+                    biases = mx::array::unsafe_weak_copy(outputs[2])]() mutable {
+    decode_into(blocks, num_rows, num_blocks, is_q6_k, weight, scales, biases);
+  });
+}
+
+void DecodeMappedBlocks::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("GmlxDecodeMappedBlocks runs on the CPU only");
+}
+
+bool DecodeMappedBlocks::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DecodeMappedBlocks&>(other);
+  return file_ == o.file_ && offset_ == o.offset_ && num_rows_ == o.num_rows_ && row_bytes_ == o.row_bytes_ &&
+         is_q6_k_ == o.is_q6_k_;
 }
 
 }  // namespace gmlx_kernels

@@ -8,7 +8,10 @@
 #include <string>
 #include <vector>
 
+#include <memory>
+
 #include "mlx/array.h"
+#include "mlx/primitives.h"
 
 namespace gmlx_kernels {
 
@@ -25,5 +28,32 @@ std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_row
 // the pool: Q4_K into the K-tile layout (int8_dot_kernels.h: kK4Bits), Q6_K into the K6-tile one
 // (kK6Bits). Under the tile layout only.
 mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes, const std::string& kind);
+
+// A file mapped read-only for as long as a node that reads it lives (shared by the nodes of one path).
+struct MappedFile;
+
+// decode_gguf_blocks's triplets of the num_rows rows of `kind` blocks at byte `offset` of the file
+// at `path`, as lazy graph nodes: decoded when evaluated, never where nothing evaluates them (a
+// matrix the CPU kernels pack from its blocks as K-tiles). The file stays mapped while they live.
+std::vector<mx::array> lazy_gguf_triplets(const std::string& path, int64_t offset, int64_t num_rows, int64_t row_bytes,
+                                          const std::string& kind);
+
+class DecodeMappedBlocks : public mx::Primitive {
+ public:
+  DecodeMappedBlocks(mx::Stream stream, std::shared_ptr<const MappedFile> file, int64_t offset, int64_t num_rows,
+                     int64_t row_bytes, bool is_q6_k)
+      : mx::Primitive(stream), file_(std::move(file)), offset_(offset), num_rows_(num_rows), row_bytes_(row_bytes),
+        is_q6_k_(is_q6_k) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxDecodeMappedBlocks"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  std::shared_ptr<const MappedFile> file_;
+  int64_t offset_, num_rows_, row_bytes_;
+  bool is_q6_k_;  // else Q4_K
+};
 
 }  // namespace gmlx_kernels
