@@ -417,6 +417,7 @@ std::vector<mx::array> lazy_gguf_triplets(const std::string& path, int64_t offse
   std::shared_ptr<const MappedFile> file;
   {
     std::lock_guard<std::mutex> lock(g_mapped_mutex);
+    for (auto it = g_mapped.begin(); it != g_mapped.end();) it = it->second.expired() ? g_mapped.erase(it) : ++it;
     file = g_mapped[path].lock();
     if (file == nullptr) g_mapped[path] = file = std::make_shared<const MappedFile>(path);
   }
