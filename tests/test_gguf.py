@@ -210,7 +210,7 @@ def test_lazy_triplets_are_the_decoders_values_and_outlive_the_files_other_reade
     blocks = random_blocks((37, 512), gguf.GGMLQuantizationType[kind], seed=3)
     path = tmp_path / "blocks.bin"
     path.write_bytes(b"header" + blocks.tobytes())
-    lazy = gguf_blocks.lazy_native_triplets("m.weight", kind, path, 6, blocks)
+    lazy = gguf_blocks.native_triplets("m.weight", kind, blocks, location=(path, 6))
     expected = gguf_blocks.native_triplets("m.weight", kind, blocks)
     path.unlink()
     for name in ("m.weight", "m.scales", "m.biases"):

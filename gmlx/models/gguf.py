@@ -138,8 +138,8 @@ def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dic
         data = _tensor_data(mapped, tensor)
         dequantize = functools.partial(_dequantized, path, tensor.name, gguf.GGMLQuantizationType[tensor.kind])
         if tensor.kind not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
-            lazy = gguf_blocks.lazy_native_triplets(tensor.name, tensor.kind, path, tensor.offset, data)
-            weights.update(lazy or gguf_blocks.matrix_triplets(tensor.name, tensor.kind, data, dequantize))
+            weights.update(gguf_blocks.matrix_triplets(tensor.name, tensor.kind, data, dequantize,
+                                                       location=(path, tensor.offset)))
             if tensor.kind in ("Q4_K", "Q6_K"):
                 k_quant_blocks[tensor.name] = (tensor.kind, data)
         else:

@@ -38,12 +38,12 @@ def is_read_from_blocks(kind: str) -> bool:
     return kind in _READ_BLOCKS
 
 
-def matrix_triplets(name: str, kind: str, data: np.ndarray, dequantize) -> dict:
+def matrix_triplets(name: str, kind: str, data: np.ndarray, dequantize, location: tuple | None = None) -> dict:
     """A quantized matrix's blocks (bytes, rows x blocks per row) of type `kind` as its module's
-    MLX triplets: in the CPU extension where it decodes the kind (native_triplets), else from the
-    blocks' bytes where they are affine grids (block_triplets), else requantized from
-    dequantize(rows)'s values."""
-    triplets = native_triplets(name, kind, data)
+    MLX triplets: in the CPU extension where it decodes the kind (native_triplets; lazily where
+    `location`, (path, byte offset), says where the blocks lie in a file), else from the blocks'
+    bytes where they are affine grids (block_triplets), else requantized from dequantize(rows)'s values."""
+    triplets = native_triplets(name, kind, data, location)
     if triplets is not None:
         return triplets
     if is_read_from_blocks(kind):
@@ -91,35 +91,25 @@ def requantized(name: str, data: np.ndarray, dequantize=np.asarray) -> dict:
     return _triplets(name, data, decode)
 
 
-def native_triplets(name: str, kind: str, blocks: np.ndarray) -> dict | None:
+def native_triplets(name: str, kind: str, blocks: np.ndarray, location: tuple | None = None) -> dict | None:
     """A Q4_K or Q6_K matrix's blocks (bytes, rows x blocks per row) decoded in the CPU extension,
     as block_triplets (Q4_K) and requantized from the gguf package's values (Q6_K) decode them in
     numpy: the same values, read where they lie (no copy), at ~0.3 ns a Q4_K value and ~1.2 a
-    Q6_K one on a 2-core Zen 4 (numpy's: 1.2 and 6-7). None for other kinds or where the
-    extension is not available (numpy's, then)."""
+    Q6_K one on a 2-core Zen 4 (numpy's: 1.2 and 6-7). With `location`, (path, byte offset) of
+    the blocks in their file, as lazy graph nodes decoded when evaluated: a matrix the CPU kernels
+    pack from its blocks (K-tiles) is then never decoded (an 8B Q4_K_M load: ~3 s). None for other
+    kinds or where the extension is not available (numpy's, then)."""
     from gmlx.platform import cpu_kernels
 
     if kind not in _NATIVE_KINDS or not cpu_kernels.is_available():
         return None
     _check_rows(name, blocks)
+    ext = cpu_kernels.extension()
+    if location is not None:
+        path, offset = location
+        return _named(name, *ext.lazy_gguf_triplets(str(path), offset, blocks.shape[0], blocks.shape[1], kind))
     # The bytes where they lie (the file's mapping): no copy of them into mlx first.
-    weight, scales, biases = cpu_kernels.extension().decode_gguf_blocks(np.ascontiguousarray(blocks), kind)
-    return _named(name, weight, scales, biases)
-
-
-def lazy_native_triplets(name: str, kind: str, path, offset: int, blocks: np.ndarray) -> dict | None:
-    """native_triplets of a matrix whose blocks lie at byte `offset` of the file at `path` (blocks: its
-    rows there), as lazy graph nodes the extension decodes when they are evaluated: a matrix the CPU
-    kernels pack from its blocks (K-tiles) is then never decoded (an 8B Q4_K_M load: ~3 s). None as
-    native_triplets says."""
-    from gmlx.platform import cpu_kernels
-
-    if kind not in _NATIVE_KINDS or not cpu_kernels.is_available():
-        return None
-    _check_rows(name, blocks)
-    weight, scales, biases = cpu_kernels.extension().lazy_gguf_triplets(str(path), offset, blocks.shape[0],
-                                                                        blocks.shape[1], kind)
-    return _named(name, weight, scales, biases)
+    return _named(name, *ext.decode_gguf_blocks(np.ascontiguousarray(blocks), kind))
 
 
 def _triplets(name: str, data: np.ndarray, decode) -> dict:

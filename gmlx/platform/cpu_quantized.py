@@ -90,16 +90,24 @@ def _is_swappable(module: nn.Module) -> bool:
             and module["scales"].dtype == mx.float32 and biases.dtype == mx.float32)
 
 
-def _is_close(module: nn.Module, int8_activations: bool) -> bool:
-    """Does the kernel match dequantize + float32 matmul on a probe for this module? Its first
-    _PROBE_OUTPUTS outputs: the kernels' paths for its shape, without a large head's floats
-    (an 8B model's: 2 GB)."""
+def _probe_reference(module: nn.Module) -> tuple[mx.array, mx.array]:
+    """A probe's input x (1, 3, K) and x @ the module's first _PROBE_OUTPUTS dequantized rows in
+    float32 (its scales float16 or float32: the same values): the kernels' paths for its shape,
+    without a large head's floats (an 8B model's: 2 GB)."""
     w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
-    weight = mx.dequantize(w, scales, biases, group_size=module.group_size, bits=module.bits)  # (out, K)
+    weight = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=module.group_size,
+                           bits=module.bits)  # (out, K)
     x = mx.random.normal((1, 3, weight.shape[1]), key=mx.random.key(weight.shape[1]))  # (B, T, K)
+    return x, x @ weight.T
+
+
+def _is_close(module: nn.Module, int8_activations: bool) -> bool:
+    """Does the kernel match dequantize + float32 matmul on a probe for this module?"""
+    x, expected = _probe_reference(module)
+    w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
     tolerance = cpu_kernels.INT8_ACTIVATIONS_RTOL if int8_activations else _PROBE_RTOL
     got = cpu_kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits, int8_activations)
-    return cpu_kernels.is_close_to(got, x @ weight.T, tolerance)
+    return cpu_kernels.is_close_to(got, expected, tolerance)
 
 
 def _takes_int8(module: nn.Module, head: nn.Module | None) -> bool:
@@ -188,12 +196,9 @@ def _is_k_tile_close(module: nn.Module, kind: str, blocks, bits: int) -> bool:
     dequantized triplets (the file's values within float16's rounding of a scale, or half an 8-bit
     level) within the int8 path's tolerance?"""
     rows = blocks[:_PROBE_OUTPUTS]
-    w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
-    weight = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=module.group_size,
-                           bits=module.bits)  # (out, K)
-    x = mx.random.normal((1, 3, weight.shape[1]), key=mx.random.key(weight.shape[1]))  # (B, T, K)
+    x, expected = _probe_reference(module)
     got = cpu_kernels.quantized_matmul_quads(x, cpu_kernels.pack_k_quant_tiles(rows, kind), rows.shape[0], bits)
-    return cpu_kernels.is_close_to(got, x @ weight.T, cpu_kernels.INT8_ACTIVATIONS_RTOL)
+    return cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
 
 
 def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dict | None = None) -> None:
