@@ -1,7 +1,7 @@
-"""The K-tile layouts (int8_dot_kernels.h: kK4Bits, kK6Bits): a GGUF's Q4_K and Q6_K matrices in
-the tile kernels with their own scales and levels. Products against the 4-bit tiles' bits and the
-exact values, at every row count, thread count and ISA; lookups; refusals; and a K-quant file
-served with them: speculative and batched output equal plain decoding."""
+"""The K-tile layouts (int8_dot_kernels.h: kK4Bits, kK5Bits, kK6Bits): a GGUF's Q4_K, Q5_K and Q6_K
+matrices in the tile kernels with their own scales and levels. Products against the triplet tiles'
+bits and the exact values, at every row count, thread count and ISA; lookups; refusals; and a
+K-quant file served with them: speculative and batched output equal plain decoding."""
 
 import gguf
 import mlx.core as mx
@@ -21,15 +21,17 @@ from gmlx.platform.cpu_quantized import K_QUANT_BLOCK_BYTES, K_QUANT_BLOCK_VALUE
 
 pytestmark = requires_kernels
 
-Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
-Q4_K_BLOCK_BYTES, Q4_K_BLOCK_VALUES = K_QUANT_BLOCK_BYTES["Q4_K"], K_QUANT_BLOCK_VALUES
-BITS = {"Q4_K": cpu_kernels.K4_BITS, "Q6_K": cpu_kernels.K6_BITS}
+Q4_K, Q5_K, Q6_K = (gguf.GGMLQuantizationType[kind] for kind in ("Q4_K", "Q5_K", "Q6_K"))
+BITS = cpu_kernels.K_TILE_KINDS
+TRIPLET_BITS = {"Q4_K": 4, "Q5_K": 8}  # the bits of the triplets Q4_K and Q5_K load as
 
 
-def q4_k_blocks(num_outputs: int, num_inputs: int, seed: int, is_float16_exact: bool) -> np.ndarray:
-    """Random Q4_K rows (bytes, rows x blocks). is_float16_exact: d and dmin powers of two, so every
-    d * sc and dmin * m is a float16 value (the 4-bit tiles' scales are then the very same)."""
-    blocks = random_blocks((num_outputs, num_inputs), Q4_K, seed=seed).reshape(num_outputs, -1, Q4_K_BLOCK_BYTES)
+def q4_k_blocks(num_outputs: int, num_inputs: int, seed: int, is_float16_exact: bool, kind: str = "Q4_K") -> np.ndarray:
+    """Random Q4_K (or Q5_K) rows (bytes, rows x blocks). is_float16_exact: d and dmin powers of two, so
+    every d * sc and dmin * m is a float16 value (the triplet tiles' scales are then the very same)."""
+    block_bytes = K_QUANT_BLOCK_BYTES[kind]
+    blocks = random_blocks((num_outputs, num_inputs), gguf.GGMLQuantizationType[kind], seed=seed)
+    blocks = blocks.reshape(num_outputs, -1, block_bytes)
     if is_float16_exact:
         rng = np.random.default_rng(seed)
         for at in (0, 2):
@@ -38,15 +40,17 @@ def q4_k_blocks(num_outputs: int, num_inputs: int, seed: int, is_float16_exact: 
     return blocks.reshape(num_outputs, -1)
 
 
-def exact_values(blocks: np.ndarray) -> np.ndarray:
-    """Each weight as (d * sc) * q + (-dmin * m) in float32, the products exact: what a K-tile holds."""
+def exact_values(blocks: np.ndarray, kind: str = "Q4_K") -> np.ndarray:
+    """Each Q4_K (or Q5_K) weight as (d * sc) * q + (-dmin * m) in float32, the products exact: what
+    a K-tile (K5-tile) holds."""
     rows = blocks.shape[0]
-    split = blocks.reshape(rows, -1, Q4_K_BLOCK_BYTES)
+    split = blocks.reshape(rows, -1, K_QUANT_BLOCK_BYTES[kind])
     sub_scales, sub_mins = gguf_blocks._k_scales_and_mins(split[..., 4:16])
     d, dmin = gguf_blocks._half(split, 0).astype(np.float32), gguf_blocks._half(split, 2).astype(np.float32)
     scales, biases = d[..., None] * sub_scales, -dmin[..., None] * sub_mins  # (rows, supers, 8)
-    levels = gguf_blocks._k_levels(split[..., 16:]).astype(np.float32)  # (rows, supers, 8, 32)
-    return (scales[..., None] * levels + biases[..., None]).reshape(rows, -1)
+    # (rows, supers, 8, 32): Q4_K's nibbles; Q5_K's levels as its triplets hold them, a byte each.
+    levels = gguf_blocks._k_levels(split[..., 16:]) if kind == "Q4_K" else gguf_blocks._q5_k(split)[0]
+    return (scales[..., None] * levels.astype(np.float32) + biases[..., None]).reshape(rows, -1)
 
 
 def exact_q6_k_values(blocks: np.ndarray) -> np.ndarray:
@@ -65,12 +69,13 @@ def exact_q6_k_values(blocks: np.ndarray) -> np.ndarray:
     return (scales * levels).reshape(rows, -1)
 
 
-EXACT = {"Q4_K": exact_values, "Q6_K": exact_q6_k_values}
+EXACT = {"Q4_K": exact_values, "Q5_K": lambda blocks: exact_values(blocks, "Q5_K"), "Q6_K": exact_q6_k_values}
 
 
-def triplets_of(blocks: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
-    triplets = gguf_blocks.block_triplets("m.weight", "Q4_K", blocks)
+def triplets_of(blocks: np.ndarray, kind: str = "Q4_K") -> tuple[mx.array, mx.array, mx.array]:
+    triplets = gguf_blocks.block_triplets("m.weight", kind, blocks)
     return triplets["m.weight"], triplets["m.scales"], triplets["m.biases"]
+
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -81,23 +86,25 @@ def triplets_of(blocks: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
     prefetch_blocks=st.sampled_from([-1, 0, 8]),
     amx=st.booleans(),
     seed=st.integers(0, 2**16),
+    kind=st.sampled_from(["Q4_K", "Q5_K"]),
 )
-def test_k_tiles_give_the_4_bit_tiles_bits_where_their_scales_are_float16(num_supers, num_outputs, num_rows,
-                                                                          prefetch_blocks, amx, seed, ext):
-    """Where every d * sc and dmin * m is a float16 value, a K-tile holds the 4-bit tiles' very
-    scales and biases: so its products are the int8 path's bits over the triplets, at every row,
-    thread count, pool split, ISA and prefetch distance (AMX on or off: K-tiles walk on VNNI)."""
-    num_inputs = num_supers * Q4_K_BLOCK_VALUES
-    blocks = q4_k_blocks(num_outputs, num_inputs, seed, is_float16_exact=True)
-    w, scales, biases = triplets_of(blocks)
+def test_k_tiles_give_the_triplet_tiles_bits_where_their_scales_are_float16(num_supers, num_outputs, num_rows,
+                                                                            prefetch_blocks, amx, seed, kind, ext):
+    """Where every d * sc and dmin * m is a float16 value, a K-tile (K5-tile) holds the 4-bit (8-bit)
+    triplet tiles' very scales and biases: so its products are the int8 path's bits over the
+    triplets, at every row, thread count, pool split, ISA and prefetch distance (AMX on or off:
+    K-tiles walk on VNNI)."""
+    num_inputs = num_supers * K_QUANT_BLOCK_VALUES
+    blocks = q4_k_blocks(num_outputs, num_inputs, seed, is_float16_exact=True, kind=kind)
+    w, scales, biases = triplets_of(blocks, kind)
     ext.set_tile_layout(True)
     ext.set_amx(int(amx))
-    k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
-    assert k_tiles.size == ext.quad_layout_bytes(num_outputs, num_inputs, cpu_kernels.K4_BITS)
+    k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, kind)
+    assert k_tiles.size == ext.quad_layout_bytes(num_outputs, num_inputs, BITS[kind])
     x = 3.0 * mx.random.normal((num_rows, num_inputs), key=mx.random.key(seed + 1))  # (M, K)
     ext.set_num_threads(1)
     ext.set_isa("portable")
-    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, 4, int8_activations=True)
+    expected = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, TRIPLET_BITS[kind], int8_activations=True)
     mx.eval(expected)
     ext.set_prefetch_chunks(prefetch_blocks)
     for num_threads, min_pool_macs in ((1, -1), (2, 0), (2, -1)):
@@ -105,20 +112,20 @@ def test_k_tiles_give_the_4_bit_tiles_bits_where_their_scales_are_float16(num_su
         ext.set_min_pool_macs(min_pool_macs)
         for isa in supported_isas(ext):
             ext.set_isa(isa)
-            got = cpu_kernels.quantized_matmul_quads(x, k_tiles, num_outputs, cpu_kernels.K4_BITS)
+            got = cpu_kernels.quantized_matmul_quads(x, k_tiles, num_outputs, BITS[kind])
             assert got.shape == (num_rows, num_outputs) and mx.array_equal(got, expected).item(), (num_threads, isa)
-            alone = cpu_kernels.quantized_matmul_quads(x[-1:], k_tiles, num_outputs, cpu_kernels.K4_BITS)
+            alone = cpu_kernels.quantized_matmul_quads(x[-1:], k_tiles, num_outputs, BITS[kind])
             assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa)
 
 
 def k_quant_blocks(kind: str, num_outputs: int, num_inputs: int, seed: int) -> np.ndarray:
     """Random rows of `kind` with random float16 d (and dmin): products float16 cannot hold."""
-    if kind == "Q4_K":
-        return q4_k_blocks(num_outputs, num_inputs, seed, is_float16_exact=False)
+    if kind in TRIPLET_BITS:
+        return q4_k_blocks(num_outputs, num_inputs, seed, is_float16_exact=False, kind=kind)
     return random_blocks((num_outputs, num_inputs), Q6_K, seed=seed)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("num_outputs, num_supers", [(40, 3), (577, 2), (9, 6)])
 def test_k_tiles_of_any_scales_are_row_and_isa_independent_and_close_to_the_exact_values(kind, num_outputs, num_supers,
                                                                                         ext):
@@ -146,10 +153,10 @@ def test_k_tiles_of_any_scales_are_row_and_isa_independent_and_close_to_the_exac
                 assert mx.array_equal(got, expected[:num_rows]).item(), (num_threads, isa, num_rows)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_tile_lookups_are_the_exact_values(kind, ext):
     """A K-tile row looked up (a tied head's embedding) is the type's value with its scale products
-    exact (Q4_K: (d * sc) * q + (-dmin * m); Q6_K: (d * sc) * (q - 32)); the gguf package's
+    exact (Q4_K, Q5_K: (d * sc) * q + (-dmin * m); Q6_K: (d * sc) * (q - 32)); the gguf package's
     dequantize agrees to float32's rounding."""
     blocks = k_quant_blocks(kind, 37, 512, seed=3)
     ext.set_tile_layout(True)
@@ -170,7 +177,7 @@ def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_
         cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
     assert cpu_kernels.k_tile_bits("Q4_K") is None
     ext.set_tile_layout(True)
-    assert cpu_kernels.k_tile_bits("Q5_K") is None
+    assert cpu_kernels.k_tile_bits("Q3_K") is None
     k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
     x = mx.ones((1, 256))
     ext.set_tile_layout(False)
@@ -181,8 +188,10 @@ def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_
         cpu_kernels.pack_k_quant_tiles(np.zeros((2, 145), dtype=np.uint8), "Q4_K")
     with pytest.raises(ValueError, match=r"\(rows, 210 x blocks\) uint8 for Q6_K"):
         cpu_kernels.pack_k_quant_tiles(np.zeros((2, 144), dtype=np.uint8), "Q6_K")
-    with pytest.raises(ValueError, match="kind Q5_K: expected Q4_K or Q6_K"):
-        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 176), dtype=np.uint8), "Q5_K")
+    with pytest.raises(ValueError, match=r"\(rows, 176 x blocks\) uint8 for Q5_K"):
+        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 144), dtype=np.uint8), "Q5_K")
+    with pytest.raises(ValueError, match="kind Q3_K: expected Q4_K, Q5_K or Q6_K"):
+        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 110), dtype=np.uint8), "Q3_K")
     with pytest.raises(ValueError, match="must be the uint8 layout of 16 outputs x 288 inputs"):
         cpu_kernels.quantized_matmul_quads(mx.ones((1, 288)), k_tiles, 16, cpu_kernels.K4_BITS)
     with pytest.raises(ValueError, match="must be the uint8 layout of 17 outputs x 256 inputs"):
@@ -214,26 +223,29 @@ def test_a_k_tile_is_probed_against_its_triplets_at_load(is_own_blocks, ext, cap
 
 def test_doctor_line_names_the_k_tiles(ext):
     ext.set_tile_layout(True)
-    expected = "Q4_K and Q6_K" if ext.has_avx512_vnni() else "Q4_K"
+    expected = "Q4_K, Q5_K and Q6_K" if ext.has_avx512_vnni() else "Q4_K"
     assert f"GGUF {expected} as K-tiles (GMLX_CPU_K_TILES)" in cpu_kernels.format_status(cpu_kernels.status())
     with env_overrides({"GMLX_CPU_K_TILES": "0"}):
         assert "no K-tiles" in cpu_kernels.format_status(cpu_kernels.status())
 
 
-# Q6_K among the Q4_K matrices as a Q4_K_M file has them: some layers' v and down, and the output head.
+# Q6_K among the Q4_K matrices as a Q4_K_M file has them: some layers' v and down, and the output
+# head; and Q5_K ones, a Q5_K_M file's bulk.
 Q6_K_TENSORS = ("blk.0.ffn_down.weight", "blk.1.attn_v.weight", "output.weight")
+Q5_K_TENSORS = ("blk.0.attn_q.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_down.weight")
 
 
 @pytest.fixture(scope="module")
 def k_quant_target(tmp_path_factory):
-    """A tiny llama whose matrices are Q4_K and Q6_K (widths multiples of 256), as a GGUF, loaded with
-    the tile layout on (Q4_K's K-tiles on any CPU; Q6_K's on VNNI CPUs)."""
+    """A tiny llama whose matrices are Q4_K, Q5_K and Q6_K (widths multiples of 256), as a GGUF, loaded
+    with the tile layout on (Q4_K's K-tiles on any CPU; Q5_K's and Q6_K's on VNNI CPUs)."""
     from conftest import make_random_model_dir
 
     tmp = tmp_path_factory.mktemp("k_quant")
     folder = make_random_model_dir(tmp / "folder", seed=11, hidden_size=256, intermediate_size=512, head_dim=64)
     path = write_gguf_from_folder(folder, tmp / "k_quant.gguf", quant_type=Q4_K,
-                                  types={name: Q6_K for name in Q6_K_TENSORS})
+                                  types={**{name: Q6_K for name in Q6_K_TENSORS},
+                                         **{name: Q5_K for name in Q5_K_TENSORS}})
     ext = cpu_kernels.extension()
     was_tiles = ext.tile_layout()
     ext.set_tile_layout(True)
@@ -243,20 +255,26 @@ def k_quant_target(tmp_path_factory):
         ext.set_tile_layout(was_tiles)
 
 
-def test_a_k_quant_file_keeps_its_q4_k_and_q6_k_products_in_k_tiles_close_to_their_triplets(k_quant_target, ext):
-    """Every Q4_K matrix is a K-tile and (on a VNNI CPU) every Q6_K one a K6-tile, the head and the
-    token table included, the layers fused; the logits are within 2% of the same file packed from its
-    triplets (GMLX_CPU_K_TILES=0: float16-rounded Q4_K scales, Q6_K requantized to 8 bits)."""
+def test_a_k_quant_file_keeps_its_k_quant_products_in_k_tiles_close_to_their_triplets(k_quant_target, ext):
+    """Every Q4_K matrix is a K-tile and (on a VNNI CPU) every Q5_K one a K5-tile and every Q6_K one
+    a K6-tile, the head and the token table included, the layers fused; the logits are within 2% of
+    the same file packed from its triplets (GMLX_CPU_K_TILES=0: float16-rounded Q4_K and Q5_K
+    scales, Q5_K's levels at 8 bits, Q6_K requantized to 8 bits)."""
     from gmlx.platform.cpu_layers import StackedLlamaModel
 
     ext.set_tile_layout(True)
-    q6_k_bits = cpu_kernels.K6_BITS if ext.has_avx512_vnni() else 8
+    is_vnni = ext.has_avx512_vnni()
     modules = dict(k_quant_target.model.named_modules())
-    q6_k_modules = {"model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj", "lm_head"}
+    bits_by_module = {"model.layers.0.mlp.down_proj": cpu_kernels.K6_BITS if is_vnni else 8,
+                      "model.layers.1.self_attn.v_proj": cpu_kernels.K6_BITS if is_vnni else 8,
+                      "lm_head": cpu_kernels.K6_BITS if is_vnni else 8,
+                      "model.layers.0.self_attn.q_proj": cpu_kernels.K5_BITS if is_vnni else 8,
+                      "model.layers.1.mlp.gate_proj": cpu_kernels.K5_BITS if is_vnni else 8,
+                      "model.layers.1.mlp.down_proj": cpu_kernels.K5_BITS if is_vnni else 8}
     products = {name: m for name, m in modules.items() if hasattr(m, "layout_bits")}
     assert len(products) == 2 * 7 + 2  # the layers', the head and the token table (its lookups read K-tiles)
-    assert all(m.layout_bits == (q6_k_bits if name in q6_k_modules else cpu_kernels.K4_BITS)
-               for name, m in products.items())
+    assert {name: m.layout_bits for name, m in products.items()} == {
+        name: bits_by_module.get(name, cpu_kernels.K4_BITS) for name in products}
     assert type(k_quant_target.model.model) is StackedLlamaModel
     with env_overrides({"GMLX_CPU_K_TILES": "0"}):
         triplets = load_model(k_quant_target.path)

@@ -60,6 +60,8 @@ _PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": 
 # The tensor types mx.load keeps as they are (the quantized ones as MLX affine triplets, group 32).
 _MX_LOAD_KEEPS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})
 _END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+# K-quant types whose blocks the CPU kernels can keep as they are (cpu_kernels.K_TILE_KINDS).
+_K_TILE_KINDS = ("Q4_K", "Q5_K", "Q6_K")
 # Tensors that become config, not parameters: Llama 3's per-pair RoPE divisors (llama3_rope.py).
 _ROPE_FREQS = "rope_freqs.weight"
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)$")
@@ -71,7 +73,7 @@ class GGUFModel:
     config: dict  # an mlx-lm config.json
     weights: dict  # mlx-lm parameter name -> array (quantized ones as weight/scales/biases)
     tokenizer: object  # transformers PreTrainedTokenizerFast with the chat template
-    # mlx-lm module name -> (kind, blocks) of its Q4_K or Q6_K matrix (numpy uint8 rows, mostly views
+    # mlx-lm module name -> (kind, blocks) of its Q4_K, Q5_K or Q6_K matrix (numpy uint8 rows, mostly views
     # of the mapped file): the CPU kernels' K-tiles are packed from these (cpu_quantized._store_quads).
     k_quant_blocks: dict = dataclasses.field(default_factory=dict)
 
@@ -122,7 +124,7 @@ def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
 def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict, dict]:
     """The file's weights and metadata read here (gguf_check.read_table, the blocks decoded by
     gguf_blocks, other types dequantized by the gguf package), where mx.load would not keep them
-    (`why`, said in a log line); and each Q4_K and Q6_K matrix's (kind, blocks as they lie in the
+    (`why`, said in a log line); and each Q4_K, Q5_K and Q6_K matrix's (kind, blocks as they lie in the
     file), by name."""
     import gguf
 
@@ -140,7 +142,7 @@ def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dic
         if tensor.kind not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
             weights.update(gguf_blocks.matrix_triplets(tensor.name, tensor.kind, data, dequantize,
                                                        location=(path, tensor.offset)))
-            if tensor.kind in ("Q4_K", "Q6_K"):
+            if tensor.kind in _K_TILE_KINDS:
                 k_quant_blocks[tensor.name] = (tensor.kind, data)
         else:
             values = dequantize(data).reshape(shape)

@@ -42,8 +42,11 @@ INT8_ACTIVATIONS_RTOL = 2e-2
 # bits value the fused layer ops take for it.
 PANEL_OUTPUTS = 64
 FLOAT_BITS = 32
-K4_BITS = 260  # the K-tile layouts' tags beside bits 4 and 8 (int8_dot_kernels.h: kK4Bits, kK6Bits)
+K4_BITS = 260  # the K-tile layouts' tags beside bits 4 and 8 (int8_dot_kernels.h: kK4Bits, kK5Bits, kK6Bits)
+K5_BITS = 261
 K6_BITS = 262
+# The GGUF types the K layouts hold, by the tag of each; all but Q4_K's are walked on VNNI only.
+K_TILE_KINDS = {"Q4_K": K4_BITS, "Q5_K": K5_BITS, "Q6_K": K6_BITS}
 
 
 @functools.cache
@@ -65,8 +68,8 @@ def _load() -> tuple[ModuleType | None, str]:
         mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
     except TypeError as exc:
         return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
-    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS, ext.K6_BITS)
-    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS, K6_BITS):
+    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS, getattr(ext, "K5_BITS", None), ext.K6_BITS)
+    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS, K5_BITS, K6_BITS):
         return None, "built with other weight layouts (float32 panels, K-tiles) than this gmlx (reinstall to rebuild)"
     isa = config.cpu_kernels_isa()
     if isa is not None:
@@ -137,18 +140,16 @@ def pack_quads(w, scales, biases, group_size: int, bits: int):
 
 def k_tile_bits(kind: str) -> int | None:
     """The K-tile layout a GGUF matrix of `kind` can be packed in now, as the kernels name it, else
-    None: Q4_K's under the extension's tile layout; Q6_K's there on a CPU with VNNI only (its other
-    ISAs walk K6-tiles in portable code)."""
-    if not is_built() or not extension().tile_layout():
+    None: Q4_K's under the extension's tile layout; Q5_K's and Q6_K's there on a CPU with VNNI only
+    (its other ISAs walk K5- and K6-tiles in portable code)."""
+    if not is_built() or not extension().tile_layout() or kind not in K_TILE_KINDS:
         return None
-    if kind == "Q4_K":
-        return K4_BITS
-    return K6_BITS if kind == "Q6_K" and extension().has_avx512_vnni() else None
+    return K_TILE_KINDS[kind] if kind == "Q4_K" or extension().has_avx512_vnni() else None
 
 
 def pack_k_quant_tiles(blocks, kind: str):
-    """A GGUF Q4_K or Q6_K matrix's blocks (numpy uint8, rows x block bytes, read where they lie) as
-    K-tiles (int8_dot_kernels.h), whose kernels take bits K4_BITS or K6_BITS: the type's own
+    """A GGUF Q4_K, Q5_K or Q6_K matrix's blocks (numpy uint8, rows x block bytes, read where they lie)
+    as K-tiles (int8_dot_kernels.h), whose kernels take bits K_TILE_KINDS[kind]: the type's own
     float16 super-block scales and integer sub-block scales, exact. Under the tile layout only."""
     import numpy as np
 
@@ -179,7 +180,7 @@ def packed_weights(module):
 
 
 def packed_bits(module) -> int:
-    """The layout packed_weights(module) is in, as the kernels name it: 4, 8, K4_BITS, K6_BITS or FLOAT_BITS."""
+    """The layout packed_weights(module) is in, as the kernels name it: 4, 8, a K layout's or FLOAT_BITS."""
     return module.layout_bits if "quads" in module else module.bits
 
 
@@ -306,7 +307,7 @@ def status() -> dict:
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
-                      k_tiles=[kind for kind in ("Q4_K", "Q6_K")
+                      k_tiles=[kind for kind in K_TILE_KINDS
                                if config.is_k_tile_layout_enabled() and k_tile_bits(kind) is not None],
                       tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
                       panel_prefetch_bytes=ext.panel_prefetch_bytes() if hasattr(ext, "panel_prefetch_bytes") else 0,
@@ -331,7 +332,8 @@ def format_status(report: dict) -> str:
         if report.get("has_amx"):
             layout += ", wide products on AMX (GMLX_CPU_AMX)" if report.get("amx") else ", AMX off (GMLX_CPU_AMX=0)"
         kinds = report.get("k_tiles")
-        layout += f", GGUF {' and '.join(kinds)} as K-tiles (GMLX_CPU_K_TILES)" if kinds else ", no K-tiles"
+        named = " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
+        layout += f", GGUF {named} as K-tiles (GMLX_CPU_K_TILES)" if kinds else ", no K-tiles"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"

@@ -84,9 +84,10 @@ NB_MODULE(_cpu_kernels, m) {
                                                 static_cast<int64_t>(blocks.shape(1)), kind);
       },
       "blocks"_a, "kind"_a,
-      "GGUF Q4_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as K-tiles (bits K4_BITS, "
-      "K6_BITS), packed now; the tile layout only");
+      "GGUF Q4_K, Q5_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as K-tiles (bits "
+      "K4_BITS, K5_BITS, K6_BITS), packed now; the tile layout only");
   m.attr("K4_BITS") = gmlx_kernels::kK4Bits;
+  m.attr("K5_BITS") = gmlx_kernels::kK5Bits;
   m.attr("K6_BITS") = gmlx_kernels::kK6Bits;
   m.def("quad_rows", &gmlx_kernels::quad_rows, "quads"_a, "ids"_a, "num_outputs"_a, "num_inputs"_a, "bits"_a,
         "Rows `ids` of weights kept in the quad layout, dequantized (mx.dequantize's floats), one node");

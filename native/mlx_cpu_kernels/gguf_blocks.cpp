@@ -27,6 +27,7 @@ namespace {
 
 constexpr int64_t kQ6KBytes = 210;  // 128 low-bit bytes, 64 high-bit bytes, 16 int8 scales, float16 d
 constexpr int64_t kQ4KBytes = 144;  // float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of levels
+constexpr int64_t kQ5KBytes = 176;  // Q4_K's with the levels' fifth bits (32 bytes) before the 128 of low bits
 constexpr int64_t kBlockValues = 256;  // a K-quant super-block
 constexpr int64_t kGroup = 32;
 
@@ -191,23 +192,59 @@ void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint
   }
 }
 
+// A Q5_K block's 8 sub-blocks: 256 bytes of 8-bit levels (each sub-block's low 4 bits where Q4_K
+// keeps them, from byte 48; bit 4 at bit s of byte 16 + l for sub-block s) and Q4_K's scales and
+// biases, as gguf_blocks.py's _q5_k makes them.
+void q5_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
+  uint16_t d_bits, dmin_bits;
+  std::memcpy(&d_bits, block, sizeof(d_bits));
+  std::memcpy(&dmin_bits, block + 2, sizeof(dmin_bits));
+  const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
+  const uint8_t* fifths = block + 16;
+  for (int s = 0; s < 8; ++s, weight += kGroup) {
+    const KScaleMin sub = k_scale_and_min(block + 4, s);
+    scales[s] = float_to_half(d * static_cast<float>(sub.scale));
+    biases[s] = float_to_half(-dmin * static_cast<float>(sub.min));
+    const uint8_t* pair = block + 48 + 32 * (s / 2);
+    for (int l = 0; l < kGroup; ++l) {
+      weight[l] = static_cast<uint8_t>(((pair[l] >> (4 * (s % 2))) & 0x0F) | (((fifths[l] >> s) & 1) << 4));
+    }
+  }
+}
+
 struct DecodeJob {
   const uint8_t* blocks;
-  uint8_t* weight;  // bytes: 128 a Q4_K block, 256 a Q6_K one
+  uint8_t* weight;  // bytes: 128 a Q4_K block, 256 a Q5_K or Q6_K one
   uint16_t* scales;
   uint16_t* biases;
   int64_t blocks_per_row;
-  bool is_q6_k;
+  KQuantKind kind;
   bool is_avx2;  // Q6_K blocks through q6_k_block_avx2 (the kernels' ISA is AVX2 or AVX-512)
 };
+
+KQuantKind parse_k_quant_kind(const std::string& kind, const std::string& who) {
+  if (kind == "Q4_K") return KQuantKind::kQ4K;
+  if (kind == "Q5_K") return KQuantKind::kQ5K;
+  if (kind == "Q6_K") return KQuantKind::kQ6K;
+  throw std::invalid_argument(who + ": kind " + kind + ": expected Q4_K, Q5_K or Q6_K");
+}
+
+int64_t k_quant_block_bytes(KQuantKind kind) {
+  return kind == KQuantKind::kQ4K ? kQ4KBytes : kind == KQuantKind::kQ5K ? kQ5KBytes : kQ6KBytes;
+}
 
 void decode_row(void* context, int64_t row) {
   const auto& job = *static_cast<const DecodeJob*>(context);
   float values[kBlockValues];
   for (int64_t b = 0; b < job.blocks_per_row; ++b) {
     const int64_t block = row * job.blocks_per_row + b, first_group = block * (kBlockValues / kGroup);
-    if (!job.is_q6_k) {
+    if (job.kind == KQuantKind::kQ4K) {
       q4_k_triplets(job.blocks + block * kQ4KBytes, job.weight + block * kBlockValues / 2, job.scales + first_group,
+                    job.biases + first_group);
+      continue;
+    }
+    if (job.kind == KQuantKind::kQ5K) {
+      q5_k_triplets(job.blocks + block * kQ5KBytes, job.weight + block * kBlockValues, job.scales + first_group,
                     job.biases + first_group);
       continue;
     }
@@ -249,9 +286,8 @@ void pack_k_tile(void* context, int64_t t) {
   }
 }
 
-// A Q4_K block into the K-tile layout (int8_dot_kernels.h): d, dmin, the 6-bit scales and mins as
-// bytes, and each sub-block's levels where a 4-bit tile keeps them.
-void pack_q4_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
+// A Q4_K or Q5_K block's header into a K-tile super-block: d, dmin, and the 6-bit scales and mins as bytes.
+void pack_k_header(const uint8_t* block, int64_t o, uint8_t* super) {
   std::memcpy(super + 2 * o, block, 2);  // d
   std::memcpy(super + 2 * kTileOutputs + 2 * o, block + 2, 2);  // dmin
   uint8_t* sub_scales = super + 4 * kTileOutputs;
@@ -260,16 +296,44 @@ void pack_q4_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
     const KScaleMin sub = k_scale_and_min(block + 4, i);
     sub_scales[kTileOutputs * i + o] = sub.scale;
     sub_mins[kTileOutputs * i + o] = sub.min;
-    // Sub-block i: the low (even i) or high nibbles of its pair's 32 bytes. Tile vector v's dword
-    // o: levels 8v..8v+3 in the low nibbles, 8v+4..8v+7 in the high ones.
-    const uint8_t* levels = block + 16 + 32 * (i / 2);
-    const int shift = 4 * (i % 2);
-    uint8_t* weights = super + kK4HeaderBytes + i * (kTileOutputs * kGroup / 2);
-    for (int v = 0; v < 4; ++v) {
-      for (int k = 0; k < 4; ++k) {
-        const int low = (levels[8 * v + k] >> shift) & 0x0F, high = (levels[8 * v + 4 + k] >> shift) & 0x0F;
-        weights[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
-      }
+  }
+}
+
+// Sub-block i's low 4 bits of levels (32 bytes at `levels` a pair of sub-blocks, i's the low nibbles
+// for even i) where a 4-bit tile keeps them: vector v's dword o holds levels 8v..8v+3 in the low
+// nibbles, 8v+4..8v+7 in the high ones.
+void pack_k_nibbles(const uint8_t* levels, int i, int64_t o, uint8_t* weights) {
+  const uint8_t* pair = levels + 32 * (i / 2);
+  const int shift = 4 * (i % 2);
+  for (int v = 0; v < 4; ++v) {
+    for (int k = 0; k < 4; ++k) {
+      const int low = (pair[8 * v + k] >> shift) & 0x0F, high = (pair[8 * v + 4 + k] >> shift) & 0x0F;
+      weights[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
+    }
+  }
+}
+
+// A Q4_K block into the K-tile layout (int8_dot_kernels.h).
+void pack_q4_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
+  pack_k_header(block, o, super);
+  for (int i = 0; i < kBlockValues / kGroup; ++i) {
+    pack_k_nibbles(block + 16, i, o, super + kK4HeaderBytes + i * (kTileOutputs * kGroup / 2));
+  }
+}
+
+// A Q5_K block into the K5-tile layout: a K-tile's, and per block the levels' fifth bits (bit i of
+// the block's 32 high-bit bytes for sub-block i) at bit v of the 64 bytes after the weight vectors
+// for tile vector v (levels 4v..4v+3).
+void pack_q5_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
+  pack_k_header(block, o, super);
+  const uint8_t* fifths = block + 16;
+  for (int i = 0; i < kBlockValues / kGroup; ++i) {
+    uint8_t* weights = super + kK4HeaderBytes + i * kK5BlockBytes;
+    pack_k_nibbles(block + 48, i, o, weights);
+    for (int k = 0; k < 4; ++k) {
+      int byte = 0;
+      for (int v = 0; v < 8; ++v) byte |= ((fifths[4 * v + k] >> i) & 1) << v;
+      weights[kTileOutputs * kGroup / 2 + 4 * o + k] = static_cast<uint8_t>(byte);
     }
   }
 }
@@ -317,23 +381,21 @@ void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
 }  // namespace
 
 mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes, const std::string& kind) {
-  if (kind != "Q4_K" && kind != "Q6_K") {
-    throw std::invalid_argument("pack_k_quant_tiles: kind " + kind + ": expected Q4_K or Q6_K");
-  }
+  const KQuantKind k_kind = parse_k_quant_kind(kind, "pack_k_quant_tiles");
   if (!tile_layout()) throw std::invalid_argument("pack_k_quant_tiles: K-tiles need the tile layout on");
-  const bool is_q6_k = kind == "Q6_K";
-  const int64_t block_bytes = is_q6_k ? kQ6KBytes : kQ4KBytes;
+  const int64_t block_bytes = k_quant_block_bytes(k_kind);
+  const int bits = k_kind == KQuantKind::kQ4K ? kK4Bits : k_kind == KQuantKind::kQ5K ? kK5Bits : kK6Bits;
+  const PackSuperRow pack_super_row =
+      k_kind == KQuantKind::kQ4K ? pack_q4_k_row : k_kind == KQuantKind::kQ5K ? pack_q5_k_row : pack_q6_k_row;
   if (num_rows <= 0 || row_bytes <= 0 || row_bytes % block_bytes != 0) {
     throw std::invalid_argument("pack_k_quant_tiles: blocks must be (rows, " + std::to_string(block_bytes) +
                                 " x blocks) uint8 for " + kind + ", at least one of each");
   }
   const int64_t num_tiles = (num_rows + kTileOutputs - 1) / kTileOutputs;
-  const int64_t num_bytes =
-      quad_layout_bytes(num_rows, row_bytes / block_bytes * kBlockValues, is_q6_k ? kK6Bits : kK4Bits);
+  const int64_t num_bytes = quad_layout_bytes(num_rows, row_bytes / block_bytes * kBlockValues, bits);
   mx::array tiles(mx::allocator::malloc(num_bytes), {static_cast<int>(num_bytes)}, mx::uint8);
   advise_huge_pages(tiles.data<uint8_t>(), num_bytes);
-  KPackJob job{blocks, tiles.data<uint8_t>(), num_rows, row_bytes, block_bytes,
-               is_q6_k ? kK6SuperBytes : kK4SuperBytes, is_q6_k ? pack_q6_k_row : pack_q4_k_row};
+  KPackJob job{blocks, tiles.data<uint8_t>(), num_rows, row_bytes, block_bytes, k_super_bytes(bits), pack_super_row};
   run_on_pool(pack_k_tile, &job, num_tiles);
   return tiles;
 }
@@ -342,31 +404,32 @@ namespace {
 
 // The triplets' shapes and types for num_rows rows of row_bytes bytes of `kind` blocks; refuses other kinds and sizes.
 struct TripletShapes {
-  bool is_q6_k;
+  KQuantKind kind;
   int64_t num_blocks;
   std::vector<mx::Shape> shapes;
 };
 
-TripletShapes triplet_shapes(int64_t num_rows, int64_t row_bytes, const std::string& kind, const std::string& who) {
-  if (kind != "Q4_K" && kind != "Q6_K") throw std::invalid_argument(who + ": kind " + kind + ": expected Q4_K or Q6_K");
-  const bool is_q6_k = kind == "Q6_K";
-  const int64_t block_bytes = is_q6_k ? kQ6KBytes : kQ4KBytes;
+TripletShapes triplet_shapes(int64_t num_rows, int64_t row_bytes, const std::string& kind_name,
+                             const std::string& who) {
+  const KQuantKind kind = parse_k_quant_kind(kind_name, who);
+  const int64_t block_bytes = k_quant_block_bytes(kind);
   if (num_rows < 0 || row_bytes <= 0 || row_bytes % block_bytes != 0) {
     throw std::invalid_argument(who + ": blocks must be (rows, " + std::to_string(block_bytes) +
-                                " x blocks) uint8 for " + kind);
+                                " x blocks) uint8 for " + kind_name);
   }
-  const int64_t num_blocks = row_bytes / block_bytes, words = num_blocks * (is_q6_k ? 64 : 32), groups = num_blocks * 8;
+  const int64_t num_blocks = row_bytes / block_bytes, groups = num_blocks * 8;
+  const int64_t words = num_blocks * (kind == KQuantKind::kQ4K ? 32 : 64);  // 4 bits, else 8
   const mx::Shape groups_shape{static_cast<int>(num_rows), static_cast<int>(groups)};
-  return {is_q6_k, num_blocks, {{static_cast<int>(num_rows), static_cast<int>(words)}, groups_shape, groups_shape}};
+  return {kind, num_blocks, {{static_cast<int>(num_rows), static_cast<int>(words)}, groups_shape, groups_shape}};
 }
 
 const std::vector<mx::Dtype> kTripletTypes = {mx::uint32, mx::float16, mx::float16};
 
 // Decodes num_rows rows of blocks into the three triplet arrays (allocated, not yet written).
-void decode_into(const uint8_t* blocks, int64_t num_rows, int64_t num_blocks, bool is_q6_k, mx::array& weight,
+void decode_into(const uint8_t* blocks, int64_t num_rows, int64_t num_blocks, KQuantKind kind, mx::array& weight,
                  mx::array& scales, mx::array& biases) {
   DecodeJob job{blocks, weight.data<uint8_t>(), reinterpret_cast<uint16_t*>(scales.data<mx::float16_t>()),
-                reinterpret_cast<uint16_t*>(biases.data<mx::float16_t>()), num_blocks, is_q6_k,
+                reinterpret_cast<uint16_t*>(biases.data<mx::float16_t>()), num_blocks, kind,
                 kernels_isa() != Isa::kPortable};
   // Fresh memory (an 8B file's 4.6 GB of triplets): on 2 MB pages it faults in 500x fewer times.
   // 8B-shaped Q4_K_M load 8.9-11.7 s with the advice, 12.2-14.1 s without (3 pairs).
@@ -407,7 +470,7 @@ std::vector<mx::array> decode_gguf_blocks(const uint8_t* blocks, int64_t num_row
     const int64_t num_bytes = t.shapes[i][0] * static_cast<int64_t>(t.shapes[i][1]) * mx::size_of(kTripletTypes[i]);
     out.emplace_back(mx::allocator::malloc(num_bytes), t.shapes[i], kTripletTypes[i]);
   }
-  decode_into(blocks, num_rows, t.num_blocks, t.is_q6_k, out[0], out[1], out[2]);
+  decode_into(blocks, num_rows, t.num_blocks, t.kind, out[0], out[1], out[2]);
   return out;
 }
 
@@ -426,7 +489,7 @@ std::vector<mx::array> lazy_gguf_triplets(const std::string& path, int64_t offse
   }
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array::make_arrays(t.shapes, kTripletTypes,
-                                std::make_shared<DecodeMappedBlocks>(s, file, offset, num_rows, row_bytes, t.is_q6_k),
+                                std::make_shared<DecodeMappedBlocks>(s, file, offset, num_rows, row_bytes, t.kind),
                                 {});
 }
 
@@ -437,10 +500,10 @@ void DecodeMappedBlocks::eval_cpu(const std::vector<mx::array>&, std::vector<mx:
     encoder.set_output_array(y);
   }
   encoder.dispatch([file = file_, blocks = file_->data + offset_, num_rows = num_rows_,
-                    num_blocks = row_bytes_ / (is_q6_k_ ? kQ6KBytes : kQ4KBytes), is_q6_k = is_q6_k_,
+                    num_blocks = row_bytes_ / k_quant_block_bytes(kind_), kind = kind_,
                     weight = mx::array::unsafe_weak_copy(outputs[0]), scales = mx::array::unsafe_weak_copy(outputs[1]),
                     biases = mx::array::unsafe_weak_copy(outputs[2])]() mutable {
-    decode_into(blocks, num_rows, num_blocks, is_q6_k, weight, scales, biases);
+    decode_into(blocks, num_rows, num_blocks, kind, weight, scales, biases);
   });
 }
 
@@ -451,7 +514,7 @@ void DecodeMappedBlocks::eval_gpu(const std::vector<mx::array>&, std::vector<mx:
 bool DecodeMappedBlocks::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const DecodeMappedBlocks&>(other);
   return file_ == o.file_ && offset_ == o.offset_ && num_rows_ == o.num_rows_ && row_bytes_ == o.row_bytes_ &&
-         is_q6_k_ == o.is_q6_k_;
+         kind_ == o.kind_;
 }
 
 }  // namespace gmlx_kernels

@@ -901,13 +901,14 @@ QuadLayout quad_layout(int64_t num_inputs, int bits) {
 }
 
 bool is_layout_bits(int bits) {
-  return bits == 4 || bits == 8 || ((bits == kK4Bits || bits == kK6Bits) && tile_layout());
+  return bits == 4 || bits == 8 || (is_k_layout(bits) && tile_layout());
 }
 
 void check_layout_bits(int bits) {
   if (!is_layout_bits(bits)) {
     throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4, 8 or (under the tile layout) " +
-                                std::to_string(kK4Bits) + " or " + std::to_string(kK6Bits));
+                                std::to_string(kK4Bits) + ", " + std::to_string(kK5Bits) + " or " +
+                                std::to_string(kK6Bits));
   }
 }
 
@@ -915,8 +916,7 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits) {
   assert(is_layout_bits(bits));
   if (tile_layout()) {
     const int64_t num_tiles = (num_outputs + kTileOutputs - 1) / kTileOutputs;
-    if (bits == kK4Bits) return num_tiles * (num_inputs / kSuperBlockInputs) * kK4SuperBytes;
-    if (bits == kK6Bits) return num_tiles * (num_inputs / kSuperBlockInputs) * kK6SuperBytes;
+    if (is_k_layout(bits)) return num_tiles * (num_inputs / kSuperBlockInputs) * k_super_bytes(bits);
     return num_tiles * (num_inputs / kInt8BlockInputs) * tile_block_bytes(bits);
   }
   const int64_t num_quads = (num_outputs + kQuadOutputs - 1) / kQuadOutputs;

@@ -119,6 +119,13 @@ constexpr int kK4Bits = 260;  // a layout tag beside 4 and 8: K-quant super-bloc
 constexpr int64_t kSuperBlockInputs = 256;
 constexpr int64_t kK4HeaderBytes = 2 * kTileOutputs * 2 + 2 * kTileOutputs * (kSuperBlockInputs / kInt8BlockInputs);
 constexpr int64_t kK4SuperBytes = kK4HeaderBytes + kTileOutputs * kSuperBlockInputs / 2;
+// The K5-tile layout (bits kK5Bits), a GGUF Q5_K matrix's (Q4_K's super-blocks with 5-bit levels):
+// a K-tile's super-block with 64 more bytes after each block's weight vectors holding the levels'
+// fifth bits (vector i's at bit i of those bytes). 0.70 bytes a weight, where Q5_K at 8 bits took
+// 1.125; exact. A block's levels merge their fifth bit in, then run the K-tiles' float steps.
+constexpr int kK5Bits = 261;  // super-blocks of 256, 5 bits
+constexpr int64_t kK5BlockBytes = kTileOutputs * kInt8BlockInputs * 5 / 8;
+constexpr int64_t kK5SuperBytes = kK4HeaderBytes + kSuperBlockInputs / kInt8BlockInputs * kK5BlockBytes;
 // The K6-tile layout (bits kK6Bits), a GGUF Q6_K matrix's (each weight d * sc * (q - 32), q of 6
 // bits, an int8 sc per 16 inputs): per 256-input super-block the 16 outputs' float16 d, then their
 // 16 sub-block scales (sub-block major), 288 bytes; then per 32-input block a 4-bit tile block's
@@ -132,7 +139,13 @@ constexpr int64_t kSubBlockInputs = 16;
 constexpr int64_t kK6HeaderBytes = 2 * kTileOutputs + kTileOutputs * (kSuperBlockInputs / kSubBlockInputs);
 constexpr int64_t kK6BlockBytes = kTileOutputs * kInt8BlockInputs * 6 / 8;
 constexpr int64_t kK6SuperBytes = kK6HeaderBytes + kSuperBlockInputs / kInt8BlockInputs * kK6BlockBytes;
-// Bits naming a weight layout the int8 path runs: 4, 8, and kK4Bits and kK6Bits under the tile layout.
+// Whether bits name one of the K layouts, and a super-block's bytes in it (tiles of 16 outputs).
+constexpr bool is_k_layout(int bits) { return bits == kK4Bits || bits == kK5Bits || bits == kK6Bits; }
+constexpr int64_t k_super_bytes(int bits) {
+  return bits == kK4Bits ? kK4SuperBytes : bits == kK5Bits ? kK5SuperBytes : kK6SuperBytes;
+}
+// Bits naming a weight layout the int8 path runs: 4, 8, and the K layouts (kK4Bits, kK5Bits, kK6Bits)
+// under the tile layout.
 bool is_layout_bits(int bits);
 // std::invalid_argument naming `bits` where is_layout_bits is false.
 void check_layout_bits(int bits);

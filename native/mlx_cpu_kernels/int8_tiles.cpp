@@ -37,14 +37,16 @@ constexpr int64_t kBlocksPerSuper = kSuperBlockInputs / kInt8BlockInputs;
 constexpr int64_t kBlockWeightBytes4 = kTileOutputs * kInt8BlockInputs / 2;  // a 4-bit block's weight vectors
 
 int64_t tile_bytes(int64_t num_inputs, int bits) {
-  if (bits == kK4Bits) return num_inputs / kSuperBlockInputs * kK4SuperBytes;
-  if (bits == kK6Bits) return num_inputs / kSuperBlockInputs * kK6SuperBytes;
+  if (is_k_layout(bits)) return num_inputs / kSuperBlockInputs * k_super_bytes(bits);
   return num_inputs / kInt8BlockInputs * tile_block_bytes(bits);
 }
 
-// Block i's weight vectors in a K-tile super-block: a 4-bit tile block's first 256 bytes.
+// Block i's weight vectors in a K-tile (kK4Bits: a 4-bit tile block's first 256 bytes) or K5-tile
+// super-block (those 256 bytes and 64 of fifth bits).
+template <int kBits>
 inline const uint8_t* k4_block(const uint8_t* super, int64_t i) {
-  return super + kK4HeaderBytes + i * kBlockWeightBytes4;
+  static_assert(kBits == kK4Bits || kBits == kK5Bits);
+  return super + kK4HeaderBytes + i * (kBits == kK4Bits ? kBlockWeightBytes4 : kK5BlockBytes);
 }
 
 // Weight q of output o (0-15), input t (0-31) of a block's weights.
@@ -52,6 +54,15 @@ inline int tile_weight(const uint8_t* block, int o, int t, int bits) {
   if (bits == 8) return block[t / 4 * 64 + 4 * o + t % 4];
   const uint8_t byte = block[t / 8 * 64 + 4 * o + t % 4];
   return t % 8 < 4 ? byte & 0xF : byte >> 4;
+}
+
+// Weight q (0-15, or 0-31 in a K5-tile) of output o, input t of block i of a K-tile super-block.
+template <int kBits>
+inline int k4_weight(const uint8_t* super, int64_t i, int o, int t) {
+  const uint8_t* block = k4_block<kBits>(super, i);
+  const int low = tile_weight(block, o, t, 4);
+  if constexpr (kBits == kK4Bits) return low;
+  return low | (((block[kBlockWeightBytes4 + 4 * o + t % 4] >> (t / 4)) & 1) << 4);
 }
 
 // Block i's weight bytes in a K6-tile super-block.
@@ -126,13 +137,14 @@ void tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int
   });
 }
 
-// The K-tiles: the 4-bit tiles' steps with scale d * sc and bias -dmin * m, exact in float32.
+// The K-tiles and K5-tiles: the 4-bit tiles' steps with scale d * sc and bias -dmin * m, exact in float32.
+template <int kBits>
 void k4_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
   walk_tiles_portable(a, begin, end, [&](int64_t r, const uint8_t* tile, int64_t j, int o, float& lane) {
-    const uint8_t* super = tile + j / kBlocksPerSuper * kK4SuperBytes;
+    const uint8_t* super = tile + j / kBlocksPerSuper * k_super_bytes(kBits);
     const int i = static_cast<int>(j % kBlocksPerSuper);
     const ScaleBias sb = k4_scale_and_bias(super, i, o);
-    const auto q = [&](int oo, int t) { return tile_weight(k4_block(super, i), oo, t, 4); };
+    const auto q = [&](int oo, int t) { return k4_weight<kBits>(super, i, oo, t); };
     const float p = x.d_row(r)[j] * static_cast<float>(block_dot(x.q_row(r), j, o, 0, kInt8BlockInputs, q));
     lane = std::fma(sb.scale, p, lane);
     lane = std::fma(sb.bias, x.xsd_row(r)[j], lane);
@@ -273,15 +285,66 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 widen(const uint8_
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
 }
 
-// Block i of a K-tile super-block (block j of the row) for kRows rows into lane kLane: its scales
-// d * sc and biases dmin * m negated, from the super-block's d and -dmin (float32, exact products).
-template <int kRows, int kLane>
+// Bits 0-3 of `nibbles` with bit kBit of `fifths` as bit 4: a K5-tile vector's 5-bit levels (each
+// epi16 shift moves no bit into bit 4 from the next byte; c ? b : a bit by bit, c = 0x0F).
+template <int kBit>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i with_fifth_bit(__m512i nibbles, __m512i fifths) {
+  const __m512i bit4 = _mm512_set1_epi8(0x10), low4 = _mm512_set1_epi8(0x0F);
+  __m512i top = fifths;
+  if constexpr (kBit < 4) top = _mm512_slli_epi16(fifths, 4 - kBit);
+  if constexpr (kBit > 4) top = _mm512_srli_epi16(fifths, kBit - 4);
+  return _mm512_ternarylogic_epi32(_mm512_and_si512(top, bit4), nibbles, low4, 0xD8);
+}
+
+// Weight vector i of block j against every row's x bytes 4i..4i+3, into chain i % kChains.
+template <int kRows, int kChains>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void dot_rows(int i, __m512i w, int64_t j,
+                                                                   const RowsOf<kRows>& x,
+                                                                   __m512i (*partial)[kChains]) {
+  for (int r = 0; r < kRows; ++r) {
+    partial[r][i % kChains] = dot_broadcast(partial[r][i % kChains], w, x.q[r] + j * kInt8BlockInputs + 4 * i);
+  }
+}
+
+// block_isums over a K5-tile block: each weight vector's nibbles with its fifth bits merged in.
+template <int kRows>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k5_block_isums(const uint8_t* block, int64_t j,
+                                                                         const RowsOf<kRows>& x, __m512i* isums) {
+  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  const __m512i fifths = _mm512_loadu_si512(block + kBlockWeightBytes4);
+  __m512i partial[kRows][kChains];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+  }
+  const __m512i v0 = _mm512_loadu_si512(block), v1 = _mm512_loadu_si512(block + 64);
+  const __m512i v2 = _mm512_loadu_si512(block + 128), v3 = _mm512_loadu_si512(block + 192);
+  dot_rows<kRows, kChains>(0, with_fifth_bit<0>(v0, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(1, with_fifth_bit<1>(_mm512_srli_epi16(v0, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(2, with_fifth_bit<2>(v1, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(3, with_fifth_bit<3>(_mm512_srli_epi16(v1, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(4, with_fifth_bit<4>(v2, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(5, with_fifth_bit<5>(_mm512_srli_epi16(v2, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(6, with_fifth_bit<6>(v3, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(7, with_fifth_bit<7>(_mm512_srli_epi16(v3, 4), fifths), j, x, partial);
+  for (int r = 0; r < kRows; ++r) {
+    isums[r] = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
+  }
+}
+
+// Block i of a K-tile or K5-tile super-block (block j of the row) for kRows rows into lane kLane:
+// its scales d * sc and biases dmin * m negated, from the super-block's d and -dmin (float32, exact products).
+template <int kBits, int kRows, int kLane>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_block_avx512(const uint8_t* super, int i, int64_t j,
                                                                           __m512 d, __m512 neg_dmin,
                                                                           const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
   __m512i isums[kRows];
-  block_isums<4, kRows>(k4_block(super, i), j, x, isums);
+  if constexpr (kBits == kK4Bits) {
+    block_isums<4, kRows>(k4_block<kBits>(super, i), j, x, isums);
+  } else {
+    k5_block_isums<kRows>(k4_block<kBits>(super, i), j, x, isums);
+  }
   const uint8_t* sub_scales = super + 4 * kTileOutputs + kTileOutputs * i;
   const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
   add_floats<kRows, kLane>(_mm512_mul_ps(d, widen(sub_scales)), _mm512_mul_ps(neg_dmin, widen(sub_mins)), j, x, isums,
@@ -318,22 +381,22 @@ GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int
   }
 }
 
-// A K-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin read once.
-template <int kRows>
+// A K-tile or K5-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin read once.
+template <int kBits, int kRows>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_super_avx512(const uint8_t* super, int64_t j,
                                                                           const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
   const auto* halves = reinterpret_cast<const __m256i*>(super);
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
   const __m512 neg_dmin = _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)));
-  k4_block_avx512<kRows, 0>(super, 0, j, d, neg_dmin, x, lanes);
-  k4_block_avx512<kRows, 1>(super, 1, j + 1, d, neg_dmin, x, lanes);
-  k4_block_avx512<kRows, 2>(super, 2, j + 2, d, neg_dmin, x, lanes);
-  k4_block_avx512<kRows, 3>(super, 3, j + 3, d, neg_dmin, x, lanes);
-  k4_block_avx512<kRows, 0>(super, 4, j + 4, d, neg_dmin, x, lanes);
-  k4_block_avx512<kRows, 1>(super, 5, j + 5, d, neg_dmin, x, lanes);
-  k4_block_avx512<kRows, 2>(super, 6, j + 6, d, neg_dmin, x, lanes);
-  k4_block_avx512<kRows, 3>(super, 7, j + 7, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 0>(super, 0, j, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 1>(super, 1, j + 1, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 2>(super, 2, j + 2, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 3>(super, 3, j + 3, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 0>(super, 4, j + 4, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 1>(super, 5, j + 5, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 2>(super, 6, j + 6, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 3>(super, 7, j + 7, d, neg_dmin, x, lanes);
 }
 
 // A K6 block's sub-block h (weight vectors 4h..4h+3) summed against kRows rows' x, less 32 times
@@ -410,11 +473,11 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(cons
   k6_block_avx512<kRows, 3>(super, 7, j + 7, d, x, lanes);
 }
 
-// tiles_avx512 over a K layout (kBits kK4Bits or kK6Bits), a super-block of eight blocks a step.
+// tiles_avx512 over a K layout (kBits kK4Bits, kK5Bits or kK6Bits), a super-block of eight blocks a step.
 template <int kBits, int kRows>
 GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
                                      int64_t r0) {
-  constexpr int64_t kSuperBytes = kBits == kK4Bits ? kK4SuperBytes : kK6SuperBytes;
+  constexpr int64_t kSuperBytes = k_super_bytes(kBits);
   const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
   const int64_t prefetch_bytes = r0 == 0 ? tile_prefetch_blocks() * kSuperBytes / kBlocksPerSuper : 0;
   const RowsOf<kRows> rows(x, r0);
@@ -423,10 +486,10 @@ GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, i
     __m512 lanes[kRows][kLanes] = {};  // +0.0f each
     for (int64_t j = 0; j < num_blocks; j += kBlocksPerSuper, super += kSuperBytes) {
       prefetch_ahead(super, kSuperBytes, prefetch_bytes);
-      if constexpr (kBits == kK4Bits) {
-        k4_super_avx512<kRows>(super, j, rows, lanes);
-      } else {
+      if constexpr (kBits == kK6Bits) {
         k6_super_avx512<kRows>(super, j, rows, lanes);
+      } else {
+        k4_super_avx512<kBits, kRows>(super, j, rows, lanes);
       }
     }
     store_tile_rows<kRows>(a, r0, n0, end, lanes);
@@ -436,7 +499,7 @@ GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, i
 template <int kBits, int kRows>
 struct Avx512TileWalk {
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
-    if constexpr (kBits == kK4Bits || kBits == kK6Bits) {
+    if constexpr (is_k_layout(kBits)) {
       k_tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
     } else {
       tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
@@ -522,7 +585,7 @@ GMLX_AVX2_F16C inline __attribute__((always_inline)) void k4_half_block_avx2(con
                                                                            const RowsOf<kRows>& x,
                                                                            __m256 (*lanes)[kLanes]) {
   __m256i isums[kRows];
-  half_block_isums<4, kRows>(k4_block(super, i), half, j, x, isums);
+  half_block_isums<4, kRows>(k4_block<kK4Bits>(super, i), half, j, x, isums);
   const uint8_t* sub_scales = super + 4 * kTileOutputs + kTileOutputs * i + 8 * half;
   const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
   const __m256 s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
@@ -886,6 +949,7 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     int64_t first_vnni_row = 0;
     // No AMX walk for the K layouts yet: their rows all take VNNI.
     if (a.bits == kK4Bits) return walk_by_rows<Avx512TileWalk, kK4Bits>(a, rows, begin, end);
+    if (a.bits == kK5Bits) return walk_by_rows<Avx512TileWalk, kK5Bits>(a, rows, begin, end);
     if (a.bits == kK6Bits) return walk_by_rows<Avx512TileWalk, kK6Bits>(a, rows, begin, end);
 #if GMLX_HAS_AMX_BUILD
     if (is_amx_enabled()) {
@@ -899,26 +963,31 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end, first_vnni_row)
                         : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
-  // K6-tiles are packed where the CPU has VNNI (cpu_quantized._is_k_tile): other ISAs walk them portably.
-  if (isa != Isa::kPortable && has_f16c() && a.bits != kK6Bits) {  // AVX-512 without VNNI too: the same integers
+  // K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels.k_tile_bits): other ISAs walk them portably.
+  const bool is_vnni_only = a.bits == kK5Bits || a.bits == kK6Bits;
+  if (isa != Isa::kPortable && has_f16c() && !is_vnni_only) {  // AVX-512 without VNNI too: the same integers
     if (a.bits == kK4Bits) return walk_by_rows<Avx2TileWalk, kK4Bits>(a, rows, begin, end);
     return a.bits == 4 ? walk_by_rows<Avx2TileWalk, 4>(a, rows, begin, end)
                         : walk_by_rows<Avx2TileWalk, 8>(a, rows, begin, end);
   }
 #endif
   (void)isa;
-  (a.bits == kK4Bits ? k4_tiles_portable : a.bits == kK6Bits ? k6_tiles_portable : tiles_portable)(a, rows, begin, end);
+  const auto walk = a.bits == kK4Bits   ? k4_tiles_portable<kK4Bits>
+                   : a.bits == kK5Bits ? k4_tiles_portable<kK5Bits>
+                   : a.bits == kK6Bits ? k6_tiles_portable
+                                       : tiles_portable;
+  walk(a, rows, begin, end);
 }
 
 void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, float* y) {
-  if (bits == kK4Bits) {
+  if (bits == kK4Bits || bits == kK5Bits) {
     const int o = static_cast<int>(id % kTileOutputs);
     const uint8_t* super = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);
-    for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += kK4SuperBytes) {
+    for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += k_super_bytes(bits)) {
       for (int i = 0; i < kBlocksPerSuper; ++i) {
         const ScaleBias sb = k4_scale_and_bias(super, i, o);
         for (int t = 0; t < kInt8BlockInputs; ++t) {
-          const int q = tile_weight(k4_block(super, i), o, t, 4);
+          const int q = bits == kK4Bits ? k4_weight<kK4Bits>(super, i, o, t) : k4_weight<kK5Bits>(super, i, o, t);
           y[j0 + i * kInt8BlockInputs + t] = sb.scale * static_cast<float>(q) + sb.bias;
         }
       }

@@ -218,7 +218,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 void check_quad_layout(const mx::array& quads, int64_t num_outputs, int64_t num_inputs, int bits,
                        const std::string& what) {
   if (quads.dtype() != mx::uint8 || quads.ndim() != 1 || !is_layout_bits(bits) ||
-      ((bits == kK4Bits || bits == kK6Bits) && num_inputs % kSuperBlockInputs != 0) ||
+      (is_k_layout(bits) && num_inputs % kSuperBlockInputs != 0) ||
       static_cast<int64_t>(quads.size()) != quad_layout_bytes(num_outputs, num_inputs, bits)) {
     throw std::invalid_argument(what + ": quads must be the uint8 layout of " + std::to_string(num_outputs) +
                                 " outputs x " + std::to_string(num_inputs) + " inputs (pack_quads)");
