@@ -25,13 +25,14 @@ requires_kernels = pytest.mark.skipif(
 @pytest.fixture
 def ext():
     """The extension, with its thread count, ISA, panel and many-row switch points, pool threshold,
-    prefetch distances, one-stream layout (tiles, half tails) and AMX setting restored after the test."""
+    prefetch distances, one-stream layout (tiles, half tails), AMX and GFNI settings restored after the test."""
     ext = cpu_kernels.extension()
     num_threads, isa, panel_min_rows = ext.num_threads(), ext.isa(), ext.panel_min_rows()
     min_pool_macs, prefetch_chunks, half_tails = ext.min_pool_macs(), ext.prefetch_chunks(), ext.half_tails()
     tile_layout, panel_prefetch_bytes, amx = ext.tile_layout(), ext.panel_prefetch_bytes(), ext.amx_setting()
-    many_rows_min = ext.many_rows_min()
+    many_rows_min, gfni = ext.many_rows_min(), ext.gfni_setting()
     yield ext
+    ext.set_gfni(gfni)
     ext.set_many_rows_min(many_rows_min)
     ext.set_amx(amx)
     ext.set_panel_prefetch_bytes(panel_prefetch_bytes)

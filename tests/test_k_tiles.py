@@ -26,6 +26,11 @@ BITS = cpu_kernels.K_TILE_KINDS
 TRIPLET_BITS = {"Q4_K": 4, "Q5_K": 8}  # the bits of the triplets Q4_K and Q5_K load as
 
 
+def gfni_settings(ext) -> tuple[int, ...]:
+    """K5-tiles' fifth bits by shifts (0) and, where the CPU has it, by GFNI (1): the same bits."""
+    return (0, 1) if ext.has_gfni() else (0,)
+
+
 def q4_k_blocks(num_outputs: int, num_inputs: int, seed: int, is_float16_exact: bool, kind: str = "Q4_K") -> np.ndarray:
     """Random Q4_K (or Q5_K) rows (bytes, rows x blocks). is_float16_exact: d and dmin powers of two, so
     every d * sc and dmin * m is a float16 value (the triplet tiles' scales are then the very same)."""
@@ -112,10 +117,13 @@ def test_k_tiles_give_the_triplet_tiles_bits_where_their_scales_are_float16(num_
         ext.set_min_pool_macs(min_pool_macs)
         for isa in supported_isas(ext):
             ext.set_isa(isa)
-            got = cpu_kernels.quantized_matmul_quads(x, k_tiles, num_outputs, BITS[kind])
-            assert got.shape == (num_rows, num_outputs) and mx.array_equal(got, expected).item(), (num_threads, isa)
-            alone = cpu_kernels.quantized_matmul_quads(x[-1:], k_tiles, num_outputs, BITS[kind])
-            assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa)
+            for gfni in gfni_settings(ext):
+                ext.set_gfni(gfni)
+                got = cpu_kernels.quantized_matmul_quads(x, k_tiles, num_outputs, BITS[kind])
+                is_equal = got.shape == (num_rows, num_outputs) and mx.array_equal(got, expected).item()
+                assert is_equal, (num_threads, isa, gfni)
+                alone = cpu_kernels.quantized_matmul_quads(x[-1:], k_tiles, num_outputs, BITS[kind])
+                assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa, gfni)
 
 
 def k_quant_blocks(kind: str, num_outputs: int, num_inputs: int, seed: int) -> np.ndarray:
@@ -148,9 +156,11 @@ def test_k_tiles_of_any_scales_are_row_and_isa_independent_and_close_to_the_exac
         ext.set_num_threads(num_threads)
         for isa in supported_isas(ext):
             ext.set_isa(isa)
-            for num_rows in (1, 2, 4, 5, 16, 19):
-                got = cpu_kernels.quantized_matmul_quads(x[:num_rows], k_tiles, num_outputs, BITS[kind])
-                assert mx.array_equal(got, expected[:num_rows]).item(), (num_threads, isa, num_rows)
+            for gfni in gfni_settings(ext):
+                ext.set_gfni(gfni)
+                for num_rows in (1, 2, 4, 5, 16, 19):
+                    got = cpu_kernels.quantized_matmul_quads(x[:num_rows], k_tiles, num_outputs, BITS[kind])
+                    assert mx.array_equal(got, expected[:num_rows]).item(), (num_threads, isa, gfni, num_rows)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
@@ -224,7 +234,10 @@ def test_a_k_tile_is_probed_against_its_triplets_at_load(is_own_blocks, ext, cap
 def test_doctor_line_names_the_k_tiles(ext):
     ext.set_tile_layout(True)
     expected = "Q4_K, Q5_K and Q6_K" if ext.has_avx512_vnni() else "Q4_K"
-    assert f"GGUF {expected} as K-tiles (GMLX_CPU_K_TILES)" in cpu_kernels.format_status(cpu_kernels.status())
+    gfni = "; Q5_K's fifth bits by GFNI" if ext.is_gfni_enabled() else ""
+    assert f"GGUF {expected} as K-tiles (GMLX_CPU_K_TILES{gfni})" in cpu_kernels.format_status(cpu_kernels.status())
+    ext.set_gfni(0)
+    assert "(GMLX_CPU_K_TILES)" in cpu_kernels.format_status(cpu_kernels.status())
     with env_overrides({"GMLX_CPU_K_TILES": "0"}):
         assert "no K-tiles" in cpu_kernels.format_status(cpu_kernels.status())
 

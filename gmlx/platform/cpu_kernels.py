@@ -307,6 +307,7 @@ def status() -> dict:
                       quad_layout=config.is_quad_layout_enabled() and hasattr(ext, "quantized_matmul_quads"),
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
+                      gfni=hasattr(ext, "is_gfni_enabled") and ext.is_gfni_enabled(),
                       k_tiles=[kind for kind in K_TILE_KINDS
                                if config.is_k_tile_layout_enabled() and k_tile_bits(kind) is not None],
                       tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
@@ -333,7 +334,8 @@ def format_status(report: dict) -> str:
             layout += ", wide products on AMX (GMLX_CPU_AMX)" if report.get("amx") else ", AMX off (GMLX_CPU_AMX=0)"
         kinds = report.get("k_tiles")
         named = " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
-        layout += f", GGUF {named} as K-tiles (GMLX_CPU_K_TILES)" if kinds else ", no K-tiles"
+        gfni = "; Q5_K's fifth bits by GFNI" if "Q5_K" in (kinds or []) and report.get("gfni") else ""
+        layout += f", GGUF {named} as K-tiles (GMLX_CPU_K_TILES{gfni})" if kinds else ", no K-tiles"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"

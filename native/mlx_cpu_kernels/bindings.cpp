@@ -104,6 +104,11 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("is_amx_enabled", &gmlx_kernels::is_amx_enabled);
   m.def("quad_layout_bytes", &gmlx_kernels::quad_layout_bytes, "num_outputs"_a, "num_inputs"_a, "bits"_a);
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
+  m.def("has_gfni", &gmlx_kernels::has_gfni);
+  m.def("set_gfni", &gmlx_kernels::set_gfni, "setting"_a,
+        "GFNI for the K5-tiles' fifth bits: 0 off, 1 on where has_gfni(), -1 the default (on where it is)");
+  m.def("gfni_setting", &gmlx_kernels::gfni_setting);
+  m.def("is_gfni_enabled", &gmlx_kernels::is_gfni_enabled);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "freqs"_a = std::vector<float>{}, "mscale"_a = 1.0f,
         "mx.fast.rope for float32 x (B, ..., T, D) with an int32 offset scalar or one per row b (freqs: "

@@ -754,6 +754,23 @@ bool has_avx512_vnni() {
 #endif
 }
 
+bool has_gfni() {
+#if GMLX_X86
+  static const bool is_supported = has_avx512_vnni() && __builtin_cpu_supports("gfni");
+  return is_supported;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<int> g_gfni{-1};  // set_gfni's setting; -1: on where has_gfni()
+}  // namespace
+
+void set_gfni(int setting) { g_gfni.store(setting < 0 ? -1 : setting > 0 ? 1 : 0); }
+int gfni_setting() { return g_gfni.load(); }
+bool is_gfni_enabled() { return g_gfni.load() != 0 && has_gfni(); }
+
 void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_inputs) {
   rows.num_rows = num_rows;
   rows.padded_inputs = (num_inputs + kInt8ChunkInputs - 1) / kInt8ChunkInputs * kInt8ChunkInputs;

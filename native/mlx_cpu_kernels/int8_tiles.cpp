@@ -285,15 +285,25 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 widen(const uint8_
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
 }
 
-// Bits 0-3 of `nibbles` with bit kBit of `fifths` as bit 4: a K5-tile vector's 5-bit levels (each
-// epi16 shift moves no bit into bit 4 from the next byte; c ? b : a bit by bit, c = 0x0F).
-template <int kBit>
+// Bits 0-3 of `nibbles` with bit kBit of `fifths` as bit 4: a K5-tile vector's 5-bit levels, merged
+// by one ternary-logic op (c ? b : a bit by bit, c = 0x0F). The fifth bits move by an affine byte op
+// on GFNI (its matrix's byte 3, result bit 4, picks bit kBit), else by an epi16 shift (which moves
+// no bit of the next byte into bit 4) and an and. An asm for the GFNI op: no target attribute, so
+// one function serves both ways.
+template <int kBit, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i with_fifth_bit(__m512i nibbles, __m512i fifths) {
-  const __m512i bit4 = _mm512_set1_epi8(0x10), low4 = _mm512_set1_epi8(0x0F);
-  __m512i top = fifths;
-  if constexpr (kBit < 4) top = _mm512_slli_epi16(fifths, 4 - kBit);
-  if constexpr (kBit > 4) top = _mm512_srli_epi16(fifths, kBit - 4);
-  return _mm512_ternarylogic_epi32(_mm512_and_si512(top, bit4), nibbles, low4, 0xD8);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i top;
+  if constexpr (kGfni) {
+    const __m512i matrix = _mm512_set1_epi64(static_cast<long long>((1ull << kBit) << 24));
+    asm("vgf2p8affineqb $0, %2, %1, %0" : "=v"(top) : "v"(fifths), "v"(matrix));
+  } else {
+    top = fifths;
+    if constexpr (kBit < 4) top = _mm512_slli_epi16(fifths, 4 - kBit);
+    if constexpr (kBit > 4) top = _mm512_srli_epi16(fifths, kBit - 4);
+    top = _mm512_and_si512(top, _mm512_set1_epi8(0x10));
+  }
+  return _mm512_ternarylogic_epi32(top, nibbles, low4, 0xD8);
 }
 
 // Weight vector i of block j against every row's x bytes 4i..4i+3, into chain i % kChains.
@@ -307,7 +317,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void dot_rows(int i, __m5
 }
 
 // block_isums over a K5-tile block: each weight vector's nibbles with its fifth bits merged in.
-template <int kRows>
+template <int kRows, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k5_block_isums(const uint8_t* block, int64_t j,
                                                                          const RowsOf<kRows>& x, __m512i* isums) {
   constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
@@ -318,14 +328,14 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k5_block_isums(const
   }
   const __m512i v0 = _mm512_loadu_si512(block), v1 = _mm512_loadu_si512(block + 64);
   const __m512i v2 = _mm512_loadu_si512(block + 128), v3 = _mm512_loadu_si512(block + 192);
-  dot_rows<kRows, kChains>(0, with_fifth_bit<0>(v0, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(1, with_fifth_bit<1>(_mm512_srli_epi16(v0, 4), fifths), j, x, partial);
-  dot_rows<kRows, kChains>(2, with_fifth_bit<2>(v1, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(3, with_fifth_bit<3>(_mm512_srli_epi16(v1, 4), fifths), j, x, partial);
-  dot_rows<kRows, kChains>(4, with_fifth_bit<4>(v2, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(5, with_fifth_bit<5>(_mm512_srli_epi16(v2, 4), fifths), j, x, partial);
-  dot_rows<kRows, kChains>(6, with_fifth_bit<6>(v3, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(7, with_fifth_bit<7>(_mm512_srli_epi16(v3, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(0, with_fifth_bit<0, kGfni>(v0, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(1, with_fifth_bit<1, kGfni>(_mm512_srli_epi16(v0, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(2, with_fifth_bit<2, kGfni>(v1, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(3, with_fifth_bit<3, kGfni>(_mm512_srli_epi16(v1, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(4, with_fifth_bit<4, kGfni>(v2, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(5, with_fifth_bit<5, kGfni>(_mm512_srli_epi16(v2, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(6, with_fifth_bit<6, kGfni>(v3, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(7, with_fifth_bit<7, kGfni>(_mm512_srli_epi16(v3, 4), fifths), j, x, partial);
   for (int r = 0; r < kRows; ++r) {
     isums[r] = partial[r][0];  // integer adds: exact in any order
     for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
@@ -334,7 +344,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k5_block_isums(const
 
 // Block i of a K-tile or K5-tile super-block (block j of the row) for kRows rows into lane kLane:
 // its scales d * sc and biases dmin * m negated, from the super-block's d and -dmin (float32, exact products).
-template <int kBits, int kRows, int kLane>
+template <int kBits, int kRows, int kLane, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_block_avx512(const uint8_t* super, int i, int64_t j,
                                                                           __m512 d, __m512 neg_dmin,
                                                                           const RowsOf<kRows>& x,
@@ -343,7 +353,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_block_avx512(cons
   if constexpr (kBits == kK4Bits) {
     block_isums<4, kRows>(k4_block<kBits>(super, i), j, x, isums);
   } else {
-    k5_block_isums<kRows>(k4_block<kBits>(super, i), j, x, isums);
+    k5_block_isums<kRows, kGfni>(k4_block<kBits>(super, i), j, x, isums);
   }
   const uint8_t* sub_scales = super + 4 * kTileOutputs + kTileOutputs * i;
   const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
@@ -382,21 +392,21 @@ GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int
 }
 
 // A K-tile or K5-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin read once.
-template <int kBits, int kRows>
+template <int kBits, int kRows, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_super_avx512(const uint8_t* super, int64_t j,
                                                                           const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
   const auto* halves = reinterpret_cast<const __m256i*>(super);
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
   const __m512 neg_dmin = _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)));
-  k4_block_avx512<kBits, kRows, 0>(super, 0, j, d, neg_dmin, x, lanes);
-  k4_block_avx512<kBits, kRows, 1>(super, 1, j + 1, d, neg_dmin, x, lanes);
-  k4_block_avx512<kBits, kRows, 2>(super, 2, j + 2, d, neg_dmin, x, lanes);
-  k4_block_avx512<kBits, kRows, 3>(super, 3, j + 3, d, neg_dmin, x, lanes);
-  k4_block_avx512<kBits, kRows, 0>(super, 4, j + 4, d, neg_dmin, x, lanes);
-  k4_block_avx512<kBits, kRows, 1>(super, 5, j + 5, d, neg_dmin, x, lanes);
-  k4_block_avx512<kBits, kRows, 2>(super, 6, j + 6, d, neg_dmin, x, lanes);
-  k4_block_avx512<kBits, kRows, 3>(super, 7, j + 7, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 0, kGfni>(super, 0, j, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 1, kGfni>(super, 1, j + 1, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 2, kGfni>(super, 2, j + 2, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 3, kGfni>(super, 3, j + 3, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 0, kGfni>(super, 4, j + 4, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 1, kGfni>(super, 5, j + 5, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 2, kGfni>(super, 6, j + 6, d, neg_dmin, x, lanes);
+  k4_block_avx512<kBits, kRows, 3, kGfni>(super, 7, j + 7, d, neg_dmin, x, lanes);
 }
 
 // A K6 block's sub-block h (weight vectors 4h..4h+3) summed against kRows rows' x, less 32 times
@@ -473,8 +483,9 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(cons
   k6_block_avx512<kRows, 3>(super, 7, j + 7, d, x, lanes);
 }
 
-// tiles_avx512 over a K layout (kBits kK4Bits, kK5Bits or kK6Bits), a super-block of eight blocks a step.
-template <int kBits, int kRows>
+// tiles_avx512 over a K layout (kBits kK4Bits, kK5Bits or kK6Bits), a super-block of eight blocks a
+// step; kGfni: K5-tiles' fifth bits by GFNI.
+template <int kBits, int kRows, bool kGfni = false>
 GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
                                      int64_t r0) {
   constexpr int64_t kSuperBytes = k_super_bytes(kBits);
@@ -489,7 +500,7 @@ GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, i
       if constexpr (kBits == kK6Bits) {
         k6_super_avx512<kRows>(super, j, rows, lanes);
       } else {
-        k4_super_avx512<kBits, kRows>(super, j, rows, lanes);
+        k4_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
       }
     }
     store_tile_rows<kRows>(a, r0, n0, end, lanes);
@@ -504,6 +515,15 @@ struct Avx512TileWalk {
     } else {
       tiles_avx512<kBits, kRows>(a, x, begin, end, r0);
     }
+  }
+};
+
+// K5-tiles with their fifth bits moved by GFNI (is_gfni_enabled).
+template <int kBits, int kRows>
+struct Avx512K5GfniWalk {
+  static_assert(kBits == kK5Bits);
+  static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
+    k_tiles_avx512<kK5Bits, kRows, true>(a, x, begin, end, r0);
   }
 };
 
@@ -949,7 +969,10 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     int64_t first_vnni_row = 0;
     // No AMX walk for the K layouts yet: their rows all take VNNI.
     if (a.bits == kK4Bits) return walk_by_rows<Avx512TileWalk, kK4Bits>(a, rows, begin, end);
-    if (a.bits == kK5Bits) return walk_by_rows<Avx512TileWalk, kK5Bits>(a, rows, begin, end);
+    if (a.bits == kK5Bits) {
+      return is_gfni_enabled() ? walk_by_rows<Avx512K5GfniWalk, kK5Bits>(a, rows, begin, end)
+                               : walk_by_rows<Avx512TileWalk, kK5Bits>(a, rows, begin, end);
+    }
     if (a.bits == kK6Bits) return walk_by_rows<Avx512TileWalk, kK6Bits>(a, rows, begin, end);
 #if GMLX_HAS_AMX_BUILD
     if (is_amx_enabled()) {
