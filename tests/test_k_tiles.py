@@ -27,7 +27,7 @@ TRIPLET_BITS = {"Q4_K": 4, "Q5_K": 8}  # the bits of the triplets Q4_K and Q5_K 
 
 
 def gfni_settings(ext) -> tuple[int, ...]:
-    """K5-tiles' fifth bits by shifts (0) and, where the CPU has it, by GFNI (1): the same bits."""
+    """K5- and K6-tiles' top bits by shifts (0) and, where the CPU has it, by GFNI (1): the same bits."""
     return (0, 1) if ext.has_gfni() else (0,)
 
 
@@ -234,7 +234,7 @@ def test_a_k_tile_is_probed_against_its_triplets_at_load(is_own_blocks, ext, cap
 def test_doctor_line_names_the_k_tiles(ext):
     ext.set_tile_layout(True)
     expected = "Q4_K, Q5_K and Q6_K" if ext.has_avx512_vnni() else "Q4_K"
-    gfni = "; Q5_K's fifth bits by GFNI" if ext.is_gfni_enabled() else ""
+    gfni = "; top bits by GFNI" if ext.is_gfni_enabled() else ""
     assert f"GGUF {expected} as K-tiles (GMLX_CPU_K_TILES{gfni})" in cpu_kernels.format_status(cpu_kernels.status())
     ext.set_gfni(0)
     assert "(GMLX_CPU_K_TILES)" in cpu_kernels.format_status(cpu_kernels.status())

@@ -334,7 +334,7 @@ def format_status(report: dict) -> str:
             layout += ", wide products on AMX (GMLX_CPU_AMX)" if report.get("amx") else ", AMX off (GMLX_CPU_AMX=0)"
         kinds = report.get("k_tiles")
         named = " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
-        gfni = "; Q5_K's fifth bits by GFNI" if "Q5_K" in (kinds or []) and report.get("gfni") else ""
+        gfni = "; top bits by GFNI" if {"Q5_K", "Q6_K"} & set(kinds or []) and report.get("gfni") else ""
         layout += f", GGUF {named} as K-tiles (GMLX_CPU_K_TILES{gfni})" if kinds else ", no K-tiles"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")

@@ -106,7 +106,7 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("has_avx512_vnni", &gmlx_kernels::has_avx512_vnni);
   m.def("has_gfni", &gmlx_kernels::has_gfni);
   m.def("set_gfni", &gmlx_kernels::set_gfni, "setting"_a,
-        "GFNI for the K5-tiles' fifth bits: 0 off, 1 on where has_gfni(), -1 the default (on where it is)");
+        "GFNI for the K5- and K6-tiles' top bits: 0 off, 1 on where has_gfni(), -1 the default (on where it is)");
   m.def("gfni_setting", &gmlx_kernels::gfni_setting);
   m.def("is_gfni_enabled", &gmlx_kernels::is_gfni_enabled);
   m.def("rope", &gmlx_kernels::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,

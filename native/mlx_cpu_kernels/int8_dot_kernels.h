@@ -70,9 +70,10 @@ inline float half_to_float(uint16_t h) {
 }
 
 bool has_avx512_vnni();
-// GFNI (Ice Lake, Zen 4 on): K5-tiles move each vector's fifth bits into place with one affine
-// byte op instead of a shift and an and (an 8B-shaped Q5_K product of one row 1.2x). Same
-// integers, so the same bits. set_gfni: 0 off, 1 on where has_gfni(), -1 the default (on where it is).
+// GFNI (Ice Lake, Zen 4 on): K5- and K6-tiles move each vector's top bits into place with one
+// affine byte op instead of a shift and an and (a 14336x4096 product: Q5_K at 1 and 3 rows 1.15x,
+// Q6_K at 3 rows 1.13x). Same integers, so the same bits. set_gfni: 0 off, 1 on where has_gfni(),
+// -1 the default (on where it is).
 bool has_gfni();
 void set_gfni(int setting);
 int gfni_setting();

@@ -285,18 +285,33 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 widen(const uint8_
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
 }
 
+// Each byte's bits kLow.. (one bit for a K5-tile, kLow and kLow + 1 for a K6-tile) moved to bits 4..,
+// the rest zero: one GFNI affine byte op (its matrix's byte 7 - b picks result bit b's source bits).
+// An asm: no target attribute, so one templated walk serves CPUs with GFNI and without.
+template <int kLow, int kNumBits>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i bits_to_4_gfni(__m512i bytes) {
+  uint64_t rows = 0;
+  for (int b = 0; b < kNumBits; ++b) rows |= (1ull << (kLow + b)) << (8 * (3 - b));
+  const __m512i matrix = _mm512_set1_epi64(static_cast<long long>(rows));
+  __m512i moved;
+  asm("vgf2p8affineqb $0, %2, %1, %0" : "=v"(moved) : "v"(bytes), "v"(matrix));
+  return moved;
+}
+
+template <int kLow>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i top_bits_gfni(__m512i high) {
+  return bits_to_4_gfni<kLow, 2>(high);
+}
+
 // Bits 0-3 of `nibbles` with bit kBit of `fifths` as bit 4: a K5-tile vector's 5-bit levels, merged
-// by one ternary-logic op (c ? b : a bit by bit, c = 0x0F). The fifth bits move by an affine byte op
-// on GFNI (its matrix's byte 3, result bit 4, picks bit kBit), else by an epi16 shift (which moves
-// no bit of the next byte into bit 4) and an and. An asm for the GFNI op: no target attribute, so
-// one function serves both ways.
+// by one ternary-logic op (c ? b : a bit by bit, c = 0x0F). The fifth bits move by GFNI, else by an
+// epi16 shift (which moves no bit of the next byte into bit 4) and an and.
 template <int kBit, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i with_fifth_bit(__m512i nibbles, __m512i fifths) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i top;
   if constexpr (kGfni) {
-    const __m512i matrix = _mm512_set1_epi64(static_cast<long long>((1ull << kBit) << 24));
-    asm("vgf2p8affineqb $0, %2, %1, %0" : "=v"(top) : "v"(fifths), "v"(matrix));
+    top = bits_to_4_gfni<kBit, 1>(fifths);
   } else {
     top = fifths;
     if constexpr (kBit < 4) top = _mm512_slli_epi16(fifths, 4 - kBit);
@@ -413,14 +428,22 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_super_avx512(cons
 // x's sum there (quantize_rows's half sums, the chains' start): each vector's low nibbles as a
 // 4-bit tile's, its top 2 bits (bits 2 (i % 4) of the block's high bytes i / 4) moved to bits 4-5
 // and merged in by one ternary-logic op.
-template <int kRows>
+template <int kRows, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(const uint8_t* block, int h, int64_t j,
                                                                              const RowsOf<kRows>& x, __m512i* isums) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i high = _mm512_loadu_si512(block + kBlockWeightBytes4 + 64 * h);
-  const __m512i tops[4] = {_mm512_and_si512(_mm512_slli_epi16(high, 4), top),
-                           _mm512_and_si512(_mm512_slli_epi16(high, 2), top), _mm512_and_si512(high, top),
-                           _mm512_and_si512(_mm512_srli_epi16(high, 2), top)};
+  __m512i tops[4];
+  if constexpr (kGfni) {
+    tops[0] = top_bits_gfni<0>(high), tops[1] = top_bits_gfni<2>(high);
+    tops[2] = top_bits_gfni<4>(high), tops[3] = top_bits_gfni<6>(high);
+  } else {
+    const __m512i top = _mm512_set1_epi8(0x30);
+    tops[0] = _mm512_and_si512(_mm512_slli_epi16(high, 4), top);
+    tops[1] = _mm512_and_si512(_mm512_slli_epi16(high, 2), top);
+    tops[2] = _mm512_and_si512(high, top);
+    tops[3] = _mm512_and_si512(_mm512_srli_epi16(high, 2), top);
+  }
   constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
   constexpr int kSelectNibble = 0xD8;  // c ? b : a, bit by bit: a = tops, b = the nibbles' byte, c = 0x0F
   __m512i partial[kRows][kChains];
@@ -449,14 +472,14 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
 
 // Block i of a K6-tile super-block (block j of the row) for kRows rows into lane kLane: with A and B
 // its sub-blocks' sums, t = s_b * float(B), t = fma(s_a, float(A), t), then fma(d_j, t, lane).
-template <int kRows, int kLane>
+template <int kRows, int kLane, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(const uint8_t* super, int i, int64_t j,
                                                                           __m512 d, const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
   __m512i sums[2][kRows];
   __m512 scales[2];
   for (int h = 0; h < 2; ++h) {
-    k6_sub_block_isums<kRows>(k6_block(super, i), h, j, x, sums[h]);
+    k6_sub_block_isums<kRows, kGfni>(k6_block(super, i), h, j, x, sums[h]);
     const auto* sub_scales = reinterpret_cast<const __m128i*>(super + 2 * kTileOutputs + kTileOutputs * (2 * i + h));
     scales[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sub_scales))));
   }
@@ -468,19 +491,19 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(cons
 }
 
 // A K6-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d read once.
-template <int kRows>
+template <int kRows, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(const uint8_t* super, int64_t j,
                                                                           const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
-  k6_block_avx512<kRows, 0>(super, 0, j, d, x, lanes);
-  k6_block_avx512<kRows, 1>(super, 1, j + 1, d, x, lanes);
-  k6_block_avx512<kRows, 2>(super, 2, j + 2, d, x, lanes);
-  k6_block_avx512<kRows, 3>(super, 3, j + 3, d, x, lanes);
-  k6_block_avx512<kRows, 0>(super, 4, j + 4, d, x, lanes);
-  k6_block_avx512<kRows, 1>(super, 5, j + 5, d, x, lanes);
-  k6_block_avx512<kRows, 2>(super, 6, j + 6, d, x, lanes);
-  k6_block_avx512<kRows, 3>(super, 7, j + 7, d, x, lanes);
+  k6_block_avx512<kRows, 0, kGfni>(super, 0, j, d, x, lanes);
+  k6_block_avx512<kRows, 1, kGfni>(super, 1, j + 1, d, x, lanes);
+  k6_block_avx512<kRows, 2, kGfni>(super, 2, j + 2, d, x, lanes);
+  k6_block_avx512<kRows, 3, kGfni>(super, 3, j + 3, d, x, lanes);
+  k6_block_avx512<kRows, 0, kGfni>(super, 4, j + 4, d, x, lanes);
+  k6_block_avx512<kRows, 1, kGfni>(super, 5, j + 5, d, x, lanes);
+  k6_block_avx512<kRows, 2, kGfni>(super, 6, j + 6, d, x, lanes);
+  k6_block_avx512<kRows, 3, kGfni>(super, 7, j + 7, d, x, lanes);
 }
 
 // tiles_avx512 over a K layout (kBits kK4Bits, kK5Bits or kK6Bits), a super-block of eight blocks a
@@ -498,7 +521,8 @@ GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, i
     for (int64_t j = 0; j < num_blocks; j += kBlocksPerSuper, super += kSuperBytes) {
       prefetch_ahead(super, kSuperBytes, prefetch_bytes);
       if constexpr (kBits == kK6Bits) {
-        k6_super_avx512<kRows>(super, j, rows, lanes);
+        // Four rows of K6 sums with GFNI's four matrices ran 0.89x the shifts (3 rows 1.13x, 1-2 level).
+        k6_super_avx512<kRows, kGfni && kRows < 4>(super, j, rows, lanes);
       } else {
         k4_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
       }
@@ -518,12 +542,12 @@ struct Avx512TileWalk {
   }
 };
 
-// K5-tiles with their fifth bits moved by GFNI (is_gfni_enabled).
+// K5- and K6-tiles with their top bits moved by GFNI (is_gfni_enabled).
 template <int kBits, int kRows>
-struct Avx512K5GfniWalk {
-  static_assert(kBits == kK5Bits);
+struct Avx512KGfniWalk {
+  static_assert(kBits == kK5Bits || kBits == kK6Bits);
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
-    k_tiles_avx512<kK5Bits, kRows, true>(a, x, begin, end, r0);
+    k_tiles_avx512<kBits, kRows, true>(a, x, begin, end, r0);
   }
 };
 
@@ -970,10 +994,13 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     // No AMX walk for the K layouts yet: their rows all take VNNI.
     if (a.bits == kK4Bits) return walk_by_rows<Avx512TileWalk, kK4Bits>(a, rows, begin, end);
     if (a.bits == kK5Bits) {
-      return is_gfni_enabled() ? walk_by_rows<Avx512K5GfniWalk, kK5Bits>(a, rows, begin, end)
+      return is_gfni_enabled() ? walk_by_rows<Avx512KGfniWalk, kK5Bits>(a, rows, begin, end)
                                : walk_by_rows<Avx512TileWalk, kK5Bits>(a, rows, begin, end);
     }
-    if (a.bits == kK6Bits) return walk_by_rows<Avx512TileWalk, kK6Bits>(a, rows, begin, end);
+    if (a.bits == kK6Bits) {
+      return is_gfni_enabled() ? walk_by_rows<Avx512KGfniWalk, kK6Bits>(a, rows, begin, end)
+                               : walk_by_rows<Avx512TileWalk, kK6Bits>(a, rows, begin, end);
+    }
 #if GMLX_HAS_AMX_BUILD
     if (is_amx_enabled()) {
       first_vnni_row = num_amx_rows(a.num_rows);
