@@ -13,6 +13,7 @@ issue 17) and each count's cost over one. `default` is the setting's default (th
     python3 scripts/bench_kernel_settings.py num_threads 2,1 --format float32
     python3 scripts/bench_kernel_settings.py prefetch_chunks default,0,8 --measure forwards --reps 10
     python3 scripts/bench_kernel_settings.py amx 0,1 --measure batch --widths 8,16,32 --reps 8
+    python3 scripts/bench_kernel_settings.py gfni 1,0 --model Q5_K_M.gguf --measure forwards --reps 6
     python3 scripts/bench_kernel_settings.py yielding_spin default,0 --reps 10
 
 --measure batch times a forward of one position for each of B rows (B from --widths; a wide
@@ -51,6 +52,7 @@ SETTERS = {
     "num_threads": "set_num_threads",
     "panel_prefetch_bytes": "set_panel_prefetch_bytes",  # float32 panels' software prefetch distance
     "amx": "set_amx",  # the tiles' groups of 8-16 rows on AMX (1) or VNNI (0)
+    "gfni": "set_gfni",  # K5- and K6-tiles' top bits by GFNI (1) or shifts (0)
     "yielding_spin": "set_yielding_spin",  # idle pool workers poll with yields (1, the default) or pause only (0)
 }
 # Setters that take a switch, not an integer with -1 for the default: the value each -1 means.
