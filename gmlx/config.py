@@ -217,6 +217,13 @@ def is_k_tile_layout_enabled() -> bool:
     return _env_flag("GMLX_CPU_K_TILES", True)
 
 
+def is_five_bit_tiles_enabled() -> bool:
+    """GMLX_CPU_FIVE_BIT_TILES (default on): under the tile layout on VNNI CPUs, 8-bit products whose
+    levels all fit 5 bits (a GGUF's Q5_0 and Q5_1, read exactly at 8 bits) keep them at 5 bits (0.75
+    bytes a weight, not 1.125; the same bits); 0 packs them at 8 (A/B runs)."""
+    return _env_flag("GMLX_CPU_FIVE_BIT_TILES", True)
+
+
 ROW_INVARIANCE_MODES = ("auto", "1", "0")
 
 

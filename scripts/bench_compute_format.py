@@ -16,6 +16,7 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
     python3 scripts/bench_compute_format.py --depth 2000 --no-mlx-lm --llama-bench .cache/llama.cpp/bin/llama-bench
     python3 scripts/bench_compute_format.py --depth 2000 --kv model,float16 --no-mlx-lm   # the KV cache's type
     python3 scripts/bench_compute_format.py --model Q4_K_M.gguf --k-tiles 1,0 --no-float32 --no-mlx-lm
+    python3 scripts/bench_compute_format.py --model Q5_0.gguf --five-bit-tiles 1,0 --no-float32 --no-mlx-lm
 
 --quant-activations loads the quantized format once per GMLX_CPU_QUANT_ACTIVATIONS mode (float:
 float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
@@ -26,6 +27,8 @@ auto, the default: halves where the products quantize activations to int8).
 --k-tiles loads the quantized format once per GMLX_CPU_K_TILES setting (1: Q4_K and Q6_K matrices as
 K-tiles with their own scales; 0: as tiles from their triplets). --no-float32 skips the float32
 engine (a large file's float32 copy may not fit in memory); ratios are then to the first engine.
+--five-bit-tiles likewise per GMLX_CPU_FIVE_BIT_TILES setting (1: 8-bit matrices of 5-bit levels, a
+GGUF's Q5_0 and Q5_1, as 5-bit tiles; 0: as 8-bit tiles).
 """
 
 from __future__ import annotations
@@ -135,6 +138,9 @@ def main() -> None:
     parser.add_argument("--k-tiles", default="",
                         help="comma list of GMLX_CPU_K_TILES settings (1,0), one quantized engine each "
                              "(default: one, under the current setting)")
+    parser.add_argument("--five-bit-tiles", default="",
+                        help="comma list of GMLX_CPU_FIVE_BIT_TILES settings (1,0), one quantized engine each "
+                             "(default: one, under the current setting)")
     parser.add_argument("--no-float32", action="store_true",
                         help="no float32 engine (ratios to the first engine instead)")
     parser.add_argument("--json", action="store_true")
@@ -165,14 +171,18 @@ def main() -> None:
             variant_of[full_name] = (name, kv)
 
     k_tile_settings = [k.strip() for k in args.k_tiles.split(",") if k.strip()] or [None]
+    five_bit_settings = [f.strip() for f in args.five_bit_tiles.split(",") if f.strip()] or [None]
     for setting in [] if args.no_float32 else float_settings or [None]:
         load("gmlx float32" + (" (BLAS)" if setting == "0" else ""),
              {"GMLX_CPU_COMPUTE_FORMAT": "float32", **({"GMLX_CPU_FLOAT_KERNELS": setting} if setting else {})})
     for mode in [] if args.no_quantized else modes or [None]:
         for k_tiles in k_tile_settings:
-            load("gmlx quantized" + (f" ({mode} x)" if mode else "") + (" (K-tiles off)" if k_tiles == "0" else ""),
-                 {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {}),
-                  **({"GMLX_CPU_K_TILES": k_tiles} if k_tiles else {})})
+            for five_bits in five_bit_settings:
+                load("gmlx quantized" + (f" ({mode} x)" if mode else "") + (" (K-tiles off)" if k_tiles == "0" else "")
+                     + (" (5-bit tiles off)" if five_bits == "0" else ""),
+                     {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {}),
+                      **({"GMLX_CPU_K_TILES": k_tiles} if k_tiles else {}),
+                      **({"GMLX_CPU_FIVE_BIT_TILES": five_bits} if five_bits else {})})
     if not engines:
         parser.error("no engine to run: --no-float32 with --no-quantized")
     baseline = None

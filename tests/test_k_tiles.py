@@ -271,8 +271,8 @@ def k_quant_target(tmp_path_factory):
 def test_a_k_quant_file_keeps_its_k_quant_products_in_k_tiles_close_to_their_triplets(k_quant_target, ext):
     """Every Q4_K matrix is a K-tile and (on a VNNI CPU) every Q5_K one a K5-tile and every Q6_K one
     a K6-tile, the head and the token table included, the layers fused; the logits are within 2% of
-    the same file packed from its triplets (GMLX_CPU_K_TILES=0: float16-rounded Q4_K and Q5_K
-    scales, Q5_K's levels at 8 bits, Q6_K requantized to 8 bits)."""
+    the same file packed from its triplets (GMLX_CPU_K_TILES=0 and GMLX_CPU_FIVE_BIT_TILES=0:
+    float16-rounded Q4_K and Q5_K scales, Q5_K's levels at 8 bits, Q6_K requantized to 8 bits)."""
     from gmlx.platform.cpu_layers import StackedLlamaModel
 
     ext.set_tile_layout(True)
@@ -289,7 +289,7 @@ def test_a_k_quant_file_keeps_its_k_quant_products_in_k_tiles_close_to_their_tri
     assert {name: m.layout_bits for name, m in products.items()} == {
         name: bits_by_module.get(name, cpu_kernels.K4_BITS) for name in products}
     assert type(k_quant_target.model.model) is StackedLlamaModel
-    with env_overrides({"GMLX_CPU_K_TILES": "0"}):
+    with env_overrides({"GMLX_CPU_K_TILES": "0", "GMLX_CPU_FIVE_BIT_TILES": "0"}):
         triplets = load_model(k_quant_target.path)
     assert {m.layout_bits for _, m in triplets.model.named_modules() if hasattr(m, "layout_bits")} == {4, 8}
     tokens = mx.array([[5, 17, 300, 41, 9, 1000, 77, 3]])

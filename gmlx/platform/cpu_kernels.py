@@ -45,6 +45,7 @@ FLOAT_BITS = 32
 K4_BITS = 260  # the K-tile layouts' tags beside bits 4 and 8 (int8_dot_kernels.h: kK4Bits, kK5Bits, kK6Bits)
 K5_BITS = 261
 K6_BITS = 262
+FIVE_BITS = 5  # the 5-bit tiles: 8-bit rows whose levels fit 5 bits (a GGUF's Q5_0, Q5_1), VNNI CPUs
 # The GGUF types the K layouts hold, by the tag of each; all but Q4_K's are walked on VNNI only.
 K_TILE_KINDS = {"Q4_K": K4_BITS, "Q5_K": K5_BITS, "Q6_K": K6_BITS}
 
@@ -124,18 +125,26 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, int8_acti
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits, int8_activations)
 
 
-def pack_quads(w, scales, biases, group_size: int, bits: int):
+def pack_quads(w, scales, biases, group_size: int, bits: int, layout_bits: int | None = None):
     """The int8 path's weights as one stream (int8_dot_kernels.h): 16-output tiles where the
     extension's tile_layout() is on (VNNI CPUs), else quads (per four outputs and 128-input
     chunk, their packed weights, then 16 float16 scales and 16 biases; a K of at most 64 past
     whole chunks ends in a half chunk where half_tails() is on). One node of the extension's,
     packed under the settings of this call.
 
-    scales and biases must be float16 (exact: the kernels read those very values)."""
+    scales and biases must be float16 (exact: the kernels read those very values). layout_bits
+    FIVE_BITS packs 8-bit rows whose levels all fit 5 bits as the 5-bit tiles (five_bit_tiles_available;
+    the caller checks the levels: bits past the fifth are dropped)."""
     import mlx.core as mx
 
     assert scales.dtype == mx.float16 and biases.dtype == mx.float16, (scales.dtype, biases.dtype)
-    return extension().pack_quads(w, scales, biases, group_size, bits)
+    return extension().pack_quads(w, scales, biases, group_size, bits, layout_bits or bits)
+
+
+def five_bit_tiles_available() -> bool:
+    """Can 8-bit rows whose levels fit 5 bits be packed as the 5-bit tiles now (the extension's tile
+    layout, on a CPU with VNNI: other ISAs would walk them in portable code)?"""
+    return is_built() and extension().tile_layout() and extension().has_avx512_vnni()
 
 
 def k_tile_bits(kind: str) -> int | None:
@@ -180,7 +189,7 @@ def packed_weights(module):
 
 
 def packed_bits(module) -> int:
-    """The layout packed_weights(module) is in, as the kernels name it: 4, 8, a K layout's or FLOAT_BITS."""
+    """The layout packed_weights(module) is in, as the kernels name it: 4, 5, 8, a K layout's or FLOAT_BITS."""
     return module.layout_bits if "quads" in module else module.bits
 
 
@@ -308,6 +317,7 @@ def status() -> dict:
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
                       gfni=hasattr(ext, "is_gfni_enabled") and ext.is_gfni_enabled(),
+                      five_bit_tiles=config.is_five_bit_tiles_enabled() and five_bit_tiles_available(),
                       k_tiles=[kind for kind in K_TILE_KINDS
                                if config.is_k_tile_layout_enabled() and k_tile_bits(kind) is not None],
                       tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
@@ -336,6 +346,8 @@ def format_status(report: dict) -> str:
         named = " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
         gfni = "; top bits by GFNI" if {"Q5_K", "Q6_K"} & set(kinds or []) and report.get("gfni") else ""
         layout += f", GGUF {named} as K-tiles (GMLX_CPU_K_TILES{gfni})" if kinds else ", no K-tiles"
+        if report.get("five_bit_tiles"):
+            layout += ", 8-bit rows of 5-bit levels as 5-bit tiles (GMLX_CPU_FIVE_BIT_TILES)"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"

@@ -202,6 +202,26 @@ def _is_k_tile_close(module: nn.Module, kind: str, blocks, bits: int) -> bool:
     return cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
 
 
+def _five_bit_layout(module: nn.Module, probes: dict) -> int | None:
+    """FIVE_BITS where this 8-bit module's levels all fit 5 bits and the 5-bit tiles can hold them (a
+    probe a shape, as for the other layouts), else None. probes: each shape's probe result so far."""
+    if module.bits != 8 or not config.is_five_bit_tiles_enabled() or not cpu_kernels.five_bit_tiles_available():
+        return None
+    if not mx.all((module["weight"] & mx.array(0xE0E0E0E0, dtype=mx.uint32)) == 0).item():
+        return None
+    key = ("5-bit", module["weight"].shape)
+    if key not in probes:
+        x, expected = _probe_reference(module)
+        w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
+        five_bits = cpu_kernels.pack_quads(w, scales, biases, module.group_size, 8, cpu_kernels.FIVE_BITS)
+        got = cpu_kernels.quantized_matmul_quads(x, five_bits, w.shape[0], cpu_kernels.FIVE_BITS)
+        probes[key] = cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
+        if not probes[key]:
+            logger.warning("5-bit tiles off for %s matrices: their product is not within %.0e of the triplets'",
+                           key[1], cpu_kernels.INT8_ACTIVATIONS_RTOL)
+    return cpu_kernels.FIVE_BITS if probes[key] else None
+
+
 def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dict | None = None) -> None:
     """Keep an int8-activation module's weights in the kernels' quad layout only: one stream per
     product instead of twelve (4 rows of weights, scales, biases), 1.1-2x faster from DRAM (3x
@@ -213,9 +233,10 @@ def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dic
     if k_bits is not None:
         module.quads, module.layout_bits = cpu_kernels.pack_k_quant_tiles(k_blocks[1], k_blocks[0]), k_bits
     else:
+        layout_bits = _five_bit_layout(module, {} if k_probes is None else k_probes) or module.bits
         module.quads = cpu_kernels.pack_quads(module["weight"], module["scales"], module["biases"],
-                                              module.group_size, module.bits)
-        module.layout_bits = module.bits
+                                              module.group_size, module.bits, layout_bits)
+        module.layout_bits = layout_bits
     mx.eval(module.quads)
     for name in ("weight", "scales", "biases"):
         del module[name]

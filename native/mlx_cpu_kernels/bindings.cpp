@@ -60,7 +60,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("quantized_matmul_quads_group", &gmlx_kernels::quantized_matmul_quads_group, "x"_a, "quads"_a,
         "num_outputs"_a, "bits"_a, "quantized_matmul_quads of one x over several weights, one graph node");
   m.def("pack_quads", &gmlx_kernels::pack_quads, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
-        "mlx's affine rows (float16 scales and biases) in the one-stream layout: tiles or quads, as set now");
+        "layout_bits"_a = 0,
+        "mlx's affine rows (float16 scales and biases) in the one-stream layout: tiles or quads, as set now "
+        "(layout_bits 5: 8-bit rows whose levels fit 5 bits as the 5-bit tiles)");
   m.def(
       "decode_gguf_blocks",
       [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks, const std::string& kind) {

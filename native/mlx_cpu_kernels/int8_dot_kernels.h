@@ -116,6 +116,12 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
 // floats per output as the quad layout (block j's two fmas on lane j % 4), so the same bits.
 constexpr int64_t kTileOutputs = 16;
 constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockInputs * bits / 8 + 2 * kTileOutputs * 2; }
+// The 5-bit tiles (bits 5, VNNI CPUs): 8-bit rows whose levels all fit 5 bits (a GGUF's Q5_0 and
+// Q5_1, read exactly at 8 bits) as a 4-bit tile block's weight vectors of their low 4 bits, then 64
+// bytes of fifth bits (vector i's at bit i, as a K5-tile block), then the 16 scales and 16 biases:
+// 0.75 bytes a weight against 1.125. The same integer block sums and float steps as the 8-bit tiles,
+// so the same bits. Packed from 8-bit rows by pack_quads with layout_bits 5, under the tile layout.
+constexpr int kFiveBits = 5;
 // The K-tile layout (bits kK4Bits), a GGUF Q4_K matrix's in the tile layout: where a 4-bit tile
 // keeps each block's 16 float16 scales and biases (64 bytes), a K-tile keeps Q4_K's own: per
 // 256-input super-block, the 16 outputs' float16 d and dmin and each block's 6-bit scale and min
@@ -152,8 +158,8 @@ constexpr bool is_k_layout(int bits) { return bits == kK4Bits || bits == kK5Bits
 constexpr int64_t k_super_bytes(int bits) {
   return bits == kK4Bits ? kK4SuperBytes : bits == kK5Bits ? kK5SuperBytes : kK6SuperBytes;
 }
-// Bits naming a weight layout the int8 path runs: 4, 8, and the K layouts (kK4Bits, kK5Bits, kK6Bits)
-// under the tile layout.
+// Bits naming a weight layout the int8 path runs: 4, 8, and the 5-bit tiles and the K layouts
+// (kK4Bits, kK5Bits, kK6Bits) under the tile layout.
 bool is_layout_bits(int bits);
 // std::invalid_argument naming `bits` where is_layout_bits is false.
 void check_layout_bits(int bits);

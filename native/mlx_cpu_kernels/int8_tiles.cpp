@@ -49,20 +49,20 @@ inline const uint8_t* k4_block(const uint8_t* super, int64_t i) {
   return super + kK4HeaderBytes + i * (kBits == kK4Bits ? kBlockWeightBytes4 : kK5BlockBytes);
 }
 
-// Weight q of output o (0-15), input t (0-31) of a block's weights.
+// Weight q of output o (0-15), input t (0-31) of a block's weights (at 5 bits, the 4-bit vectors'
+// nibble and bit t / 4 of byte 4o + t % 4 of the fifth bits after them).
 inline int tile_weight(const uint8_t* block, int o, int t, int bits) {
   if (bits == 8) return block[t / 4 * 64 + 4 * o + t % 4];
   const uint8_t byte = block[t / 8 * 64 + 4 * o + t % 4];
-  return t % 8 < 4 ? byte & 0xF : byte >> 4;
+  const int low = t % 8 < 4 ? byte & 0xF : byte >> 4;
+  if (bits == 4) return low;
+  return low | (((block[kBlockWeightBytes4 + 4 * o + t % 4] >> (t / 4)) & 1) << 4);
 }
 
 // Weight q (0-15, or 0-31 in a K5-tile) of output o, input t of block i of a K-tile super-block.
 template <int kBits>
 inline int k4_weight(const uint8_t* super, int64_t i, int o, int t) {
-  const uint8_t* block = k4_block<kBits>(super, i);
-  const int low = tile_weight(block, o, t, 4);
-  if constexpr (kBits == kK4Bits) return low;
-  return low | (((block[kBlockWeightBytes4 + 4 * o + t % 4] >> (t / 4)) & 1) << 4);
+  return tile_weight(k4_block<kBits>(super, i), o, t, kBits == kK4Bits ? 4 : kFiveBits);
 }
 
 // Block i's weight bytes in a K6-tile super-block.
@@ -271,20 +271,6 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_isums(const ui
   }
 }
 
-template <int kBits, int kRows, int kLane>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
-                                                                            const RowsOf<kRows>& x,
-                                                                            __m512 (*lanes)[kLanes]) {
-  __m512i isums[kRows];
-  block_isums<kBits, kRows>(block, j, x, isums);
-  add_block_floats<kBits, kRows, kLane>(block, j, x, isums, lanes);
-}
-
-// Sixteen bytes as floats.
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 widen(const uint8_t* bytes) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
-}
-
 // Each byte's bits kLow.. (one bit for a K5-tile, kLow and kLow + 1 for a K6-tile) moved to bits 4..,
 // the rest zero: one GFNI affine byte op (its matrix's byte 7 - b picks result bit b's source bits).
 // An asm: no target attribute, so one templated walk serves CPUs with GFNI and without.
@@ -357,6 +343,24 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k5_block_isums(const
   }
 }
 
+template <int kBits, int kRows, int kLane, bool kGfni>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void tile_block_avx512(const uint8_t* block, int64_t j,
+                                                                            const RowsOf<kRows>& x,
+                                                                            __m512 (*lanes)[kLanes]) {
+  __m512i isums[kRows];
+  if constexpr (kBits == kFiveBits) {
+    k5_block_isums<kRows, kGfni>(block, j, x, isums);  // a K5-tile block's weight bytes
+  } else {
+    block_isums<kBits, kRows>(block, j, x, isums);
+  }
+  add_block_floats<kBits, kRows, kLane>(block, j, x, isums, lanes);
+}
+
+// Sixteen bytes as floats.
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 widen(const uint8_t* bytes) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+}
+
 // Block i of a K-tile or K5-tile super-block (block j of the row) for kRows rows into lane kLane:
 // its scales d * sc and biases dmin * m negated, from the super-block's d and -dmin (float32, exact products).
 template <int kBits, int kRows, int kLane, bool kGfni>
@@ -378,7 +382,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_block_avx512(cons
 
 // Every tile of [begin, end) for rows [r0, r0 + kRows), outputs written; one pointer walks
 // the stream, four blocks a step so each block's lane is known at compile time.
-template <int kBits, int kRows>
+template <int kBits, int kRows, bool kGfni = false>
 GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
   constexpr int64_t kBlockBytes = tile_block_bytes(kBits);
   const int64_t num_blocks = a.num_inputs / kInt8BlockInputs;
@@ -392,15 +396,15 @@ GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int
     int64_t j = 0;
     for (; j + kLanes <= num_blocks; j += kLanes, block += kLanes * kBlockBytes) {
       prefetch_ahead(block, kLanes * kBlockBytes, prefetch_bytes);
-      tile_block_avx512<kBits, kRows, 0>(block, j, rows, lanes);
-      tile_block_avx512<kBits, kRows, 1>(block + kBlockBytes, j + 1, rows, lanes);
-      tile_block_avx512<kBits, kRows, 2>(block + 2 * kBlockBytes, j + 2, rows, lanes);
-      tile_block_avx512<kBits, kRows, 3>(block + 3 * kBlockBytes, j + 3, rows, lanes);
+      tile_block_avx512<kBits, kRows, 0, kGfni>(block, j, rows, lanes);
+      tile_block_avx512<kBits, kRows, 1, kGfni>(block + kBlockBytes, j + 1, rows, lanes);
+      tile_block_avx512<kBits, kRows, 2, kGfni>(block + 2 * kBlockBytes, j + 2, rows, lanes);
+      tile_block_avx512<kBits, kRows, 3, kGfni>(block + 3 * kBlockBytes, j + 3, rows, lanes);
     }
     const int64_t num_left = num_blocks - j;
-    if (num_left > 0) tile_block_avx512<kBits, kRows, 0>(block, j, rows, lanes);
-    if (num_left > 1) tile_block_avx512<kBits, kRows, 1>(block + kBlockBytes, j + 1, rows, lanes);
-    if (num_left > 2) tile_block_avx512<kBits, kRows, 2>(block + 2 * kBlockBytes, j + 2, rows, lanes);
+    if (num_left > 0) tile_block_avx512<kBits, kRows, 0, kGfni>(block, j, rows, lanes);
+    if (num_left > 1) tile_block_avx512<kBits, kRows, 1, kGfni>(block + kBlockBytes, j + 1, rows, lanes);
+    if (num_left > 2) tile_block_avx512<kBits, kRows, 2, kGfni>(block + 2 * kBlockBytes, j + 2, rows, lanes);
     block += num_left * kBlockBytes;
     store_tile_rows<kRows>(a, r0, n0, end, lanes);
   }
@@ -542,12 +546,16 @@ struct Avx512TileWalk {
   }
 };
 
-// K5- and K6-tiles with their top bits moved by GFNI (is_gfni_enabled).
+// 5-bit tiles, K5- and K6-tiles with their top bits moved by GFNI (is_gfni_enabled).
 template <int kBits, int kRows>
-struct Avx512KGfniWalk {
-  static_assert(kBits == kK5Bits || kBits == kK6Bits);
+struct Avx512GfniWalk {
+  static_assert(kBits == kFiveBits || kBits == kK5Bits || kBits == kK6Bits);
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
-    k_tiles_avx512<kBits, kRows, true>(a, x, begin, end, r0);
+    if constexpr (kBits == kFiveBits) {
+      tiles_avx512<kBits, kRows, true>(a, x, begin, end, r0);
+    } else {
+      k_tiles_avx512<kBits, kRows, true>(a, x, begin, end, r0);
+    }
   }
 };
 
@@ -993,12 +1001,16 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     int64_t first_vnni_row = 0;
     // No AMX walk for the K layouts yet: their rows all take VNNI.
     if (a.bits == kK4Bits) return walk_by_rows<Avx512TileWalk, kK4Bits>(a, rows, begin, end);
+    if (a.bits == kFiveBits) {  // no AMX walk for these either
+      return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kFiveBits>(a, rows, begin, end)
+                               : walk_by_rows<Avx512TileWalk, kFiveBits>(a, rows, begin, end);
+    }
     if (a.bits == kK5Bits) {
-      return is_gfni_enabled() ? walk_by_rows<Avx512KGfniWalk, kK5Bits>(a, rows, begin, end)
+      return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kK5Bits>(a, rows, begin, end)
                                : walk_by_rows<Avx512TileWalk, kK5Bits>(a, rows, begin, end);
     }
     if (a.bits == kK6Bits) {
-      return is_gfni_enabled() ? walk_by_rows<Avx512KGfniWalk, kK6Bits>(a, rows, begin, end)
+      return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kK6Bits>(a, rows, begin, end)
                                : walk_by_rows<Avx512TileWalk, kK6Bits>(a, rows, begin, end);
     }
 #if GMLX_HAS_AMX_BUILD
@@ -1013,8 +1025,8 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end, first_vnni_row)
                         : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
-  // K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels.k_tile_bits): other ISAs walk them portably.
-  const bool is_vnni_only = a.bits == kK5Bits || a.bits == kK6Bits;
+  // 5-bit, K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels): other ISAs walk them portably.
+  const bool is_vnni_only = a.bits == kFiveBits || a.bits == kK5Bits || a.bits == kK6Bits;
   if (isa != Isa::kPortable && has_f16c() && !is_vnni_only) {  // AVX-512 without VNNI too: the same integers
     if (a.bits == kK4Bits) return walk_by_rows<Avx2TileWalk, kK4Bits>(a, rows, begin, end);
     return a.bits == 4 ? walk_by_rows<Avx2TileWalk, 4>(a, rows, begin, end)

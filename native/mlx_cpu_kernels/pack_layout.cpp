@@ -25,7 +25,8 @@ struct PackJob {
   const uint16_t* biases;
   uint8_t* y;
   int64_t num_outputs, num_inputs, group_size;
-  int bits;
+  int bits;  // the rows'
+  int layout_bits;  // the packed layout's: bits, or 5 from 8-bit rows
   QuadLayout layout;
 
   int64_t row_bytes() const { return num_inputs * bits / 8; }
@@ -78,11 +79,27 @@ uint32_t spread_nibbles(uint32_t low16) {
   return (spread | (spread << 4)) & 0x0F0F0F0Fu;
 }
 
+// Output o's 32 8-bit levels of a block (`levels`) as a 5-bit tile block's: their low nibbles where
+// a 4-bit tile keeps them, bit 4 of level 4v + k at bit v of byte 4o + k of the fifth bits.
+void pack_five_bits(const uint8_t* levels, int64_t o, uint8_t* block) {
+  for (int v = 0; v < 4; ++v) {
+    for (int k = 0; k < 4; ++k) {
+      const int low = levels[8 * v + k] & 0x0F, high = levels[8 * v + 4 + k] & 0x0F;
+      block[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    int fifths = 0;
+    for (int v = 0; v < 8; ++v) fifths |= ((levels[4 * v + k] >> 4) & 1) << v;
+    block[kTileOutputs * kInt8BlockInputs / 2 + 4 * o + k] = static_cast<uint8_t>(fifths);
+  }
+}
+
 // Tile t: per 32-input block the 16 outputs' weights as 64-byte vectors (dword o: output o's
 // four bytes; at 4 bits vector v holds inputs 8v..8v+3 in low nibbles and 8v+4..8v+7 in high
-// ones, at 8 bits inputs 4v..4v+3), then 16 scales and 16 biases.
+// ones, at 8 bits inputs 4v..4v+3; at 5, pack_five_bits), then 16 scales and 16 biases.
 void pack_tile(const PackJob& a, int64_t t) {
-  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs, block_bytes = tile_block_bytes(a.bits);
+  const int64_t num_blocks = a.num_inputs / kInt8BlockInputs, block_bytes = tile_block_bytes(a.layout_bits);
   const int64_t weight_bytes = block_bytes - 4 * kTileOutputs;
   uint8_t* out = a.y + t * num_blocks * block_bytes;
   for (int64_t j = 0; j < num_blocks; ++j, out += block_bytes) {
@@ -94,6 +111,10 @@ void pack_tile(const PackJob& a, int64_t t) {
       halves[kTileOutputs + o] = a.bias(n, j);
       if (n >= a.num_outputs) continue;
       const uint8_t* row = a.w + n * a.row_bytes() + j * kInt8BlockInputs * a.bits / 8;
+      if (a.layout_bits == kFiveBits) {
+        pack_five_bits(row, o, out);
+        continue;
+      }
       for (int64_t v = 0; v < weight_bytes / 64; ++v) {  // 4 vectors at 4 bits, 8 at 8
         uint32_t word;  // inputs 8v..8v+7 at 4 bits (level m in nibble m % 8), 4v..4v+3 at 8
         std::memcpy(&word, row + 4 * v, sizeof(word));
@@ -119,8 +140,14 @@ void pack_outputs(void* context, int64_t chunk) {
 
 }  // namespace
 
-mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                     int layout_bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
+  if (layout_bits == 0) layout_bits = bits;
+  if (layout_bits != bits && (layout_bits != kFiveBits || bits != 8 || !tile_layout())) {
+    throw std::invalid_argument("pack_quads: layout_bits " + std::to_string(layout_bits) +
+                                ": expected the rows' bits, or 5 from 8-bit rows under the tile layout");
+  }
   if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("pack_quads: w must be 2-D uint32");
   const int64_t num_outputs = w.shape(0), num_inputs = static_cast<int64_t>(w.shape(1)) * 32 / bits;
   if (group_size <= 0 || group_size % kInt8BlockInputs != 0 || num_inputs % group_size != 0) {
@@ -135,17 +162,19 @@ mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::arra
     }
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  const int size = static_cast<int>(quad_layout_bytes(num_outputs, num_inputs, bits));
-  return mx::array({size}, mx::uint8,
-                   std::make_shared<PackQuads>(s, group_size, bits, tile_layout(), quad_layout(num_inputs, bits)),
-                   {w, scales, biases});
+  const int size = static_cast<int>(quad_layout_bytes(num_outputs, num_inputs, layout_bits));
+  return mx::array(
+      {size}, mx::uint8,
+      std::make_shared<PackQuads>(s, group_size, bits, layout_bits, tile_layout(), quad_layout(num_inputs, bits)),
+      {w, scales, biases});
 }
 
 void PackQuads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   EncodedArrays arrays = encode_arrays(encoder, inputs, outputs);  // the bytes' buffer, typed float*
   encoder.dispatch([in = std::move(arrays.inputs), y = reinterpret_cast<uint8_t*>(arrays.outputs[0]),
-                    group_size = group_size_, bits = bits_, is_tiles = is_tiles_, layout = layout_,
+                    group_size = group_size_, bits = bits_, layout_bits = layout_bits_, is_tiles = is_tiles_,
+                    layout = layout_,
                     num_bytes = static_cast<int64_t>(outputs[0].nbytes())]() {
     std::vector<uint32_t> w_copy;
     std::vector<uint16_t> scales_copy, biases_copy;
@@ -160,6 +189,7 @@ void PackQuads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     job.num_inputs = static_cast<int64_t>(in[0].shape(1)) * 32 / bits;
     job.group_size = group_size;
     job.bits = bits;
+    job.layout_bits = layout_bits;
     job.layout = layout;
     // Before the first write, so the weights fault in huge: moving them there after (memory.py)
     // copied 0.6 GB a second at load.
@@ -174,8 +204,9 @@ void PackQuads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 
 bool PackQuads::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PackQuads&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && is_tiles_ == o.is_tiles_ &&
-         layout_.quad_bytes == o.layout_.quad_bytes && layout_.has_half_chunk == o.layout_.has_half_chunk;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && layout_bits_ == o.layout_bits_ &&
+         is_tiles_ == o.is_tiles_ && layout_.quad_bytes == o.layout_.quad_bytes &&
+         layout_.has_half_chunk == o.layout_.has_half_chunk;
 }
 
 }  // namespace gmlx_kernels

@@ -15,13 +15,21 @@ namespace mx = mlx::core;
 
 // (quad_layout_bytes(N, K, bits),) uint8 from w (N, K * bits / 32) uint32, scales and biases
 // (N, K / group_size) float16. The layout (tiles or quads, half tails or not) is the one set
-// when this is called, whenever the node is evaluated.
-mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
+// when this is called, whenever the node is evaluated. layout_bits (0: bits) 5 packs 8-bit rows
+// whose levels all fit 5 bits as the 5-bit tiles (tile layout only; a level's bits past the fifth
+// are dropped, so the caller checks the levels).
+mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                     int layout_bits = 0);
 
 class PackQuads : public mx::Primitive {
  public:
-  PackQuads(mx::Stream stream, int group_size, int bits, bool is_tiles, QuadLayout layout)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), is_tiles_(is_tiles), layout_(layout) {}
+  PackQuads(mx::Stream stream, int group_size, int bits, int layout_bits, bool is_tiles, QuadLayout layout)
+      : mx::Primitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        layout_bits_(layout_bits),
+        is_tiles_(is_tiles),
+        layout_(layout) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -31,6 +39,7 @@ class PackQuads : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+  int layout_bits_;  // the packed layout's: bits_, or 5 (the 5-bit tiles) from 8-bit rows
   bool is_tiles_;
   QuadLayout layout_;  // the quads' shape (unused for tiles)
 };
