@@ -224,6 +224,13 @@ def is_five_bit_tiles_enabled() -> bool:
     return _env_flag("GMLX_CPU_FIVE_BIT_TILES", True)
 
 
+def is_iq4_tiles_enabled() -> bool:
+    """GMLX_CPU_IQ4_TILES (default on): under the tile layout on VNNI CPUs, 8-bit products whose
+    levels all are IQ4's 16 codebook values (a GGUF's IQ4_NL and IQ4_XS, read exactly at 8 bits) keep
+    their 4-bit indices (0.625 bytes a weight, not 1.125; the same bits); 0 packs them at 8 (A/B runs)."""
+    return _env_flag("GMLX_CPU_IQ4_TILES", True)
+
+
 ROW_INVARIANCE_MODES = ("auto", "1", "0")
 
 

@@ -16,7 +16,7 @@ This is what `auto` in gmlx/models/compute_format.py rests on.
     python3 scripts/bench_compute_format.py --depth 2000 --no-mlx-lm --llama-bench .cache/llama.cpp/bin/llama-bench
     python3 scripts/bench_compute_format.py --depth 2000 --kv model,float16 --no-mlx-lm   # the KV cache's type
     python3 scripts/bench_compute_format.py --model Q4_K_M.gguf --k-tiles 1,0 --no-float32 --no-mlx-lm
-    python3 scripts/bench_compute_format.py --model Q5_0.gguf --five-bit-tiles 1,0 --no-float32 --no-mlx-lm
+    python3 scripts/bench_compute_format.py --model Q5_0.gguf --switch GMLX_CPU_FIVE_BIT_TILES=1,0 --no-float32
 
 --quant-activations loads the quantized format once per GMLX_CPU_QUANT_ACTIVATIONS mode (float:
 float32 activations; int8: activations quantized per 32 inputs, integer dots), side by side.
@@ -27,8 +27,8 @@ auto, the default: halves where the products quantize activations to int8).
 --k-tiles loads the quantized format once per GMLX_CPU_K_TILES setting (1: Q4_K and Q6_K matrices as
 K-tiles with their own scales; 0: as tiles from their triplets). --no-float32 skips the float32
 engine (a large file's float32 copy may not fit in memory); ratios are then to the first engine.
---five-bit-tiles likewise per GMLX_CPU_FIVE_BIT_TILES setting (1: 8-bit matrices of 5-bit levels, a
-GGUF's Q5_0 and Q5_1, as 5-bit tiles; 0: as 8-bit tiles).
+--switch NAME=V1,V2 likewise per value of any GMLX_* setting read at load (GMLX_CPU_FIVE_BIT_TILES,
+GMLX_CPU_IQ4_TILES: 1 keeps a GGUF's Q5_0/Q5_1 or IQ4 levels in the narrow tiles, 0 at 8 bits).
 """
 
 from __future__ import annotations
@@ -138,9 +138,9 @@ def main() -> None:
     parser.add_argument("--k-tiles", default="",
                         help="comma list of GMLX_CPU_K_TILES settings (1,0), one quantized engine each "
                              "(default: one, under the current setting)")
-    parser.add_argument("--five-bit-tiles", default="",
-                        help="comma list of GMLX_CPU_FIVE_BIT_TILES settings (1,0), one quantized engine each "
-                             "(default: one, under the current setting)")
+    parser.add_argument("--switch", default="",
+                        help="NAME=V1,V2: one quantized engine per value of the GMLX_* setting NAME "
+                             "(e.g. GMLX_CPU_IQ4_TILES=1,0; default: one, under the current setting)")
     parser.add_argument("--no-float32", action="store_true",
                         help="no float32 engine (ratios to the first engine instead)")
     parser.add_argument("--json", action="store_true")
@@ -171,18 +171,21 @@ def main() -> None:
             variant_of[full_name] = (name, kv)
 
     k_tile_settings = [k.strip() for k in args.k_tiles.split(",") if k.strip()] or [None]
-    five_bit_settings = [f.strip() for f in args.five_bit_tiles.split(",") if f.strip()] or [None]
+    switch_name, _, switch_values = args.switch.partition("=")
+    if args.switch and not (switch_name.startswith("GMLX_") and switch_values):
+        parser.error(f"--switch {args.switch!r}: expected GMLX_NAME=V1,V2")
+    switch_settings = [v.strip() for v in switch_values.split(",") if v.strip()] or [None]
     for setting in [] if args.no_float32 else float_settings or [None]:
         load("gmlx float32" + (" (BLAS)" if setting == "0" else ""),
              {"GMLX_CPU_COMPUTE_FORMAT": "float32", **({"GMLX_CPU_FLOAT_KERNELS": setting} if setting else {})})
     for mode in [] if args.no_quantized else modes or [None]:
         for k_tiles in k_tile_settings:
-            for five_bits in five_bit_settings:
+            for value in switch_settings:
                 load("gmlx quantized" + (f" ({mode} x)" if mode else "") + (" (K-tiles off)" if k_tiles == "0" else "")
-                     + (" (5-bit tiles off)" if five_bits == "0" else ""),
+                     + (f" ({switch_name}={value})" if value is not None else ""),
                      {"GMLX_CPU_COMPUTE_FORMAT": "quantized", **({"GMLX_CPU_QUANT_ACTIVATIONS": mode} if mode else {}),
                       **({"GMLX_CPU_K_TILES": k_tiles} if k_tiles else {}),
-                      **({"GMLX_CPU_FIVE_BIT_TILES": five_bits} if five_bits else {})})
+                      **({switch_name: value} if value is not None else {})})
     if not engines:
         parser.error("no engine to run: --no-float32 with --no-quantized")
     baseline = None

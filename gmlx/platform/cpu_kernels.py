@@ -46,6 +46,9 @@ K4_BITS = 260  # the K-tile layouts' tags beside bits 4 and 8 (int8_dot_kernels.
 K5_BITS = 261
 K6_BITS = 262
 FIVE_BITS = 5  # the 5-bit tiles: 8-bit rows whose levels fit 5 bits (a GGUF's Q5_0, Q5_1), VNNI CPUs
+IQ4_BITS = 263  # the IQ4 tiles: 8-bit rows whose levels are IQ4's codebook (IQ4_NL, IQ4_XS), VNNI CPUs
+# The 16 levels of IQ4's codebook (llama.cpp's non-linear grid plus 128), as int8_dot_kernels.h has them.
+IQ4_LEVELS = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
 # The GGUF types the K layouts hold, by the tag of each; all but Q4_K's are walked on VNNI only.
 K_TILE_KINDS = {"Q4_K": K4_BITS, "Q5_K": K5_BITS, "Q6_K": K6_BITS}
 
@@ -69,8 +72,9 @@ def _load() -> tuple[ModuleType | None, str]:
         mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
     except TypeError as exc:
         return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
-    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS, getattr(ext, "K5_BITS", None), ext.K6_BITS)
-    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS, K5_BITS, K6_BITS):
+    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, ext.K4_BITS, getattr(ext, "K5_BITS", None), ext.K6_BITS,
+              getattr(ext, "IQ4_BITS", None))
+    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K4_BITS, K5_BITS, K6_BITS, IQ4_BITS):
         return None, "built with other weight layouts (float32 panels, K-tiles) than this gmlx (reinstall to rebuild)"
     isa = config.cpu_kernels_isa()
     if isa is not None:
@@ -133,16 +137,17 @@ def pack_quads(w, scales, biases, group_size: int, bits: int, layout_bits: int |
     packed under the settings of this call.
 
     scales and biases must be float16 (exact: the kernels read those very values). layout_bits
-    FIVE_BITS packs 8-bit rows whose levels all fit 5 bits as the 5-bit tiles (five_bit_tiles_available;
-    the caller checks the levels: bits past the fifth are dropped)."""
+    FIVE_BITS packs 8-bit rows whose levels all fit 5 bits as the 5-bit tiles, IQ4_BITS those whose
+    levels all are IQ4_LEVELS as the IQ4 tiles (narrow_tiles_available; the caller checks the levels:
+    others are not kept)."""
     import mlx.core as mx
 
     assert scales.dtype == mx.float16 and biases.dtype == mx.float16, (scales.dtype, biases.dtype)
     return extension().pack_quads(w, scales, biases, group_size, bits, layout_bits or bits)
 
 
-def five_bit_tiles_available() -> bool:
-    """Can 8-bit rows whose levels fit 5 bits be packed as the 5-bit tiles now (the extension's tile
+def narrow_tiles_available() -> bool:
+    """Can 8-bit rows of narrower levels be packed as the 5-bit or IQ4 tiles now (the extension's tile
     layout, on a CPU with VNNI: other ISAs would walk them in portable code)?"""
     return is_built() and extension().tile_layout() and extension().has_avx512_vnni()
 
@@ -189,7 +194,8 @@ def packed_weights(module):
 
 
 def packed_bits(module) -> int:
-    """The layout packed_weights(module) is in, as the kernels name it: 4, 5, 8, a K layout's or FLOAT_BITS."""
+    """The layout packed_weights(module) is in, as the kernels name it: 4, 5, 8, IQ4_BITS, a K layout's or
+    FLOAT_BITS."""
     return module.layout_bits if "quads" in module else module.bits
 
 
@@ -317,7 +323,8 @@ def status() -> dict:
                       half_tails=hasattr(ext, "half_tails") and ext.half_tails(),
                       tile_layout=hasattr(ext, "tile_layout") and ext.tile_layout(),
                       gfni=hasattr(ext, "is_gfni_enabled") and ext.is_gfni_enabled(),
-                      five_bit_tiles=config.is_five_bit_tiles_enabled() and five_bit_tiles_available(),
+                      five_bit_tiles=config.is_five_bit_tiles_enabled() and narrow_tiles_available(),
+                      iq4_tiles=config.is_iq4_tiles_enabled() and narrow_tiles_available(),
                       k_tiles=[kind for kind in K_TILE_KINDS
                                if config.is_k_tile_layout_enabled() and k_tile_bits(kind) is not None],
                       tile_prefetch_blocks=ext.tile_prefetch_blocks() if hasattr(ext, "tile_prefetch_blocks") else 0,
@@ -348,6 +355,8 @@ def format_status(report: dict) -> str:
         layout += f", GGUF {named} as K-tiles (GMLX_CPU_K_TILES{gfni})" if kinds else ", no K-tiles"
         if report.get("five_bit_tiles"):
             layout += ", 8-bit rows of 5-bit levels as 5-bit tiles (GMLX_CPU_FIVE_BIT_TILES)"
+        if report.get("iq4_tiles"):
+            layout += ", of IQ4 levels as IQ4 tiles (GMLX_CPU_IQ4_TILES)"
     else:
         layout = "one-stream layout as quads" + (", half tail chunks" if report.get("half_tails") else "")
     layers = "layers apart"

@@ -202,24 +202,39 @@ def _is_k_tile_close(module: nn.Module, kind: str, blocks, bits: int) -> bool:
     return cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
 
 
-def _five_bit_layout(module: nn.Module, probes: dict) -> int | None:
-    """FIVE_BITS where this 8-bit module's levels all fit 5 bits and the 5-bit tiles can hold them (a
-    probe a shape, as for the other layouts), else None. probes: each shape's probe result so far."""
-    if module.bits != 8 or not config.is_five_bit_tiles_enabled() or not cpu_kernels.five_bit_tiles_available():
+def _narrow_levels(weight: mx.array) -> int | None:
+    """The narrower tile layout 8-bit words of levels fit: FIVE_BITS where every level is below 32
+    (a GGUF's Q5_0, Q5_1), IQ4_BITS where every level is one of IQ4_LEVELS (IQ4_NL, IQ4_XS), else None."""
+    if config.is_five_bit_tiles_enabled() and mx.all((weight & mx.array(0xE0E0E0E0, dtype=mx.uint32)) == 0).item():
+        return cpu_kernels.FIVE_BITS
+    if config.is_iq4_tiles_enabled():
+        is_level = mx.array([level in cpu_kernels.IQ4_LEVELS for level in range(256)])
+        if mx.all(mx.take(is_level, weight.view(mx.uint8).flatten())).item():
+            return cpu_kernels.IQ4_BITS
+    return None
+
+
+def _narrow_layout(module: nn.Module, probes: dict) -> int | None:
+    """The 5-bit or IQ4 tiles where this 8-bit module's levels fit them (_narrow_levels) and the
+    kernels can hold them, after a probe a layout and shape, as for the other layouts; else None.
+    probes: each layout and shape's probe result so far."""
+    if module.bits != 8 or not cpu_kernels.narrow_tiles_available():
         return None
-    if not mx.all((module["weight"] & mx.array(0xE0E0E0E0, dtype=mx.uint32)) == 0).item():
+    layout_bits = _narrow_levels(module["weight"])
+    if layout_bits is None:
         return None
-    key = ("5-bit", module["weight"].shape)
+    key = (layout_bits, module["weight"].shape)
     if key not in probes:
         x, expected = _probe_reference(module)
         w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
-        five_bits = cpu_kernels.pack_quads(w, scales, biases, module.group_size, 8, cpu_kernels.FIVE_BITS)
-        got = cpu_kernels.quantized_matmul_quads(x, five_bits, w.shape[0], cpu_kernels.FIVE_BITS)
+        narrow = cpu_kernels.pack_quads(w, scales, biases, module.group_size, 8, layout_bits)
+        got = cpu_kernels.quantized_matmul_quads(x, narrow, w.shape[0], layout_bits)
         probes[key] = cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
         if not probes[key]:
-            logger.warning("5-bit tiles off for %s matrices: their product is not within %.0e of the triplets'",
-                           key[1], cpu_kernels.INT8_ACTIVATIONS_RTOL)
-    return cpu_kernels.FIVE_BITS if probes[key] else None
+            logger.warning("%s tiles off for %s matrices: their product is not within %.0e of the triplets'",
+                           "5-bit" if layout_bits == cpu_kernels.FIVE_BITS else "IQ4", key[1],
+                           cpu_kernels.INT8_ACTIVATIONS_RTOL)
+    return layout_bits if probes[key] else None
 
 
 def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dict | None = None) -> None:
@@ -233,7 +248,7 @@ def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dic
     if k_bits is not None:
         module.quads, module.layout_bits = cpu_kernels.pack_k_quant_tiles(k_blocks[1], k_blocks[0]), k_bits
     else:
-        layout_bits = _five_bit_layout(module, {} if k_probes is None else k_probes) or module.bits
+        layout_bits = _narrow_layout(module, {} if k_probes is None else k_probes) or module.bits
         module.quads = cpu_kernels.pack_quads(module["weight"], module["scales"], module["biases"],
                                               module.group_size, module.bits, layout_bits)
         module.layout_bits = layout_bits

@@ -62,7 +62,9 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("pack_quads", &gmlx_kernels::pack_quads, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "layout_bits"_a = 0,
         "mlx's affine rows (float16 scales and biases) in the one-stream layout: tiles or quads, as set now "
-        "(layout_bits 5: 8-bit rows whose levels fit 5 bits as the 5-bit tiles)");
+        "(layout_bits 5: 8-bit rows whose levels fit 5 bits as the 5-bit tiles; IQ4_BITS: whose levels are "
+        "IQ4's codebook, as the IQ4 tiles)");
+  m.attr("IQ4_BITS") = gmlx_kernels::kIq4Bits;
   m.def(
       "decode_gguf_blocks",
       [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks, const std::string& kind) {

@@ -918,14 +918,14 @@ QuadLayout quad_layout(int64_t num_inputs, int bits) {
 }
 
 bool is_layout_bits(int bits) {
-  return bits == 4 || bits == 8 || ((bits == kFiveBits || is_k_layout(bits)) && tile_layout());
+  return bits == 4 || bits == 8 || ((bits == kFiveBits || bits == kIq4Bits || is_k_layout(bits)) && tile_layout());
 }
 
 void check_layout_bits(int bits) {
   if (!is_layout_bits(bits)) {
     throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4, 8 or (under the tile layout) 5, " +
-                                std::to_string(kK4Bits) + ", " + std::to_string(kK5Bits) + " or " +
-                                std::to_string(kK6Bits));
+                                std::to_string(kK4Bits) + ", " + std::to_string(kK5Bits) + ", " +
+                                std::to_string(kK6Bits) + " or " + std::to_string(kIq4Bits));
   }
 }
 

@@ -115,7 +115,19 @@ int64_t quad_layout_bytes(int64_t num_outputs, int64_t num_inputs, int bits);
 // lane, with no reduction across lanes: a row costs 8 integer dots and 4 float operations a block. Same
 // floats per output as the quad layout (block j's two fmas on lane j % 4), so the same bits.
 constexpr int64_t kTileOutputs = 16;
-constexpr int64_t tile_block_bytes(int bits) { return kTileOutputs * kInt8BlockInputs * bits / 8 + 2 * kTileOutputs * 2; }
+// The IQ4 tiles (bits kIq4Bits, VNNI CPUs): 8-bit rows whose levels all are IQ4's 16 codebook values
+// plus 128 (a GGUF's IQ4_NL and IQ4_XS, read exactly at 8 bits) as a 4-bit tile's blocks of their
+// codebook indices, each vector's indices looked up (vpshufb) into the levels before its dots:
+// 0.625 bytes a weight against 1.125, the same integers and float steps as the 8-bit tiles, so the
+// same bits. Packed from 8-bit rows by pack_quads with layout_bits kIq4Bits, under the tile layout.
+constexpr int kIq4Bits = 263;
+// The 16 levels an IQ4 index picks: llama.cpp's non-linear grid [-127, 113] plus 128.
+constexpr uint8_t kIq4Levels[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+// A tile block's weight bytes and whole bytes (weights, then 16 float16 scales and 16 biases).
+constexpr int64_t tile_weight_bytes(int bits) {
+  return kTileOutputs * kInt8BlockInputs * (bits == kIq4Bits ? 4 : bits) / 8;
+}
+constexpr int64_t tile_block_bytes(int bits) { return tile_weight_bytes(bits) + 2 * kTileOutputs * 2; }
 // The 5-bit tiles (bits 5, VNNI CPUs): 8-bit rows whose levels all fit 5 bits (a GGUF's Q5_0 and
 // Q5_1, read exactly at 8 bits) as a 4-bit tile block's weight vectors of their low 4 bits, then 64
 // bytes of fifth bits (vector i's at bit i, as a K5-tile block), then the 16 scales and 16 biases:
@@ -158,7 +170,7 @@ constexpr bool is_k_layout(int bits) { return bits == kK4Bits || bits == kK5Bits
 constexpr int64_t k_super_bytes(int bits) {
   return bits == kK4Bits ? kK4SuperBytes : bits == kK5Bits ? kK5SuperBytes : kK6SuperBytes;
 }
-// Bits naming a weight layout the int8 path runs: 4, 8, and the 5-bit tiles and the K layouts
+// Bits naming a weight layout the int8 path runs: 4, 8, and the 5-bit and IQ4 tiles and the K layouts
 // (kK4Bits, kK5Bits, kK6Bits) under the tile layout.
 bool is_layout_bits(int bits);
 // std::invalid_argument naming `bits` where is_layout_bits is false.

@@ -50,12 +50,13 @@ inline const uint8_t* k4_block(const uint8_t* super, int64_t i) {
 }
 
 // Weight q of output o (0-15), input t (0-31) of a block's weights (at 5 bits, the 4-bit vectors'
-// nibble and bit t / 4 of byte 4o + t % 4 of the fifth bits after them).
+// nibble and bit t / 4 of byte 4o + t % 4 of the fifth bits after them; IQ4 tiles, the nibble's level).
 inline int tile_weight(const uint8_t* block, int o, int t, int bits) {
   if (bits == 8) return block[t / 4 * 64 + 4 * o + t % 4];
   const uint8_t byte = block[t / 8 * 64 + 4 * o + t % 4];
   const int low = t % 8 < 4 ? byte & 0xF : byte >> 4;
   if (bits == 4) return low;
+  if (bits == kIq4Bits) return kIq4Levels[low];
   return low | (((block[kBlockWeightBytes4 + 4 * o + t % 4] >> (t / 4)) & 1) << 4);
 }
 
@@ -187,7 +188,8 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i dot_broadcast(__m
 }
 
 // Vector i of a block's weights (16 outputs x 4 inputs as bytes): at 4 bits the low then the
-// high nibbles of each 64 bytes, at 8 bits the 64 bytes as they are. It pairs with x's bytes 4i..4i+3.
+// high nibbles of each 64 bytes (IQ4 tiles: their levels), at 8 bits the 64 bytes as they are.
+// It pairs with x's bytes 4i..4i+3.
 template <int kBits>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_vectors(const uint8_t* block, int t,
                                                                         __m512i* pair) {
@@ -196,6 +198,11 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_vectors(const 
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     pair[0] = _mm512_and_si512(v, nibble);
     pair[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  } else if constexpr (kBits == kIq4Bits) {  // each index looked up in every 128-bit lane's copy of the levels
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+    pair[0] = _mm512_shuffle_epi8(levels, _mm512_and_si512(v, nibble));
+    pair[1] = _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
   } else {
     pair[0] = v;
   }
@@ -234,8 +241,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void add_block_floats(con
                                                                            const RowsOf<kRows>& x,
                                                                            const __m512i* isums,
                                                                            __m512 (*lanes)[kLanes]) {
-  constexpr int64_t kWeightBytes = kTileOutputs * kInt8BlockInputs * kBits / 8;
-  const auto* halves = reinterpret_cast<const __m256i*>(block + kWeightBytes);
+  const auto* halves = reinterpret_cast<const __m256i*>(block + tile_weight_bytes(kBits));
   const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
   const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
   add_floats<kRows, kLane>(s, b, j, x, isums, lanes);
@@ -247,7 +253,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void add_block_floats(con
 template <int kBits, int kRows>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_isums(const uint8_t* block, int64_t j,
                                                                       const RowsOf<kRows>& x, __m512i* isums) {
-  constexpr int kPerLoad = kBits == 4 ? 2 : 1;  // weight vectors one 64-byte load holds
+  constexpr int kPerLoad = kBits == 4 || kBits == kIq4Bits ? 2 : 1;  // weight vectors one 64-byte load holds
   // Few rows leave vpdpbusd's latency exposed: split each row's sum over independent chains.
   constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
   __m512i partial[kRows][kChains];
@@ -1005,6 +1011,7 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
       return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kFiveBits>(a, rows, begin, end)
                                : walk_by_rows<Avx512TileWalk, kFiveBits>(a, rows, begin, end);
     }
+    if (a.bits == kIq4Bits) return walk_by_rows<Avx512TileWalk, kIq4Bits>(a, rows, begin, end);
     if (a.bits == kK5Bits) {
       return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kK5Bits>(a, rows, begin, end)
                                : walk_by_rows<Avx512TileWalk, kK5Bits>(a, rows, begin, end);
@@ -1025,8 +1032,8 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end, first_vnni_row)
                         : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
-  // 5-bit, K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels): other ISAs walk them portably.
-  const bool is_vnni_only = a.bits == kFiveBits || a.bits == kK5Bits || a.bits == kK6Bits;
+  // 5-bit, IQ4, K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels): other ISAs walk them portably.
+  const bool is_vnni_only = a.bits == kFiveBits || a.bits == kIq4Bits || a.bits == kK5Bits || a.bits == kK6Bits;
   if (isa != Isa::kPortable && has_f16c() && !is_vnni_only) {  // AVX-512 without VNNI too: the same integers
     if (a.bits == kK4Bits) return walk_by_rows<Avx2TileWalk, kK4Bits>(a, rows, begin, end);
     return a.bits == 4 ? walk_by_rows<Avx2TileWalk, 4>(a, rows, begin, end)

@@ -1,6 +1,7 @@
 #include "pack_layout.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -79,15 +80,22 @@ uint32_t spread_nibbles(uint32_t low16) {
   return (spread | (spread << 4)) & 0x0F0F0F0Fu;
 }
 
-// Output o's 32 8-bit levels of a block (`levels`) as a 5-bit tile block's: their low nibbles where
-// a 4-bit tile keeps them, bit 4 of level 4v + k at bit v of byte 4o + k of the fifth bits.
-void pack_five_bits(const uint8_t* levels, int64_t o, uint8_t* block) {
+// Output o's 32 8-bit levels of a block (`levels`) as 4-bit nibbles where a 4-bit tile keeps them,
+// nibble(level) each: vector v's dword o holds levels 8v..8v+3 in low nibbles, 8v+4..8v+7 in high ones.
+template <typename Nibble>
+void pack_nibbles(const uint8_t* levels, int64_t o, uint8_t* block, Nibble nibble) {
   for (int v = 0; v < 4; ++v) {
     for (int k = 0; k < 4; ++k) {
-      const int low = levels[8 * v + k] & 0x0F, high = levels[8 * v + 4 + k] & 0x0F;
+      const int low = nibble(levels[8 * v + k]), high = nibble(levels[8 * v + 4 + k]);
       block[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
     }
   }
+}
+
+// ... as a 5-bit tile block's: their low nibbles, then bit 4 of level 4v + k at bit v of byte 4o + k
+// of the fifth bits.
+void pack_five_bits(const uint8_t* levels, int64_t o, uint8_t* block) {
+  pack_nibbles(levels, o, block, [](uint8_t level) { return level & 0x0F; });
   for (int k = 0; k < 4; ++k) {
     int fifths = 0;
     for (int v = 0; v < 8; ++v) fifths |= ((levels[4 * v + k] >> 4) & 1) << v;
@@ -95,9 +103,19 @@ void pack_five_bits(const uint8_t* levels, int64_t o, uint8_t* block) {
   }
 }
 
+// ... as an IQ4 tile block's: each level's index in kIq4Levels (0 for a level not there).
+void pack_iq4_indices(const uint8_t* levels, int64_t o, uint8_t* block) {
+  static const auto kIndexOf = [] {
+    std::array<uint8_t, 256> index_of{};
+    for (int i = 0; i < 16; ++i) index_of[kIq4Levels[i]] = static_cast<uint8_t>(i);
+    return index_of;
+  }();
+  pack_nibbles(levels, o, block, [](uint8_t level) { return kIndexOf[level]; });
+}
+
 // Tile t: per 32-input block the 16 outputs' weights as 64-byte vectors (dword o: output o's
 // four bytes; at 4 bits vector v holds inputs 8v..8v+3 in low nibbles and 8v+4..8v+7 in high
-// ones, at 8 bits inputs 4v..4v+3; at 5, pack_five_bits), then 16 scales and 16 biases.
+// ones, at 8 bits inputs 4v..4v+3; at 5 pack_five_bits, IQ4 pack_iq4_indices), then 16 scales and 16 biases.
 void pack_tile(const PackJob& a, int64_t t) {
   const int64_t num_blocks = a.num_inputs / kInt8BlockInputs, block_bytes = tile_block_bytes(a.layout_bits);
   const int64_t weight_bytes = block_bytes - 4 * kTileOutputs;
@@ -111,8 +129,8 @@ void pack_tile(const PackJob& a, int64_t t) {
       halves[kTileOutputs + o] = a.bias(n, j);
       if (n >= a.num_outputs) continue;
       const uint8_t* row = a.w + n * a.row_bytes() + j * kInt8BlockInputs * a.bits / 8;
-      if (a.layout_bits == kFiveBits) {
-        pack_five_bits(row, o, out);
+      if (a.layout_bits == kFiveBits || a.layout_bits == kIq4Bits) {
+        (a.layout_bits == kFiveBits ? pack_five_bits : pack_iq4_indices)(row, o, out);
         continue;
       }
       for (int64_t v = 0; v < weight_bytes / 64; ++v) {  // 4 vectors at 4 bits, 8 at 8
@@ -144,9 +162,10 @@ mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::arra
                      int layout_bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4 or 8");
   if (layout_bits == 0) layout_bits = bits;
-  if (layout_bits != bits && (layout_bits != kFiveBits || bits != 8 || !tile_layout())) {
-    throw std::invalid_argument("pack_quads: layout_bits " + std::to_string(layout_bits) +
-                                ": expected the rows' bits, or 5 from 8-bit rows under the tile layout");
+  const bool is_narrow = layout_bits == kFiveBits || layout_bits == kIq4Bits;
+  if (layout_bits != bits && (!is_narrow || bits != 8 || !tile_layout())) {
+    throw std::invalid_argument("pack_quads: layout_bits " + std::to_string(layout_bits) + ": expected the rows' " +
+                                "bits, or 5 or " + std::to_string(kIq4Bits) + " from 8-bit rows under the tile layout");
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("pack_quads: w must be 2-D uint32");
   const int64_t num_outputs = w.shape(0), num_inputs = static_cast<int64_t>(w.shape(1)) * 32 / bits;

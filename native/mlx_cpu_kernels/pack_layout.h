@@ -16,8 +16,8 @@ namespace mx = mlx::core;
 // (quad_layout_bytes(N, K, bits),) uint8 from w (N, K * bits / 32) uint32, scales and biases
 // (N, K / group_size) float16. The layout (tiles or quads, half tails or not) is the one set
 // when this is called, whenever the node is evaluated. layout_bits (0: bits) 5 packs 8-bit rows
-// whose levels all fit 5 bits as the 5-bit tiles (tile layout only; a level's bits past the fifth
-// are dropped, so the caller checks the levels).
+// whose levels all fit 5 bits as the 5-bit tiles, kIq4Bits those whose levels are all kIq4Levels as
+// the IQ4 tiles (tile layout only; other levels are not kept, so the caller checks them).
 mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                      int layout_bits = 0);
 
