@@ -36,6 +36,14 @@ def narrow_rows(layout: int, num_outputs: int, num_inputs: int, seed: int) -> tu
     return mx.array(levels.view("<u4")), mx.array(scales), mx.array(biases)
 
 
+def test_the_iq4_levels_are_the_gguf_decoders():
+    """The kernels' IQ4 levels (cpu_kernels.IQ4_LEVELS, int8_dot_kernels.h's kIq4Levels) are the
+    codebook values plus 128 that gguf_blocks reads IQ4_NL and IQ4_XS blocks into."""
+    from gmlx.models import gguf_blocks
+
+    assert cpu_kernels.IQ4_LEVELS == tuple(int(v) + 128 for v in gguf_blocks._IQ4_VALUES)
+
+
 def gfni_settings(ext) -> tuple[int, ...]:
     return (0, 1) if ext.has_gfni() else (0,)
 

@@ -76,6 +76,9 @@ class GGUFModel:
     # mlx-lm module name -> (kind, blocks) of its Q4_K, Q5_K or Q6_K matrix (numpy uint8 rows, mostly views
     # of the mapped file): the CPU kernels' K-tiles are packed from these (cpu_quantized._store_quads).
     k_quant_blocks: dict = dataclasses.field(default_factory=dict)
+    # mlx-lm module name -> the GGUF type of each matrix read from its blocks (Q5_0, IQ4_XS, ...): the
+    # CPU kernels keep some types' levels narrower than the triplets' 8 bits (cpu_quantized._narrow_layout).
+    matrix_kinds: dict = dataclasses.field(default_factory=dict)
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
@@ -87,13 +90,13 @@ def read_gguf(path: str | Path) -> GGUFModel:
     if not types <= _MX_LOAD_KEEPS:
         # mx.load refuses some types and turns others (Q4_K, Q6_K) into float16 without a word: 4x a
         # Q4_K file's bytes, and a float32 model on the CPU.
-        raw_weights, metadata, raw_blocks = _read_blocks(path, types, "types mx.load does not keep")
+        raw_weights, metadata, raw_blocks, raw_kinds = _read_blocks(path, types, "types mx.load does not keep")
     else:
-        raw_blocks = {}
+        raw_blocks, raw_kinds = {}, {}
         try:
             raw_weights, metadata = mx.load(str(path), return_metadata=True)
         except (RuntimeError, ValueError) as exc:
-            raw_weights, metadata, raw_blocks = _read_blocks(path, types, f"mlx said: {exc}")
+            raw_weights, metadata, raw_blocks, raw_kinds = _read_blocks(path, types, f"mlx said: {exc}")
     metadata = {key: _to_python(value) for key, value in metadata.items()}
     config = _make_config(path, metadata, raw_weights)
     weights = _rename_weights(path, config, raw_weights)
@@ -107,7 +110,9 @@ def read_gguf(path: str | Path) -> GGUFModel:
         mlx_name, num_heads = _mlx_name(path, config, name)
         rows = blocks if num_heads is None else _unpermute_rows(blocks, num_heads)
         k_quant_blocks[mlx_name[: -len(".weight")]] = (kind, rows)
-    return GGUFModel(config=config, weights=weights, tokenizer=tokenizer, k_quant_blocks=k_quant_blocks)
+    matrix_kinds = {_mlx_name(path, config, name)[0][: -len(".weight")]: kind for name, kind in raw_kinds.items()}
+    return GGUFModel(config=config, weights=weights, tokenizer=tokenizer, k_quant_blocks=k_quant_blocks,
+                     matrix_kinds=matrix_kinds)
 
 
 def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -121,11 +126,11 @@ def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict, dict]:
+def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict, dict, dict]:
     """The file's weights and metadata read here (gguf_check.read_table, the blocks decoded by
     gguf_blocks, other types dequantized by the gguf package), where mx.load would not keep them
-    (`why`, said in a log line); and each Q4_K, Q5_K and Q6_K matrix's (kind, blocks as they lie in the
-    file), by name."""
+    (`why`, said in a log line); each Q4_K, Q5_K and Q6_K matrix's (kind, blocks as they lie in the
+    file), by name; and the type of each matrix read from its blocks, by name."""
     import gguf
 
     metadata, tensors = read_table(path)  # checked against the file's size: views below stay inside it
@@ -134,7 +139,7 @@ def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dic
                    "mx.load keeps them, Q4_K at 4 bits and Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS at 8 from their blocks, "
                    "other quantized matrices requantized to 8 bits (group 32), float tensors as stored, the rest "
                    "float16", path, ", ".join(sorted(types)), why)
-    weights, k_quant_blocks = {}, {}
+    weights, k_quant_blocks, matrix_kinds = {}, {}, {}
     for tensor in tensors:
         shape = tensor.shape
         data = _tensor_data(mapped, tensor)
@@ -142,6 +147,7 @@ def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dic
         if tensor.kind not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % gguf_blocks.GROUP_SIZE == 0:
             weights.update(gguf_blocks.matrix_triplets(tensor.name, tensor.kind, data, dequantize,
                                                        location=(path, tensor.offset)))
+            matrix_kinds[tensor.name] = tensor.kind
             if tensor.kind in _K_TILE_KINDS:
                 k_quant_blocks[tensor.name] = (tensor.kind, data)
         else:
@@ -150,7 +156,7 @@ def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dic
             # llama.cpp's files); others float16. The RoPE divisors are matched to a formula to 1e-4.
             dtype = _FLOAT_TYPES.get(tensor.kind, mx.float16)
             weights[tensor.name] = mx.array(values).astype(mx.float32 if tensor.name == _ROPE_FREQS else dtype)
-    return weights, metadata, k_quant_blocks
+    return weights, metadata, k_quant_blocks, matrix_kinds
 
 
 def _tensor_data(mapped: np.ndarray, tensor: TensorEntry) -> np.ndarray:

@@ -154,6 +154,9 @@ def _load_gguf(path: Path):
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise ValueError(f"GGUF {path}: its tensors do not fit a {config['model_type']} model ({exc})") from exc
+    for name, module in model.named_modules():  # what the CPU kernels may hold narrower (cpu_quantized)
+        if name in loaded.matrix_kinds:
+            module.gguf_kind = loaded.matrix_kinds[name]
     # mlx-lm picks its streaming detokenizer from a saved tokenizer.json; save to a scratch folder.
     with tempfile.TemporaryDirectory(prefix="gmlx-gguf-tokenizer-") as scratch:
         loaded.tokenizer.save_pretrained(scratch)

@@ -202,25 +202,26 @@ def _is_k_tile_close(module: nn.Module, kind: str, blocks, bits: int) -> bool:
     return cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
 
 
-def _narrow_levels(weight: mx.array) -> int | None:
-    """The narrower tile layout 8-bit words of levels fit: FIVE_BITS where every level is below 32
-    (a GGUF's Q5_0, Q5_1), IQ4_BITS where every level is one of IQ4_LEVELS (IQ4_NL, IQ4_XS), else None."""
-    if config.is_five_bit_tiles_enabled() and mx.all((weight & mx.array(0xE0E0E0E0, dtype=mx.uint32)) == 0).item():
+def _narrow_bits(module: nn.Module) -> int | None:
+    """The narrower tile layout this 8-bit module's levels fit by the GGUF type they were read from
+    (module.gguf_kind, set at load): FIVE_BITS for Q5_0, Q5_1 and Q5_K (levels below 32), IQ4_BITS
+    for IQ4_NL and IQ4_XS (IQ4's codebook levels), each where its setting is on; else None. By type,
+    not by a scan of the levels: that took ~0.5 s a 58M-level matrix (an 8B Q8_0 file: a minute)."""
+    kind = getattr(module, "gguf_kind", None)
+    if kind in ("Q5_0", "Q5_1", "Q5_K") and config.is_five_bit_tiles_enabled():
         return cpu_kernels.FIVE_BITS
-    if config.is_iq4_tiles_enabled():
-        is_level = mx.array([level in cpu_kernels.IQ4_LEVELS for level in range(256)])
-        if mx.all(mx.take(is_level, weight.view(mx.uint8).flatten())).item():
-            return cpu_kernels.IQ4_BITS
+    if kind in ("IQ4_NL", "IQ4_XS") and config.is_iq4_tiles_enabled():
+        return cpu_kernels.IQ4_BITS
     return None
 
 
 def _narrow_layout(module: nn.Module, probes: dict) -> int | None:
-    """The 5-bit or IQ4 tiles where this 8-bit module's levels fit them (_narrow_levels) and the
+    """The 5-bit or IQ4 tiles where this 8-bit module's levels fit them (_narrow_bits) and the
     kernels can hold them, after a probe a layout and shape, as for the other layouts; else None.
     probes: each layout and shape's probe result so far."""
     if module.bits != 8 or not cpu_kernels.narrow_tiles_available():
         return None
-    layout_bits = _narrow_levels(module["weight"])
+    layout_bits = _narrow_bits(module)
     if layout_bits is None:
         return None
     key = (layout_bits, module["weight"].shape)
