@@ -1,6 +1,7 @@
 """What the CPU-kernel test files share: the extension with its settings restored, the ISAs
-this CPU runs, a model saved in 4 bits and loaded on the kernels' path, and the identity
-check over random schedules with the kernels on."""
+this CPU runs, a model saved in 4 bits and loaded on the kernels' path, a tiny GGUF of given
+tensor types loaded under the tile layout, and the identity check over random schedules with
+the kernels on."""
 
 import json
 from pathlib import Path
@@ -50,6 +51,28 @@ def supported_isas(ext) -> list[str]:
     return order[: order.index(ext.best_isa()) + 1]
 
 
+def gfni_settings(ext) -> tuple[int, ...]:
+    """The K5/K6/5-bit tiles' top bits by shifts (0) and, where the CPU has it, by GFNI (1): the same bits."""
+    return (0, 1) if ext.has_gfni() else (0,)
+
+
+def check_tile_bits_everywhere(ext, x: mx.array, tiles: mx.array, num_outputs: int, bits: int,
+                               expected: mx.array) -> None:
+    """The product of a one-stream layout over x, and over x's last row alone, is `expected` bit for
+    bit at every thread count, pool split, ISA and GFNI setting."""
+    for num_threads, min_pool_macs in ((1, -1), (2, 0), (2, -1)):
+        ext.set_num_threads(num_threads)
+        ext.set_min_pool_macs(min_pool_macs)
+        for isa in supported_isas(ext):
+            ext.set_isa(isa)
+            for gfni in gfni_settings(ext):
+                ext.set_gfni(gfni)
+                got = cpu_kernels.quantized_matmul_quads(x, tiles, num_outputs, bits)
+                assert got.shape == expected.shape and mx.array_equal(got, expected).item(), (num_threads, isa, gfni)
+                alone = cpu_kernels.quantized_matmul_quads(x[-1:], tiles, num_outputs, bits)
+                assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa, gfni)
+
+
 def check_schedules_with_drafter(target, kind: str, code_prompts, seeds) -> int:
     """Every stream of random schedules (one per seed) equals solo plain decoding, speculating
     with `kind` (ngram, or the target as its own draft model); returns the speculative rounds."""
@@ -88,3 +111,22 @@ def load_quantized_copy(model: nn.Module, config: dict, tokenizer_dir: Path, fol
     random_model.copy_tokenizer(tokenizer_dir, folder)
     with env_overrides({"GMLX_CPU_COMPUTE_FORMAT": "quantized"}):
         return load_model(folder)
+
+
+def load_tiled_gguf(folder: Path, seed: int, quant_type, types: dict):
+    """A fixture's body: a tiny llama (widths multiples of 256, as K-quants and IQ4_XS need) written
+    under `folder` as a GGUF of quant_type with `types` per tensor, loaded and yielded with the tile
+    layout on, the setting restored after."""
+    from conftest import make_random_model_dir
+    from gguf_support import write_gguf_from_folder
+
+    model_dir = make_random_model_dir(folder / "folder", seed=seed, hidden_size=256, intermediate_size=512,
+                                      head_dim=64)
+    path = write_gguf_from_folder(model_dir, folder / "model.gguf", quant_type=quant_type, types=types)
+    ext = cpu_kernels.extension()
+    was_tiles = ext.tile_layout()
+    ext.set_tile_layout(True)
+    try:
+        yield load_model(path)
+    finally:
+        ext.set_tile_layout(was_tiles)

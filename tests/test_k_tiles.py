@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gguf_support import random_blocks, write_gguf_from_folder
+from gguf_support import random_blocks
 from kernel_support import ext  # noqa: F401 (a fixture)
-from kernel_support import check_schedules_with_drafter, requires_kernels, supported_isas
+from kernel_support import (check_schedules_with_drafter, check_tile_bits_everywhere, gfni_settings, load_tiled_gguf,
+                            requires_kernels, supported_isas)
 from gmlx.config import env_overrides
 from gmlx.models import gguf_blocks
 from gmlx.models.loader import load_model
@@ -25,10 +26,6 @@ Q4_K, Q5_K, Q6_K = (gguf.GGMLQuantizationType[kind] for kind in ("Q4_K", "Q5_K",
 BITS = cpu_kernels.K_TILE_KINDS
 TRIPLET_BITS = {"Q4_K": 4, "Q5_K": 8}  # the bits of the triplets Q4_K and Q5_K load as
 
-
-def gfni_settings(ext) -> tuple[int, ...]:
-    """K5- and K6-tiles' top bits by shifts (0) and, where the CPU has it, by GFNI (1): the same bits."""
-    return (0, 1) if ext.has_gfni() else (0,)
 
 
 def q4_k_blocks(num_outputs: int, num_inputs: int, seed: int, is_float16_exact: bool, kind: str = "Q4_K") -> np.ndarray:
@@ -112,18 +109,7 @@ def test_k_tiles_give_the_triplet_tiles_bits_where_their_scales_are_float16(num_
     expected = cpu_kernels.quantized_matmul(x, w, scales, biases, 32, TRIPLET_BITS[kind], int8_activations=True)
     mx.eval(expected)
     ext.set_prefetch_chunks(prefetch_blocks)
-    for num_threads, min_pool_macs in ((1, -1), (2, 0), (2, -1)):
-        ext.set_num_threads(num_threads)
-        ext.set_min_pool_macs(min_pool_macs)
-        for isa in supported_isas(ext):
-            ext.set_isa(isa)
-            for gfni in gfni_settings(ext):
-                ext.set_gfni(gfni)
-                got = cpu_kernels.quantized_matmul_quads(x, k_tiles, num_outputs, BITS[kind])
-                is_equal = got.shape == (num_rows, num_outputs) and mx.array_equal(got, expected).item()
-                assert is_equal, (num_threads, isa, gfni)
-                alone = cpu_kernels.quantized_matmul_quads(x[-1:], k_tiles, num_outputs, BITS[kind])
-                assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa, gfni)
+    check_tile_bits_everywhere(ext, x, k_tiles, num_outputs, BITS[kind], expected)
 
 
 def k_quant_blocks(kind: str, num_outputs: int, num_inputs: int, seed: int) -> np.ndarray:
@@ -252,20 +238,8 @@ Q5_K_TENSORS = ("blk.0.attn_q.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_down.
 def k_quant_target(tmp_path_factory):
     """A tiny llama whose matrices are Q4_K, Q5_K and Q6_K (widths multiples of 256), as a GGUF, loaded
     with the tile layout on (Q4_K's K-tiles on any CPU; Q5_K's and Q6_K's on VNNI CPUs)."""
-    from conftest import make_random_model_dir
-
-    tmp = tmp_path_factory.mktemp("k_quant")
-    folder = make_random_model_dir(tmp / "folder", seed=11, hidden_size=256, intermediate_size=512, head_dim=64)
-    path = write_gguf_from_folder(folder, tmp / "k_quant.gguf", quant_type=Q4_K,
-                                  types={**{name: Q6_K for name in Q6_K_TENSORS},
-                                         **{name: Q5_K for name in Q5_K_TENSORS}})
-    ext = cpu_kernels.extension()
-    was_tiles = ext.tile_layout()
-    ext.set_tile_layout(True)
-    try:
-        yield load_model(path)
-    finally:
-        ext.set_tile_layout(was_tiles)
+    yield from load_tiled_gguf(tmp_path_factory.mktemp("k_quant"), 11, Q4_K,
+                               {**{name: Q6_K for name in Q6_K_TENSORS}, **{name: Q5_K for name in Q5_K_TENSORS}})
 
 
 def test_a_k_quant_file_keeps_its_k_quant_products_in_k_tiles_close_to_their_triplets(k_quant_target, ext):

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gguf_support import write_gguf_from_folder
 from kernel_support import ext  # noqa: F401 (a fixture)
-from kernel_support import check_schedules_with_drafter, requires_kernels, supported_isas
+from kernel_support import check_schedules_with_drafter, check_tile_bits_everywhere, load_tiled_gguf, requires_kernels
 from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
@@ -43,9 +42,6 @@ def test_the_iq4_levels_are_the_gguf_decoders():
 
     assert cpu_kernels.IQ4_LEVELS == tuple(int(v) + 128 for v in gguf_blocks._IQ4_VALUES)
 
-
-def gfni_settings(ext) -> tuple[int, ...]:
-    return (0, 1) if ext.has_gfni() else (0,)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -80,18 +76,7 @@ def test_narrow_tiles_give_the_8_bit_tiles_bits(num_blocks, num_outputs, num_row
     expected = cpu_kernels.quantized_matmul_quads(x, eight, num_outputs, 8)
     mx.eval(expected)
     ext.set_prefetch_chunks(prefetch_blocks)
-    for num_threads, min_pool_macs in ((1, -1), (2, 0), (2, -1)):
-        ext.set_num_threads(num_threads)
-        ext.set_min_pool_macs(min_pool_macs)
-        for isa in supported_isas(ext):
-            ext.set_isa(isa)
-            for gfni in gfni_settings(ext):
-                ext.set_gfni(gfni)
-                got = cpu_kernels.quantized_matmul_quads(x, narrow, num_outputs, layout)
-                is_equal = got.shape == (num_rows, num_outputs) and mx.array_equal(got, expected).item()
-                assert is_equal, (num_threads, isa, gfni)
-                alone = cpu_kernels.quantized_matmul_quads(x[-1:], narrow, num_outputs, layout)
-                assert mx.array_equal(alone, expected[-1:]).item(), (num_threads, isa, gfni)
+    check_tile_bits_everywhere(ext, x, narrow, num_outputs, layout, expected)
 
 
 @pytest.mark.parametrize("layout", [FIVE, IQ4])
@@ -136,19 +121,7 @@ LAYOUTS = {"model.layers.0.self_attn.v_proj": 8, "model.layers.1.self_attn.k_pro
 @pytest.fixture(scope="module")
 def narrow_target(tmp_path_factory):
     """A tiny llama of Q5_0, Q5_1, IQ4_NL, IQ4_XS and Q8_0 matrices, as a GGUF, loaded with the tile layout on."""
-    from conftest import make_random_model_dir
-
-    tmp = tmp_path_factory.mktemp("narrow")
-    folder = make_random_model_dir(tmp / "folder", seed=12, hidden_size=256, intermediate_size=512, head_dim=64)
-    path = write_gguf_from_folder(folder, tmp / "q5.gguf", quant_type=gguf.GGMLQuantizationType.Q5_0,
-                                  types=OTHER_TYPES)
-    ext = cpu_kernels.extension()
-    was_tiles = ext.tile_layout()
-    ext.set_tile_layout(True)
-    try:
-        yield load_model(path)
-    finally:
-        ext.set_tile_layout(was_tiles)
+    yield from load_tiled_gguf(tmp_path_factory.mktemp("narrow"), 12, Q.Q5_0, OTHER_TYPES)
 
 
 def test_a_file_keeps_its_narrow_levels_in_narrow_tiles_with_the_8_bit_packings_logits(narrow_target, ext):
