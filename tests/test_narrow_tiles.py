@@ -109,6 +109,31 @@ def test_narrow_tiles_are_refused_outside_the_tile_layout_and_from_other_rows(la
         cpu_kernels.quantized_matmul_quads(mx.ones((1, 64)), narrow, 16, layout)
 
 
+@pytest.mark.parametrize("levels_fit", [True, False])
+def test_a_narrow_layout_is_probed_against_its_triplets_at_load(levels_fit, ext, caplog):
+    """A module read from Q5_0 blocks is packed as 5-bit tiles only where their product matches its
+    triplets' (levels that do not fit 5 bits, as a mislabelled type would give, are refused by the
+    probe with a warning, and the module keeps its 8 bits)."""
+    import mlx.nn as nn
+
+    from gmlx.platform.cpu_quantized import float16_groups, use_cpu_kernels
+
+    if not cpu_kernels.extension().has_avx512_vnni():
+        pytest.skip("the narrow tiles are packed on CPUs with AVX-512 VNNI only")
+    w, scales, biases = narrow_rows(FIVE if levels_fit else IQ4, 48, 512, seed=5)  # IQ4's levels reach 241
+    model = nn.Sequential(nn.QuantizedLinear(512, 48, bias=False, group_size=32, bits=8))
+    module = model.layers[0]
+    module.weight, module.scales, module.biases = w, scales, biases
+    module.gguf_kind = "Q5_0"
+    halves = float16_groups(model)
+    model.set_dtype(mx.float32)
+    ext.set_tile_layout(True)
+    with env_overrides({"GMLX_CPU_QUANT_ACTIVATIONS": "int8"}):
+        assert use_cpu_kernels(model, None, halves) == 1
+    assert module.layout_bits == (FIVE if levels_fit else 8)
+    assert ("5-bit tiles off" in caplog.text) != levels_fit
+
+
 # A Q5_0 file with Q5_1 and Q8_0 matrices among its own, as llama.cpp writes small models' Q5_K_M
 # files (their 576-wide rows take Q5_1 and Q8_0 where Q5_K needs multiples of 256), and IQ4 ones.
 Q = gguf.GGMLQuantizationType

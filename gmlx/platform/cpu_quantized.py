@@ -185,20 +185,21 @@ def _k_tile_bits(module: nn.Module, k_blocks: tuple | None, probes: dict) -> int
         return None
     key = (kind, blocks.shape)
     if key not in probes:
-        probes[key] = _is_k_tile_close(module, kind, blocks, bits)
+        rows = blocks[:_PROBE_OUTPUTS]
+        probes[key] = _is_packed_close(module, cpu_kernels.pack_k_quant_tiles(rows, kind), rows.shape[0], bits)
         if not probes[key]:
             logger.warning("K-tiles off for %s %s matrices: their product is not within %.0e of the triplets'",
                            kind, blocks.shape, cpu_kernels.INT8_ACTIVATIONS_RTOL)
     return bits if probes[key] else None
 
 
-def _is_k_tile_close(module: nn.Module, kind: str, blocks, bits: int) -> bool:
-    """Does the K-tile product of the blocks' first _PROBE_OUTPUTS rows match x @ the module's
-    dequantized triplets (the file's values within float16's rounding of a scale, or half an 8-bit
-    level) within the int8 path's tolerance?"""
-    rows = blocks[:_PROBE_OUTPUTS]
+def _is_packed_close(module: nn.Module, packed: mx.array, num_outputs: int, bits: int) -> bool:
+    """Does the product of `packed` (the module's first num_outputs rows, up to _PROBE_OUTPUTS, in a
+    layout the kernels name by `bits`) match x @ the module's dequantized triplets within the int8
+    path's tolerance? K-tiles hold the file's values within float16's rounding of a scale, or half an
+    8-bit level, of the triplets'; the narrow tiles their very levels."""
     x, expected = _probe_reference(module)
-    got = cpu_kernels.quantized_matmul_quads(x, cpu_kernels.pack_k_quant_tiles(rows, kind), rows.shape[0], bits)
+    got = cpu_kernels.quantized_matmul_quads(x, packed, num_outputs, bits)
     return cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
 
 
@@ -226,11 +227,9 @@ def _narrow_layout(module: nn.Module, probes: dict) -> int | None:
         return None
     key = (layout_bits, module["weight"].shape)
     if key not in probes:
-        x, expected = _probe_reference(module)
         w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
         narrow = cpu_kernels.pack_quads(w, scales, biases, module.group_size, 8, layout_bits)
-        got = cpu_kernels.quantized_matmul_quads(x, narrow, w.shape[0], layout_bits)
-        probes[key] = cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
+        probes[key] = _is_packed_close(module, narrow, w.shape[0], layout_bits)
         if not probes[key]:
             logger.warning("%s tiles off for %s matrices: their product is not within %.0e of the triplets'",
                            "5-bit" if layout_bits == cpu_kernels.FIVE_BITS else "IQ4", key[1],

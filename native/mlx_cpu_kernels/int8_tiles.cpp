@@ -290,11 +290,6 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i bits_to_4_gfni(__
   return moved;
 }
 
-template <int kLow>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i top_bits_gfni(__m512i high) {
-  return bits_to_4_gfni<kLow, 2>(high);
-}
-
 // Bits 0-3 of `nibbles` with bit kBit of `fifths` as bit 4: a K5-tile vector's 5-bit levels, merged
 // by one ternary-logic op (c ? b : a bit by bit, c = 0x0F). The fifth bits move by GFNI, else by an
 // epi16 shift (which moves no bit of the next byte into bit 4) and an and.
@@ -445,8 +440,8 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
   const __m512i high = _mm512_loadu_si512(block + kBlockWeightBytes4 + 64 * h);
   __m512i tops[4];
   if constexpr (kGfni) {
-    tops[0] = top_bits_gfni<0>(high), tops[1] = top_bits_gfni<2>(high);
-    tops[2] = top_bits_gfni<4>(high), tops[3] = top_bits_gfni<6>(high);
+    tops[0] = bits_to_4_gfni<0, 2>(high), tops[1] = bits_to_4_gfni<2, 2>(high);
+    tops[2] = bits_to_4_gfni<4, 2>(high), tops[3] = bits_to_4_gfni<6, 2>(high);
   } else {
     const __m512i top = _mm512_set1_epi8(0x30);
     tops[0] = _mm512_and_si512(_mm512_slli_epi16(high, 4), top);
@@ -517,7 +512,7 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(cons
 }
 
 // tiles_avx512 over a K layout (kBits kK4Bits, kK5Bits or kK6Bits), a super-block of eight blocks a
-// step; kGfni: K5-tiles' fifth bits by GFNI.
+// step; kGfni: K5- and K6-tiles' top bits by GFNI (K6's below four rows).
 template <int kBits, int kRows, bool kGfni = false>
 GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
                                      int64_t r0) {
