@@ -18,6 +18,7 @@
 #include "huge_pages.h"
 #include "int8_dot_kernels.h"
 #include "isa_target.h"
+#include "pack_layout.h"
 #include "qmm_kernels.h"
 #include "thread_pool.h"
 
@@ -170,9 +171,9 @@ KScaleMin k_scale_and_min(const uint8_t* packed, int s) {
           static_cast<uint8_t>((packed[s + 4] >> 4) | ((packed[s] >> 6) << 4))};
 }
 
-// A Q4_K block's 8 sub-blocks: 128 bytes of MLX-packed levels (byte j of a sub-block: levels 2j
-// and 2j + 1) and float16(d * sc), float16(-dmin * m), as gguf_blocks.py's _q4_k makes them.
-void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
+// A Q4_K or Q5_K block's 8 sub-blocks' float16(d * sc) and float16(-dmin * m), as gguf_blocks.py's
+// _k_affine makes them.
+void k_scales_and_biases(const uint8_t* block, uint16_t* scales, uint16_t* biases) {
   uint16_t d_bits, dmin_bits;
   std::memcpy(&d_bits, block, sizeof(d_bits));
   std::memcpy(&dmin_bits, block + 2, sizeof(dmin_bits));
@@ -182,6 +183,12 @@ void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint
     scales[s] = float_to_half(d * static_cast<float>(sub.scale));
     biases[s] = float_to_half(-dmin * static_cast<float>(sub.min));
   }
+}
+
+// A Q4_K block's 8 sub-blocks: 128 bytes of MLX-packed levels (byte j of a sub-block: levels 2j
+// and 2j + 1) and k_scales_and_biases, as gguf_blocks.py's _q4_k makes them.
+void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
+  k_scales_and_biases(block, scales, biases);
   const uint8_t* levels = block + 16;  // 32 bytes a pair of sub-blocks: the first in the low nibbles
   for (int pair = 0; pair < 4; ++pair, levels += 32, weight += 32) {
     for (int j = 0; j < 16; ++j) {
@@ -192,24 +199,22 @@ void q4_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint
   }
 }
 
-// A Q5_K block's 8 sub-blocks: 256 bytes of 8-bit levels (each sub-block's low 4 bits where Q4_K
-// keeps them, from byte 48; bit 4 at bit s of byte 16 + l for sub-block s) and Q4_K's scales and
-// biases, as gguf_blocks.py's _q5_k makes them.
-void q5_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
-  uint16_t d_bits, dmin_bits;
-  std::memcpy(&d_bits, block, sizeof(d_bits));
-  std::memcpy(&dmin_bits, block + 2, sizeof(dmin_bits));
-  const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
-  const uint8_t* fifths = block + 16;
-  for (int s = 0; s < 8; ++s, weight += kGroup) {
-    const KScaleMin sub = k_scale_and_min(block + 4, s);
-    scales[s] = float_to_half(d * static_cast<float>(sub.scale));
-    biases[s] = float_to_half(-dmin * static_cast<float>(sub.min));
-    const uint8_t* pair = block + 48 + 32 * (s / 2);
-    for (int l = 0; l < kGroup; ++l) {
-      weight[l] = static_cast<uint8_t>(((pair[l] >> (4 * (s % 2))) & 0x0F) | (((fifths[l] >> s) & 1) << 4));
-    }
+// Sub-block s's 32 levels of a Q4_K block (`fifths` null) or a Q5_K one: the low 4 bits the low
+// (even s) or high nibbles of the 32 bytes at levels + 32 (s / 2); a Q5_K level's bit 4 at bit s of
+// fifths[l].
+void k_sub_block_levels(const uint8_t* levels, const uint8_t* fifths, int s, uint8_t* out) {
+  const uint8_t* pair = levels + 32 * (s / 2);
+  for (int l = 0; l < kGroup; ++l) {
+    const int fifth = fifths == nullptr ? 0 : ((fifths[l] >> s) & 1) << 4;
+    out[l] = static_cast<uint8_t>(((pair[l] >> (4 * (s % 2))) & 0x0F) | fifth);
   }
+}
+
+// A Q5_K block's 8 sub-blocks: 256 bytes of 8-bit levels (k_sub_block_levels of the 128 bytes from
+// 48 and the fifth bits at 16) and k_scales_and_biases, as gguf_blocks.py's _q5_k makes them.
+void q5_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint16_t* biases) {
+  k_scales_and_biases(block, scales, biases);
+  for (int s = 0; s < 8; ++s) k_sub_block_levels(block + 48, block + 16, s, weight + kGroup * s);
 }
 
 struct DecodeJob {
@@ -299,48 +304,29 @@ void pack_k_header(const uint8_t* block, int64_t o, uint8_t* super) {
   }
 }
 
-// Sub-block i's low 4 bits of levels (32 bytes at `levels` a pair of sub-blocks, i's the low nibbles
-// for even i) where a 4-bit tile keeps them: vector v's dword o holds levels 8v..8v+3 in the low
-// nibbles, 8v+4..8v+7 in the high ones.
-void pack_k_nibbles(const uint8_t* levels, int i, int64_t o, uint8_t* weights) {
-  const uint8_t* pair = levels + 32 * (i / 2);
-  const int shift = 4 * (i % 2);
-  for (int v = 0; v < 4; ++v) {
-    for (int k = 0; k < 4; ++k) {
-      const int low = (pair[8 * v + k] >> shift) & 0x0F, high = (pair[8 * v + 4 + k] >> shift) & 0x0F;
-      weights[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
-    }
-  }
-}
-
-// A Q4_K block into the K-tile layout (int8_dot_kernels.h).
+// A Q4_K block into the K-tile layout (int8_dot_kernels.h): each sub-block's levels where a 4-bit
+// tile keeps them.
 void pack_q4_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   pack_k_header(block, o, super);
+  uint8_t levels[kGroup];
   for (int i = 0; i < kBlockValues / kGroup; ++i) {
-    pack_k_nibbles(block + 16, i, o, super + kK4HeaderBytes + i * (kTileOutputs * kGroup / 2));
+    k_sub_block_levels(block + 16, nullptr, i, levels);
+    pack_tile_levels(levels, o, super + kK4HeaderBytes + i * (kTileOutputs * kGroup / 2), 4);
   }
 }
 
-// A Q5_K block into the K5-tile layout: a K-tile's, and per block the levels' fifth bits (bit i of
-// the block's 32 high-bit bytes for sub-block i) at bit v of the 64 bytes after the weight vectors
-// for tile vector v (levels 4v..4v+3).
+// A Q5_K block into the K5-tile layout: each sub-block's levels as a 5-bit tile block's.
 void pack_q5_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   pack_k_header(block, o, super);
-  const uint8_t* fifths = block + 16;
+  uint8_t levels[kGroup];
   for (int i = 0; i < kBlockValues / kGroup; ++i) {
-    uint8_t* weights = super + kK4HeaderBytes + i * kK5BlockBytes;
-    pack_k_nibbles(block + 48, i, o, weights);
-    for (int k = 0; k < 4; ++k) {
-      int byte = 0;
-      for (int v = 0; v < 8; ++v) byte |= ((fifths[4 * v + k] >> i) & 1) << v;
-      weights[kTileOutputs * kGroup / 2 + 4 * o + k] = static_cast<uint8_t>(byte);
-    }
+    k_sub_block_levels(block + 48, block + 16, i, levels);
+    pack_tile_levels(levels, o, super + kK4HeaderBytes + i * kK5BlockBytes, kFiveBits);
   }
 }
 
 // A Q6_K block into the K6-tile layout: d, the int8 sub-block scales, and the 6-bit levels (as
-// q6_k_values reads them) a dword at a time: per block, tile vector v's low nibbles where a 4-bit
-// tile keeps a level, its top 2 bits at bits 2 (v % 4) of the block's high bytes v / 4.
+// q6_k_values reads them) as pack_tile_levels places a K6-tile block's.
 void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   std::memcpy(super + 2 * o, block + 208, 2);  // d
   for (int h = 0; h < kBlockValues / 16; ++h) super[2 * kTileOutputs + kTileOutputs * h + o] = block[192 + h];
@@ -357,24 +343,7 @@ void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
     }
   }
   for (int i = 0; i < kBlockValues / kGroup; ++i) {
-    const uint8_t* q = levels + kGroup * i;
-    uint8_t* weights = super + kK6HeaderBytes + i * kK6BlockBytes;
-    for (int t = 0; t < 4; ++t) {  // vectors 2t and 2t + 1: inputs 8t.. in low nibbles, 8t + 4.. in high ones
-      uint32_t word = 0;
-      for (int k = 0; k < 4; ++k) {
-        word |= static_cast<uint32_t>((q[8 * t + k] & 0x0F) | ((q[8 * t + 4 + k] & 0x0F) << 4)) << (8 * k);
-      }
-      std::memcpy(weights + 64 * t + 4 * o, &word, sizeof(word));
-    }
-    for (int u = 0; u < 2; ++u) {  // vectors 4u..4u + 3's top bits
-      uint32_t word = 0;
-      for (int k = 0; k < 4; ++k) {
-        const int byte = (q[16 * u + k] >> 4) | ((q[16 * u + 4 + k] >> 4) << 2) | ((q[16 * u + 8 + k] >> 4) << 4) |
-                         ((q[16 * u + 12 + k] >> 4) << 6);
-        word |= static_cast<uint32_t>(byte) << (8 * k);
-      }
-      std::memcpy(weights + kTileOutputs * kGroup / 2 + 64 * u + 4 * o, &word, sizeof(word));
-    }
+    pack_tile_levels(levels + kGroup * i, o, super + kK6HeaderBytes + i * kK6BlockBytes, kK6Bits);
   }
 }
 

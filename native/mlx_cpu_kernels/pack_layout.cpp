@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -80,42 +81,9 @@ uint32_t spread_nibbles(uint32_t low16) {
   return (spread | (spread << 4)) & 0x0F0F0F0Fu;
 }
 
-// Output o's 32 8-bit levels of a block (`levels`) as 4-bit nibbles where a 4-bit tile keeps them,
-// nibble(level) each: vector v's dword o holds levels 8v..8v+3 in low nibbles, 8v+4..8v+7 in high ones.
-template <typename Nibble>
-void pack_nibbles(const uint8_t* levels, int64_t o, uint8_t* block, Nibble nibble) {
-  for (int v = 0; v < 4; ++v) {
-    for (int k = 0; k < 4; ++k) {
-      const int low = nibble(levels[8 * v + k]), high = nibble(levels[8 * v + 4 + k]);
-      block[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
-    }
-  }
-}
-
-// ... as a 5-bit tile block's: their low nibbles, then bit 4 of level 4v + k at bit v of byte 4o + k
-// of the fifth bits.
-void pack_five_bits(const uint8_t* levels, int64_t o, uint8_t* block) {
-  pack_nibbles(levels, o, block, [](uint8_t level) { return level & 0x0F; });
-  for (int k = 0; k < 4; ++k) {
-    int fifths = 0;
-    for (int v = 0; v < 8; ++v) fifths |= ((levels[4 * v + k] >> 4) & 1) << v;
-    block[kTileOutputs * kInt8BlockInputs / 2 + 4 * o + k] = static_cast<uint8_t>(fifths);
-  }
-}
-
-// ... as an IQ4 tile block's: each level's index in kIq4Levels (0 for a level not there).
-void pack_iq4_indices(const uint8_t* levels, int64_t o, uint8_t* block) {
-  static const auto kIndexOf = [] {
-    std::array<uint8_t, 256> index_of{};
-    for (int i = 0; i < 16; ++i) index_of[kIq4Levels[i]] = static_cast<uint8_t>(i);
-    return index_of;
-  }();
-  pack_nibbles(levels, o, block, [](uint8_t level) { return kIndexOf[level]; });
-}
-
 // Tile t: per 32-input block the 16 outputs' weights as 64-byte vectors (dword o: output o's
 // four bytes; at 4 bits vector v holds inputs 8v..8v+3 in low nibbles and 8v+4..8v+7 in high
-// ones, at 8 bits inputs 4v..4v+3; at 5 pack_five_bits, IQ4 pack_iq4_indices), then 16 scales and 16 biases.
+// ones, at 8 bits inputs 4v..4v+3; the narrow tiles as pack_tile_levels puts them), then 16 scales and 16 biases.
 void pack_tile(const PackJob& a, int64_t t) {
   const int64_t num_blocks = a.num_inputs / kInt8BlockInputs, block_bytes = tile_block_bytes(a.layout_bits);
   const int64_t weight_bytes = block_bytes - 4 * kTileOutputs;
@@ -130,7 +98,7 @@ void pack_tile(const PackJob& a, int64_t t) {
       if (n >= a.num_outputs) continue;
       const uint8_t* row = a.w + n * a.row_bytes() + j * kInt8BlockInputs * a.bits / 8;
       if (a.layout_bits == kFiveBits || a.layout_bits == kIq4Bits) {
-        (a.layout_bits == kFiveBits ? pack_five_bits : pack_iq4_indices)(row, o, out);
+        pack_tile_levels(row, o, out, a.layout_bits);
         continue;
       }
       for (int64_t v = 0; v < weight_bytes / 64; ++v) {  // 4 vectors at 4 bits, 8 at 8
@@ -157,6 +125,55 @@ void pack_outputs(void* context, int64_t chunk) {
 }
 
 }  // namespace
+
+namespace {
+
+// pack_tile_levels for one kind of block, known at compile time (a branch a level cost the 5-bit
+// pack a third more time).
+template <int kBits>
+void pack_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
+  static const auto kIndexOf = [] {
+    std::array<uint8_t, 256> index_of{};
+    for (int i = 0; i < 16; ++i) index_of[kIq4Levels[i]] = static_cast<uint8_t>(i);
+    return index_of;
+  }();
+  const auto nibble = [](uint8_t level) { return kBits == kIq4Bits ? kIndexOf[level] : level & 0x0F; };
+  for (int v = 0; v < 4; ++v) {
+    for (int k = 0; k < 4; ++k) {
+      const int low = nibble(levels[8 * v + k]), high = nibble(levels[8 * v + 4 + k]);
+      block[64 * v + 4 * o + k] = static_cast<uint8_t>(low | (high << 4));
+    }
+  }
+  uint8_t* tops = block + kTileOutputs * kInt8BlockInputs / 2;
+  if constexpr (kBits == kFiveBits) {
+    for (int k = 0; k < 4; ++k) {
+      int fifths = 0;
+      for (int v = 0; v < 8; ++v) fifths |= ((levels[4 * v + k] >> 4) & 1) << v;
+      tops[4 * o + k] = static_cast<uint8_t>(fifths);
+    }
+  } else if constexpr (kBits == kK6Bits) {
+    for (int u = 0; u < 2; ++u) {  // vectors 4u..4u + 3
+      uint32_t word = 0;
+      for (int k = 0; k < 4; ++k) {
+        int top = 0;
+        for (int m = 0; m < 4; ++m) top |= (levels[16 * u + 4 * m + k] >> 4) << (2 * m);
+        word |= static_cast<uint32_t>(top) << (8 * k);
+      }
+      std::memcpy(tops + 64 * u + 4 * o, &word, sizeof(word));
+    }
+  }
+}
+
+}  // namespace
+
+void pack_tile_levels(const uint8_t* levels, int64_t o, uint8_t* block, int bits) {
+  switch (bits) {
+    case 4: return pack_levels<4>(levels, o, block);
+    case kFiveBits: return pack_levels<kFiveBits>(levels, o, block);
+    case kIq4Bits: return pack_levels<kIq4Bits>(levels, o, block);
+    default: assert(bits == kK6Bits); return pack_levels<kK6Bits>(levels, o, block);
+  }
+}
 
 mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                      int layout_bits) {

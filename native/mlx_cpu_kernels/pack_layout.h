@@ -21,6 +21,14 @@ namespace mx = mlx::core;
 mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                      int layout_bits = 0);
 
+// Output o's 32 levels of a 32-input block (a byte each) into its place in a tile block whose weights
+// are `bits`: 4 (a 4-bit tile's, or a K-tile's: the nibbles), kFiveBits (a 5-bit or K5-tile's: the
+// nibbles, then bit 4 of level 4v + k at bit v of byte 4o + k of the next 64 bytes), kIq4Bits (the
+// levels' indices in kIq4Levels as nibbles; 0 for a level not there) or kK6Bits (a K6-tile block's:
+// the nibbles, then the top 2 bits of level 4v + k at bits 2 (v % 4) of byte 64 (v / 4) + 4o + k of
+// the next 128 bytes). Nibbles: vector v's dword o holds levels 8v..8v+3 low, 8v+4..8v+7 high.
+void pack_tile_levels(const uint8_t* levels, int64_t o, uint8_t* block, int bits);
+
 class PackQuads : public mx::Primitive {
  public:
   PackQuads(mx::Stream stream, int group_size, int bits, int layout_bits, bool is_tiles, QuadLayout layout)
