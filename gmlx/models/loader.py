@@ -136,7 +136,7 @@ def _load_folder(folder: Path):
 
 def _load_gguf(path: Path):
     """Build the mlx-lm model in memory from a GGUF's weights, as mlx-lm would from a folder; with
-    its Q4_K, Q5_K and Q6_K matrices' blocks by module name (GGUFModel.k_quant_blocks)."""
+    its K-quant matrices' blocks by module name (GGUFModel.k_quant_blocks)."""
     import mlx_lm.utils
     from mlx_lm.tokenizer_utils import load as load_tokenizer_wrapper
 
@@ -173,7 +173,7 @@ def _head_module(model: nn.Module, is_tied: bool) -> nn.Module:
 
 def _prepare_for_cpu(model: nn.Module, source: str, is_tied: bool, k_quant_blocks: dict) -> int:
     """The model's CPU compute format, kernels and fused ops; how many layers run fused.
-    k_quant_blocks: a GGUF's Q4_K, Q5_K and Q6_K blocks by module name (GGUFModel.k_quant_blocks)."""
+    k_quant_blocks: a GGUF's K-quant blocks by module name (GGUFModel.k_quant_blocks)."""
     is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules())
     halves = float16_groups(model)  # before the cast: the int8 path keeps them as they are
     # By id, each beside its module (as halves holds them), so that a replaced module's id cannot match.

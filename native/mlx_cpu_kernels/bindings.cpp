@@ -73,12 +73,12 @@ NB_MODULE(_cpu_kernels, m) {
                                                 static_cast<int64_t>(blocks.shape(1)), kind);
       },
       "blocks"_a, "kind"_a,
-      "GGUF Q4_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as MLX triplets "
-      "[weight, scales, biases] (4 and 8 bits, group 32), decoded now: gguf_blocks.py's numpy decoders, "
+      "GGUF Q3_K, Q4_K, Q5_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as MLX "
+      "triplets [weight, scales, biases] (4 and 8 bits, group 32), decoded now: gguf_blocks.py's numpy decoders, "
       "operation for operation");
   m.def("lazy_gguf_triplets", &gmlx_kernels::lazy_gguf_triplets, "path"_a, "offset"_a, "num_rows"_a, "row_bytes"_a,
         "kind"_a,
-        "decode_gguf_blocks's triplets of a file's Q4_K or Q6_K rows at a byte offset, as lazy nodes: decoded "
+        "decode_gguf_blocks's triplets of a file's K-quant rows at a byte offset, as lazy nodes: decoded "
         "when evaluated (the file mapped while they live)");
   m.def(
       "pack_k_quant_tiles",
@@ -88,8 +88,9 @@ NB_MODULE(_cpu_kernels, m) {
                                                 static_cast<int64_t>(blocks.shape(1)), kind);
       },
       "blocks"_a, "kind"_a,
-      "GGUF Q4_K, Q5_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as K-tiles (bits "
-      "K4_BITS, K5_BITS, K6_BITS), packed now; the tile layout only");
+      "GGUF Q3_K, Q4_K, Q5_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as K-tiles "
+      "(bits K3_BITS, K4_BITS, K5_BITS, K6_BITS), packed now; the tile layout only");
+  m.attr("K3_BITS") = gmlx_kernels::kK3Bits;
   m.attr("K4_BITS") = gmlx_kernels::kK4Bits;
   m.attr("K5_BITS") = gmlx_kernels::kK5Bits;
   m.attr("K6_BITS") = gmlx_kernels::kK6Bits;

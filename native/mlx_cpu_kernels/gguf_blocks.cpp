@@ -26,6 +26,7 @@ namespace gmlx_kernels {
 
 namespace {
 
+constexpr int64_t kQ3KBytes = 110;  // 32 bytes of third bits, 64 of low 2 bits, 12 of 6-bit scales, float16 d
 constexpr int64_t kQ6KBytes = 210;  // 128 low-bit bytes, 64 high-bit bytes, 16 int8 scales, float16 d
 constexpr int64_t kQ4KBytes = 144;  // float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of levels
 constexpr int64_t kQ5KBytes = 176;  // Q4_K's with the levels' fifth bits (32 bytes) before the 128 of low bits
@@ -72,6 +73,32 @@ void q6_k_values(const uint8_t* block, float* values) {
         out[l] = (l < 16 ? scale_a : scale_b) * static_cast<float>(q - 32);
       }
     }
+  }
+}
+
+// Sub-block s (0-15) of a Q3_K block's 6-bit scales less 32: the low 4 bits the low (s < 8) or high
+// nibble of byte s % 8, the top 2 at bits 2 (s / 4) of byte 8 + s % 4.
+int q3_k_scale(const uint8_t* packed, int s) {
+  const int low = (packed[s % 8] >> (s < 8 ? 0 : 4)) & 0x0F, top = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+  return (low | (top << 4)) - 32;
+}
+
+// Value v's 3-bit level (0-7, the value's q + 4) of a Q3_K block: bits 2 (v % 128 / 32) of byte
+// 32 + 32 (v / 128) + v % 32, its third bit at bit v / 32 of byte v % 32.
+int q3_k_level(const uint8_t* block, int v) {
+  const int low = (block[32 + 32 * (v / 128) + v % 32] >> (2 * (v % 128 / 32))) & 3;
+  return low | (((block[v % 32] >> (v / 32)) & 1) << 2);
+}
+
+// A block's 256 values as the gguf package's dequantize gives them: (d * sc) * (q - 4) in float32,
+// sub-block scale v / 16.
+void q3_k_values(const uint8_t* block, float* values) {
+  uint16_t d_bits;
+  std::memcpy(&d_bits, block + 108, sizeof(d_bits));
+  const float d = half_to_float(d_bits);
+  for (int v = 0; v < kBlockValues; ++v) {
+    const float scale = d * static_cast<float>(q3_k_scale(block + 96, v / 16));
+    values[v] = scale * static_cast<float>(q3_k_level(block, v) - 4);
   }
 }
 
@@ -219,7 +246,7 @@ void q5_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint
 
 struct DecodeJob {
   const uint8_t* blocks;
-  uint8_t* weight;  // bytes: 128 a Q4_K block, 256 a Q5_K or Q6_K one
+  uint8_t* weight;  // bytes: 128 a Q4_K block, 256 a Q3_K, Q5_K or Q6_K one
   uint16_t* scales;
   uint16_t* biases;
   int64_t blocks_per_row;
@@ -231,11 +258,15 @@ KQuantKind parse_k_quant_kind(const std::string& kind, const std::string& who) {
   if (kind == "Q4_K") return KQuantKind::kQ4K;
   if (kind == "Q5_K") return KQuantKind::kQ5K;
   if (kind == "Q6_K") return KQuantKind::kQ6K;
-  throw std::invalid_argument(who + ": kind " + kind + ": expected Q4_K, Q5_K or Q6_K");
+  if (kind == "Q3_K") return KQuantKind::kQ3K;
+  throw std::invalid_argument(who + ": kind " + kind + ": expected Q3_K, Q4_K, Q5_K or Q6_K");
 }
 
 int64_t k_quant_block_bytes(KQuantKind kind) {
-  return kind == KQuantKind::kQ4K ? kQ4KBytes : kind == KQuantKind::kQ5K ? kQ5KBytes : kQ6KBytes;
+  return kind == KQuantKind::kQ3K   ? kQ3KBytes
+         : kind == KQuantKind::kQ4K ? kQ4KBytes
+         : kind == KQuantKind::kQ5K ? kQ5KBytes
+                                    : kQ6KBytes;
 }
 
 void decode_row(void* context, int64_t row) {
@@ -251,6 +282,14 @@ void decode_row(void* context, int64_t row) {
     if (job.kind == KQuantKind::kQ5K) {
       q5_k_triplets(job.blocks + block * kQ5KBytes, job.weight + block * kBlockValues, job.scales + first_group,
                     job.biases + first_group);
+      continue;
+    }
+    if (job.kind == KQuantKind::kQ3K) {
+      q3_k_values(job.blocks + block * kQ3KBytes, values);
+      for (int64_t g = 0; g < kBlockValues / kGroup; ++g) {
+        const int64_t group = first_group + g;
+        requantize_group(values + g * kGroup, job.weight + group * kGroup, job.scales + group, job.biases + group);
+      }
       continue;
     }
 #if GMLX_X86
@@ -347,15 +386,31 @@ void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   }
 }
 
+// A Q3_K block into the K3-tile layout: d, the sub-block scales less 32 as int8, and the 3-bit levels as
+// pack_tile_levels places a K3-tile block's.
+void pack_q3_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
+  std::memcpy(super + 2 * o, block + 108, 2);  // d
+  for (int h = 0; h < kBlockValues / 16; ++h) {
+    const auto scale = static_cast<int8_t>(q3_k_scale(block + 96, h));
+    super[2 * kTileOutputs + kTileOutputs * h + o] = static_cast<uint8_t>(scale);
+  }
+  uint8_t levels[kGroup];
+  for (int i = 0; i < kBlockValues / kGroup; ++i) {
+    for (int l = 0; l < kGroup; ++l) levels[l] = static_cast<uint8_t>(q3_k_level(block, kGroup * i + l));
+    pack_tile_levels(levels, o, super + kK6HeaderBytes + i * kK3BlockBytes, kK3Bits);
+  }
+}
+
 }  // namespace
 
 mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes, const std::string& kind) {
   const KQuantKind k_kind = parse_k_quant_kind(kind, "pack_k_quant_tiles");
   if (!tile_layout()) throw std::invalid_argument("pack_k_quant_tiles: K-tiles need the tile layout on");
   const int64_t block_bytes = k_quant_block_bytes(k_kind);
-  const int bits = k_kind == KQuantKind::kQ4K ? kK4Bits : k_kind == KQuantKind::kQ5K ? kK5Bits : kK6Bits;
-  const PackSuperRow pack_super_row =
-      k_kind == KQuantKind::kQ4K ? pack_q4_k_row : k_kind == KQuantKind::kQ5K ? pack_q5_k_row : pack_q6_k_row;
+  constexpr int kBits[] = {kK3Bits, kK4Bits, kK5Bits, kK6Bits};  // by KQuantKind
+  constexpr PackSuperRow kPackers[] = {pack_q3_k_row, pack_q4_k_row, pack_q5_k_row, pack_q6_k_row};
+  const int bits = kBits[static_cast<int>(k_kind)];
+  const PackSuperRow pack_super_row = kPackers[static_cast<int>(k_kind)];
   if (num_rows <= 0 || row_bytes <= 0 || row_bytes % block_bytes != 0) {
     throw std::invalid_argument("pack_k_quant_tiles: blocks must be (rows, " + std::to_string(block_bytes) +
                                 " x blocks) uint8 for " + kind + ", at least one of each");

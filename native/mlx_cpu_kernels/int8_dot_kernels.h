@@ -165,13 +165,27 @@ constexpr int64_t kSubBlockInputs = 16;
 constexpr int64_t kK6HeaderBytes = 2 * kTileOutputs + kTileOutputs * (kSuperBlockInputs / kSubBlockInputs);
 constexpr int64_t kK6BlockBytes = kTileOutputs * kInt8BlockInputs * 6 / 8;
 constexpr int64_t kK6SuperBytes = kK6HeaderBytes + kSuperBlockInputs / kInt8BlockInputs * kK6BlockBytes;
+// The K3-tile layout (bits kK3Bits), a GGUF Q3_K matrix's (each weight d * sc * (q - 4), q of 3 bits,
+// an sc of 6 bits less 32 per 16 inputs): a K6-tile's super-block header (d, the int8 sub-block
+// scales), then per 32-input block 128 bytes of q's low 2 bits (vector i's at bits 2 (i % 4) of the
+// 64 bytes i / 4, so each 64 bytes hold one sub-block) and 64 of its third bits (vector i's at bit i).
+// 0.45 bytes a weight, where Q3_K requantized to 8 bits took 1.125. A K6-tile's steps with the
+// sub-blocks' sums less 4 sum(x): exact Q3_K values. Packed from a GGUF's Q3_K blocks (pack_k_quant_tiles).
+constexpr int kK3Bits = 259;  // super-blocks of 256, 3 bits
+constexpr int64_t kK3BlockBytes = kTileOutputs * kInt8BlockInputs * 3 / 8;
+constexpr int64_t kK3SuperBytes = kK6HeaderBytes + kSuperBlockInputs / kInt8BlockInputs * kK3BlockBytes;
 // Whether bits name one of the K layouts, and a super-block's bytes in it (tiles of 16 outputs).
-constexpr bool is_k_layout(int bits) { return bits == kK4Bits || bits == kK5Bits || bits == kK6Bits; }
+constexpr bool is_k_layout(int bits) {
+  return bits == kK3Bits || bits == kK4Bits || bits == kK5Bits || bits == kK6Bits;
+}
 constexpr int64_t k_super_bytes(int bits) {
-  return bits == kK4Bits ? kK4SuperBytes : bits == kK5Bits ? kK5SuperBytes : kK6SuperBytes;
+  return bits == kK3Bits ? kK3SuperBytes
+         : bits == kK4Bits ? kK4SuperBytes
+         : bits == kK5Bits ? kK5SuperBytes
+                           : kK6SuperBytes;
 }
 // Bits naming a weight layout the int8 path runs: 4, 8, and the 5-bit and IQ4 tiles and the K layouts
-// (kK4Bits, kK5Bits, kK6Bits) under the tile layout.
+// (kK3Bits, kK4Bits, kK5Bits, kK6Bits) under the tile layout.
 bool is_layout_bits(int bits);
 // std::invalid_argument naming `bits` where is_layout_bits is false.
 void check_layout_bits(int bits);

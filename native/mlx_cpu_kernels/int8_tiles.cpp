@@ -66,8 +66,15 @@ inline int k4_weight(const uint8_t* super, int64_t i, int o, int t) {
   return tile_weight(k4_block<kBits>(super, i), o, t, kBits == kK4Bits ? 4 : kFiveBits);
 }
 
-// Block i's weight bytes in a K6-tile super-block.
-inline const uint8_t* k6_block(const uint8_t* super, int64_t i) { return super + kK6HeaderBytes + i * kK6BlockBytes; }
+// The layouts of 16-input sub-blocks under int8 scales (K6-tiles and K3-tiles): their levels' offset.
+constexpr int k_sub_block_offset(int bits) { return bits == kK6Bits ? 32 : 4; }
+
+// Block i's weight bytes in a K6-tile (kK6Bits) or K3-tile (kK3Bits) super-block.
+template <int kBits>
+inline const uint8_t* k6_block(const uint8_t* super, int64_t i) {
+  static_assert(kBits == kK6Bits || kBits == kK3Bits);
+  return super + kK6HeaderBytes + i * (kBits == kK6Bits ? kK6BlockBytes : kK3BlockBytes);
+}
 
 // Weight q (0-63) of output o, input t (0-31) of a K6-tile block.
 inline int k6_weight(const uint8_t* block, int o, int t) {
@@ -75,7 +82,21 @@ inline int k6_weight(const uint8_t* block, int o, int t) {
   return tile_weight(block, o, t, 4) | (high << 4);
 }
 
-// Sub-block h (0-15) of a K6-tile super-block's output o: its scale d * sc, exact in float32.
+// Weight q (0-7) of output o, input t (0-31) of a K3-tile block: vector i = t / 4's low 2 bits at bits
+// 2 (i % 4) of byte 64 (i / 4) + 4o + t % 4, its third at bit i of byte 128 + 4o + t % 4.
+inline int k3_weight(const uint8_t* block, int o, int t) {
+  const int i = t / 4, low = (block[64 * (i / 4) + 4 * o + t % 4] >> (2 * (i % 4))) & 3;
+  return low | (((block[2 * 64 + 4 * o + t % 4] >> i) & 1) << 2);
+}
+
+// Weight q of output o, input t of block i of a K6-tile or K3-tile super-block.
+template <int kBits>
+inline int k6_super_weight(const uint8_t* super, int64_t i, int o, int t) {
+  const uint8_t* block = k6_block<kBits>(super, i);
+  return kBits == kK6Bits ? k6_weight(block, o, t) : k3_weight(block, o, t);
+}
+
+// Sub-block h (0-15) of a K6-tile (or K3-tile) super-block's output o: its scale d * sc, exact in float32.
 inline float k6_scale(const uint8_t* super, int h, int o) {
   const auto* halves = reinterpret_cast<const uint16_t*>(super);
   const auto* sub_scales = reinterpret_cast<const int8_t*>(super + 2 * kTileOutputs);
@@ -152,16 +173,18 @@ void k4_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, 
   });
 }
 
-// The K6-tiles: per block each sub-block's integer sum less 32 times x's sum there (A, B), then
-// t = fma(s_a, float(A), s_b * float(B)) with s = d * sc, and fma(d_j, t, lane).
+// The K6-tiles (K3-tiles): per block each sub-block's integer sum less 32 (4) times x's sum there (A, B),
+// then t = fma(s_a, float(A), s_b * float(B)) with s = d * sc, and fma(d_j, t, lane).
+template <int kBits>
 void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
   walk_tiles_portable(a, begin, end, [&](int64_t r, const uint8_t* tile, int64_t j, int o, float& lane) {
-    const uint8_t* super = tile + j / kBlocksPerSuper * kK6SuperBytes;
+    const uint8_t* super = tile + j / kBlocksPerSuper * k_super_bytes(kBits);
     const int i = static_cast<int>(j % kBlocksPerSuper);
-    const auto q = [&](int oo, int t) { return k6_weight(k6_block(super, i), oo, t); };
+    const auto q = [&](int oo, int t) { return k6_super_weight<kBits>(super, i, oo, t); };
     int32_t isums[2];
     for (int h = 0; h < 2; ++h) {
-      isums[h] = block_dot(x.q_row(r), j, o, 16 * h, 16, q) - 32 * x.half_sums_row(r)[2 * j + h];
+      const int32_t offset_sum = k_sub_block_offset(kBits) * x.half_sums_row(r)[2 * j + h];
+      isums[h] = block_dot(x.q_row(r), j, o, 16 * h, 16, q) - offset_sum;
     }
     const float t = std::fma(k6_scale(super, 2 * i, o), static_cast<float>(isums[0]),
                              k6_scale(super, 2 * i + 1, o) * static_cast<float>(isums[1]));
@@ -277,35 +300,36 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void block_isums(const ui
   }
 }
 
-// Each byte's bits kLow.. (one bit for a K5-tile, kLow and kLow + 1 for a K6-tile) moved to bits 4..,
-// the rest zero: one GFNI affine byte op (its matrix's byte 7 - b picks result bit b's source bits).
-// An asm: no target attribute, so one templated walk serves CPUs with GFNI and without.
-template <int kLow, int kNumBits>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i bits_to_4_gfni(__m512i bytes) {
+// Each byte's bits kLow.. (one bit for a K5-tile or K3-tile, kLow and kLow + 1 for a K6-tile) moved to
+// bits kTo.., the rest zero: one GFNI affine byte op (its matrix's byte 7 - b picks result bit b's source
+// bits). An asm: no target attribute, so one templated walk serves CPUs with GFNI and without.
+template <int kLow, int kNumBits, int kTo = 4>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i move_bits_gfni(__m512i bytes) {
   uint64_t rows = 0;
-  for (int b = 0; b < kNumBits; ++b) rows |= (1ull << (kLow + b)) << (8 * (3 - b));
+  for (int b = 0; b < kNumBits; ++b) rows |= (1ull << (kLow + b)) << (8 * (7 - kTo - b));
   const __m512i matrix = _mm512_set1_epi64(static_cast<long long>(rows));
   __m512i moved;
   asm("vgf2p8affineqb $0, %2, %1, %0" : "=v"(moved) : "v"(bytes), "v"(matrix));
   return moved;
 }
 
-// Bits 0-3 of `nibbles` with bit kBit of `fifths` as bit 4: a K5-tile vector's 5-bit levels, merged
-// by one ternary-logic op (c ? b : a bit by bit, c = 0x0F). The fifth bits move by GFNI, else by an
-// epi16 shift (which moves no bit of the next byte into bit 4) and an and.
-template <int kBit, bool kGfni>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i with_fifth_bit(__m512i nibbles, __m512i fifths) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+// Bits 0..kTo-1 of `low` with bit kBit of `tops` as bit kTo: a K5-tile vector's 5-bit levels (kTo 4:
+// nibbles and fifth bits) or a K3-tile's 3-bit ones (kTo 2), merged by one ternary-logic op (c ? b : a
+// bit by bit, c = the low bits' mask). The top bits move by GFNI, else by an epi16 shift (which moves
+// no bit of the next byte into bit kTo) and an and.
+template <int kBit, bool kGfni, int kTo = 4>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512i with_top_bit(__m512i low, __m512i tops) {
+  const __m512i low_mask = _mm512_set1_epi8((1 << kTo) - 1);
   __m512i top;
   if constexpr (kGfni) {
-    top = bits_to_4_gfni<kBit, 1>(fifths);
+    top = move_bits_gfni<kBit, 1, kTo>(tops);
   } else {
-    top = fifths;
-    if constexpr (kBit < 4) top = _mm512_slli_epi16(fifths, 4 - kBit);
-    if constexpr (kBit > 4) top = _mm512_srli_epi16(fifths, kBit - 4);
-    top = _mm512_and_si512(top, _mm512_set1_epi8(0x10));
+    top = tops;
+    if constexpr (kBit < kTo) top = _mm512_slli_epi16(tops, kTo - kBit);
+    if constexpr (kBit > kTo) top = _mm512_srli_epi16(tops, kBit - kTo);
+    top = _mm512_and_si512(top, _mm512_set1_epi8(1 << kTo));
   }
-  return _mm512_ternarylogic_epi32(top, nibbles, low4, 0xD8);
+  return _mm512_ternarylogic_epi32(top, low, low_mask, 0xD8);
 }
 
 // Weight vector i of block j against every row's x bytes 4i..4i+3, into chain i % kChains.
@@ -330,14 +354,14 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k5_block_isums(const
   }
   const __m512i v0 = _mm512_loadu_si512(block), v1 = _mm512_loadu_si512(block + 64);
   const __m512i v2 = _mm512_loadu_si512(block + 128), v3 = _mm512_loadu_si512(block + 192);
-  dot_rows<kRows, kChains>(0, with_fifth_bit<0, kGfni>(v0, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(1, with_fifth_bit<1, kGfni>(_mm512_srli_epi16(v0, 4), fifths), j, x, partial);
-  dot_rows<kRows, kChains>(2, with_fifth_bit<2, kGfni>(v1, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(3, with_fifth_bit<3, kGfni>(_mm512_srli_epi16(v1, 4), fifths), j, x, partial);
-  dot_rows<kRows, kChains>(4, with_fifth_bit<4, kGfni>(v2, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(5, with_fifth_bit<5, kGfni>(_mm512_srli_epi16(v2, 4), fifths), j, x, partial);
-  dot_rows<kRows, kChains>(6, with_fifth_bit<6, kGfni>(v3, fifths), j, x, partial);
-  dot_rows<kRows, kChains>(7, with_fifth_bit<7, kGfni>(_mm512_srli_epi16(v3, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(0, with_top_bit<0, kGfni>(v0, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(1, with_top_bit<1, kGfni>(_mm512_srli_epi16(v0, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(2, with_top_bit<2, kGfni>(v1, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(3, with_top_bit<3, kGfni>(_mm512_srli_epi16(v1, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(4, with_top_bit<4, kGfni>(v2, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(5, with_top_bit<5, kGfni>(_mm512_srli_epi16(v2, 4), fifths), j, x, partial);
+  dot_rows<kRows, kChains>(6, with_top_bit<6, kGfni>(v3, fifths), j, x, partial);
+  dot_rows<kRows, kChains>(7, with_top_bit<7, kGfni>(_mm512_srli_epi16(v3, 4), fifths), j, x, partial);
   for (int r = 0; r < kRows; ++r) {
     isums[r] = partial[r][0];  // integer adds: exact in any order
     for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
@@ -440,8 +464,8 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
   const __m512i high = _mm512_loadu_si512(block + kBlockWeightBytes4 + 64 * h);
   __m512i tops[4];
   if constexpr (kGfni) {
-    tops[0] = bits_to_4_gfni<0, 2>(high), tops[1] = bits_to_4_gfni<2, 2>(high);
-    tops[2] = bits_to_4_gfni<4, 2>(high), tops[3] = bits_to_4_gfni<6, 2>(high);
+    tops[0] = move_bits_gfni<0, 2>(high), tops[1] = move_bits_gfni<2, 2>(high);
+    tops[2] = move_bits_gfni<4, 2>(high), tops[3] = move_bits_gfni<6, 2>(high);
   } else {
     const __m512i top = _mm512_set1_epi8(0x30);
     tops[0] = _mm512_and_si512(_mm512_slli_epi16(high, 4), top);
@@ -475,16 +499,47 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_sub_block_isums(c
   }
 }
 
-// Block i of a K6-tile super-block (block j of the row) for kRows rows into lane kLane: with A and B
-// its sub-blocks' sums, t = s_b * float(B), t = fma(s_a, float(A), t), then fma(d_j, t, lane).
-template <int kRows, int kLane, bool kGfni>
+// A K3-tile block's sub-block kH (weight vectors 4kH..4kH+3: the 64 bytes of low 2 bits at 64 kH) summed
+// against kRows rows' x, less 4 times x's sum there: each vector's 2 bits shifted down, its third bit
+// (bit i of the 64 bytes at 128) merged in as bit 2.
+template <int kRows, bool kGfni, int kH>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k3_sub_block_isums(const uint8_t* block, int64_t j,
+                                                                             const RowsOf<kRows>& x, __m512i* isums) {
+  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  const __m512i planes = _mm512_loadu_si512(block + 64 * kH), thirds = _mm512_loadu_si512(block + 2 * 64);
+  __m512i partial[kRows][kChains];
+  for (int r = 0; r < kRows; ++r) {
+    partial[r][0] = _mm512_set1_epi32(-4 * x.half_sums[r][2 * j + kH]);
+    for (int c = 1; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+  }
+  constexpr int kI = 4 * kH;
+  dot_rows<kRows, kChains>(kI, with_top_bit<kI, kGfni, 2>(planes, thirds), j, x, partial);
+  dot_rows<kRows, kChains>(kI + 1, with_top_bit<kI + 1, kGfni, 2>(_mm512_srli_epi16(planes, 2), thirds), j, x,
+                           partial);
+  dot_rows<kRows, kChains>(kI + 2, with_top_bit<kI + 2, kGfni, 2>(_mm512_srli_epi16(planes, 4), thirds), j, x,
+                           partial);
+  dot_rows<kRows, kChains>(kI + 3, with_top_bit<kI + 3, kGfni, 2>(_mm512_srli_epi16(planes, 6), thirds), j, x,
+                           partial);
+  for (int r = 0; r < kRows; ++r) {
+    isums[r] = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
+  }
+}
+
+// Block i of a K6-tile (K3-tile) super-block (block j of the row) for kRows rows into lane kLane: with A
+// and B its sub-blocks' sums, t = s_b * float(B), t = fma(s_a, float(A), t), then fma(d_j, t, lane).
+template <int kBits, int kRows, int kLane, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(const uint8_t* super, int i, int64_t j,
                                                                           __m512 d, const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
   __m512i sums[2][kRows];
   __m512 scales[2];
+  if constexpr (kBits == kK3Bits) {
+    k3_sub_block_isums<kRows, kGfni, 0>(k6_block<kBits>(super, i), j, x, sums[0]);
+    k3_sub_block_isums<kRows, kGfni, 1>(k6_block<kBits>(super, i), j, x, sums[1]);
+  }
   for (int h = 0; h < 2; ++h) {
-    k6_sub_block_isums<kRows, kGfni>(k6_block(super, i), h, j, x, sums[h]);
+    if constexpr (kBits == kK6Bits) k6_sub_block_isums<kRows, kGfni>(k6_block<kBits>(super, i), h, j, x, sums[h]);
     const auto* sub_scales = reinterpret_cast<const __m128i*>(super + 2 * kTileOutputs + kTileOutputs * (2 * i + h));
     scales[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sub_scales))));
   }
@@ -495,20 +550,20 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_block_avx512(cons
   }
 }
 
-// A K6-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d read once.
-template <int kRows, bool kGfni>
+// A K6-tile (K3-tile) super-block's eight blocks (blocks j.. of the row) for kRows rows: d read once.
+template <int kBits, int kRows, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(const uint8_t* super, int64_t j,
                                                                           const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
-  k6_block_avx512<kRows, 0, kGfni>(super, 0, j, d, x, lanes);
-  k6_block_avx512<kRows, 1, kGfni>(super, 1, j + 1, d, x, lanes);
-  k6_block_avx512<kRows, 2, kGfni>(super, 2, j + 2, d, x, lanes);
-  k6_block_avx512<kRows, 3, kGfni>(super, 3, j + 3, d, x, lanes);
-  k6_block_avx512<kRows, 0, kGfni>(super, 4, j + 4, d, x, lanes);
-  k6_block_avx512<kRows, 1, kGfni>(super, 5, j + 5, d, x, lanes);
-  k6_block_avx512<kRows, 2, kGfni>(super, 6, j + 6, d, x, lanes);
-  k6_block_avx512<kRows, 3, kGfni>(super, 7, j + 7, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 0, kGfni>(super, 0, j, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 1, kGfni>(super, 1, j + 1, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 2, kGfni>(super, 2, j + 2, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 3, kGfni>(super, 3, j + 3, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 0, kGfni>(super, 4, j + 4, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 1, kGfni>(super, 5, j + 5, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 2, kGfni>(super, 6, j + 6, d, x, lanes);
+  k6_block_avx512<kBits, kRows, 3, kGfni>(super, 7, j + 7, d, x, lanes);
 }
 
 // tiles_avx512 over a K layout (kBits kK4Bits, kK5Bits or kK6Bits), a super-block of eight blocks a
@@ -527,7 +582,9 @@ GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, i
       prefetch_ahead(super, kSuperBytes, prefetch_bytes);
       if constexpr (kBits == kK6Bits) {
         // Four rows of K6 sums with GFNI's four matrices ran 0.89x the shifts (3 rows 1.13x, 1-2 level).
-        k6_super_avx512<kRows, kGfni && kRows < 4>(super, j, rows, lanes);
+        k6_super_avx512<kBits, kRows, kGfni && kRows < 4>(super, j, rows, lanes);
+      } else if constexpr (kBits == kK3Bits) {
+        k6_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
       } else {
         k4_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
       }
@@ -550,7 +607,7 @@ struct Avx512TileWalk {
 // 5-bit tiles, K5- and K6-tiles with their top bits moved by GFNI (is_gfni_enabled).
 template <int kBits, int kRows>
 struct Avx512GfniWalk {
-  static_assert(kBits == kFiveBits || kBits == kK5Bits || kBits == kK6Bits);
+  static_assert(kBits == kFiveBits || kBits == kK3Bits || kBits == kK5Bits || kBits == kK6Bits);
   static void run(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end, int64_t r0) {
     if constexpr (kBits == kFiveBits) {
       tiles_avx512<kBits, kRows, true>(a, x, begin, end, r0);
@@ -1015,6 +1072,10 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
       return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kK6Bits>(a, rows, begin, end)
                                : walk_by_rows<Avx512TileWalk, kK6Bits>(a, rows, begin, end);
     }
+    if (a.bits == kK3Bits) {
+      return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kK3Bits>(a, rows, begin, end)
+                               : walk_by_rows<Avx512TileWalk, kK3Bits>(a, rows, begin, end);
+    }
 #if GMLX_HAS_AMX_BUILD
     if (is_amx_enabled()) {
       first_vnni_row = num_amx_rows(a.num_rows);
@@ -1027,8 +1088,10 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end, first_vnni_row)
                         : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
-  // 5-bit, IQ4, K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels): other ISAs walk them portably.
-  const bool is_vnni_only = a.bits == kFiveBits || a.bits == kIq4Bits || a.bits == kK5Bits || a.bits == kK6Bits;
+  // 5-bit, IQ4, K3-, K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels): other ISAs walk them
+  // portably.
+  const bool is_vnni_only = a.bits == kFiveBits || a.bits == kIq4Bits || a.bits == kK3Bits || a.bits == kK5Bits ||
+                            a.bits == kK6Bits;
   if (isa != Isa::kPortable && has_f16c() && !is_vnni_only) {  // AVX-512 without VNNI too: the same integers
     if (a.bits == kK4Bits) return walk_by_rows<Avx2TileWalk, kK4Bits>(a, rows, begin, end);
     return a.bits == 4 ? walk_by_rows<Avx2TileWalk, 4>(a, rows, begin, end)
@@ -1038,7 +1101,8 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
   (void)isa;
   const auto walk = a.bits == kK4Bits   ? k4_tiles_portable<kK4Bits>
                    : a.bits == kK5Bits ? k4_tiles_portable<kK5Bits>
-                   : a.bits == kK6Bits ? k6_tiles_portable
+                   : a.bits == kK6Bits ? k6_tiles_portable<kK6Bits>
+                   : a.bits == kK3Bits ? k6_tiles_portable<kK3Bits>
                                        : tiles_portable;
   walk(a, rows, begin, end);
 }
@@ -1058,14 +1122,16 @@ void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, fl
     }
     return;
   }
-  if (bits == kK6Bits) {
+  if (bits == kK6Bits || bits == kK3Bits) {
     const int o = static_cast<int>(id % kTileOutputs);
     const uint8_t* super = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);
-    for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += kK6SuperBytes) {
+    for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += k_super_bytes(bits)) {
       for (int t = 0; t < kSuperBlockInputs; ++t) {
         const float scale = k6_scale(super, static_cast<int>(t / kSubBlockInputs), o);
-        const int q = k6_weight(k6_block(super, t / kInt8BlockInputs), o, static_cast<int>(t % kInt8BlockInputs));
-        y[j0 + t] = scale * static_cast<float>(q - 32);
+        const int i = t / kInt8BlockInputs, in_block = t % kInt8BlockInputs;
+        const int q = bits == kK6Bits ? k6_super_weight<kK6Bits>(super, i, o, in_block)
+                                      : k6_super_weight<kK3Bits>(super, i, o, in_block);
+        y[j0 + t] = scale * static_cast<float>(q - k_sub_block_offset(bits));
       }
     }
     return;
