@@ -212,8 +212,9 @@ def is_k_tile_layout_enabled() -> bool:
     """GMLX_CPU_K_TILES (default on): under the tile layout a GGUF's Q4_K matrices keep Q4_K's own
     scales (0.578 bytes a weight, not 0.625; exact d * sc, not float16-rounded), and on VNNI CPUs its
     Q5_K ones their 5-bit levels (0.70 bytes, not 1.125 at 8 bits), its Q6_K ones Q6_K's 6-bit levels
-    and scales (0.82 bytes, not 1.125 at 8 bits; exact, not requantized) and its Q3_K ones Q3_K's 3-bit
-    levels and scales (0.45 bytes, exact); 0 packs all from their triplets as before (A/B runs)."""
+    and scales (0.82 bytes, not 1.125 at 8 bits; exact, not requantized), its Q3_K ones Q3_K's 3-bit
+    levels and scales (0.45 bytes, exact) and its Q2_K ones Q2_K's 2-bit levels, scales and mins (0.33
+    bytes, exact); 0 packs all from their triplets as before (A/B runs)."""
     return _env_flag("GMLX_CPU_K_TILES", True)
 
 

@@ -106,8 +106,9 @@ def write_gguf_from_folder(folder: Path, out: Path, architecture: str | None = N
 
 # Block types the gguf package cannot quantize into: where their float16 scale d (and dmin) lie
 # in a block's bytes, and the largest |sub-block scale x level| d multiplies.
-_SCALE_BYTES = {"Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
-_LARGEST_STEPS = {"Q3_K": 32 * 4, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32, "IQ4_NL": 127,
+_SCALE_BYTES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+                "IQ4_XS": (0,)}
+_LARGEST_STEPS = {"Q2_K": 15 * 3, "Q3_K": 32 * 4, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32, "IQ4_NL": 127,
                   "IQ4_XS": 32 * 127}
 
 

@@ -166,7 +166,7 @@ def test_blocks_read_from_their_bytes_hold_the_gguf_package_values(kind, kernels
 
 @pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
-@pytest.mark.parametrize("kind", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, ext):
     # Block scales from 1e-7 to 1e3 (float16 subnormals to overflowing groups), several seeds, on
     # each ISA this CPU runs (Q6_K's blocks take a vector path on AVX2 and AVX-512): the extension's
@@ -179,7 +179,7 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, ext):
     rng = np.random.default_rng(7)
     for seed in range(3):
         blocks = random_blocks((9, 1024), tensor_type, seed=seed).reshape(9, -1, block_bytes)
-        for at in {"Q3_K": (108,), "Q6_K": (208,)}.get(kind, (0, 2)):  # d (and Q4_K's and Q5_K's dmin)
+        for at in {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}.get(kind, (0, 2)):  # d (and dmin)
             d = rng.standard_normal(blocks.shape[:2]) * 10.0 ** rng.integers(-7, 4, blocks.shape[:2])
             blocks[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
         blocks = blocks.reshape(9, -1)
@@ -199,7 +199,7 @@ def test_k_quants_decoded_in_the_extension_hold_numpys_values(kind, ext):
 
 
 @pytest.mark.skipif(not cpu_kernels.is_built(), reason="gmlx CPU kernels not built")
-@pytest.mark.parametrize("kind", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_lazy_triplets_are_the_decoders_values_and_outlive_the_files_other_readers(kind, tmp_path):
     # The loader's lazy nodes read the file through a mapping of their own: written, read lazily,
     # the file then deleted and every Python handle dropped, they still decode the decoder's values.
@@ -229,8 +229,10 @@ def test_the_extensions_decoder_refuses_bytes_that_are_not_whole_blocks_of_its_k
         decode(np.zeros((2, 177), dtype=np.uint8), "Q5_K")
     with pytest.raises(ValueError, match=r"\(rows, 110 x blocks\) uint8 for Q3_K"):
         decode(np.zeros((2, 111), dtype=np.uint8), "Q3_K")
-    with pytest.raises(ValueError, match="kind Q2_K: expected Q3_K, Q4_K, Q5_K or Q6_K"):
-        decode(np.zeros((2, 84), dtype=np.uint8), "Q2_K")
+    with pytest.raises(ValueError, match=r"\(rows, 84 x blocks\) uint8 for Q2_K"):
+        decode(np.zeros((2, 110), dtype=np.uint8), "Q2_K")
+    with pytest.raises(ValueError, match="kind IQ2_XS: expected Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+        decode(np.zeros((2, 74), dtype=np.uint8), "IQ2_XS")
     with pytest.raises(TypeError):  # not rows of bytes
         decode(np.zeros(210, dtype=np.uint8), "Q6_K")
     read_only = np.zeros((3, 210), dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""The K-tile layouts (int8_dot_kernels.h: kK3Bits to kK6Bits): a GGUF's Q3_K, Q4_K, Q5_K and Q6_K
+"""The K-tile layouts (int8_dot_kernels.h: kK2Bits to kK6Bits): a GGUF's K-quant (Q2_K to Q6_K)
 matrices in the tile kernels with their own scales and levels. Products against the triplet tiles'
 bits and the exact values, at every row count, thread count and ISA; lookups; refusals; and a
 K-quant file served with them: speculative and batched output equal plain decoding."""
@@ -22,7 +22,7 @@ from gmlx.platform.cpu_quantized import K_QUANT_BLOCK_BYTES, K_QUANT_BLOCK_VALUE
 
 pytestmark = requires_kernels
 
-Q3_K, Q4_K, Q5_K, Q6_K = (gguf.GGMLQuantizationType[kind] for kind in ("Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (gguf.GGMLQuantizationType[kind] for kind in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 BITS = cpu_kernels.K_TILE_KINDS
 TRIPLET_BITS = {"Q4_K": 4, "Q5_K": 8}  # the bits of the triplets Q4_K and Q5_K load as
 
@@ -71,9 +71,11 @@ def exact_q6_k_values(blocks: np.ndarray) -> np.ndarray:
     return (scales * levels).reshape(rows, -1)
 
 
-# Q3_K: the gguf package's dequantize, (d * sc) * (q - 4) in float32 with d * sc exact (6 bits times 11).
+# Q3_K and Q2_K: the gguf package's dequantize, (d * sc) * (q - 4) and (d * sc) * q - dmin * m in float32,
+# each product exact (4 or 6 bits times float16's 11).
 EXACT = {"Q4_K": exact_values, "Q5_K": lambda blocks: exact_values(blocks, "Q5_K"), "Q6_K": exact_q6_k_values,
-         "Q3_K": lambda blocks: gguf.quants.dequantize(blocks, Q3_K)}
+         "Q3_K": lambda blocks: gguf.quants.dequantize(blocks, Q3_K),
+         "Q2_K": lambda blocks: gguf.quants.dequantize(blocks, Q2_K)}
 
 
 def triplets_of(blocks: np.ndarray, kind: str = "Q4_K") -> tuple[mx.array, mx.array, mx.array]:
@@ -121,7 +123,7 @@ def k_quant_blocks(kind: str, num_outputs: int, num_inputs: int, seed: int) -> n
     return random_blocks((num_outputs, num_inputs), gguf.GGMLQuantizationType[kind], seed=seed)
 
 
-@pytest.mark.parametrize("kind", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("num_outputs, num_supers", [(40, 3), (577, 2), (9, 6)])
 def test_k_tiles_of_any_scales_are_row_and_isa_independent_and_close_to_the_exact_values(kind, num_outputs, num_supers,
                                                                                         ext):
@@ -151,10 +153,10 @@ def test_k_tiles_of_any_scales_are_row_and_isa_independent_and_close_to_the_exac
                     assert mx.array_equal(got, expected[:num_rows]).item(), (num_threads, isa, gfni, num_rows)
 
 
-@pytest.mark.parametrize("kind", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_tile_lookups_are_the_exact_values(kind, ext):
     """A K-tile row looked up (a tied head's embedding) is the type's value with its scale products
-    exact (Q4_K, Q5_K: (d * sc) * q + (-dmin * m); Q6_K: (d * sc) * (q - 32); Q3_K: (d * sc) * (q - 4));
+    exact (Q4_K, Q5_K, Q2_K: (d * sc) * q + (-dmin * m); Q6_K: (d * sc) * (q - 32); Q3_K: (d * sc) * (q - 4));
     the gguf package's dequantize agrees to float32's rounding."""
     blocks = k_quant_blocks(kind, 37, 512, seed=3)
     ext.set_tile_layout(True)
@@ -175,7 +177,7 @@ def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_
         cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
     assert cpu_kernels.k_tile_bits("Q4_K") is None
     ext.set_tile_layout(True)
-    assert cpu_kernels.k_tile_bits("Q2_K") is None
+    assert cpu_kernels.k_tile_bits("IQ2_XS") is None
     k_tiles = cpu_kernels.pack_k_quant_tiles(blocks, "Q4_K")
     x = mx.ones((1, 256))
     ext.set_tile_layout(False)
@@ -190,8 +192,10 @@ def test_k_tiles_are_refused_outside_the_tile_layout_and_for_bytes_that_are_not_
         cpu_kernels.pack_k_quant_tiles(np.zeros((2, 144), dtype=np.uint8), "Q5_K")
     with pytest.raises(ValueError, match=r"\(rows, 110 x blocks\) uint8 for Q3_K"):
         cpu_kernels.pack_k_quant_tiles(np.zeros((2, 144), dtype=np.uint8), "Q3_K")
-    with pytest.raises(ValueError, match="kind Q2_K: expected Q3_K, Q4_K, Q5_K or Q6_K"):
-        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 84), dtype=np.uint8), "Q2_K")
+    with pytest.raises(ValueError, match=r"\(rows, 84 x blocks\) uint8 for Q2_K"):
+        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 110), dtype=np.uint8), "Q2_K")
+    with pytest.raises(ValueError, match="kind IQ2_XS: expected Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+        cpu_kernels.pack_k_quant_tiles(np.zeros((2, 74), dtype=np.uint8), "IQ2_XS")
     with pytest.raises(ValueError, match="must be the uint8 layout of 16 outputs x 288 inputs"):
         cpu_kernels.quantized_matmul_quads(mx.ones((1, 288)), k_tiles, 16, cpu_kernels.K4_BITS)
     with pytest.raises(ValueError, match="must be the uint8 layout of 17 outputs x 256 inputs"):
@@ -223,7 +227,7 @@ def test_a_k_tile_is_probed_against_its_triplets_at_load(is_own_blocks, ext, cap
 
 def test_doctor_line_names_the_k_tiles(ext):
     ext.set_tile_layout(True)
-    expected = "Q3_K, Q4_K, Q5_K and Q6_K" if ext.has_avx512_vnni() else "Q4_K"
+    expected = "Q2_K, Q3_K, Q4_K, Q5_K and Q6_K" if ext.has_avx512_vnni() else "Q4_K"
     gfni = "; top bits by GFNI" if ext.is_gfni_enabled() else ""
     assert f"GGUF {expected} as K-tiles (GMLX_CPU_K_TILES{gfni})" in cpu_kernels.format_status(cpu_kernels.status())
     ext.set_gfni(0)
@@ -233,27 +237,28 @@ def test_doctor_line_names_the_k_tiles(ext):
 
 
 # Q6_K among the Q4_K matrices as a Q4_K_M file has them: some layers' v and down, and the output
-# head; Q5_K ones, a Q5_K_M file's bulk; and Q3_K ones, a Q3_K_M file's.
+# head; Q5_K ones, a Q5_K_M file's bulk; Q3_K ones, a Q3_K_M file's; and Q2_K ones, a Q2_K file's.
 Q6_K_TENSORS = ("blk.0.ffn_down.weight", "blk.1.attn_v.weight", "output.weight")
 Q5_K_TENSORS = ("blk.0.attn_q.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_down.weight")
 Q3_K_TENSORS = ("blk.0.attn_k.weight", "blk.0.ffn_up.weight", "blk.1.attn_output.weight")
+Q2_K_TENSORS = ("blk.0.ffn_gate.weight", "blk.1.attn_q.weight")
 
 
 @pytest.fixture(scope="module")
 def k_quant_target(tmp_path_factory):
-    """A tiny llama whose matrices are Q3_K, Q4_K, Q5_K and Q6_K (widths multiples of 256), as a GGUF,
+    """A tiny llama whose matrices are Q2_K to Q6_K (widths multiples of 256), as a GGUF,
     loaded with the tile layout on (Q4_K's K-tiles on any CPU; the others' on VNNI CPUs)."""
     types = {**{name: Q6_K for name in Q6_K_TENSORS}, **{name: Q5_K for name in Q5_K_TENSORS},
-             **{name: Q3_K for name in Q3_K_TENSORS}}
+             **{name: Q3_K for name in Q3_K_TENSORS}, **{name: Q2_K for name in Q2_K_TENSORS}}
     yield from load_tiled_gguf(tmp_path_factory.mktemp("k_quant"), 11, Q4_K, types)
 
 
 def test_a_k_quant_file_keeps_its_k_quant_products_in_k_tiles_close_to_their_triplets(k_quant_target, ext):
     """Every Q4_K matrix is a K-tile and (on a VNNI CPU) every Q5_K one a K5-tile, every Q6_K one a
-    K6-tile and every Q3_K one a K3-tile, the head and the token table included, the layers fused;
-    the logits are within 2% of the same file packed from its triplets (GMLX_CPU_K_TILES=0 and
-    GMLX_CPU_FIVE_BIT_TILES=0: float16-rounded Q4_K and Q5_K scales, Q5_K's levels at 8 bits, Q3_K
-    and Q6_K requantized to 8 bits)."""
+    K6-tile, every Q3_K one a K3-tile and every Q2_K one a K2-tile, the head and the token table
+    included, the layers fused; the logits are within 2% of the same file packed from its triplets
+    (GMLX_CPU_K_TILES=0 and GMLX_CPU_FIVE_BIT_TILES=0: float16-rounded Q4_K and Q5_K scales, Q5_K's
+    levels at 8 bits, Q2_K, Q3_K and Q6_K requantized to 8 bits)."""
     from gmlx.platform.cpu_layers import StackedLlamaModel
 
     ext.set_tile_layout(True)
@@ -267,7 +272,9 @@ def test_a_k_quant_file_keeps_its_k_quant_products_in_k_tiles_close_to_their_tri
                       "model.layers.1.mlp.down_proj": cpu_kernels.K5_BITS if is_vnni else 8,
                       "model.layers.0.self_attn.k_proj": cpu_kernels.K3_BITS if is_vnni else 8,
                       "model.layers.0.mlp.up_proj": cpu_kernels.K3_BITS if is_vnni else 8,
-                      "model.layers.1.self_attn.o_proj": cpu_kernels.K3_BITS if is_vnni else 8}
+                      "model.layers.1.self_attn.o_proj": cpu_kernels.K3_BITS if is_vnni else 8,
+                      "model.layers.0.mlp.gate_proj": cpu_kernels.K2_BITS if is_vnni else 8,
+                      "model.layers.1.self_attn.q_proj": cpu_kernels.K2_BITS if is_vnni else 8}
     products = {name: m for name, m in modules.items() if hasattr(m, "layout_bits")}
     assert len(products) == 2 * 7 + 2  # the layers', the head and the token table (its lookups read K-tiles)
     assert {name: m.layout_bits for name, m in products.items()} == {

@@ -61,7 +61,7 @@ _PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": 
 _MX_LOAD_KEEPS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})
 _END_TOKEN_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 # K-quant types whose blocks the CPU kernels can keep as they are (cpu_kernels.K_TILE_KINDS).
-_K_TILE_KINDS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_K_TILE_KINDS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Tensors that become config, not parameters: Llama 3's per-pair RoPE divisors (llama3_rope.py).
 _ROPE_FREQS = "rope_freqs.weight"
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)$")
@@ -73,7 +73,7 @@ class GGUFModel:
     config: dict  # an mlx-lm config.json
     weights: dict  # mlx-lm parameter name -> array (quantized ones as weight/scales/biases)
     tokenizer: object  # transformers PreTrainedTokenizerFast with the chat template
-    # mlx-lm module name -> (kind, blocks) of its Q3_K, Q4_K, Q5_K or Q6_K matrix (numpy uint8 rows, mostly views
+    # mlx-lm module name -> (kind, blocks) of its K-quant matrix (Q2_K to Q6_K) (numpy uint8 rows, mostly views
     # of the mapped file): the CPU kernels' K-tiles are packed from these (cpu_quantized._store_quads).
     k_quant_blocks: dict = dataclasses.field(default_factory=dict)
     # mlx-lm module name -> the GGUF type of each matrix read from its blocks (Q5_0, IQ4_XS, ...): the
@@ -129,7 +129,7 @@ def write_mlx_lm_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
 def _read_blocks(path: Path, types: frozenset[str], why: str) -> tuple[dict, dict, dict, dict]:
     """The file's weights and metadata read here (gguf_check.read_table, the blocks decoded by
     gguf_blocks, other types dequantized by the gguf package), where mx.load would not keep them
-    (`why`, said in a log line); each Q3_K, Q4_K, Q5_K and Q6_K matrix's (kind, blocks as they lie in the
+    (`why`, said in a log line); each K-quant (Q2_K to Q6_K) matrix's (kind, blocks as they lie in the
     file), by name; and the type of each matrix read from its blocks, by name."""
     import gguf
 

@@ -12,7 +12,7 @@ Read from the bytes:
   which are 8-bit levels less 128: exactly (IQ4_XS's scale d * (ls - 32) rounded to float16).
 Requantized to 8 bits: the other types (Q6_K's 16-value sub-blocks share no 32-value grid, Q2_K,
 Q3_K, the other IQ types), which the gguf package dequantizes.
-Q3_K, Q4_K, Q5_K and Q6_K, K-quant files' bulk, are decoded in the CPU extension where it is available,
+The K-quants (Q2_K to Q6_K), K-quant files' bulk, are decoded in the CPU extension where it is available,
 with these very steps (native_triplets); matrix_triplets picks the way for a matrix.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 
 GROUP_SIZE = 32  # every type read here, and every one mx.load keeps, is group 32
 _SLICE_BYTES = 1 << 19  # a matrix's rows are decoded this many bytes of them at a time
-_NATIVE_KINDS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")  # K-quant files' bulk, which the CPU extension decodes
+_NATIVE_KINDS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # K-quant files' bulk, which the CPU extension decodes
 
 # Per type read from its bytes: (bits of the MLX triplets, block bytes, values per block).
 _READ_BLOCKS = {"Q4_0": (4, 18, 32), "Q4_1": (4, 20, 32), "Q8_0": (8, 34, 32), "Q5_0": (8, 22, 32),
@@ -92,8 +92,8 @@ def requantized(name: str, data: np.ndarray, dequantize=np.asarray) -> dict:
 
 
 def native_triplets(name: str, kind: str, blocks: np.ndarray, location: tuple | None = None) -> dict | None:
-    """A Q3_K, Q4_K, Q5_K or Q6_K matrix's blocks (bytes, rows x blocks per row) decoded in the CPU
-    extension, as block_triplets (Q4_K, Q5_K) and requantized from the gguf package's values (Q3_K, Q6_K) decode them in
+    """A K-quant (Q2_K to Q6_K) matrix's blocks (bytes, rows x blocks per row) decoded in the CPU
+    extension, as block_triplets (Q4_K, Q5_K) and requantized from the gguf package's values (the others) decode them in
     numpy: the same values, read where they lie (no copy), at ~0.3 ns a Q4_K value and ~1.2 a
     Q6_K one on a 2-core Zen 4 (numpy's: 1.2 and 6-7). With `location`, (path, byte offset) of
     the blocks in their file, as lazy graph nodes decoded when evaluated: a matrix the CPU kernels

@@ -43,6 +43,7 @@ INT8_ACTIVATIONS_RTOL = 2e-2
 PANEL_OUTPUTS = 64
 FLOAT_BITS = 32
 K4_BITS = 260  # the K-tile layouts' tags beside bits 4 and 8 (int8_dot_kernels.h: kK4Bits, kK5Bits, ...)
+K2_BITS = 258
 K3_BITS = 259
 K5_BITS = 261
 K6_BITS = 262
@@ -51,7 +52,7 @@ IQ4_BITS = 263  # the IQ4 tiles: 8-bit rows whose levels are IQ4's codebook (IQ4
 # The 16 levels of IQ4's codebook (llama.cpp's non-linear grid plus 128), as int8_dot_kernels.h has them.
 IQ4_LEVELS = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
 # The GGUF types the K layouts hold, by the tag of each; all but Q4_K's are walked on VNNI only.
-K_TILE_KINDS = {"Q3_K": K3_BITS, "Q4_K": K4_BITS, "Q5_K": K5_BITS, "Q6_K": K6_BITS}
+K_TILE_KINDS = {"Q2_K": K2_BITS, "Q3_K": K3_BITS, "Q4_K": K4_BITS, "Q5_K": K5_BITS, "Q6_K": K6_BITS}
 
 
 @functools.cache
@@ -73,9 +74,9 @@ def _load() -> tuple[ModuleType | None, str]:
         mx.eval(ext.quantized_matmul(mx.ones((1, 32)), w, scales, biases, 32, 4))
     except TypeError as exc:
         return None, f"cannot exchange arrays with mlx ({exc}); rebuild with mlx's nanobind version"
-    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, getattr(ext, "K3_BITS", None), ext.K4_BITS,
-              getattr(ext, "K5_BITS", None), ext.K6_BITS, getattr(ext, "IQ4_BITS", None))
-    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K3_BITS, K4_BITS, K5_BITS, K6_BITS, IQ4_BITS):
+    layout = (ext.PANEL_OUTPUTS, ext.FLOAT_BITS, getattr(ext, "K2_BITS", None), getattr(ext, "K3_BITS", None),
+              ext.K4_BITS, getattr(ext, "K5_BITS", None), ext.K6_BITS, getattr(ext, "IQ4_BITS", None))
+    if layout != (PANEL_OUTPUTS, FLOAT_BITS, K2_BITS, K3_BITS, K4_BITS, K5_BITS, K6_BITS, IQ4_BITS):
         return None, "built with other weight layouts (float32 panels, K-tiles) than this gmlx (reinstall to rebuild)"
     isa = config.cpu_kernels_isa()
     if isa is not None:
@@ -155,15 +156,15 @@ def narrow_tiles_available() -> bool:
 
 def k_tile_bits(kind: str) -> int | None:
     """The K-tile layout a GGUF matrix of `kind` can be packed in now, as the kernels name it, else
-    None: Q4_K's under the extension's tile layout; Q3_K's, Q5_K's and Q6_K's there on a CPU with VNNI
-    only (its other ISAs walk K3-, K5- and K6-tiles in portable code)."""
+    None: Q4_K's under the extension's tile layout; the other K-quants' (Q2_K, Q3_K, Q5_K, Q6_K) there on
+    a CPU with VNNI only (its other ISAs would walk their K-tiles in portable code)."""
     if not is_built() or not extension().tile_layout() or kind not in K_TILE_KINDS:
         return None
     return K_TILE_KINDS[kind] if kind == "Q4_K" or extension().has_avx512_vnni() else None
 
 
 def pack_k_quant_tiles(blocks, kind: str):
-    """A GGUF Q3_K, Q4_K, Q5_K or Q6_K matrix's blocks (numpy uint8, rows x block bytes, read where they lie)
+    """A GGUF K-quant (Q2_K to Q6_K) matrix's blocks (numpy uint8, rows x block bytes, read where they lie)
     as K-tiles (int8_dot_kernels.h), whose kernels take bits K_TILE_KINDS[kind]: the type's own
     float16 super-block scales and integer sub-block scales, exact. Under the tile layout only."""
     import numpy as np

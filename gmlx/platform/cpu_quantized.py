@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 _PROBE_RTOL = 1e-4
 _PROBE_OUTPUTS = 512  # outputs a probe runs: enough for the pool to split them
 K_QUANT_BLOCK_VALUES = 256  # a GGUF K-quant block's weights
-K_QUANT_BLOCK_BYTES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+K_QUANT_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # The bits of the triplets a K-quant matrix loads as (gguf_blocks: Q4_K's levels, Q5_K's at 8 bits,
-# Q3_K and Q6_K requantized).
-_K_QUANT_TRIPLET_BITS = {"Q3_K": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
+# Q2_K, Q3_K and Q6_K requantized).
+_K_QUANT_TRIPLET_BITS = {"Q2_K": 8, "Q3_K": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
 
 
 def _kernel_product(module: nn.Module, x: mx.array) -> mx.array:
@@ -241,7 +241,7 @@ def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dic
     """Keep an int8-activation module's weights in the kernels' quad layout only: one stream per
     product instead of twelve (4 rows of weights, scales, biases), 1.1-2x faster from DRAM (3x
     SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout. k_blocks: the
-    module's GGUF K-quant blocks (Q3_K to Q6_K), (kind, rows x bytes), packed as K-tiles where _k_tile_bits
+    module's GGUF K-quant blocks (Q2_K to Q6_K), (kind, rows x bytes), packed as K-tiles where _k_tile_bits
     says so: the file's own values in fewer bytes than the triplets' layout (k_probes: its probes)."""
     k_bits = _k_tile_bits(module, k_blocks, {} if k_probes is None else k_probes)
     module.num_outputs, module.num_inputs = output_dims(module), input_dims(module)
@@ -269,7 +269,7 @@ def use_cpu_kernels(model: nn.Module, head: nn.Module | None = None, halves: dic
     head: the module whose product gives the logits (an lm_head, or the tied embedding).
     halves: float16_groups(model) taken before the model was cast to float32 (its entries are
     taken out as the modules keep them).
-    k_quant_blocks: GGUF K-quant blocks (Q3_K to Q6_K) by id(module), each (module, kind, blocks) (entries
+    k_quant_blocks: GGUF K-quant blocks (Q2_K to Q6_K) by id(module), each (module, kind, blocks) (entries
     taken out as used).
     0 (the model untouched) when the kernels are unavailable or a probe disagrees.
     """

@@ -73,7 +73,7 @@ NB_MODULE(_cpu_kernels, m) {
                                                 static_cast<int64_t>(blocks.shape(1)), kind);
       },
       "blocks"_a, "kind"_a,
-      "GGUF Q3_K, Q4_K, Q5_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as MLX "
+      "GGUF K-quant rows (Q2_K to Q6_K; a uint8 buffer, rows x block bytes, read in place) as MLX "
       "triplets [weight, scales, biases] (4 and 8 bits, group 32), decoded now: gguf_blocks.py's numpy decoders, "
       "operation for operation");
   m.def("lazy_gguf_triplets", &gmlx_kernels::lazy_gguf_triplets, "path"_a, "offset"_a, "num_rows"_a, "row_bytes"_a,
@@ -88,8 +88,9 @@ NB_MODULE(_cpu_kernels, m) {
                                                 static_cast<int64_t>(blocks.shape(1)), kind);
       },
       "blocks"_a, "kind"_a,
-      "GGUF Q3_K, Q4_K, Q5_K or Q6_K rows (a uint8 buffer, rows x block bytes, read in place) as K-tiles "
-      "(bits K3_BITS, K4_BITS, K5_BITS, K6_BITS), packed now; the tile layout only");
+      "GGUF K-quant rows (Q2_K to Q6_K; a uint8 buffer, rows x block bytes, read in place) as K-tiles "
+      "(bits K2_BITS to K6_BITS), packed now; the tile layout only");
+  m.attr("K2_BITS") = gmlx_kernels::kK2Bits;
   m.attr("K3_BITS") = gmlx_kernels::kK3Bits;
   m.attr("K4_BITS") = gmlx_kernels::kK4Bits;
   m.attr("K5_BITS") = gmlx_kernels::kK5Bits;

@@ -26,6 +26,7 @@ namespace gmlx_kernels {
 
 namespace {
 
+constexpr int64_t kQ2KBytes = 84;  // 16 bytes of 4-bit scales and mins, 64 of 2-bit levels, float16 d and dmin
 constexpr int64_t kQ3KBytes = 110;  // 32 bytes of third bits, 64 of low 2 bits, 12 of 6-bit scales, float16 d
 constexpr int64_t kQ6KBytes = 210;  // 128 low-bit bytes, 64 high-bit bytes, 16 int8 scales, float16 d
 constexpr int64_t kQ4KBytes = 144;  // float16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of levels
@@ -83,11 +84,28 @@ int q3_k_scale(const uint8_t* packed, int s) {
   return (low | (top << 4)) - 32;
 }
 
-// Value v's 3-bit level (0-7, the value's q + 4) of a Q3_K block: bits 2 (v % 128 / 32) of byte
-// 32 + 32 (v / 128) + v % 32, its third bit at bit v / 32 of byte v % 32.
+// Value v's 2-bit level of a Q2_K or Q3_K block's 64 bytes of them: bits 2 (v % 128 / 32) of byte
+// 32 (v / 128) + v % 32.
+int k_low_level(const uint8_t* levels, int v) { return (levels[32 * (v / 128) + v % 32] >> (2 * (v % 128 / 32))) & 3; }
+
+// Value v's 3-bit level (0-7, the value's q + 4) of a Q3_K block: k_low_level of the 64 bytes from 32,
+// its third bit at bit v / 32 of byte v % 32.
 int q3_k_level(const uint8_t* block, int v) {
-  const int low = (block[32 + 32 * (v / 128) + v % 32] >> (2 * (v % 128 / 32))) & 3;
-  return low | (((block[v % 32] >> (v / 32)) & 1) << 2);
+  return k_low_level(block + 32, v) | (((block[v % 32] >> (v / 32)) & 1) << 2);
+}
+
+// A block's 256 values as the gguf package's dequantize gives them: (d * sc) * q - dmin * m in float32,
+// sc and m the low and high nibbles of byte v / 16.
+void q2_k_values(const uint8_t* block, float* values) {
+  uint16_t d_bits, dmin_bits;
+  std::memcpy(&d_bits, block + 80, sizeof(d_bits));
+  std::memcpy(&dmin_bits, block + 82, sizeof(dmin_bits));
+  const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
+  for (int v = 0; v < kBlockValues; ++v) {
+    const float scale = d * static_cast<float>(block[v / 16] & 0x0F);
+    const float bias = dmin * static_cast<float>(block[v / 16] >> 4);
+    values[v] = scale * static_cast<float>(k_low_level(block + 16, v)) - bias;
+  }
 }
 
 // A block's 256 values as the gguf package's dequantize gives them: (d * sc) * (q - 4) in float32,
@@ -259,11 +277,13 @@ KQuantKind parse_k_quant_kind(const std::string& kind, const std::string& who) {
   if (kind == "Q5_K") return KQuantKind::kQ5K;
   if (kind == "Q6_K") return KQuantKind::kQ6K;
   if (kind == "Q3_K") return KQuantKind::kQ3K;
-  throw std::invalid_argument(who + ": kind " + kind + ": expected Q3_K, Q4_K, Q5_K or Q6_K");
+  if (kind == "Q2_K") return KQuantKind::kQ2K;
+  throw std::invalid_argument(who + ": kind " + kind + ": expected Q2_K, Q3_K, Q4_K, Q5_K or Q6_K");
 }
 
 int64_t k_quant_block_bytes(KQuantKind kind) {
-  return kind == KQuantKind::kQ3K   ? kQ3KBytes
+  return kind == KQuantKind::kQ2K   ? kQ2KBytes
+         : kind == KQuantKind::kQ3K ? kQ3KBytes
          : kind == KQuantKind::kQ4K ? kQ4KBytes
          : kind == KQuantKind::kQ5K ? kQ5KBytes
                                     : kQ6KBytes;
@@ -284,8 +304,12 @@ void decode_row(void* context, int64_t row) {
                     job.biases + first_group);
       continue;
     }
-    if (job.kind == KQuantKind::kQ3K) {
-      q3_k_values(job.blocks + block * kQ3KBytes, values);
+    if (job.kind == KQuantKind::kQ2K || job.kind == KQuantKind::kQ3K) {
+      if (job.kind == KQuantKind::kQ2K) {
+        q2_k_values(job.blocks + block * kQ2KBytes, values);
+      } else {
+        q3_k_values(job.blocks + block * kQ3KBytes, values);
+      }
       for (int64_t g = 0; g < kBlockValues / kGroup; ++g) {
         const int64_t group = first_group + g;
         requantize_group(values + g * kGroup, job.weight + group * kGroup, job.scales + group, job.biases + group);
@@ -401,14 +425,27 @@ void pack_q3_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   }
 }
 
+// A Q2_K block into the K2-tile layout: d, dmin, the sc | m << 4 bytes as they are, and the 2-bit levels
+// as pack_tile_levels places a K2-tile block's.
+void pack_q2_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
+  std::memcpy(super + 2 * o, block + 80, 2);  // d
+  std::memcpy(super + 2 * kTileOutputs + 2 * o, block + 82, 2);  // dmin
+  for (int h = 0; h < kBlockValues / 16; ++h) super[4 * kTileOutputs + kTileOutputs * h + o] = block[h];
+  uint8_t levels[kGroup];
+  for (int i = 0; i < kBlockValues / kGroup; ++i) {
+    for (int l = 0; l < kGroup; ++l) levels[l] = static_cast<uint8_t>(k_low_level(block + 16, kGroup * i + l));
+    pack_tile_levels(levels, o, super + kK2HeaderBytes + i * kK2BlockBytes, kK2Bits);
+  }
+}
+
 }  // namespace
 
 mx::array pack_k_quant_tiles(const uint8_t* blocks, int64_t num_rows, int64_t row_bytes, const std::string& kind) {
   const KQuantKind k_kind = parse_k_quant_kind(kind, "pack_k_quant_tiles");
   if (!tile_layout()) throw std::invalid_argument("pack_k_quant_tiles: K-tiles need the tile layout on");
   const int64_t block_bytes = k_quant_block_bytes(k_kind);
-  constexpr int kBits[] = {kK3Bits, kK4Bits, kK5Bits, kK6Bits};  // by KQuantKind
-  constexpr PackSuperRow kPackers[] = {pack_q3_k_row, pack_q4_k_row, pack_q5_k_row, pack_q6_k_row};
+  constexpr int kBits[] = {kK2Bits, kK3Bits, kK4Bits, kK5Bits, kK6Bits};  // by KQuantKind
+  constexpr PackSuperRow kPackers[] = {pack_q2_k_row, pack_q3_k_row, pack_q4_k_row, pack_q5_k_row, pack_q6_k_row};
   const int bits = kBits[static_cast<int>(k_kind)];
   const PackSuperRow pack_super_row = kPackers[static_cast<int>(k_kind)];
   if (num_rows <= 0 || row_bytes <= 0 || row_bytes % block_bytes != 0) {

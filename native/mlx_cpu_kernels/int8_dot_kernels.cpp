@@ -778,6 +778,7 @@ void resize_quantized_rows(QuantizedRows& rows, int64_t num_rows, int64_t num_in
   rows.d.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
   rows.xsd.resize(num_rows * rows.padded_inputs / kInt8BlockInputs);
   rows.half_sums.resize(num_rows * 2 * rows.padded_inputs / kInt8BlockInputs);
+  rows.half_xsd.resize(num_rows * 2 * rows.padded_inputs / kInt8BlockInputs);
 }
 
 namespace {
@@ -875,10 +876,12 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
     float* d = rows.d.data() + r * padded_blocks;
     float* xsd = rows.xsd.data() + r * padded_blocks;
     int32_t* half_sums = rows.half_sums.data() + r * 2 * padded_blocks;
+    float* half_xsd = rows.half_xsd.data() + r * 2 * padded_blocks;
     std::memset(q, 0, rows.padded_inputs);
     std::fill(d, d + padded_blocks, 0.0f);
     std::fill(xsd, xsd + padded_blocks, 0.0f);
     std::fill(half_sums, half_sums + 2 * padded_blocks, 0);
+    std::fill(half_xsd, half_xsd + 2 * padded_blocks, 0.0f);
     for (int64_t j = 0; j < num_blocks; ++j) {
       const float* xb = xr + j * kInt8BlockInputs;
       int8_t* even = q + j / kBlocksPerChunk * kInt8ChunkInputs + j % kBlocksPerChunk * 16;  // 4 bits
@@ -889,6 +892,8 @@ void quantize_rows(const float* x, int64_t num_inputs, int64_t begin, int64_t en
       d[j] = amax / 127.0f;
       xsd[j] = d[j] * static_cast<float>(sum);
       half_sums[2 * j] = first_sum, half_sums[2 * j + 1] = sum - first_sum;
+      half_xsd[2 * j] = d[j] * static_cast<float>(first_sum);
+      half_xsd[2 * j + 1] = d[j] * static_cast<float>(sum - first_sum);
     }
   }
 }
@@ -924,7 +929,7 @@ bool is_layout_bits(int bits) {
 void check_layout_bits(int bits) {
   if (!is_layout_bits(bits)) {
     throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4, 8 or (under the tile layout) 5, " +
-                                std::to_string(kK3Bits) + ", " + std::to_string(kK4Bits) + ", " +
+                                std::to_string(kK2Bits) + ", " + std::to_string(kK3Bits) + ", " + std::to_string(kK4Bits) + ", " +
                                 std::to_string(kK5Bits) + ", " + std::to_string(kK6Bits) + " or " +
                                 std::to_string(kIq4Bits));
   }

@@ -34,10 +34,12 @@ struct QuantizedRows {
   std::vector<float> d;  // (num_rows, padded_inputs / 32)
   std::vector<float> xsd;  // (num_rows, padded_inputs / 32)
   std::vector<int32_t> half_sums;  // (num_rows, 2 * padded_inputs / 32): sum(q) of each block's halves (K6-tiles)
+  std::vector<float> half_xsd;  // (num_rows, 2 * padded_inputs / 32): d * float(half sum) (K2-tiles)
   const int8_t* q_row(int64_t r) const { return q.data() + r * padded_inputs; }
   const int32_t* half_sums_row(int64_t r) const { return half_sums.data() + r * 2 * padded_inputs / kInt8BlockInputs; }
   const float* d_row(int64_t r) const { return d.data() + r * (padded_inputs / kInt8BlockInputs); }
   const float* xsd_row(int64_t r) const { return xsd.data() + r * (padded_inputs / kInt8BlockInputs); }
+  const float* half_xsd_row(int64_t r) const { return half_xsd.data() + r * 2 * padded_inputs / kInt8BlockInputs; }
 };
 
 // Sizes `rows` for x (num_rows, num_inputs).
@@ -174,18 +176,30 @@ constexpr int64_t kK6SuperBytes = kK6HeaderBytes + kSuperBlockInputs / kInt8Bloc
 constexpr int kK3Bits = 259;  // super-blocks of 256, 3 bits
 constexpr int64_t kK3BlockBytes = kTileOutputs * kInt8BlockInputs * 3 / 8;
 constexpr int64_t kK3SuperBytes = kK6HeaderBytes + kSuperBlockInputs / kInt8BlockInputs * kK3BlockBytes;
+// The K2-tile layout (bits kK2Bits), a GGUF Q2_K matrix's (each weight d * sc * q - dmin * m, q of 2
+// bits, a 4-bit sc and m per 16 inputs): per 256-input super-block the 16 outputs' float16 d and dmin,
+// then each sub-block's sc | m << 4 byte (sub-block major; 320 bytes), then per 32-input block a K3-tile
+// block's 128 bytes of 2-bit levels (no third bits). 0.33 bytes a weight, where Q2_K requantized to 8
+// bits took 1.125. Each block's sub-blocks sum apart (A, B), then with s = d * sc and b = -dmin * m
+// (exact): t = fma(s_a, float(A), s_b * float(B)), fma(d_j, t, lane), then fma(b_a, x's d_j * float(half
+// sum a), lane) and the same for b. Exact Q2_K values. Packed from a GGUF's Q2_K blocks (pack_k_quant_tiles).
+constexpr int kK2Bits = 258;  // super-blocks of 256, 2 bits
+constexpr int64_t kK2HeaderBytes = 2 * kTileOutputs * 2 + kTileOutputs * (kSuperBlockInputs / kSubBlockInputs);
+constexpr int64_t kK2BlockBytes = kTileOutputs * kInt8BlockInputs * 2 / 8;
+constexpr int64_t kK2SuperBytes = kK2HeaderBytes + kSuperBlockInputs / kInt8BlockInputs * kK2BlockBytes;
 // Whether bits name one of the K layouts, and a super-block's bytes in it (tiles of 16 outputs).
 constexpr bool is_k_layout(int bits) {
-  return bits == kK3Bits || bits == kK4Bits || bits == kK5Bits || bits == kK6Bits;
+  return bits == kK2Bits || bits == kK3Bits || bits == kK4Bits || bits == kK5Bits || bits == kK6Bits;
 }
 constexpr int64_t k_super_bytes(int bits) {
-  return bits == kK3Bits ? kK3SuperBytes
+  return bits == kK2Bits   ? kK2SuperBytes
+         : bits == kK3Bits ? kK3SuperBytes
          : bits == kK4Bits ? kK4SuperBytes
          : bits == kK5Bits ? kK5SuperBytes
                            : kK6SuperBytes;
 }
 // Bits naming a weight layout the int8 path runs: 4, 8, and the 5-bit and IQ4 tiles and the K layouts
-// (kK3Bits, kK4Bits, kK5Bits, kK6Bits) under the tile layout.
+// (kK2Bits to kK6Bits) under the tile layout.
 bool is_layout_bits(int bits);
 // std::invalid_argument naming `bits` where is_layout_bits is false.
 void check_layout_bits(int bits);

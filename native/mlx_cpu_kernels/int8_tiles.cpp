@@ -116,6 +116,21 @@ inline ScaleBias k4_scale_and_bias(const uint8_t* super, int i, int o) {
           -half_to_float(halves[kTileOutputs + o]) * static_cast<float>(sub_mins[kTileOutputs * i + o])};
 }
 
+// Block i's weight bytes in a K2-tile super-block, and weight q (0-3) of output o, input t (0-31) there:
+// a K3-tile block's low 2 bits.
+inline const uint8_t* k2_block(const uint8_t* super, int64_t i) { return super + kK2HeaderBytes + i * kK2BlockBytes; }
+inline int k2_weight(const uint8_t* block, int o, int t) {
+  return (block[64 * (t / 16) + 4 * o + t % 4] >> (t % 16 / 4 * 2)) & 3;
+}
+
+// Sub-block h (0-15) of a K2-tile super-block's output o: scale d * sc and bias -dmin * m, exact in float32.
+inline ScaleBias k2_scale_and_bias(const uint8_t* super, int h, int o) {
+  const auto* halves = reinterpret_cast<const uint16_t*>(super);
+  const uint8_t packed = super[4 * kTileOutputs + kTileOutputs * h + o];
+  return {half_to_float(halves[o]) * static_cast<float>(packed & 0x0F),
+          -half_to_float(halves[kTileOutputs + o]) * static_cast<float>(packed >> 4)};
+}
+
 // ---------------------------------------------------------------- portable
 
 // A row's integer dot of output o with block j's 32 (or, from `first`, `count`) inputs; q(o, t)
@@ -189,6 +204,23 @@ void k6_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, 
     const float t = std::fma(k6_scale(super, 2 * i, o), static_cast<float>(isums[0]),
                              k6_scale(super, 2 * i + 1, o) * static_cast<float>(isums[1]));
     lane = std::fma(x.d_row(r)[j], t, lane);
+  });
+}
+
+// The K2-tiles: per block each sub-block's integer sum (A, B), then t = fma(s_a, float(A), s_b * float(B))
+// with s = d * sc, fma(d_j, t, lane), then fma(b_a, half_xsd_a, lane) and fma(b_b, half_xsd_b, lane)
+// with b = -dmin * m.
+void k2_tiles_portable(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end) {
+  walk_tiles_portable(a, begin, end, [&](int64_t r, const uint8_t* tile, int64_t j, int o, float& lane) {
+    const uint8_t* super = tile + j / kBlocksPerSuper * kK2SuperBytes;
+    const int i = static_cast<int>(j % kBlocksPerSuper);
+    const auto q = [&](int oo, int t) { return k2_weight(k2_block(super, i), oo, t); };
+    const ScaleBias sub_a = k2_scale_and_bias(super, 2 * i, o), sub_b = k2_scale_and_bias(super, 2 * i + 1, o);
+    const float t = std::fma(sub_a.scale, static_cast<float>(block_dot(x.q_row(r), j, o, 0, 16, q)),
+                             sub_b.scale * static_cast<float>(block_dot(x.q_row(r), j, o, 16, 16, q)));
+    lane = std::fma(x.d_row(r)[j], t, lane);
+    lane = std::fma(sub_a.bias, x.half_xsd_row(r)[2 * j], lane);
+    lane = std::fma(sub_b.bias, x.half_xsd_row(r)[2 * j + 1], lane);
   });
 }
 
@@ -566,8 +598,75 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(cons
   k6_block_avx512<kBits, kRows, 3, kGfni>(super, 7, j + 7, d, x, lanes);
 }
 
-// tiles_avx512 over a K layout (kBits kK4Bits, kK5Bits or kK6Bits), a super-block of eight blocks a
-// step; kGfni: K5- and K6-tiles' top bits by GFNI (K6's below four rows).
+// A K2-tile block's sub-block kH (weight vectors 4kH..4kH+3, the 64 bytes of 2-bit levels at 64 kH)
+// summed against kRows rows' x.
+template <int kRows, int kH>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_sub_block_isums(const uint8_t* block, int64_t j,
+                                                                             const RowsOf<kRows>& x, __m512i* isums) {
+  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  const __m512i planes = _mm512_loadu_si512(block + 64 * kH), two_bits = _mm512_set1_epi8(3);
+  __m512i partial[kRows][kChains];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+  }
+  constexpr int kI = 4 * kH;
+  dot_rows<kRows, kChains>(kI, _mm512_and_si512(planes, two_bits), j, x, partial);
+  dot_rows<kRows, kChains>(kI + 1, _mm512_and_si512(_mm512_srli_epi16(planes, 2), two_bits), j, x, partial);
+  dot_rows<kRows, kChains>(kI + 2, _mm512_and_si512(_mm512_srli_epi16(planes, 4), two_bits), j, x, partial);
+  dot_rows<kRows, kChains>(kI + 3, _mm512_and_si512(_mm512_srli_epi16(planes, 6), two_bits), j, x, partial);
+  for (int r = 0; r < kRows; ++r) {
+    isums[r] = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
+  }
+}
+
+// Block i of a K2-tile super-block (block j of the row) for kRows rows into lane kLane: k2_tiles_portable's
+// float steps, the scales d * sc and biases -dmin * m from the sub-blocks' sc | m << 4 bytes.
+template <int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_block_avx512(const uint8_t* super, int i, int64_t j,
+                                                                          __m512 d, __m512 neg_dmin,
+                                                                          const RowsOf<kRows>& x,
+                                                                          __m512 (*lanes)[kLanes]) {
+  __m512i sums[2][kRows];
+  k2_sub_block_isums<kRows, 0>(k2_block(super, i), j, x, sums[0]);
+  k2_sub_block_isums<kRows, 1>(k2_block(super, i), j, x, sums[1]);
+  __m512 scales[2], biases[2];
+  for (int h = 0; h < 2; ++h) {
+    const auto* packed = reinterpret_cast<const __m128i*>(super + 4 * kTileOutputs + kTileOutputs * (2 * i + h));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed));
+    scales[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))));
+    biases[h] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 t = _mm512_fmadd_ps(scales[0], _mm512_cvtepi32_ps(sums[0][r]),
+                                     _mm512_mul_ps(scales[1], _mm512_cvtepi32_ps(sums[1][r])));
+    __m512& lane = lanes[r][kLane];
+    lane = _mm512_fmadd_ps(_mm512_set1_ps(x.d[r][j]), t, lane);
+    lane = _mm512_fmadd_ps(biases[0], _mm512_set1_ps(x.half_xsd[r][2 * j]), lane);
+    lane = _mm512_fmadd_ps(biases[1], _mm512_set1_ps(x.half_xsd[r][2 * j + 1]), lane);
+  }
+}
+
+// A K2-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin read once.
+template <int kRows>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_super_avx512(const uint8_t* super, int64_t j,
+                                                                          const RowsOf<kRows>& x,
+                                                                          __m512 (*lanes)[kLanes]) {
+  const auto* halves = reinterpret_cast<const __m256i*>(super);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 neg_dmin = _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)));
+  k2_block_avx512<kRows, 0>(super, 0, j, d, neg_dmin, x, lanes);
+  k2_block_avx512<kRows, 1>(super, 1, j + 1, d, neg_dmin, x, lanes);
+  k2_block_avx512<kRows, 2>(super, 2, j + 2, d, neg_dmin, x, lanes);
+  k2_block_avx512<kRows, 3>(super, 3, j + 3, d, neg_dmin, x, lanes);
+  k2_block_avx512<kRows, 0>(super, 4, j + 4, d, neg_dmin, x, lanes);
+  k2_block_avx512<kRows, 1>(super, 5, j + 5, d, neg_dmin, x, lanes);
+  k2_block_avx512<kRows, 2>(super, 6, j + 6, d, neg_dmin, x, lanes);
+  k2_block_avx512<kRows, 3>(super, 7, j + 7, d, neg_dmin, x, lanes);
+}
+
+// tiles_avx512 over a K layout (kBits kK2Bits to kK6Bits), a super-block of eight blocks a step; kGfni:
+// K3-, K5- and K6-tiles' top bits by GFNI (K6's below four rows).
 template <int kBits, int kRows, bool kGfni = false>
 GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int64_t begin, int64_t end,
                                      int64_t r0) {
@@ -585,6 +684,8 @@ GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, i
         k6_super_avx512<kBits, kRows, kGfni && kRows < 4>(super, j, rows, lanes);
       } else if constexpr (kBits == kK3Bits) {
         k6_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
+      } else if constexpr (kBits == kK2Bits) {
+        k2_super_avx512<kRows>(super, j, rows, lanes);
       } else {
         k4_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
       }
@@ -1076,6 +1177,7 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
       return is_gfni_enabled() ? walk_by_rows<Avx512GfniWalk, kK3Bits>(a, rows, begin, end)
                                : walk_by_rows<Avx512TileWalk, kK3Bits>(a, rows, begin, end);
     }
+    if (a.bits == kK2Bits) return walk_by_rows<Avx512TileWalk, kK2Bits>(a, rows, begin, end);
 #if GMLX_HAS_AMX_BUILD
     if (is_amx_enabled()) {
       first_vnni_row = num_amx_rows(a.num_rows);
@@ -1088,10 +1190,9 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
     return a.bits == 4 ? walk_by_rows<Avx512TileWalk, 4>(a, rows, begin, end, first_vnni_row)
                         : walk_by_rows<Avx512TileWalk, 8>(a, rows, begin, end, first_vnni_row);
   }
-  // 5-bit, IQ4, K3-, K5- and K6-tiles are packed where the CPU has VNNI (cpu_kernels): other ISAs walk them
-  // portably.
-  const bool is_vnni_only = a.bits == kFiveBits || a.bits == kIq4Bits || a.bits == kK3Bits || a.bits == kK5Bits ||
-                            a.bits == kK6Bits;
+  // 5-bit, IQ4 and K-tiles but Q4_K's are packed where the CPU has VNNI (cpu_kernels): other ISAs walk
+  // them portably.
+  const bool is_vnni_only = a.bits == kFiveBits || a.bits == kIq4Bits || (is_k_layout(a.bits) && a.bits != kK4Bits);
   if (isa != Isa::kPortable && has_f16c() && !is_vnni_only) {  // AVX-512 without VNNI too: the same integers
     if (a.bits == kK4Bits) return walk_by_rows<Avx2TileWalk, kK4Bits>(a, rows, begin, end);
     return a.bits == 4 ? walk_by_rows<Avx2TileWalk, 4>(a, rows, begin, end)
@@ -1103,6 +1204,7 @@ void tile_outputs(const QmmArgs& a, const QuantizedRows& rows, int64_t begin, in
                    : a.bits == kK5Bits ? k4_tiles_portable<kK5Bits>
                    : a.bits == kK6Bits ? k6_tiles_portable<kK6Bits>
                    : a.bits == kK3Bits ? k6_tiles_portable<kK3Bits>
+                   : a.bits == kK2Bits ? k2_tiles_portable
                                        : tiles_portable;
   walk(a, rows, begin, end);
 }
@@ -1118,6 +1220,18 @@ void tile_row(const uint8_t* tiles, int64_t id, int64_t num_inputs, int bits, fl
           const int q = bits == kK4Bits ? k4_weight<kK4Bits>(super, i, o, t) : k4_weight<kK5Bits>(super, i, o, t);
           y[j0 + i * kInt8BlockInputs + t] = sb.scale * static_cast<float>(q) + sb.bias;
         }
+      }
+    }
+    return;
+  }
+  if (bits == kK2Bits) {
+    const int o = static_cast<int>(id % kTileOutputs);
+    const uint8_t* super = tiles + id / kTileOutputs * tile_bytes(num_inputs, bits);
+    for (int64_t j0 = 0; j0 < num_inputs; j0 += kSuperBlockInputs, super += kK2SuperBytes) {
+      for (int t = 0; t < kSuperBlockInputs; ++t) {
+        const ScaleBias sub = k2_scale_and_bias(super, static_cast<int>(t / kSubBlockInputs), o);
+        const int q = k2_weight(k2_block(super, t / kInt8BlockInputs), o, static_cast<int>(t % kInt8BlockInputs));
+        y[j0 + t] = sub.scale * static_cast<float>(q) + sub.bias;
       }
     }
     return;

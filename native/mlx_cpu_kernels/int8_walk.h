@@ -14,17 +14,18 @@ namespace gmlx_kernels {
 constexpr int kMaxRows = 4;  // rows per kernel call (weights unpacked once for them)
 
 // A call's rows [r0, r0 + kRows) of x: each row's int8 inputs, block scales d and d * sum(q), and
-// its blocks' half sums of q.
+// its blocks' half sums of q, as integers and times d.
 template <int kRows>
 struct RowsOf {
   const int8_t* q[kRows];
   const float* d[kRows];
   const float* xsd[kRows];
   const int32_t* half_sums[kRows];
+  const float* half_xsd[kRows];
   RowsOf(const QuantizedRows& x, int64_t r0) {
     for (int r = 0; r < kRows; ++r) {
       q[r] = x.q_row(r0 + r), d[r] = x.d_row(r0 + r), xsd[r] = x.xsd_row(r0 + r);
-      half_sums[r] = x.half_sums_row(r0 + r);
+      half_sums[r] = x.half_sums_row(r0 + r), half_xsd[r] = x.half_xsd_row(r0 + r);
     }
   }
 };

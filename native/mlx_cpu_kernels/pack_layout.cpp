@@ -165,8 +165,9 @@ void pack_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
 }
 
 // A K3-tile block's (no nibbles): level 4v + k's low 2 bits at bits 2 (v % 4) of byte 64 (v / 4) + 4o + k,
-// its third bit at bit v of byte 128 + 4o + k.
-void pack_k3_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
+// its third bit at bit v of byte 128 + 4o + k (a K2-tile block: the 2 bits alone).
+template <bool kHasThirds>
+void pack_plane_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
   for (int k = 0; k < 4; ++k) {
     int planes[2] = {0, 0}, thirds = 0;
     for (int v = 0; v < 8; ++v) {
@@ -176,7 +177,7 @@ void pack_k3_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
     }
     block[4 * o + k] = static_cast<uint8_t>(planes[0]);
     block[64 + 4 * o + k] = static_cast<uint8_t>(planes[1]);
-    block[128 + 4 * o + k] = static_cast<uint8_t>(thirds);
+    if constexpr (kHasThirds) block[128 + 4 * o + k] = static_cast<uint8_t>(thirds);
   }
 }
 
@@ -184,7 +185,8 @@ void pack_k3_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
 
 void pack_tile_levels(const uint8_t* levels, int64_t o, uint8_t* block, int bits) {
   switch (bits) {
-    case kK3Bits: return pack_k3_levels(levels, o, block);
+    case kK2Bits: return pack_plane_levels<false>(levels, o, block);
+    case kK3Bits: return pack_plane_levels<true>(levels, o, block);
     case 4: return pack_levels<4>(levels, o, block);
     case kFiveBits: return pack_levels<kFiveBits>(levels, o, block);
     case kIq4Bits: return pack_levels<kIq4Bits>(levels, o, block);

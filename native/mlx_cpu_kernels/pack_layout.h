@@ -26,8 +26,9 @@ mx::array pack_quads(const mx::array& w, const mx::array& scales, const mx::arra
 // nibbles, then bit 4 of level 4v + k at bit v of byte 4o + k of the next 64 bytes), kIq4Bits (the
 // levels' indices in kIq4Levels as nibbles; 0 for a level not there) or kK6Bits (a K6-tile block's:
 // the nibbles, then the top 2 bits of level 4v + k at bits 2 (v % 4) of byte 64 (v / 4) + 4o + k of
-// the next 128 bytes) or kK3Bits (a K3-tile block's: no nibbles; the low 2 bits of level 4v + k at bits
-// 2 (v % 4) of byte 64 (v / 4) + 4o + k, its third bit at bit v of byte 128 + 4o + k). Nibbles: vector v's
+// the next 128 bytes), kK3Bits (a K3-tile block's: no nibbles; the low 2 bits of level 4v + k at bits
+// 2 (v % 4) of byte 64 (v / 4) + 4o + k, its third bit at bit v of byte 128 + 4o + k) or kK2Bits (a
+// K2-tile block's: those 2 bits alone). Nibbles: vector v's
 // dword o holds levels 8v..8v+3 low, 8v+4..8v+7 high.
 void pack_tile_levels(const uint8_t* levels, int64_t o, uint8_t* block, int bits);
 
