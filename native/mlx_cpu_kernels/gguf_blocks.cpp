@@ -410,6 +410,19 @@ void pack_q6_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   }
 }
 
+// Block i's 32 levels (values 32i..) of a Q2_K block (`thirds` null) or a Q3_K one, four a 32-bit word:
+// 2 bits at bits 2 (i % 4) of the 32 bytes at lows + 32 (i / 4), a Q3_K level's third at bit i of thirds[l].
+void k_plane_block_levels(const uint8_t* lows, const uint8_t* thirds, int i, uint8_t* out) {
+  const uint8_t* bytes = lows + 32 * (i / 4);
+  for (int w = 0; w < kGroup / 4; ++w) {
+    uint32_t low, third = 0;
+    std::memcpy(&low, bytes + 4 * w, sizeof(low));
+    if (thirds != nullptr) std::memcpy(&third, thirds + 4 * w, sizeof(third));
+    const uint32_t levels = ((low >> (2 * (i % 4))) & 0x03030303u) | (((third >> i) & 0x01010101u) << 2);
+    std::memcpy(out + 4 * w, &levels, sizeof(levels));
+  }
+}
+
 // A Q3_K block into the K3-tile layout: d, the sub-block scales less 32 as int8, and the 3-bit levels as
 // pack_tile_levels places a K3-tile block's.
 void pack_q3_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
@@ -420,7 +433,7 @@ void pack_q3_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   }
   uint8_t levels[kGroup];
   for (int i = 0; i < kBlockValues / kGroup; ++i) {
-    for (int l = 0; l < kGroup; ++l) levels[l] = static_cast<uint8_t>(q3_k_level(block, kGroup * i + l));
+    k_plane_block_levels(block + 32, block, i, levels);
     pack_tile_levels(levels, o, super + kK6HeaderBytes + i * kK3BlockBytes, kK3Bits);
   }
 }
@@ -433,7 +446,7 @@ void pack_q2_k_row(const uint8_t* block, int64_t o, uint8_t* super) {
   for (int h = 0; h < kBlockValues / 16; ++h) super[4 * kTileOutputs + kTileOutputs * h + o] = block[h];
   uint8_t levels[kGroup];
   for (int i = 0; i < kBlockValues / kGroup; ++i) {
-    for (int l = 0; l < kGroup; ++l) levels[l] = static_cast<uint8_t>(k_low_level(block + 16, kGroup * i + l));
+    k_plane_block_levels(block + 16, nullptr, i, levels);
     pack_tile_levels(levels, o, super + kK2HeaderBytes + i * kK2BlockBytes, kK2Bits);
   }
 }

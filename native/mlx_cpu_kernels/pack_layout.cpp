@@ -168,17 +168,16 @@ void pack_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
 // its third bit at bit v of byte 128 + 4o + k (a K2-tile block: the 2 bits alone).
 template <bool kHasThirds>
 void pack_plane_levels(const uint8_t* levels, int64_t o, uint8_t* block) {
-  for (int k = 0; k < 4; ++k) {
-    int planes[2] = {0, 0}, thirds = 0;
-    for (int v = 0; v < 8; ++v) {
-      const int level = levels[4 * v + k];
-      planes[v / 4] |= (level & 3) << (2 * (v % 4));
-      thirds |= ((level >> 2) & 1) << v;
-    }
-    block[4 * o + k] = static_cast<uint8_t>(planes[0]);
-    block[64 + 4 * o + k] = static_cast<uint8_t>(planes[1]);
-    if constexpr (kHasThirds) block[128 + 4 * o + k] = static_cast<uint8_t>(thirds);
+  uint32_t planes[2] = {0, 0}, thirds = 0;  // bytes k = 0..3 at once: no level's bits leave its byte
+  for (int v = 0; v < 8; ++v) {
+    uint32_t word;  // levels 4v..4v+3
+    std::memcpy(&word, levels + 4 * v, sizeof(word));
+    planes[v / 4] |= (word & 0x03030303u) << (2 * (v % 4));
+    thirds |= ((word >> 2) & 0x01010101u) << v;
   }
+  std::memcpy(block + 4 * o, &planes[0], sizeof(uint32_t));
+  std::memcpy(block + 64 + 4 * o, &planes[1], sizeof(uint32_t));
+  if constexpr (kHasThirds) std::memcpy(block + 128 + 4 * o, &thirds, sizeof(uint32_t));
 }
 
 }  // namespace
