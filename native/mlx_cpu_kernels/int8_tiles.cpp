@@ -418,23 +418,77 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) __m512 widen(const uint8_
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
 }
 
+// A K2-tile block's sub-block kH (weight vectors 4kH..4kH+3, the 64 bytes of 2-bit levels at 64 kH)
+// summed against kRows rows' x.
+template <int kRows, int kH>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_sub_block_isums(const uint8_t* block, int64_t j,
+                                                                             const RowsOf<kRows>& x, __m512i* isums) {
+  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
+  const __m512i planes = _mm512_loadu_si512(block + 64 * kH), two_bits = _mm512_set1_epi8(3);
+  __m512i partial[kRows][kChains];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
+  }
+  constexpr int kI = 4 * kH;
+  dot_rows<kRows, kChains>(kI, _mm512_and_si512(planes, two_bits), j, x, partial);
+  dot_rows<kRows, kChains>(kI + 1, _mm512_and_si512(_mm512_srli_epi16(planes, 2), two_bits), j, x, partial);
+  dot_rows<kRows, kChains>(kI + 2, _mm512_and_si512(_mm512_srli_epi16(planes, 4), two_bits), j, x, partial);
+  dot_rows<kRows, kChains>(kI + 3, _mm512_and_si512(_mm512_srli_epi16(planes, 6), two_bits), j, x, partial);
+  for (int r = 0; r < kRows; ++r) {
+    isums[r] = partial[r][0];  // integer adds: exact in any order
+    for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
+  }
+}
+
+// Block i of a K2-tile super-block (block j of the row) for kRows rows into lane kLane: k2_tiles_portable's
+// float steps, the scales d * sc and biases -dmin * m from the sub-blocks' sc | m << 4 bytes.
+template <int kRows, int kLane>
+GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_block_avx512(const uint8_t* super, int i, int64_t j,
+                                                                          __m512 d, __m512 neg_dmin,
+                                                                          const RowsOf<kRows>& x,
+                                                                          __m512 (*lanes)[kLanes]) {
+  __m512i sums[2][kRows];
+  k2_sub_block_isums<kRows, 0>(k2_block(super, i), j, x, sums[0]);
+  k2_sub_block_isums<kRows, 1>(k2_block(super, i), j, x, sums[1]);
+  __m512 scales[2], biases[2];
+  for (int h = 0; h < 2; ++h) {
+    const auto* packed = reinterpret_cast<const __m128i*>(super + 4 * kTileOutputs + kTileOutputs * (2 * i + h));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed));
+    scales[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))));
+    biases[h] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 t = _mm512_fmadd_ps(scales[0], _mm512_cvtepi32_ps(sums[0][r]),
+                                     _mm512_mul_ps(scales[1], _mm512_cvtepi32_ps(sums[1][r])));
+    __m512& lane = lanes[r][kLane];
+    lane = _mm512_fmadd_ps(_mm512_set1_ps(x.d[r][j]), t, lane);
+    lane = _mm512_fmadd_ps(biases[0], _mm512_set1_ps(x.half_xsd[r][2 * j]), lane);
+    lane = _mm512_fmadd_ps(biases[1], _mm512_set1_ps(x.half_xsd[r][2 * j + 1]), lane);
+  }
+}
+
 // Block i of a K-tile or K5-tile super-block (block j of the row) for kRows rows into lane kLane:
-// its scales d * sc and biases dmin * m negated, from the super-block's d and -dmin (float32, exact products).
+// its scales d * sc and biases dmin * m negated, from the super-block's d and -dmin (float32, exact products);
+// a K2-tile's block by k2_block_avx512.
 template <int kBits, int kRows, int kLane, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_block_avx512(const uint8_t* super, int i, int64_t j,
                                                                           __m512 d, __m512 neg_dmin,
                                                                           const RowsOf<kRows>& x,
                                                                           __m512 (*lanes)[kLanes]) {
-  __m512i isums[kRows];
-  if constexpr (kBits == kK4Bits) {
-    block_isums<4, kRows>(k4_block<kBits>(super, i), j, x, isums);
+  if constexpr (kBits == kK2Bits) {
+    k2_block_avx512<kRows, kLane>(super, i, j, d, neg_dmin, x, lanes);
   } else {
-    k5_block_isums<kRows, kGfni>(k4_block<kBits>(super, i), j, x, isums);
+    __m512i isums[kRows];
+    if constexpr (kBits == kK4Bits) {
+      block_isums<4, kRows>(k4_block<kBits>(super, i), j, x, isums);
+    } else {
+      k5_block_isums<kRows, kGfni>(k4_block<kBits>(super, i), j, x, isums);
+    }
+    const uint8_t* sub_scales = super + 4 * kTileOutputs + kTileOutputs * i;
+    const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
+    add_floats<kRows, kLane>(_mm512_mul_ps(d, widen(sub_scales)), _mm512_mul_ps(neg_dmin, widen(sub_mins)), j, x,
+                             isums, lanes);
   }
-  const uint8_t* sub_scales = super + 4 * kTileOutputs + kTileOutputs * i;
-  const uint8_t* sub_mins = sub_scales + kTileOutputs * kBlocksPerSuper;
-  add_floats<kRows, kLane>(_mm512_mul_ps(d, widen(sub_scales)), _mm512_mul_ps(neg_dmin, widen(sub_mins)), j, x, isums,
-                           lanes);
 }
 
 // Every tile of [begin, end) for rows [r0, r0 + kRows), outputs written; one pointer walks
@@ -467,7 +521,8 @@ GMLX_AVX512_VNNI void tiles_avx512(const QmmArgs& a, const QuantizedRows& x, int
   }
 }
 
-// A K-tile or K5-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin read once.
+// A K-tile, K5-tile or K2-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin
+// read once.
 template <int kBits, int kRows, bool kGfni>
 GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k4_super_avx512(const uint8_t* super, int64_t j,
                                                                           const RowsOf<kRows>& x,
@@ -598,73 +653,6 @@ GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k6_super_avx512(cons
   k6_block_avx512<kBits, kRows, 3, kGfni>(super, 7, j + 7, d, x, lanes);
 }
 
-// A K2-tile block's sub-block kH (weight vectors 4kH..4kH+3, the 64 bytes of 2-bit levels at 64 kH)
-// summed against kRows rows' x.
-template <int kRows, int kH>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_sub_block_isums(const uint8_t* block, int64_t j,
-                                                                             const RowsOf<kRows>& x, __m512i* isums) {
-  constexpr int kChains = kRows >= 3 ? 1 : 4 / kRows;
-  const __m512i planes = _mm512_loadu_si512(block + 64 * kH), two_bits = _mm512_set1_epi8(3);
-  __m512i partial[kRows][kChains];
-  for (int r = 0; r < kRows; ++r) {
-    for (int c = 0; c < kChains; ++c) partial[r][c] = _mm512_setzero_si512();
-  }
-  constexpr int kI = 4 * kH;
-  dot_rows<kRows, kChains>(kI, _mm512_and_si512(planes, two_bits), j, x, partial);
-  dot_rows<kRows, kChains>(kI + 1, _mm512_and_si512(_mm512_srli_epi16(planes, 2), two_bits), j, x, partial);
-  dot_rows<kRows, kChains>(kI + 2, _mm512_and_si512(_mm512_srli_epi16(planes, 4), two_bits), j, x, partial);
-  dot_rows<kRows, kChains>(kI + 3, _mm512_and_si512(_mm512_srli_epi16(planes, 6), two_bits), j, x, partial);
-  for (int r = 0; r < kRows; ++r) {
-    isums[r] = partial[r][0];  // integer adds: exact in any order
-    for (int c = 1; c < kChains; ++c) isums[r] = _mm512_add_epi32(isums[r], partial[r][c]);
-  }
-}
-
-// Block i of a K2-tile super-block (block j of the row) for kRows rows into lane kLane: k2_tiles_portable's
-// float steps, the scales d * sc and biases -dmin * m from the sub-blocks' sc | m << 4 bytes.
-template <int kRows, int kLane>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_block_avx512(const uint8_t* super, int i, int64_t j,
-                                                                          __m512 d, __m512 neg_dmin,
-                                                                          const RowsOf<kRows>& x,
-                                                                          __m512 (*lanes)[kLanes]) {
-  __m512i sums[2][kRows];
-  k2_sub_block_isums<kRows, 0>(k2_block(super, i), j, x, sums[0]);
-  k2_sub_block_isums<kRows, 1>(k2_block(super, i), j, x, sums[1]);
-  __m512 scales[2], biases[2];
-  for (int h = 0; h < 2; ++h) {
-    const auto* packed = reinterpret_cast<const __m128i*>(super + 4 * kTileOutputs + kTileOutputs * (2 * i + h));
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed));
-    scales[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))));
-    biases[h] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
-  }
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 t = _mm512_fmadd_ps(scales[0], _mm512_cvtepi32_ps(sums[0][r]),
-                                     _mm512_mul_ps(scales[1], _mm512_cvtepi32_ps(sums[1][r])));
-    __m512& lane = lanes[r][kLane];
-    lane = _mm512_fmadd_ps(_mm512_set1_ps(x.d[r][j]), t, lane);
-    lane = _mm512_fmadd_ps(biases[0], _mm512_set1_ps(x.half_xsd[r][2 * j]), lane);
-    lane = _mm512_fmadd_ps(biases[1], _mm512_set1_ps(x.half_xsd[r][2 * j + 1]), lane);
-  }
-}
-
-// A K2-tile super-block's eight blocks (blocks j.. of the row) for kRows rows: d and -dmin read once.
-template <int kRows>
-GMLX_AVX512_VNNI inline __attribute__((always_inline)) void k2_super_avx512(const uint8_t* super, int64_t j,
-                                                                          const RowsOf<kRows>& x,
-                                                                          __m512 (*lanes)[kLanes]) {
-  const auto* halves = reinterpret_cast<const __m256i*>(super);
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
-  const __m512 neg_dmin = _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1)));
-  k2_block_avx512<kRows, 0>(super, 0, j, d, neg_dmin, x, lanes);
-  k2_block_avx512<kRows, 1>(super, 1, j + 1, d, neg_dmin, x, lanes);
-  k2_block_avx512<kRows, 2>(super, 2, j + 2, d, neg_dmin, x, lanes);
-  k2_block_avx512<kRows, 3>(super, 3, j + 3, d, neg_dmin, x, lanes);
-  k2_block_avx512<kRows, 0>(super, 4, j + 4, d, neg_dmin, x, lanes);
-  k2_block_avx512<kRows, 1>(super, 5, j + 5, d, neg_dmin, x, lanes);
-  k2_block_avx512<kRows, 2>(super, 6, j + 6, d, neg_dmin, x, lanes);
-  k2_block_avx512<kRows, 3>(super, 7, j + 7, d, neg_dmin, x, lanes);
-}
-
 // tiles_avx512 over a K layout (kBits kK2Bits to kK6Bits), a super-block of eight blocks a step; kGfni:
 // K3-, K5- and K6-tiles' top bits by GFNI (K6's below four rows).
 template <int kBits, int kRows, bool kGfni = false>
@@ -684,8 +672,6 @@ GMLX_AVX512_VNNI void k_tiles_avx512(const QmmArgs& a, const QuantizedRows& x, i
         k6_super_avx512<kBits, kRows, kGfni && kRows < 4>(super, j, rows, lanes);
       } else if constexpr (kBits == kK3Bits) {
         k6_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
-      } else if constexpr (kBits == kK2Bits) {
-        k2_super_avx512<kRows>(super, j, rows, lanes);
       } else {
         k4_super_avx512<kBits, kRows, kGfni>(super, j, rows, lanes);
       }
