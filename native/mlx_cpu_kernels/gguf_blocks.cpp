@@ -264,7 +264,7 @@ void q5_k_triplets(const uint8_t* block, uint8_t* weight, uint16_t* scales, uint
 
 struct DecodeJob {
   const uint8_t* blocks;
-  uint8_t* weight;  // bytes: 128 a Q4_K block, 256 a Q3_K, Q5_K or Q6_K one
+  uint8_t* weight;  // bytes: 128 a Q4_K block, 256 any other kind's
   uint16_t* scales;
   uint16_t* biases;
   int64_t blocks_per_row;
