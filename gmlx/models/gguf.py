@@ -73,7 +73,7 @@ class GGUFModel:
     config: dict  # an mlx-lm config.json
     weights: dict  # mlx-lm parameter name -> array (quantized ones as weight/scales/biases)
     tokenizer: object  # transformers PreTrainedTokenizerFast with the chat template
-    # mlx-lm module name -> (kind, blocks) of its K-quant matrix (Q2_K to Q6_K) (numpy uint8 rows, mostly views
+    # mlx-lm module name -> (kind, blocks) of its K-quant matrix, Q2_K to Q6_K (numpy uint8 rows, mostly views
     # of the mapped file): the CPU kernels' K-tiles are packed from these (cpu_quantized._store_quads).
     k_quant_blocks: dict = dataclasses.field(default_factory=dict)
     # mlx-lm module name -> the GGUF type of each matrix read from its blocks (Q5_0, IQ4_XS, ...): the

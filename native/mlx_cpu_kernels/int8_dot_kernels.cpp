@@ -929,9 +929,9 @@ bool is_layout_bits(int bits) {
 void check_layout_bits(int bits) {
   if (!is_layout_bits(bits)) {
     throw std::invalid_argument("bits " + std::to_string(bits) + ": expected 4, 8 or (under the tile layout) 5, " +
-                                std::to_string(kK2Bits) + ", " + std::to_string(kK3Bits) + ", " + std::to_string(kK4Bits) + ", " +
-                                std::to_string(kK5Bits) + ", " + std::to_string(kK6Bits) + " or " +
-                                std::to_string(kIq4Bits));
+                                std::to_string(kK2Bits) + ", " + std::to_string(kK3Bits) + ", " +
+                                std::to_string(kK4Bits) + ", " + std::to_string(kK5Bits) + ", " +
+                                std::to_string(kK6Bits) + " or " + std::to_string(kIq4Bits));
   }
 }
 

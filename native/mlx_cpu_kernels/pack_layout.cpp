@@ -28,7 +28,7 @@ struct PackJob {
   uint8_t* y;
   int64_t num_outputs, num_inputs, group_size;
   int bits;  // the rows'
-  int layout_bits;  // the packed layout's: bits, or 5 from 8-bit rows
+  int layout_bits;  // the packed layout's: bits, or 5 or kIq4Bits from 8-bit rows
   QuadLayout layout;
 
   int64_t row_bytes() const { return num_inputs * bits / 8; }
