@@ -183,24 +183,26 @@ def _k_tile_bits(module: nn.Module, k_blocks: tuple | None, probes: dict) -> int
         return None
     if blocks.shape != (output_dims(module), num_inputs // K_QUANT_BLOCK_VALUES * K_QUANT_BLOCK_BYTES[kind]):
         return None
-    key = (kind, blocks.shape)
+    return _probed_bits(module, probes, (kind, blocks.shape), bits, ("K-tiles", f"{kind} {blocks.shape}"),
+                        lambda: cpu_kernels.pack_k_quant_tiles(blocks[:_PROBE_OUTPUTS], kind))
+
+
+def _probed_bits(module: nn.Module, probes: dict, key: tuple, bits: int, named: tuple, pack) -> int | None:
+    """`bits` where the product of pack() (the module's first rows, up to _PROBE_OUTPUTS, in the layout
+    the kernels name by `bits`) matches x @ the module's dequantized triplets within the int8 path's
+    tolerance, else None with a warning (named: the layout and the matrices it was tried on). One probe
+    a key (a kind or layout and a shape): probes keeps each result. K-tiles hold the file's values
+    within float16's rounding of a scale, or half an 8-bit level, of the triplets'; the narrow tiles
+    their very levels."""
     if key not in probes:
-        rows = blocks[:_PROBE_OUTPUTS]
-        probes[key] = _is_packed_close(module, cpu_kernels.pack_k_quant_tiles(rows, kind), rows.shape[0], bits)
+        packed = pack()
+        x, expected = _probe_reference(module)
+        got = cpu_kernels.quantized_matmul_quads(x, packed, min(output_dims(module), _PROBE_OUTPUTS), bits)
+        probes[key] = cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
         if not probes[key]:
-            logger.warning("K-tiles off for %s %s matrices: their product is not within %.0e of the triplets'",
-                           kind, blocks.shape, cpu_kernels.INT8_ACTIVATIONS_RTOL)
+            logger.warning("%s off for %s matrices: their product is not within %.0e of the triplets'", *named,
+                           cpu_kernels.INT8_ACTIVATIONS_RTOL)
     return bits if probes[key] else None
-
-
-def _is_packed_close(module: nn.Module, packed: mx.array, num_outputs: int, bits: int) -> bool:
-    """Does the product of `packed` (the module's first num_outputs rows, up to _PROBE_OUTPUTS, in a
-    layout the kernels name by `bits`) match x @ the module's dequantized triplets within the int8
-    path's tolerance? K-tiles hold the file's values within float16's rounding of a scale, or half an
-    8-bit level, of the triplets'; the narrow tiles their very levels."""
-    x, expected = _probe_reference(module)
-    got = cpu_kernels.quantized_matmul_quads(x, packed, num_outputs, bits)
-    return cpu_kernels.is_close_to(got, expected, cpu_kernels.INT8_ACTIVATIONS_RTOL)
 
 
 def _narrow_bits(module: nn.Module) -> int | None:
@@ -225,16 +227,12 @@ def _narrow_layout(module: nn.Module, probes: dict) -> int | None:
     layout_bits = _narrow_bits(module)
     if layout_bits is None:
         return None
-    key = (layout_bits, module["weight"].shape)
-    if key not in probes:
-        w, scales, biases = (module[name][:_PROBE_OUTPUTS] for name in ("weight", "scales", "biases"))
-        narrow = cpu_kernels.pack_quads(w, scales, biases, module.group_size, 8, layout_bits)
-        probes[key] = _is_packed_close(module, narrow, w.shape[0], layout_bits)
-        if not probes[key]:
-            logger.warning("%s tiles off for %s matrices: their product is not within %.0e of the triplets'",
-                           "5-bit" if layout_bits == cpu_kernels.FIVE_BITS else "IQ4", key[1],
-                           cpu_kernels.INT8_ACTIVATIONS_RTOL)
-    return layout_bits if probes[key] else None
+    shape = module["weight"].shape
+    named = ("5-bit tiles" if layout_bits == cpu_kernels.FIVE_BITS else "IQ4 tiles", shape)
+    parts = ("weight", "scales", "biases")
+    return _probed_bits(module, probes, (layout_bits, shape), layout_bits, named,
+                        lambda: cpu_kernels.pack_quads(*(module[name][:_PROBE_OUTPUTS] for name in parts),
+                                                       module.group_size, 8, layout_bits))
 
 
 def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dict | None = None) -> None:
@@ -243,12 +241,13 @@ def _store_quads(module: nn.Module, k_blocks: tuple | None = None, k_probes: dic
     SmolLM2's 8-bit head), same bits. A tied head's lookups read the same layout. k_blocks: the
     module's GGUF K-quant blocks (Q2_K to Q6_K), (kind, rows x bytes), packed as K-tiles where _k_tile_bits
     says so: the file's own values in fewer bytes than the triplets' layout (k_probes: its probes)."""
-    k_bits = _k_tile_bits(module, k_blocks, {} if k_probes is None else k_probes)
+    probes = {} if k_probes is None else k_probes
+    k_bits = _k_tile_bits(module, k_blocks, probes)
     module.num_outputs, module.num_inputs = output_dims(module), input_dims(module)
     if k_bits is not None:
         module.quads, module.layout_bits = cpu_kernels.pack_k_quant_tiles(k_blocks[1], k_blocks[0]), k_bits
     else:
-        layout_bits = _narrow_layout(module, {} if k_probes is None else k_probes) or module.bits
+        layout_bits = _narrow_layout(module, probes) or module.bits
         module.quads = cpu_kernels.pack_quads(module["weight"], module["scales"], module["biases"],
                                               module.group_size, module.bits, layout_bits)
         module.layout_bits = layout_bits
