@@ -1,7 +1,7 @@
 """What the CPU-kernel test files share: the extension with its settings restored, the ISAs
-this CPU runs, a model saved in 4 bits and loaded on the kernels' path, a tiny GGUF of given
-tensor types loaded under the tile layout, and the identity check over random schedules with
-the kernels on."""
+this CPU runs, the settings a tile walk's bits must not depend on (as hypothesis strategies), a
+model saved in 4 bits and loaded on the kernels' path, a tiny GGUF of given tensor types loaded
+under the tile layout, and the identity check over random schedules with the kernels on."""
 
 import json
 from pathlib import Path
@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 from gmlx.config import EngineConfig, env_overrides
@@ -21,6 +22,12 @@ from schedules import SoloReference, check_schedule, make_schedule
 
 requires_kernels = pytest.mark.skipif(
     not cpu_kernels.is_built(), reason=f"gmlx CPU kernels not built: {cpu_kernels.status()['reason']}")
+
+
+# What a tile layout's property tests draw beside their own shapes: outputs that leave partial tiles and
+# split thread chunks, the prefetch distance, AMX on or off, and the data's seed (given(**TILE_WALK_DRAWS)).
+TILE_WALK_DRAWS = dict(num_outputs=st.integers(1, 40), prefetch_blocks=st.sampled_from([-1, 0, 8]),
+                       amx=st.booleans(), seed=st.integers(0, 2**16))
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from gguf_support import random_blocks
 from kernel_support import ext  # noqa: F401 (a fixture)
-from kernel_support import (check_schedules_with_drafter, check_tile_bits_everywhere, gfni_settings, load_tiled_gguf,
-                            requires_kernels, supported_isas)
+from kernel_support import (TILE_WALK_DRAWS, check_schedules_with_drafter, check_tile_bits_everywhere, gfni_settings,
+                            load_tiled_gguf, requires_kernels, supported_isas)
 from gmlx.config import env_overrides
 from gmlx.models import gguf_blocks
 from gmlx.models.loader import load_model
@@ -87,12 +87,9 @@ def triplets_of(blocks: np.ndarray, kind: str = "Q4_K") -> tuple[mx.array, mx.ar
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     num_supers=st.integers(1, 6),
-    num_outputs=st.integers(1, 40),  # partial tiles and thread chunks
     num_rows=st.one_of(st.integers(1, 6), st.integers(7, 24)),
-    prefetch_blocks=st.sampled_from([-1, 0, 8]),
-    amx=st.booleans(),
-    seed=st.integers(0, 2**16),
     kind=st.sampled_from(["Q4_K", "Q5_K"]),
+    **TILE_WALK_DRAWS,
 )
 def test_k_tiles_give_the_triplet_tiles_bits_where_their_scales_are_float16(num_supers, num_outputs, num_rows,
                                                                             prefetch_blocks, amx, seed, kind, ext):

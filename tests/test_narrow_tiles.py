@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernel_support import ext  # noqa: F401 (a fixture)
-from kernel_support import check_schedules_with_drafter, check_tile_bits_everywhere, load_tiled_gguf, requires_kernels
+from kernel_support import (TILE_WALK_DRAWS, check_schedules_with_drafter, check_tile_bits_everywhere, load_tiled_gguf,
+                            requires_kernels)
 from gmlx.config import env_overrides
 from gmlx.models.loader import load_model
 from gmlx.platform import cpu_kernels
@@ -47,12 +48,9 @@ def test_the_iq4_levels_are_the_gguf_decoders():
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     num_blocks=st.integers(1, 12),
-    num_outputs=st.integers(1, 40),  # partial tiles and thread chunks
     num_rows=st.one_of(st.integers(1, 6), st.integers(7, 20)),
-    prefetch_blocks=st.sampled_from([-1, 0, 8]),
-    amx=st.booleans(),
-    seed=st.integers(0, 2**16),
     layout=st.sampled_from([FIVE, IQ4]),
+    **TILE_WALK_DRAWS,
 )
 def test_narrow_tiles_give_the_8_bit_tiles_bits(num_blocks, num_outputs, num_rows, prefetch_blocks, amx, seed,
                                                 layout, ext):
